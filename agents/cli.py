@@ -1,0 +1,96 @@
+"""The ``agentkv`` command line.
+
+Each subcommand is a ``_cmd_<name>(args) -> int`` function registered in :func:`build_parser`;
+it imports what it needs when it runs, so ``agentkv --help`` stays instant. Errors that mean
+"bad input" print one line to stderr and exit with status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError
+
+PROG = "agentkv"
+BAD_INPUT = (ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError)
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from engine.models import model_fingerprint
+    from engine.tiny import build_tiny_model, tiny_model_dir
+
+    # Without --out the model goes to (or comes from) the shared cache that "tiny:" specs use.
+    path = tiny_model_dir(args.spec) if args.out is None else build_tiny_model(args.spec, args.out)
+    print(f"path: {path}")
+    print(f"fingerprint: {model_fingerprint(path)}")
+    return 0
+
+
+def _cmd_list_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny import TINY_SPECS
+
+    width = max(map(len, TINY_SPECS))
+    for name, spec in TINY_SPECS.items():
+        print(f"{name:<{width}}  {spec.description}")
+    return 0
+
+
+def _cmd_fingerprint(args: argparse.Namespace) -> int:
+    from engine.models import model_fingerprint, resolve_model_path
+
+    print(model_fingerprint(resolve_model_path(args.spec)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Persistent LLM agents with KV caches on disk."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    tiny = commands.add_parser(
+        "tiny-model",
+        help="build an offline tiny model and print its path and fingerprint",
+        description="Build a random-weight tiny model deterministically, with no network.",
+    )
+    tiny.add_argument("spec", metavar="SPEC", help="a tiny model spec, e.g. tiny:gemma3")
+    tiny.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory to write (new or empty); default: the shared cache in $AGENTKV_HOME",
+    )
+    tiny.set_defaults(func=_cmd_tiny_model)
+
+    listing = commands.add_parser("list-tiny", help="list the built-in tiny model specs")
+    listing.set_defaults(func=_cmd_list_tiny)
+
+    fingerprint = commands.add_parser("fingerprint", help="print a model's fingerprint")
+    fingerprint.add_argument("spec", metavar="SPEC", help="tiny:<name> or a model directory")
+    fingerprint.set_defaults(func=_cmd_fingerprint)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``agentkv`` command line.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit status: 0 on success, 2 for bad input.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except BAD_INPUT as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

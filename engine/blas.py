@@ -1,0 +1,81 @@
+"""Load the system OpenBLAS before MLX so Linux CPU matmuls use it.
+
+The ``mlx[cpu]`` wheel links a reference BLAS (~7 fp32 GFLOP/s on two cores). Loading Debian's
+OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported makes MLX resolve its BLAS
+symbols there instead (~213 GFLOP/s measured). ``engine/__init__.py`` calls :func:`load` first
+thing, and every package that touches MLX imports ``engine`` before ``mlx``.
+
+Set ``AGENTKV_NO_OPENBLAS=1`` to opt out. No effect on macOS (MLX uses Accelerate there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+OPT_OUT_ENV = "AGENTKV_NO_OPENBLAS"
+PATH_ENV = "AGENTKV_OPENBLAS_PATH"
+CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+_loaded_path: str | None = None
+_attempted = False
+
+
+def loaded_library() -> str | None:
+    """The path of the BLAS library this process preloaded, or None if none was."""
+    return _loaded_path
+
+
+def load() -> str | None:
+    """Preload OpenBLAS with ``RTLD_GLOBAL`` if we are on Linux and it is installed.
+
+    Idempotent. Returns the loaded path, or None when skipped (opt-out, not Linux, not found,
+    or MLX already imported so it is too late to matter).
+    """
+    global _loaded_path, _attempted
+    if _attempted:
+        return _loaded_path
+    _attempted = True
+    if not sys.platform.startswith("linux"):
+        return None
+    if os.environ.get(OPT_OUT_ENV, "").strip() not in ("", "0"):
+        log.debug("OpenBLAS preload disabled by %s", OPT_OUT_ENV)
+        return None
+    if "mlx.core" in sys.modules:
+        log.warning("mlx.core was imported before engine; OpenBLAS not preloaded (slow CPU matmul)")
+        return None
+    override = os.environ.get(PATH_ENV)
+    for path in (override,) if override else CANDIDATES:
+        if not os.path.exists(path):
+            continue
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            log.debug("could not load %s: %s", path, exc)
+            continue
+        _loaded_path = path
+        log.debug("BLAS in use: %s", path)
+        return path
+    log.debug("BLAS in use: the one bundled with mlx (no system OpenBLAS found)")
+    return None
+
+
+def mapped_blas_libraries() -> list[str]:
+    """BLAS shared objects actually mapped into this process (Linux, from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "blas" in line.lower() and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)

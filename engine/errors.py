@@ -1,0 +1,45 @@
+"""Errors raised by the engine.
+
+Exception tree::
+
+    EngineError(Exception)
+    ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
+    ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
+    ├── OutputDirNotEmptyError(EngineError, FileExistsError)   refusing to overwrite a directory
+    ├── InvalidCacheError(EngineError, ValueError)             a KV cache that does not fit
+    ├── EngineClosedError(EngineError, RuntimeError)           no new work is accepted
+    └── EngineOverloadedError(EngineError, RuntimeError)       admission queue full; retry later
+
+Each class also derives from the builtin a caller without agentkv in mind would catch, so
+``except FileNotFoundError`` still sees a missing model.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ModelNotFoundError(EngineError, FileNotFoundError):
+    """The model spec names no local model directory and no tiny model."""
+
+
+class UnknownTinyModelError(EngineError, ValueError):
+    """A ``tiny:`` spec that is not one of the built-in tiny models."""
+
+
+class OutputDirNotEmptyError(EngineError, FileExistsError):
+    """The output directory already holds something other than the requested build."""
+
+
+class InvalidCacheError(EngineError, ValueError):
+    """A KV cache whose layers, shapes or model do not match the loaded model."""
+
+
+class EngineClosedError(EngineError, RuntimeError):
+    """The engine is closing or closed and takes no new work."""
+
+
+class EngineOverloadedError(EngineError, RuntimeError):
+    """The admission queue is full; the caller should retry later."""

@@ -1,0 +1,189 @@
+"""Model specs → local directories → loaded mlx-lm models, with a fingerprint of what was loaded.
+
+A spec is either ``tiny:<name>`` (built offline by :mod:`engine.tiny`) or a local model directory
+holding ``config.json`` and ``model*.safetensors``. There is no hub download. The fingerprint ties
+saved KV caches to the exact weights and tokenizer that produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import ModelNotFoundError
+from engine.tiny import TINY_SPECS, tiny_model_dir
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+TINY_PREFIX = "tiny:"
+FULL_HASH_LIMIT = 256 * 1024 * 1024  # above this total, hash sampled chunks of the weights
+SAMPLE_CHUNK = 1024 * 1024
+SAMPLE_COUNT = 16
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """The local model directory a spec names, building a tiny model if needed.
+
+    Args:
+        spec: ``tiny:<name>`` or a path to a directory with ``config.json`` and
+            ``model*.safetensors``.
+
+    Returns:
+        The absolute model directory.
+
+    Raises:
+        UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
+        ModelNotFoundError: The spec is not a usable local model directory.
+    """
+    if isinstance(spec, str) and spec.startswith(TINY_PREFIX):
+        return tiny_model_dir(spec)
+    path = Path(spec).expanduser()
+    hint = (
+        "agentkv loads only local model directories (config.json + model*.safetensors) and the "
+        f"built-in tiny models ({', '.join(TINY_SPECS)}); it does not download from a hub"
+    )
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model {os.fspath(spec)!r} not found: no such directory; {hint}")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json; {hint}")
+    if not any(path.glob("model*.safetensors")):
+        raise ModelNotFoundError(f"{path} has no model*.safetensors weights; {hint}")
+    return path.resolve()
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A sha256 hex digest of a model directory's config, weights and tokenizer.
+
+    Covers the canonical JSON of ``config.json``; for each ``*.safetensors`` file (by name) its
+    name, size, header and a sha256 of its bytes (all of them when the weights total at most
+    256 MiB, else 1 MiB at 16 evenly spaced offsets); and the bytes of ``tokenizer.json`` and
+    ``tokenizer_config.json``. The directory's own path does not count, so copies match.
+
+    Args:
+        path: A model directory.
+
+    Returns:
+        64 hex characters.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        # Length-prefixed so no two different inputs concatenate to the same stream.
+        digest.update(f"{label}\0{len(data)}\0".encode())
+        digest.update(data)
+
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    add("config", json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    weights = sorted(path.glob("*.safetensors"), key=lambda p: p.name)
+    sample = sum(p.stat().st_size for p in weights) > FULL_HASH_LIMIT
+    for file in weights:
+        add("weights", file.name.encode())
+        add("size", str(file.stat().st_size).encode())
+        add("header", _safetensors_header(file))
+        add("sampled" if sample else "data", _weights_digest(file, sample))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        file = path / name
+        if file.is_file():
+            add(name, file.read_bytes())
+        else:
+            add(f"{name} absent", b"")
+    return digest.hexdigest()
+
+
+def _safetensors_header(file: Path) -> bytes:
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        return prefix + f.read(min(size, file.stat().st_size))
+
+
+def _weights_digest(file: Path, sample: bool) -> bytes:
+    with file.open("rb") as f:
+        if not sample:
+            return hashlib.file_digest(f, "sha256").digest()
+        digest = hashlib.sha256()
+        last = max(file.stat().st_size - SAMPLE_CHUNK, 0)
+        for i in range(SAMPLE_COUNT):
+            f.seek(last * i // (SAMPLE_COUNT - 1))
+            digest.update(f.read(SAMPLE_CHUNK))
+        return digest.digest()
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model loaded by mlx-lm, with where it came from and what it is.
+
+    Attributes:
+        model: The mlx-lm model (an ``mlx.nn.Module``).
+        tokenizer: The mlx-lm ``TokenizerWrapper``.
+        path: The model directory.
+        spec: The spec it was loaded from, as given.
+        fingerprint: :func:`model_fingerprint` of ``path``.
+        config: The model config as mlx-lm read it (``eos_token_id`` from generation_config).
+    """
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    path: Path
+    spec: str
+    fingerprint: str
+    config: dict[str, Any]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._config_value("vocab_size")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every token id that ends generation."""
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    @property
+    def max_context(self) -> int | None:
+        """``max_position_embeddings`` from the config, or None when it gives none."""
+        return self._config_value("max_position_embeddings")
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers, or None if every layer is global."""
+        from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+        # Creating caches allocates no arrays; it is the model's own answer to "which layers slide".
+        sizes = {c.max_size for c in make_prompt_cache(self.model) if type(c) is RotatingKVCache}
+        return max(sizes) if sizes else None
+
+    def _config_value(self, key: str) -> Any:
+        # Multimodal configs keep the language model's fields under text_config.
+        return self.config.get("text_config", {}).get(key, self.config.get(key))
+
+
+def load_model(spec: str | os.PathLike) -> LoadedModel:
+    """Resolve, fingerprint and load a model with ``mlx_lm.load``.
+
+    Args:
+        spec: ``tiny:<name>`` or a local model directory.
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
+        ModelNotFoundError: The spec is not a usable local model directory.
+    """
+    import mlx_lm  # heavy; keep importing engine.models cheap
+
+    path = resolve_model_path(spec)
+    fingerprint = model_fingerprint(path)
+    model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config)

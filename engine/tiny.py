@@ -1,0 +1,428 @@
+"""Offline tiny models: real model directories built locally and deterministically.
+
+No model hub is reachable, so tests and benchmarks use random-weight models built here:
+``config.json``, ``model.safetensors`` (float32), a byte-level BPE ``tokenizer.json`` trained on a
+corpus generated from a fixed seed, ``tokenizer_config.json`` with a chat template, plus
+``special_tokens_map.json`` and ``generation_config.json``. ``mlx_lm.load`` accepts them as is.
+
+Chat templates render every message independently of later ones, so the rendering of a prefix of
+the messages is a string prefix of the whole rendering (the runtime appends each new turn as a text
+delta to a cached history). Gemma style renders a system message as its own
+``<start_of_turn>system`` turn rather than folding it into the first user turn as Gemma does, so an
+agent's system prompt can be prefilled and cached before its first user message.
+
+Building reseeds MLX's global random generator (``mx.random.seed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import random
+import shutil
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
+
+BUILDER_VERSION = 1
+HOME_ENV = "AGENTKV_HOME"
+MARKER_FILE = "agentkv_tiny.json"
+# Builds seed MLX's global generator; two threads building at once would interleave draws.
+_BUILD_LOCK = threading.Lock()
+
+_CONTENT = (  # a message's text: a plain string or OpenAI-style text parts
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}" + _CONTENT + "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    + _CONTENT
+    + "{{ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """Special tokens and chat template of one model family; specials take ids 0..n-1."""
+
+    special_tokens: tuple[str, ...]
+    bos: str
+    eos: str  # the tokenizer's eos_token
+    pad: str
+    stop_tokens: tuple[str, ...]  # every token that ends generation (config eos_token_id)
+    chat_template: str
+    unk: str | None = None
+
+    def id_of(self, token: str) -> int:
+        return self.special_tokens.index(token)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.id_of(token) for token in self.stop_tokens)
+
+
+GEMMA = ChatFormat(
+    special_tokens=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+    bos="<bos>",
+    eos="<eos>",
+    pad="<pad>",
+    unk="<unk>",
+    stop_tokens=("<eos>", "<end_of_turn>"),
+    chat_template=GEMMA_TEMPLATE,
+)
+LLAMA = ChatFormat(
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+    ),
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",  # as in Llama-3 instruct
+    pad="<|finetune_right_pad_id|>",
+    stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
+    chat_template=LLAMA_TEMPLATE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Model dimensions; ``window``/``pattern`` are Gemma-3's sliding window and global stride."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_pos: int
+    window: int | None = None
+    pattern: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """The full definition of one tiny model; its hash names the cache directory."""
+
+    name: str
+    description: str
+    model_type: str
+    chat: ChatFormat
+    shape: Shape
+    corpus_words: int
+    lexicon_size: int
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab
+
+    @property
+    def definition_hash(self) -> str:
+        """Short hash of everything that shapes the files, including the building libraries."""
+        blob = json.dumps([BUILDER_VERSION, _library_versions(), asdict(self)], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @property
+    def config(self) -> dict:
+        """The ``config.json`` contents, in Hugging Face field names."""
+        s, chat = self.shape, self.chat
+        config = {
+            "model_type": self.model_type,
+            "hidden_size": s.hidden,
+            "intermediate_size": s.ffn,
+            "num_hidden_layers": s.layers,
+            "num_attention_heads": s.heads,
+            "num_key_value_heads": s.kv_heads,
+            "head_dim": s.head_dim,
+            "vocab_size": s.vocab,
+            "max_position_embeddings": s.max_pos,
+            "tie_word_embeddings": True,
+            "bos_token_id": chat.id_of(chat.bos),
+            "eos_token_id": chat.eos_token_ids,
+            "pad_token_id": chat.id_of(chat.pad),
+            "torch_dtype": "float32",
+        }
+        if self.model_type == "gemma3_text":
+            global_layer = s.pattern - 1
+            config |= {
+                "architectures": ["Gemma3ForCausalLM"],
+                "sliding_window": s.window,
+                "sliding_window_pattern": s.pattern,
+                "layer_types": [
+                    "full_attention" if i % s.pattern == global_layer else "sliding_attention"
+                    for i in range(s.layers)
+                ],
+                "query_pre_attn_scalar": s.head_dim,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1_000_000.0,
+                "rope_local_base_freq": 10_000.0,
+                "hidden_activation": "gelu_pytorch_tanh",
+            }
+        else:
+            config |= {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5}
+            config |= {"rope_theta": 500_000.0, "attention_bias": False, "mlp_bias": False}
+        return config
+
+
+# head_dim is 64 or more so KV caches quantize with mx.quantize at group size 64.
+TINY_SPECS: dict[str, TinySpec] = {
+    s.name: s
+    for s in (
+        TinySpec(
+            name="tiny:gemma3",
+            description="gemma3_text, 5 layers: sliding (window 32) alternating with global",
+            model_type="gemma3_text",
+            chat=GEMMA,
+            shape=Shape(64, 5, 4, 2, 64, 256, vocab=512, max_pos=8192, window=32, pattern=2),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+        ),
+        TinySpec(
+            name="tiny:llama",
+            description="llama, 4 full-attention layers",
+            model_type="llama",
+            chat=LLAMA,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+        ),
+        TinySpec(
+            name="tiny:gemma3-bench",
+            description="gemma3_text benchmark model: 12 layers, 10 sliding (window 512), 2 global",
+            model_type="gemma3_text",
+            chat=GEMMA,
+            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+        ),
+    )
+}
+
+
+@functools.cache
+def _library_versions() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm", "tokenizers")}
+
+
+def get_tiny_spec(spec: str) -> TinySpec:
+    """The definition of a ``tiny:*`` spec.
+
+    Raises:
+        UnknownTinyModelError: ``spec`` is not a known tiny model.
+    """
+    try:
+        return TINY_SPECS[spec]
+    except KeyError:
+        known = ", ".join(TINY_SPECS)
+        raise UnknownTinyModelError(f"unknown tiny model {spec!r}; known: {known}") from None
+
+
+def models_home() -> Path:
+    """``$AGENTKV_HOME/models``, by default ``~/.cache/agentkv/models``."""
+    home = os.environ.get(HOME_ENV) or Path.home() / ".cache" / "agentkv"
+    return Path(home).expanduser() / "models"
+
+
+def tiny_model_dir(spec: str) -> Path:
+    """The cached directory of a tiny model, built on first use.
+
+    Concurrent callers (threads or processes) are safe: each builds into its own temporary
+    directory and renames it into place; a loser of the race discards its copy.
+
+    Args:
+        spec: A tiny model spec such as ``"tiny:gemma3"``.
+
+    Returns:
+        The model directory, ``<models_home>/<name>-<definition hash>``.
+    """
+    definition = get_tiny_spec(spec)
+    target = models_home() / f"{spec.removeprefix('tiny:')}-{definition.definition_hash}"
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _build_and_move(definition, target)
+    return target
+
+
+def build_tiny_model(spec: str, out_dir: str | os.PathLike) -> Path:
+    """Write a tiny model into ``out_dir`` (created if missing; must be empty).
+
+    Args:
+        spec: A tiny model spec such as ``"tiny:gemma3"``.
+        out_dir: The directory to write.
+
+    Returns:
+        The absolute model directory.
+
+    Raises:
+        UnknownTinyModelError: ``spec`` is not a known tiny model.
+        OutputDirNotEmptyError: ``out_dir`` holds anything but an identical earlier build.
+    """
+    definition = get_tiny_spec(spec)
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not _is_empty_dir(out):
+        if _is_build_of(out, definition):
+            return out
+        raise OutputDirNotEmptyError(
+            f"{out} exists and is not an empty directory; choose a new or empty --out directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _build_and_move(definition, out)
+    if not _is_build_of(out, definition):  # another process filled `out` meanwhile
+        raise OutputDirNotEmptyError(f"{out} was filled by someone else while building")
+    return out
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _is_build_of(path: Path, definition: TinySpec) -> bool:
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == _marker(definition)
+
+
+def _marker(definition: TinySpec) -> dict:
+    return {"spec": definition.name, "definition_hash": definition.definition_hash}
+
+
+def _build_and_move(definition: TinySpec, target: Path) -> None:
+    with _BUILD_LOCK:
+        if _is_build_of(target, definition):
+            return  # another thread built it while this one waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            _write_model(definition, tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it owner-only
+            with contextlib.suppress(OSError):  # target is not empty: another process won
+                os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_model(definition: TinySpec, out: Path) -> None:
+    _write_tokenizer(definition, out)
+    config, chat = definition.config, definition.chat
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", generation)
+    special = {"bos_token": chat.bos, "eos_token": chat.eos, "pad_token": chat.pad}
+    if chat.unk is not None:
+        special["unk_token"] = chat.unk
+    _write_json(out / "special_tokens_map.json", special)
+    tokenizer_config = {
+        **special,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": chat.chat_template,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_weights(definition, out / "model.safetensors")
+    _write_json(out / MARKER_FILE, _marker(definition))
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:
+    """Pseudo-English lines: a syllable lexicon drawn with Zipf-like frequencies."""
+    rng = random.Random(seed)
+    onsets = ["", *"bcdfghjklmnprstvwz", "ch", "sh", "th", "st", "tr", "pl", "gr", "br", "cl"]
+    vowels = [*"aeiou", "ai", "ea", "oo", "ou", "ie"]
+    codas = ["", "", *"nrstlm", "nd", "st", "ng", "ck"]
+    lexicon: set[str] = set()
+    while len(lexicon) < lexicon_size:
+        syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
+        lexicon.add(
+            "".join(
+                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                for _ in range(syllables)
+            )
+        )
+    words = sorted(lexicon)
+    rng.shuffle(words)
+    drawn = rng.choices(words, weights=[1 / (i + 1) for i in range(len(words))], k=n_words)
+    lines, sentence = [], []
+    for word in drawn:
+        sentence.append(word.capitalize() if not sentence else word)
+        if rng.random() < 0.02:
+            sentence.append(str(rng.randrange(10_000)))
+        if rng.random() < 0.08:
+            end = rng.choice((".", "?", "!", ",", ":", ";")) + rng.choice((" ", "\n", "\n\n"))
+            lines.append(" ".join(sentence) + end)
+            sentence = []
+    lines.append(" ".join(words))  # every lexicon word, so a large vocab can fill up
+    return lines
+
+
+def _write_tokenizer(definition: TinySpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    chat = definition.chat
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=definition.vocab_size,
+        special_tokens=list(chat.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = _corpus(definition.seed, definition.corpus_words, definition.lexicon_size)
+    tokenizer.train_from_iterator(corpus, trainer)
+    # A corpus too small for the vocab leaves ids the model can emit but nothing decodes.
+    missing = definition.vocab_size - tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([f"<unused{i}>" for i in range(missing)])
+    for i, token in enumerate(chat.special_tokens):
+        if tokenizer.token_to_id(token) != i:
+            raise RuntimeError(f"tokenizer training moved special token {token} off id {i}")
+    bos = chat.bos
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, chat.id_of(bos))]
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
+def _write_weights(definition: TinySpec, path: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arch = importlib.import_module(f"mlx_lm.models.{definition.config['model_type']}")
+    mx.random.seed(definition.seed)
+    model = arch.Model(arch.ModelArgs.from_dict(definition.config))
+    params = dict(tree_flatten(model.parameters()))
+    if definition.config.get("tie_word_embeddings"):
+        params.pop("lm_head.weight", None)  # tied: mlx_lm's sanitize drops the head when absent
+    params = {k: v.astype(mx.float32) for k, v in params.items()}
+    mx.eval(params)
+    mx.save_safetensors(str(path), params, metadata={"format": "mlx"})

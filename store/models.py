@@ -1,0 +1,145 @@
+"""ORM tables of the agent registry: ``agents``, ``messages`` and ``kv_caches``.
+
+The schema changes only through Alembic revisions under ``migrations/versions``; edit these
+classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
+callers: ``store.registry`` turns rows into the frozen records of ``store.records``.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine.interfaces import ExecutionContext
+from sqlalchemy.ext.asyncio import AsyncAttrs
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Explicit names let Alembic's batch mode (table copy on SQLite) find and recreate constraints.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """The current time as a timezone-aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores aware datetimes as naive UTC and returns them aware (SQLite keeps no offset)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware one, e.g. datetime.now(UTC)")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+def _name_defaults_to_id(context: ExecutionContext) -> str:
+    return str(context.get_current_parameters()["id"])
+
+
+class Base(AsyncAttrs, DeclarativeBase):
+    """Declarative base holding the registry's metadata."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Agent(Base):
+    """One agent: its identity, prompt, sampling settings and the model it was built for."""
+
+    __tablename__ = "agents"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String, nullable=False, default=_name_defaults_to_id)
+    system_prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    model_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow
+    )
+
+    # passive_deletes: the database's ON DELETE CASCADE removes children, no ORM loads needed.
+    messages: Mapped[list[Message]] = relationship(
+        back_populates="agent",
+        lazy="raise",
+        order_by="Message.position",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+    )
+    kv_cache: Mapped[KVCache | None] = relationship(
+        back_populates="agent",
+        lazy="raise",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+    )
+
+
+class Message(Base):
+    """One conversation turn part; positions per agent are dense, ``0..n-1``."""
+
+    __tablename__ = "messages"
+    # sqlite_autoincrement: ids are never reused after truncate_messages() or delete_agent().
+    __table_args__ = (
+        UniqueConstraint("agent_id", "position"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("agents.id", ondelete="CASCADE"), nullable=False
+    )
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    role: Mapped[str] = mapped_column(String(16), nullable=False)
+    content: Mapped[str] = mapped_column(Text, nullable=False)
+    token_count: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+    agent: Mapped[Agent] = relationship(back_populates="messages", lazy="raise")
+
+
+class KVCache(Base):
+    """The current on-disk KV cache of one agent (at most one row per agent)."""
+
+    __tablename__ = "kv_caches"
+    __table_args__ = (UniqueConstraint("agent_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("agents.id", ondelete="CASCADE"), nullable=False
+    )
+    path: Mapped[str] = mapped_column(String, nullable=False)
+    token_count: Mapped[int] = mapped_column(Integer, nullable=False)
+    kv_bits: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    model_fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
+    nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    checksum: Mapped[str] = mapped_column(String(64), nullable=False)
+    format_version: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+    agent: Mapped[Agent] = relationship(back_populates="kv_cache", lazy="raise")

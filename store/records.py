@@ -1,0 +1,204 @@
+"""Frozen values that go into and come out of the registry; never ORM objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+from store.errors import InvalidRecordError
+from store.models import Agent, KVCache, Message
+
+MAX_FINGERPRINT_CHARS = 64
+KV_BITS_CHOICES = (8, 4)
+"""Quantized bit widths a cache entry may have; ``None`` means unquantized."""
+MAX_CHECKSUM_CHARS = 64
+
+
+class Role(StrEnum):
+    """Who wrote a message. A ``StrEnum``, so ``Role.USER == "user"``."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(slots=True, frozen=True)
+class AgentRecord:
+    """An agent as stored. ``sampling`` is a fresh dict per record; editing it changes nothing."""
+
+    id: str
+    name: str
+    system_prompt: str | None
+    model_fingerprint: str | None
+    sampling: dict[str, Any] = field(hash=False)
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Agent) -> AgentRecord:
+        return cls(
+            id=row.id,
+            name=row.name,
+            system_prompt=row.system_prompt,
+            model_fingerprint=row.model_fingerprint,
+            sampling=dict(row.sampling),
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class NewMessage:
+    """A message to append; ``Registry.append_messages`` validates the whole batch first.
+
+    Attributes:
+        role: One of ``system``, ``user``, ``assistant``, ``tool`` (a :class:`Role` or its value).
+        content: The message text.
+        token_count: Tokens of the rendered message, if the caller knows it.
+    """
+
+    role: str
+    content: str
+    token_count: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class MessageRecord:
+    """A stored message; ``position`` counts from 0 within its agent's transcript."""
+
+    id: int
+    agent_id: str
+    position: int
+    role: Role
+    content: str
+    token_count: int | None
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Message) -> MessageRecord:
+        return cls(
+            id=row.id,
+            agent_id=row.agent_id,
+            position=row.position,
+            role=Role(row.role),
+            content=row.content,
+            token_count=row.token_count,
+            created_at=row.created_at,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class NewCacheEntry:
+    """A KV cache file to record as an agent's current cache; validated on construction.
+
+    Attributes:
+        path: File path relative to the cache directory, using ``/``; no ``..`` parts.
+        token_count: Tokens of the transcript the cache covers.
+        model_fingerprint: Fingerprint of the model that produced the cache (at most 64 chars).
+        nbytes: Size of the file in bytes.
+        checksum: Checksum of the file, e.g. a SHA-256 hex digest (at most 64 chars).
+        format_version: Version of the on-disk format, starting at 1.
+        kv_bits: ``None`` for unquantized, else 8 or 4.
+        group_size: Quantization group size; required when ``kv_bits`` is set, else ``None``.
+
+    Raises:
+        InvalidRecordError: A field is invalid; the message names it.
+    """
+
+    path: str
+    token_count: int
+    model_fingerprint: str
+    nbytes: int
+    checksum: str
+    format_version: int
+    kv_bits: int | None = None
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_relative_path(self.path)
+        _check_int("token_count", self.token_count, minimum=0)
+        _check_text("model_fingerprint", self.model_fingerprint, MAX_FINGERPRINT_CHARS)
+        _check_int("nbytes", self.nbytes, minimum=0)
+        _check_text("checksum", self.checksum, MAX_CHECKSUM_CHARS)
+        _check_int("format_version", self.format_version, minimum=1)
+        bits = self.kv_bits
+        if bits is not None and (type(bits) is not int or bits not in KV_BITS_CHOICES):
+            raise InvalidRecordError(f"kv_bits={self.kv_bits!r}: use None (unquantized), 8 or 4")
+        if self.kv_bits is None and self.group_size is not None:
+            raise InvalidRecordError(
+                f"group_size={self.group_size!r} without kv_bits: an unquantized cache has no "
+                "group size; pass group_size=None or set kv_bits"
+            )
+        if self.kv_bits is not None:
+            _check_int("group_size", self.group_size, minimum=1)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_bits is not None
+
+
+@dataclass(slots=True, frozen=True)
+class CacheRecord:
+    """An agent's current KV cache entry as stored; ``path`` is relative to the cache dir."""
+
+    id: int
+    agent_id: str
+    path: str
+    token_count: int
+    kv_bits: int | None
+    group_size: int | None
+    model_fingerprint: str
+    nbytes: int
+    checksum: str
+    format_version: int
+    created_at: datetime
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_bits is not None
+
+    @classmethod
+    def from_row(cls, row: KVCache) -> CacheRecord:
+        return cls(
+            id=row.id,
+            agent_id=row.agent_id,
+            path=row.path,
+            token_count=row.token_count,
+            kv_bits=row.kv_bits,
+            group_size=row.group_size,
+            model_fingerprint=row.model_fingerprint,
+            nbytes=row.nbytes,
+            checksum=row.checksum,
+            format_version=row.format_version,
+            created_at=row.created_at,
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidRecordError(f"{name}={value!r}: expected an int >= {minimum}")
+
+
+def _check_text(name: str, value: object, max_chars: int) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise InvalidRecordError(f"{name}={value!r}: expected a str of 1-{max_chars} characters")
+
+
+def _check_relative_path(path: object) -> None:
+    # The caller later deletes files by this path, so it must stay inside the cache dir.
+    if (
+        not isinstance(path, str)
+        or not path
+        or "\\" in path
+        or PurePosixPath(path).is_absolute()
+        or PureWindowsPath(path).drive
+        or ".." in PurePosixPath(path).parts
+    ):
+        raise InvalidRecordError(
+            f"path={path!r}: expected a non-empty path relative to the cache directory, "
+            "with '/' separators and no '..' parts"
+        )

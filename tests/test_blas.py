@@ -1,0 +1,49 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import blas
+
+HAVE_OPENBLAS = sys.platform.startswith("linux") and any(os.path.exists(p) for p in blas.CANDIDATES)
+needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS, reason="system OpenBLAS not installed")
+
+
+def _probe(code: str, **env: str) -> str:
+    """Run `code` in a fresh interpreter (import order matters) and return its stdout."""
+    full_env = {k: v for k, v in os.environ.items() if k != blas.OPT_OUT_ENV} | env
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+MAPPED = (
+    "from engine import blas; print(any('openblas' in p for p in blas.mapped_blas_libraries()))"
+)
+
+
+@needs_openblas
+def test_test_process_loaded_openblas_before_mlx():
+    assert blas.loaded_library() in blas.CANDIDATES
+    assert any("openblas" in p for p in blas.mapped_blas_libraries())
+
+
+@needs_openblas
+@pytest.mark.parametrize("entry", ["import engine", "import agents", "import agents.cli"])
+def test_project_import_paths_load_openblas(entry):
+    assert _probe(f"{entry}; import mlx.core; {MAPPED}") == "True"
+
+
+@needs_openblas
+def test_opt_out_keeps_bundled_blas():
+    code = (
+        f"import engine, mlx.core; from engine import blas; print(blas.loaded_library()); {MAPPED}"
+    )
+    assert _probe(code, **{blas.OPT_OUT_ENV: "1"}).splitlines() == ["None", "False"]
+
+
+def test_too_late_when_mlx_already_imported():
+    code = "import mlx.core; import engine; from engine import blas; print(blas.loaded_library())"
+    assert _probe(code) == "None"

@@ -1,0 +1,250 @@
+"""Alembic migrations against real SQLite files: schema parity, idempotence, batch safety, CLI."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, inspect
+
+import migrations
+from store import MigrationError, NewCacheEntry, NewMessage, Registry, database
+from store.models import Base
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = {
+    "alembic_version": ["version_num"],
+    "agents": [
+        "id",
+        "name",
+        "system_prompt",
+        "model_fingerprint",
+        "sampling",
+        "created_at",
+        "updated_at",
+    ],
+    "messages": ["id", "agent_id", "position", "role", "content", "token_count", "created_at"],
+    "kv_caches": [
+        "id",
+        "agent_id",
+        "path",
+        "token_count",
+        "kv_bits",
+        "group_size",
+        "model_fingerprint",
+        "nbytes",
+        "checksum",
+        "format_version",
+        "created_at",
+    ],
+}
+# A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
+RECREATE_AGENTS = '''"""Recreate agents."""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("agents", recreate="always") as batch:
+        batch.add_column(sa.Column("archived", sa.Boolean(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("agents", recreate="always") as batch:
+        batch.drop_column("archived")
+'''
+
+BROKEN = '''"""Fails halfway."""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table("junk", sa.Column("id", sa.Integer(), primary_key=True))
+    op.execute("SELECT * FROM no_such_table")
+
+
+def downgrade() -> None:
+    op.drop_table("junk")
+'''
+
+
+def schema_diff(connection: Connection) -> list[Any]:
+    context = MigrationContext.configure(connection, opts={"compare_type": True})
+    return compare_metadata(context, Base.metadata)
+
+
+def columns(connection: Connection) -> dict[str, list[str]]:
+    inspector = inspect(connection)
+    return {
+        table: [column["name"] for column in inspector.get_columns(table)]
+        for table in inspector.get_table_names()
+    }
+
+
+def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
+    with closing(sqlite3.connect(db_path)) as db:
+        return db.execute(sql).fetchall()
+
+
+def with_revision(scripts: Path, source: str) -> Path:
+    """A copy of the real migrations with one more revision, ``0002``."""
+    shutil.copytree(
+        Path(migrations.__file__).parent, scripts, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (scripts / "versions" / "0002_next.py").write_text(source)
+    return scripts
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(database.alembic_config()).get_current_head()
+
+
+async def test_upgrading_an_empty_file_gives_exactly_the_orm_schema(tmp_path: Path) -> None:
+    async with (
+        await Registry.open(tmp_path / "db.sqlite") as registry,
+        registry._db.engine.connect() as connection,
+    ):
+        diff = await connection.run_sync(schema_diff)
+        tables = await connection.run_sync(columns)
+    assert diff == []
+    assert tables == SCHEMA
+
+
+async def test_every_registry_connection_gets_the_pragmas(tmp_path: Path) -> None:
+    pragmas = ("foreign_keys", "journal_mode", "busy_timeout", "synchronous")
+    async with await Registry.open(tmp_path / "db.sqlite") as registry:
+        engine = registry._db.engine
+        # Two connections held at once, so the second is a fresh DBAPI connection.
+        async with engine.connect() as first, engine.connect() as second:
+            seen = [
+                [(await conn.exec_driver_sql(f"PRAGMA {name}")).scalar() for name in pragmas]
+                for conn in (first, second)
+            ]
+    assert seen == [[1, "wal", 5000, 1]] * 2  # synchronous=1 is NORMAL
+
+
+async def test_opening_twice_is_idempotent(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    async with await Registry.open(path) as registry:
+        await registry.create_agent("a")
+    schema = rows(path, "SELECT type, name, sql FROM sqlite_master ORDER BY name")
+    async with await Registry.open(path) as registry:
+        assert [agent.id for agent in await registry.list_agents()] == ["a"]
+    assert head_revision() == "0001"
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("0001",)]
+    assert rows(path, "SELECT type, name, sql FROM sqlite_master ORDER BY name") == schema
+
+
+async def test_a_database_from_a_newer_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    async with await Registry.open(path):
+        pass
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '9999'")
+    with pytest.raises(MigrationError, match=r"'9999'.*upgrade agentkv"):
+        await Registry.open(path)
+
+
+async def test_open_leaves_logging_configuration_alone(tmp_path: Path) -> None:
+    app_logger = logging.getLogger("agentkv.test_migrations")
+    before = (list(logging.root.handlers), logging.root.level)
+    alembic_handlers = list(logging.getLogger("alembic").handlers)
+    async with await Registry.open(tmp_path / "db.sqlite"):
+        pass
+    assert (list(logging.root.handlers), logging.root.level) == before
+    assert logging.getLogger("alembic").handlers == alembic_handlers
+    assert app_logger.disabled is False
+
+
+async def test_batch_migration_rebuilding_agents_keeps_child_rows(tmp_path: Path) -> None:
+    # With foreign keys on, DROP TABLE agents would cascade-delete every message and cache row.
+    path = tmp_path / "db.sqlite"
+    async with await Registry.open(path) as registry:
+        await registry.create_agent("a")
+        await registry.append_messages(
+            "a", [NewMessage("user", "hi"), NewMessage("assistant", "yo")]
+        )
+        await registry.set_cache("a", NewCacheEntry("a/c.safetensors", 2, "m", 10, "c", 1))
+    scripts = with_revision(tmp_path / "scripts", RECREATE_AGENTS)
+
+    engine = database.create_engine(database.database_url(path))
+    try:
+        await database.upgrade(engine, script_location=scripts)
+        async with engine.connect() as connection:
+            foreign_keys = (await connection.exec_driver_sql("PRAGMA foreign_keys")).scalar()
+    finally:
+        await engine.dispose()
+
+    assert foreign_keys == 1  # switched back on after the migration
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("0002",)]
+    assert rows(path, "SELECT id, archived FROM agents") == [("a", None)]
+    assert rows(path, "SELECT position, content FROM messages") == [(0, "hi"), (1, "yo")]
+    assert rows(path, "SELECT agent_id FROM kv_caches") == [("a",)]
+
+
+async def test_a_failing_revision_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    async with await Registry.open(path):
+        pass
+    schema = rows(path, "SELECT name, sql FROM sqlite_master ORDER BY name")
+    scripts = with_revision(tmp_path / "scripts", BROKEN)
+
+    engine = database.create_engine(database.database_url(path))
+    try:
+        with pytest.raises(MigrationError, match="no_such_table"):
+            await database.upgrade(engine, script_location=scripts)
+    finally:
+        await engine.dispose()
+
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("0001",)]
+    assert rows(path, "SELECT name, sql FROM sqlite_master ORDER BY name") == schema
+
+
+def alembic_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_command_line_upgrade_matches_the_models(tmp_path: Path) -> None:
+    url = f"url=sqlite+aiosqlite:///{tmp_path / 'cli.sqlite'}"
+    upgrade = alembic_cli("-x", url, "upgrade", "head")
+    assert upgrade.returncode == 0, upgrade.stderr
+    check = alembic_cli("-x", url, "check")
+    assert check.returncode == 0, check.stderr
+    assert "No new upgrade operations detected" in check.stdout + check.stderr
+
+
+def test_command_line_offline_sql_creates_the_tables() -> None:
+    offline = alembic_cli("upgrade", "head", "--sql")
+    assert offline.returncode == 0, offline.stderr
+    for table in ("agents", "messages", "kv_caches"):
+        assert f"CREATE TABLE {table} (" in offline.stdout

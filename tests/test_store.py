@@ -1,0 +1,417 @@
+"""The agent registry against real SQLite files: CRUD, cascades, ids, ordering under concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing
+from dataclasses import FrozenInstanceError
+from datetime import UTC
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store import (
+    AgentExistsError,
+    AgentNotFoundError,
+    InvalidAgentIdError,
+    InvalidRecordError,
+    NewCacheEntry,
+    NewMessage,
+    Registry,
+    RegistryClosedError,
+    Role,
+    is_valid_agent_id,
+    validate_agent_id,
+)
+from store.models import Agent
+
+ENTRY = NewCacheEntry(
+    path="a/cache-1.safetensors",
+    token_count=12,
+    model_fingerprint="f" * 64,
+    nbytes=4096,
+    checksum="c" * 64,
+    format_version=1,
+    kv_bits=8,
+    group_size=64,
+)
+REJECTED_IDS = ["../x", "a/b", "", "a" * 65, ".hidden", "a..b", "a b", "é"]
+ACCEPTED_IDS = ["a" * 64, "a", "Agent_1.v-2"]
+
+Call = Callable[[Registry, Any], Awaitable[object]]
+# Every method that takes an agent id, called with harmless other arguments.
+CALLS: dict[str, Call] = {
+    "get_agent": lambda r, a: r.get_agent(a),
+    "update_agent": lambda r, a: r.update_agent(a, name="renamed"),
+    "delete_agent": lambda r, a: r.delete_agent(a),
+    "append_messages": lambda r, a: r.append_messages(a, [NewMessage("user", "hi")]),
+    "transcript": lambda r, a: r.transcript(a),
+    "message_count": lambda r, a: r.message_count(a),
+    "truncate_messages": lambda r, a: r.truncate_messages(a, 0),
+    "set_cache": lambda r, a: r.set_cache(a, ENTRY),
+    "get_cache": lambda r, a: r.get_cache(a),
+    "clear_cache": lambda r, a: r.clear_cache(a),
+}
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "agentkv.sqlite"
+
+
+@pytest.fixture
+async def registry(db_path: Path) -> AsyncIterator[Registry]:
+    async with await Registry.open(db_path) as registry:
+        yield registry
+
+
+def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
+    """Read the file with the stdlib driver, bypassing the registry entirely."""
+    with closing(sqlite3.connect(db_path)) as db:
+        return db.execute(sql).fetchall()
+
+
+async def test_create_get_list(registry: Registry) -> None:
+    b = await registry.create_agent(
+        "b",
+        name="Bee",
+        system_prompt="Be brief.",
+        model_fingerprint="m" * 64,
+        sampling={"temperature": 0.7, "stop": ["\n"]},
+    )
+    a = await registry.create_agent("a")
+
+    assert (b.id, b.name, b.system_prompt, b.model_fingerprint) == (
+        "b",
+        "Bee",
+        "Be brief.",
+        "m" * 64,
+    )
+    assert b.sampling == {"temperature": 0.7, "stop": ["\n"]}
+    assert (a.name, a.system_prompt, a.model_fingerprint, a.sampling) == ("a", None, None, {})
+    assert a.created_at.tzinfo is UTC and a.created_at == a.updated_at
+    assert await registry.get_agent("b") == b
+    assert await registry.get_agent("a") == a
+    assert await registry.list_agents() == [b, a]  # creation order, not id order
+
+
+async def test_model_defaults_apply_to_plain_orm_inserts(registry: Registry) -> None:
+    async with registry._db.write() as session:
+        session.add(Agent(id="raw"))
+    raw = await registry.get_agent("raw")
+    assert (raw.name, raw.sampling, raw.created_at.tzinfo) == ("raw", {}, UTC)
+
+
+async def test_timestamps_are_stored_as_utc(registry: Registry, db_path: Path) -> None:
+    agent = await registry.create_agent("t")
+    stored = agent.created_at.strftime("%Y-%m-%d %H:%M:%S.%f")
+    assert rows(db_path, "SELECT created_at, updated_at FROM agents") == [(stored, stored)]
+
+
+async def test_generated_ids_follow_the_rule(registry: Registry) -> None:
+    first, second = await registry.create_agent(), await registry.create_agent()
+    assert re.fullmatch(r"agent-[0-9a-f]{12}", first.id)
+    assert first.id != second.id
+    assert is_valid_agent_id(first.id)
+
+
+async def test_duplicate_id_raises_and_keeps_the_original(registry: Registry) -> None:
+    await registry.create_agent("dup", name="original")
+    with pytest.raises(AgentExistsError, match="'dup'") as info:
+        await registry.create_agent("dup", name="impostor")
+    assert info.value.agent_id == "dup"
+    assert (await registry.get_agent("dup")).name == "original"
+
+
+async def test_concurrent_creates_of_one_id_yield_exactly_one_agent(registry: Registry) -> None:
+    results = await asyncio.gather(
+        *(registry.create_agent("same", name=f"n{i}") for i in range(10)),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(result, AgentExistsError) for result in results) == 9
+    assert [agent.id for agent in await registry.list_agents()] == ["same"]
+
+
+@pytest.mark.parametrize("method", CALLS)
+async def test_unknown_agent_raises_not_found(registry: Registry, method: str) -> None:
+    await registry.create_agent("known")
+    with pytest.raises(AgentNotFoundError, match="'ghost'") as info:
+        await CALLS[method](registry, "ghost")
+    assert info.value.agent_id == "ghost"
+
+
+@pytest.mark.parametrize("method", [*CALLS, "create_agent"])
+async def test_ids_are_validated_before_the_database_is_touched(
+    registry: Registry, method: str
+) -> None:
+    calls: dict[str, Call] = {**CALLS, "create_agent": lambda r, a: r.create_agent(a)}
+    await registry.close()  # any database access would now raise RegistryClosedError
+    with pytest.raises(InvalidAgentIdError):
+        await calls[method](registry, "../x")
+    with pytest.raises(RegistryClosedError):
+        await calls[method](registry, "fine")
+
+
+@pytest.mark.parametrize("agent_id", REJECTED_IDS)
+async def test_rejected_ids(registry: Registry, agent_id: str) -> None:
+    with pytest.raises(InvalidAgentIdError) as info:
+        await registry.create_agent(agent_id)
+    assert info.value.agent_id == agent_id
+    assert repr(agent_id)[:20] in str(info.value)
+    assert "[A-Za-z0-9][A-Za-z0-9_.-]{0,63}" in str(info.value)
+    assert await registry.list_agents() == []
+
+
+@pytest.mark.parametrize("agent_id", ACCEPTED_IDS)
+async def test_accepted_ids(registry: Registry, agent_id: str) -> None:
+    created = await registry.create_agent(agent_id)
+    assert created.id == agent_id
+    assert await registry.get_agent(agent_id) == created
+
+
+@settings(database=None, max_examples=300)
+@given(
+    st.one_of(
+        st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", fullmatch=True),
+        st.text(alphabet="aZ09_.-/\\ é\n", max_size=70),
+        st.text(max_size=70),
+    )
+)
+def test_id_validator_accepts_exactly_the_rule(candidate: str) -> None:
+    expected = (
+        re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", candidate) is not None
+        and ".." not in candidate
+    )
+    assert is_valid_agent_id(candidate) is expected
+    if expected:
+        assert validate_agent_id(candidate) == candidate
+        assert PurePosixPath(candidate).parts == (candidate,)  # one safe file name
+    else:
+        with pytest.raises(InvalidAgentIdError):
+            validate_agent_id(candidate)
+
+
+async def test_update_changes_only_given_fields(registry: Registry) -> None:
+    before = await registry.create_agent(
+        "u", name="old", system_prompt="prompt", sampling={"top_p": 0.9}
+    )
+    renamed = await registry.update_agent("u", name="new")
+    assert (renamed.name, renamed.system_prompt, renamed.sampling) == (
+        "new",
+        "prompt",
+        {"top_p": 0.9},
+    )
+    assert renamed.created_at == before.created_at and renamed.updated_at > before.updated_at
+
+    cleared = await registry.update_agent("u", system_prompt=None, sampling={})
+    assert (cleared.name, cleared.system_prompt, cleared.sampling) == ("new", None, {})
+    assert await registry.get_agent("u") == cleared
+    assert await registry.update_agent("u") == cleared  # nothing given: nothing written
+
+    with pytest.raises(InvalidRecordError, match="name"):
+        await registry.update_agent("u", name="")
+    with pytest.raises(InvalidRecordError, match="sampling"):
+        await registry.update_agent("u", sampling={"bad": object()})
+    assert await registry.get_agent("u") == cleared
+
+
+async def test_records_are_frozen_copies(registry: Registry) -> None:
+    agent = await registry.create_agent("f", sampling={"temperature": 1.0})
+    with pytest.raises(FrozenInstanceError):
+        agent.name = "other"  # type: ignore[misc]
+    agent.sampling["temperature"] = 0.0
+    assert (await registry.get_agent("f")).sampling == {"temperature": 1.0}
+
+
+async def test_delete_cascades_and_returns_the_cache_entry(
+    registry: Registry, db_path: Path
+) -> None:
+    await registry.create_agent("gone")
+    await registry.create_agent("kept")
+    for agent_id in ("gone", "kept"):
+        await registry.append_messages(
+            agent_id, [NewMessage("user", "a"), NewMessage("assistant", "b")]
+        )
+        await registry.set_cache(agent_id, ENTRY)
+
+    current = await registry.get_cache("gone")
+    removed = await registry.delete_agent("gone")
+
+    assert removed is not None and removed == current
+    assert (removed.agent_id, removed.path) == ("gone", ENTRY.path)
+    assert rows(db_path, "SELECT id FROM agents") == [("kept",)]
+    assert rows(db_path, "SELECT DISTINCT agent_id FROM messages") == [("kept",)]
+    assert rows(db_path, "SELECT agent_id FROM kv_caches") == [("kept",)]
+    with pytest.raises(AgentNotFoundError):
+        await registry.get_agent("gone")
+    await registry.create_agent("bare")
+    assert await registry.delete_agent("bare") is None
+
+
+async def test_append_assigns_contiguous_positions(registry: Registry) -> None:
+    created = await registry.create_agent("t")
+    first = await registry.append_messages(
+        "t", [NewMessage(Role.SYSTEM, "sys"), NewMessage("user", "hello", token_count=3)]
+    )
+    second = await registry.append_messages("t", [NewMessage("assistant", "hi!")])
+
+    assert [(m.position, m.role, m.content, m.token_count) for m in first + second] == [
+        (0, Role.SYSTEM, "sys", None),
+        (1, Role.USER, "hello", 3),
+        (2, Role.ASSISTANT, "hi!", None),
+    ]
+    assert await registry.transcript("t") == first + second
+    assert await registry.transcript("t", start=2) == second
+    assert await registry.transcript("t", start=3) == []
+    assert await registry.message_count("t") == 3
+    assert (await registry.get_agent("t")).updated_at == second[0].created_at > created.updated_at
+
+
+async def test_fifty_concurrent_appends_get_positions_0_to_49(registry: Registry) -> None:
+    await registry.create_agent("busy")
+    await asyncio.gather(
+        *(registry.append_messages("busy", [NewMessage("user", f"m{i}")]) for i in range(50))
+    )
+    transcript = await registry.transcript("busy")
+    assert [m.position for m in transcript] == list(range(50))
+    assert sorted(m.content for m in transcript) == sorted(f"m{i}" for i in range(50))
+
+
+async def test_concurrent_turns_stay_adjacent(registry: Registry) -> None:
+    await registry.create_agent("chat")
+    turns = [[NewMessage("user", f"q{i}"), NewMessage("assistant", f"a{i}")] for i in range(20)]
+    await asyncio.gather(*(registry.append_messages("chat", turn) for turn in turns))
+    transcript = await registry.transcript("chat")
+    assert [m.position for m in transcript] == list(range(40))
+    for question, answer in zip(transcript[::2], transcript[1::2], strict=True):
+        assert question.role == Role.USER and answer.role == Role.ASSISTANT
+        assert answer.content == "a" + question.content.removeprefix("q")
+
+
+async def test_appends_from_separate_registries_serialize_on_the_file(db_path: Path) -> None:
+    # Each registry has its own lock and pool, so only SQLite's BEGIN IMMEDIATE orders these.
+    registries = [await Registry.open(db_path) for _ in range(5)]
+    try:
+        await registries[0].create_agent("shared")
+        await asyncio.gather(
+            *(
+                registry.append_messages("shared", [NewMessage("user", f"r{r}m{i}")])
+                for i in range(10)
+                for r, registry in enumerate(registries)
+            )
+        )
+        transcript = await registries[-1].transcript("shared")
+    finally:
+        for registry in registries:
+            await registry.close()
+    assert [m.position for m in transcript] == list(range(50))
+    assert len({m.content for m in transcript}) == 50
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (NewMessage("robot", "x"), r"messages\[1\]\.role='robot'"),
+        (NewMessage("user", b"bytes"), r"messages\[1\]\.content is a bytes"),  # type: ignore[arg-type]
+        (NewMessage("user", "x", token_count=-1), r"messages\[1\]\.token_count=-1"),
+        ("user: x", r"messages\[1\] is a str"),
+    ],
+)
+async def test_a_bad_message_appends_nothing(registry: Registry, bad: Any, match: str) -> None:
+    await registry.create_agent("atomic")
+    await registry.append_messages("atomic", [NewMessage("user", "before")])
+    with pytest.raises(InvalidRecordError, match=match):
+        await registry.append_messages("atomic", [NewMessage("user", "ok"), bad])
+    assert [m.content for m in await registry.transcript("atomic")] == ["before"]
+
+
+async def test_empty_batch_is_a_value_error(registry: Registry) -> None:
+    await registry.create_agent("e")
+    with pytest.raises(ValueError, match="empty"):
+        await registry.append_messages("e", [])
+
+
+async def test_truncate_rolls_back_a_turn(registry: Registry) -> None:
+    await registry.create_agent("r")
+    await registry.append_messages("r", [NewMessage("user", str(i)) for i in range(4)])
+
+    assert await registry.truncate_messages("r", 2) == 2
+    assert [m.position for m in await registry.transcript("r")] == [0, 1]
+    assert await registry.truncate_messages("r", 5) == 0
+    again = await registry.append_messages("r", [NewMessage("user", "retry")])
+    assert [m.position for m in again] == [2]
+    with pytest.raises(InvalidRecordError, match="keep=-1"):
+        await registry.truncate_messages("r", -1)
+
+
+async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> None:
+    await registry.create_agent("a")
+    assert await registry.get_cache("a") is None
+    assert await registry.set_cache("a", ENTRY) is None
+    first = await registry.get_cache("a")
+    assert first is not None
+    assert (first.agent_id, first.path, first.kv_bits, first.group_size, first.token_count) == (
+        "a",
+        ENTRY.path,
+        8,
+        64,
+        12,
+    )
+
+    newer = NewCacheEntry("a/cache-2.safetensors", 20, "f" * 64, 8192, "d" * 64, 1)
+    assert await registry.set_cache("a", newer) == first
+    current = await registry.get_cache("a")
+    assert current is not None and (current.path, current.is_quantized) == (newer.path, False)
+
+    assert await registry.clear_cache("a") == current
+    assert await registry.get_cache("a") is None
+    assert await registry.clear_cache("a") is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"path": "/abs/file"}, "path"),
+        ({"path": "../escape"}, "path"),
+        ({"path": "a\\b"}, "path"),
+        ({"kv_bits": 3}, "kv_bits"),
+        ({"kv_bits": 8.0}, "kv_bits"),
+        ({"kv_bits": 4, "group_size": None}, "group_size"),
+        ({"kv_bits": None, "group_size": 64}, "group_size"),
+        ({"token_count": -1}, "token_count"),
+        ({"checksum": "x" * 65}, "checksum"),
+        ({"format_version": 0}, "format_version"),
+    ],
+)
+def test_cache_entry_validates_on_construction(changes: dict[str, Any], field: str) -> None:
+    fields = {
+        "path": "a/c.safetensors",
+        "token_count": 1,
+        "model_fingerprint": "m",
+        "nbytes": 1,
+        "checksum": "c",
+        "format_version": 1,
+        "kv_bits": 4,
+        "group_size": 32,
+    }
+    with pytest.raises(InvalidRecordError, match=field):
+        NewCacheEntry(**(fields | changes))
+
+
+async def test_open_accepts_a_url_and_creates_parent_directories(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "er" / "db.sqlite"
+    async with await Registry.open(f"sqlite+aiosqlite:///{path}") as registry:
+        await registry.create_agent("x")
+    assert rows(path, "SELECT id FROM agents") == [("x",)]
+
+
+@pytest.mark.parametrize("target", [":memory:", "sqlite+aiosqlite://", "postgresql://h/db", ""])
+async def test_open_rejects_unsupported_targets(target: str) -> None:
+    with pytest.raises(ValueError):
+        await Registry.open(target)
