@@ -1,0 +1,192 @@
+"""The asyncio front of the generation thread.
+
+The event loop never blocks on MLX: requests go to the thread through a queue, tokens come
+back through ``loop.call_soon_threadsafe`` into a per-request asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from engine.config import EngineConfig
+from engine.errors import EngineClosedError
+from engine.loop import EngineStats, GenerationLoop, Sequence
+from engine.models import LoadedModel
+from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
+from engine.stopping import StopStrings
+
+T = TypeVar("T")
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed loop has no one to tell."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+class RequestHandle:
+    """A submitted request: iterate it for TokenEvents, then ``await result()``.
+
+    Dropping the handle, leaving ``async with``, or ``cancel()`` before it finishes removes the
+    sequence from the batch at the next step boundary.
+    """
+
+    def __init__(self, thread: GenerationLoop, seq: Sequence, events: asyncio.Queue):
+        self._thread = thread
+        self._seq = seq
+        self._events = events
+        self._result: GenerationResult | None = None
+        self._finalizer = weakref.finalize(self, thread.cancel, seq)
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._result is not None:
+            raise StopAsyncIteration
+        item = await self._events.get()
+        if isinstance(item, GenerationResult):
+            self._result = item
+            self._finalizer.detach()
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> GenerationResult:
+        """Wait for the end (consuming any unread events) and return the result."""
+        async for _ in self:
+            pass
+        assert self._result is not None
+        return self._result
+
+    def cancel(self, keep_cache: bool = False) -> None:
+        """Ask the engine to stop this request; ``result()`` then reports ``cancelled``.
+
+        Args:
+            keep_cache: hand back the partial cache (prompt + tokens so far) in the result.
+        """
+        if self._result is None:
+            self._thread.cancel(self._seq, keep_cache)
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._result is None:
+            self.cancel(keep_cache=self._seq.request.keep_cache_on_cancel)
+            await asyncio.shield(self.result())
+
+
+class Engine:
+    """Continuous batching over mlx-lm's BatchGenerator, driven from asyncio.
+
+    Example:
+        async with await Engine.open("tiny:gemma3") as engine:
+            result = await engine.generate(GenerationRequest(prompt_tokens=[1, 2, 3]))
+    """
+
+    def __init__(self, thread: GenerationLoop, model: LoadedModel):
+        self._thread = thread
+        self.model = model
+        self._closed = False
+
+    @classmethod
+    async def open(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> Engine:
+        """Start the generation thread and load ``model`` on it (a tiny:* spec or a local dir)."""
+        thread = GenerationLoop(str(model), config or EngineConfig())
+        thread.start()
+        loaded = await asyncio.to_thread(thread.wait_ready)
+        return cls(thread, loaded)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._thread.config
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request. Raises EngineOverloadedError at once if the queue is full."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        vocab_size = self.model.vocab_size
+        seq = Sequence(
+            request=request,
+            sink=lambda item: _post(loop, events.put_nowait, item),
+            stats=RequestStats(
+                prompt_tokens=len(request.prompt_tokens),
+                cached_tokens=request.cache.num_tokens if request.cache else 0,
+            ),
+            sampler=request.sampling.make_sampler(vocab_size),
+            logits_processors=request.sampling.make_logits_processors(),
+            detokenizer=self.tokenizer.detokenizer,
+            stops=StopStrings(request.stop),
+        )
+        if any(t >= vocab_size for t in request.prompt_tokens):
+            raise ValueError(
+                f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
+            )
+        self._thread.submit(seq)
+        return RequestHandle(self._thread, seq, events)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run a request to the end. Cancelling the awaiting task cancels the request."""
+        async with self.submit(request) as handle:
+            return await handle.result()
+
+    async def stream(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Yield TokenEvents, then the GenerationResult. Closing the stream early cancels."""
+        async with self.submit(request) as handle:
+            async for event in handle:
+                yield event
+            yield await handle.result()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the generation thread between two steps and return its value."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(ok: bool, value: object) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        def call() -> None:
+            try:
+                value = fn(*args)
+            except BaseException as exc:
+                _post(loop, settle, False, exc)
+            else:
+                _post(loop, settle, True, value)
+
+        self._thread.call_soon(call)
+        return await future
+
+    def stats(self) -> EngineStats:
+        return self._thread.stats()
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop taking requests, finish (``drain``) or cancel those in flight, join the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.stop(drain)
+        await asyncio.to_thread(self._thread.join)
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,354 @@
+"""The generation thread: the only thread that touches MLX.
+
+Each turn of the loop reads as a sentence: run commands (cancels, calls), admit waiting
+requests into mlx-lm's BatchGenerator, step the batch once, hand every sequence its token,
+and finish the ones that ended. New requests join at the next step boundary; nothing waits
+for the batch to drain.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.config import EngineConfig
+from engine.errors import EngineClosedError, InvalidCacheError
+from engine.models import LoadedModel, load_model
+from engine.request import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    PromptCache,
+    RequestStats,
+    TokenEvent,
+)
+from engine.sampling import LogitsProcessor, Sampler
+from engine.scheduler import AdmissionQueue
+from engine.stopping import StopStrings
+
+log = logging.getLogger(__name__)
+Sink = Callable[[TokenEvent | GenerationResult], None]
+_COUNTER = {
+    FinishReason.STOP: "completed",
+    FinishReason.LENGTH: "completed",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.ERROR: "failed",
+}
+
+
+class SeqStatus(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's state while the engine owns it."""
+
+    request: GenerationRequest
+    sink: Sink
+    stats: RequestStats
+    sampler: Sampler | None
+    logits_processors: list[LogitsProcessor]
+    detokenizer: Any
+    stops: StopStrings
+    status: SeqStatus = SeqStatus.QUEUED
+    ticket: int = -1
+    uid: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+
+    @property
+    def is_running(self) -> bool:
+        return self.status is SeqStatus.RUNNING
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    active: int
+    queued: int
+    batch_size: int
+    completed: int
+    cancelled: int
+    failed: int
+    tokens_generated: int
+    decode_tps: float
+    peak_memory_bytes: int
+
+
+class GenerationLoop(threading.Thread):
+    """Owns the model and a BatchGenerator; serves requests until stopped."""
+
+    def __init__(self, model_spec: str, config: EngineConfig):
+        super().__init__(name="agentkv-generation", daemon=True)
+        self.config = config
+        self._model_spec = model_spec
+        self.model: LoadedModel | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._queue: AdmissionQueue[Sequence] = AdmissionQueue(
+            config.max_queue_size, config.priority_aging_per_s
+        )
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping: str | None = None  # None, "drain" or "cancel"
+        self._running: dict[int, Sequence] = {}  # BatchGenerator uid -> sequence
+        self._decode_window: collections.deque[tuple[float, int]] = collections.deque()
+        self._counts = collections.Counter()
+        self._peak_memory = 0
+        self._batch_size = 0
+
+    # ---- called from other threads -------------------------------------------------------
+
+    def wait_ready(self) -> LoadedModel:
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        assert self.model is not None
+        return self.model
+
+    def submit(self, seq: Sequence) -> None:
+        if self._stopping:
+            raise EngineClosedError("the engine is closing and takes no new requests")
+        seq.ticket = self._queue.push(seq, seq.request.priority)
+        self._wake.set()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this thread at the next step boundary."""
+        if not self.is_alive():
+            raise EngineClosedError("the generation thread is not running")
+        self._commands.append(fn)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence, keep_cache: bool = False) -> None:
+        if seq.status is not SeqStatus.FINISHED and self.is_alive():
+            self.call_soon(lambda: self._cancel(seq, keep_cache))
+
+    def stop(self, drain: bool) -> None:
+        self._stopping = "drain" if drain else "cancel"
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        now = time.perf_counter()
+        window = [
+            (t, n) for t, n in list(self._decode_window) if now - t <= self.config.stats_window_s
+        ]
+        span = min(self.config.stats_window_s, now - window[0][0]) if window else 0.0
+        c = self._counts
+        return EngineStats(
+            active=len(self._running),
+            queued=len(self._queue),
+            batch_size=self._batch_size,
+            completed=c["completed"],
+            cancelled=c["cancelled"],
+            failed=c["failed"],
+            tokens_generated=c["tokens"],
+            decode_tps=sum(n for _, n in window) / span if span > 0 else 0.0,
+            peak_memory_bytes=self._peak_memory,
+        )
+
+    # ---- the generation thread -----------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self.model = load_model(self._model_spec)
+            self._layer_types = [type(c) for c in make_prompt_cache(self.model.model)]
+            self._eos = StopSequences([(t,) for t in sorted(self.model.eos_token_ids)])
+            self._no_stop = StopSequences()
+            self._batch = self._new_batch()
+        except BaseException as exc:  # surfaced to the opener by wait_ready()
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve()
+        finally:
+            self._batch.close()
+
+    def _serve(self) -> None:
+        while True:
+            self._run_commands()
+            if self._stopping == "cancel" or (self._stopping and not self._has_work()):
+                self._cancel_everything()
+                return
+            self._admit()
+            if not self._running:
+                self._wake.clear()
+                if not (self._commands or len(self._queue) or self._stopping):
+                    self._wake.wait(timeout=1.0)
+                continue
+            self._step()
+
+    def _has_work(self) -> bool:
+        return bool(self._running or len(self._queue) or self._commands)
+
+    def _new_batch(self) -> BatchGenerator:
+        cfg = self.config
+        return BatchGenerator(
+            self.model.model,
+            completion_batch_size=cfg.completion_batch_size,
+            prefill_batch_size=cfg.prefill_batch_size,
+            prefill_step_size=cfg.prefill_step_size,
+        )
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn = self._commands.popleft()
+            try:
+                fn()
+            except Exception:  # commands report their own errors; never kill the loop
+                log.exception("engine command failed")
+
+    def _admit(self) -> None:
+        free = self.config.completion_batch_size - len(self._running)
+        while free > 0 and (seq := self._queue.pop()) is not None:
+            try:
+                self._insert(seq)
+            except Exception as exc:
+                self._finish(seq, FinishReason.ERROR, error=exc)
+                continue
+            free -= 1
+
+    def _insert(self, seq: Sequence) -> None:
+        req = seq.request
+        if req.cache is not None:
+            self._check_cache(req.cache)
+        (seq.uid,) = self._batch.insert(
+            [req.prompt_tokens],
+            max_tokens=[req.max_tokens],
+            caches=[req.cache.layers if req.cache else None],
+            all_tokens=[list(req.cache.tokens) if req.cache else []],
+            samplers=[seq.sampler],
+            logits_processors=[seq.logits_processors],
+            stop_sequences=[self._no_stop if req.ignore_eos else self._eos],
+        )
+        seq.status = SeqStatus.RUNNING
+        seq.stats.admitted_at = time.perf_counter()
+        self._running[seq.uid] = seq
+
+    def _check_cache(self, cache: PromptCache) -> None:
+        types = [type(layer) for layer in cache.layers]
+        if types != self._layer_types:
+            raise InvalidCacheError(
+                f"cache layers {[t.__name__ for t in types]} do not match the model's "
+                f"{[t.__name__ for t in self._layer_types]}"
+            )
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._batch.next()
+        except Exception as exc:
+            # The batch's state is unknown after a failed step: fail what was in it, start fresh.
+            log.exception(
+                "generation step failed; failing %d in-flight requests", len(self._running)
+            )
+            for seq in list(self._running.values()):
+                self._finish(seq, FinishReason.ERROR, error=exc)
+            self._batch.close()
+            self._batch = self._new_batch()
+            return
+        now = time.perf_counter()
+        self._batch_size = len(responses)
+        if responses:
+            self._decode_window.append((now, len(responses)))
+            while now - self._decode_window[0][0] > self.config.stats_window_s:
+                self._decode_window.popleft()
+            self._counts["tokens"] += len(responses)
+            if self._counts["tokens"] % 64 < len(responses):
+                self._peak_memory = mx.get_peak_memory()
+        stopped: list[Sequence] = []
+        for r in responses:
+            seq = self._running[r.uid]
+            try:
+                hit_stop = self._on_token(seq, r.token, r.finish_reason, now)
+            except Exception as exc:
+                self._remove([seq])
+                self._finish(seq, FinishReason.ERROR, error=exc)
+                continue
+            if r.finish_reason is not None:
+                reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
+                self._finish(seq, reason, PromptCache(r.prompt_cache, list(r.all_tokens)))
+            elif hit_stop:
+                stopped.append(seq)
+        if stopped:
+            caches = self._remove(stopped, want_caches=any(s.request.return_cache for s in stopped))
+            for seq in stopped:
+                self._finish(seq, FinishReason.STOP, caches.get(seq.uid))
+
+    def _on_token(self, seq: Sequence, token: int, finish: str | None, now: float) -> bool:
+        """Record one token; returns True when a stop string completed."""
+        if seq.stats.first_token_at is None:
+            seq.stats.first_token_at = now
+        seq.token_ids.append(token)
+        seq.stats.decode_tokens += 1
+        eos = finish == "stop" and token in self.model.eos_token_ids
+        if not eos:
+            seq.detokenizer.add_token(token)
+        if finish is not None:
+            seq.detokenizer.finalize()
+        text, hit = seq.stops.feed(seq.detokenizer.last_segment)
+        if finish is not None and not hit:
+            text += seq.stops.flush()
+        seq.text_parts.append(text)
+        seq.sink(TokenEvent(token, text))
+        return hit
+
+    def _remove(self, seqs: list[Sequence], want_caches: bool = False) -> dict[int, PromptCache]:
+        uids = [s.uid for s in seqs]
+        raw = self._batch.remove(uids, return_prompt_caches=want_caches)
+        return {
+            uid: PromptCache(list(layers), list(tokens)) for uid, (layers, tokens) in raw.items()
+        }
+
+    def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
+        if seq.status is SeqStatus.QUEUED:
+            self._queue.remove(seq.ticket)
+            cache = seq.request.cache if keep_cache else None
+        elif seq.status is SeqStatus.RUNNING:
+            cache = self._remove([seq], want_caches=keep_cache).get(seq.uid)
+        else:
+            return
+        self._finish(seq, FinishReason.CANCELLED, cache)
+
+    def _cancel_everything(self) -> None:
+        for seq in list(self._running.values()):
+            self._cancel(seq, keep_cache=seq.request.keep_cache_on_cancel)
+        for seq in self._queue.drain():
+            self._finish(seq, FinishReason.CANCELLED, error=EngineClosedError("engine closed"))
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        cache: PromptCache | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._running.pop(seq.uid, None)
+        seq.status = SeqStatus.FINISHED
+        seq.stats.finished_at = time.perf_counter()
+        # A cancel passes a cache only when the caller asked for it back.
+        if reason is not FinishReason.CANCELLED and not seq.request.return_cache:
+            cache = None
+        self._counts[_COUNTER[reason]] += 1
+        seq.sink(
+            GenerationResult(
+                token_ids=seq.token_ids,
+                text="".join(seq.text_parts),
+                finish_reason=reason,
+                stats=seq.stats,
+                cache=cache,
+                error=error,
+            )
+        )

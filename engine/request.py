@@ -1,0 +1,147 @@
+"""What callers hand the engine and what they get back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class PromptCache:
+    """Per-layer mlx-lm caches (KVCache / RotatingKVCache) and the exact tokens they hold."""
+
+    layers: list[Any]
+    tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One sequence to generate.
+
+    Args:
+        prompt_tokens: the tokens to prefill (after ``cache``, if given). At least one.
+        max_tokens: upper bound on generated tokens, end-of-sequence token included.
+        sampling: sampling parameters (greedy by default).
+        stop: stop strings; generation ends at the first one and its text is not returned.
+        priority: larger is admitted first; waiting requests age upwards so none starves.
+        cache: a prompt cache to continue from (merged into the running batch).
+        return_cache: hand back the per-sequence cache when the request finishes.
+        keep_cache_on_cancel: also hand back the partial cache when it is cancelled.
+        ignore_eos: keep generating past end-of-sequence tokens (benchmarks, fixed lengths).
+    """
+
+    prompt_tokens: list[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    priority: float = 0.0
+    cache: PromptCache | None = None
+    return_cache: bool = True
+    keep_cache_on_cancel: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise ValueError("prompt_tokens is empty: a request needs at least one new token")
+        if not all(isinstance(t, int) and t >= 0 for t in self.prompt_tokens):
+            raise ValueError("prompt_tokens must be non-negative integers")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError("sampling must be a SamplingParams")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a list of strings")
+        if self.cache is not None and not self.cache.layers:
+            raise ValueError("cache has no layers")
+        if self.cache is not None and len(self.cache.tokens) != self.cache.layers[0].offset:
+            raise ValueError(
+                f"cache holds {self.cache.layers[0].offset} positions but lists "
+                f"{len(self.cache.tokens)} tokens"
+            )
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token and the text it completed (may be empty while UTF-8 or a
+    possible stop string is pending)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(slots=True)
+class RequestStats:
+    prompt_tokens: int
+    cached_tokens: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    decode_tokens: int = 0
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.admitted_at is None or self.first_token_at is None:
+            return None
+        return self.first_token_at - self.admitted_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.first_token_at
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens per second after the first token (which is charged to prefill)."""
+        if not self.decode_s or self.decode_tokens < 2:
+            return None
+        return (self.decode_tokens - 1) / self.decode_s
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """How a request ended.
+
+    ``token_ids`` are all generated tokens, including a final end-of-sequence token or the
+    tokens of a matched stop string; ``text`` excludes both. ``cache`` (when requested) holds
+    prompt + cache tokens + ``token_ids``; its ``tokens`` list says exactly which.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+    cache: PromptCache | None = None
+    error: BaseException | None = None
+
+    @property
+    def is_error(self) -> bool:
+        return self.finish_reason is FinishReason.ERROR

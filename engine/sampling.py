@@ -1,0 +1,85 @@
+"""Sampling parameters, validated once, turned into mlx-lm samplers and logits processors."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_repetition_penalty,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class SamplingParams(BaseModel):
+    """How to pick each next token. The defaults are greedy decoding.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); higher flattens the distribution.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep only the k most likely tokens; 0 disables it.
+        min_p: drop tokens below ``min_p`` times the top token's probability; 0 disables it.
+        repetition_penalty: > 1 discourages the last ``repetition_context_size`` tokens;
+            1 disables it.
+        repetition_context_size: how many recent tokens the penalty looks at.
+        seed: makes sampling reproducible per request, independent of what else is in the batch.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_context_size: int = Field(default=20, ge=1, le=4096)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_sampler(self, vocab_size: int) -> Sampler | None:
+        """A sampler for one sequence, or None for greedy (the batch shares one argmax call)."""
+        if self.is_greedy:
+            return None
+        if self.top_k >= vocab_size:
+            raise ValueError(f"top_k={self.top_k} must be below the vocabulary size {vocab_size}")
+        return SeededSampler(self, self.seed if self.seed is not None else secrets.randbits(63))
+
+    def make_logits_processors(self) -> list[LogitsProcessor]:
+        if self.repetition_penalty == 1.0:
+            return []
+        return [make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)]
+
+
+class SeededSampler:
+    """Samples with its own PRNG key, so a sequence's draws do not depend on its batch-mates."""
+
+    __slots__ = ("_key", "_params")
+
+    def __init__(self, params: SamplingParams, seed: int):
+        self._params = params
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        p = self._params
+        if 0.0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        self._key, sub = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
+
+
+__all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "SeededSampler", "greedy_sampler"]

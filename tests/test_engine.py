@@ -1,0 +1,279 @@
+"""The engine on real tiny models: batched equals solo, continuous admission, sampling,
+stop strings, cancellation, overload, faults and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
+from engine.request import FinishReason, GenerationRequest, TokenEvent
+from engine.sampling import SamplingParams
+
+SPECS = ["tiny:gemma3", "tiny:llama"]
+
+
+def open_engine(spec: str, **config) -> Engine:
+    return asyncio.run(Engine.open(spec, EngineConfig(**config)))
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def engine(request):
+    eng = open_engine(request.param)
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    eng = open_engine("tiny:gemma3")
+    yield eng
+    asyncio.run(eng.close())
+
+
+def prompt(eng: Engine, n: int, salt: int = 0) -> list[int]:
+    """n deterministic non-special token ids."""
+    return [(7 * i + 11 * salt) % (eng.model.vocab_size - 16) + 16 for i in range(n)]
+
+
+def solo_greedy(eng: Engine, tokens: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's single-sequence greedy tokens, stopping after an end-of-sequence token."""
+    out = []
+    for token, _ in generate_step(mx.array(tokens), eng.model.model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in eng.model.eos_token_ids:
+            break
+    return out
+
+
+async def test_batched_greedy_equals_single_sequence(engine):
+    window = engine.model.sliding_window or 32
+    lengths = [3, 17, window - 1, window, window + 9, 2 * window + 5]
+    requests = [GenerationRequest(prompt(engine, n, salt=n), max_tokens=24) for n in lengths]
+    results = await asyncio.gather(*(engine.generate(r) for r in requests))
+    expected = await engine.run(
+        lambda: [solo_greedy(engine, r.prompt_tokens, 24) for r in requests]
+    )
+    for req, res, exp in zip(requests, results, expected, strict=True):
+        assert res.token_ids == exp
+        assert res.cache.tokens == req.prompt_tokens + res.token_ids
+        assert all(layer.offset == len(res.cache.tokens) for layer in res.cache.layers)
+
+
+async def test_text_deltas_join_to_the_decoded_tokens(engine):
+    handle = engine.submit(GenerationRequest(prompt(engine, 9), max_tokens=40))
+    events = [e async for e in handle]
+    result = await handle.result()
+    assert [e.token_id for e in events] == result.token_ids
+    assert "".join(e.text for e in events) == result.text
+    body = [t for t in result.token_ids if t not in engine.model.eos_token_ids]
+    assert result.text == engine.tokenizer.decode(body)
+
+
+async def test_resuming_a_returned_cache_equals_prefilling_everything(gemma):
+    first = await gemma.generate(GenerationRequest(prompt(gemma, 40), max_tokens=30))
+    turn = prompt(gemma, 7, salt=3)
+    resumed = await gemma.generate(GenerationRequest(turn, max_tokens=20, cache=first.cache))
+    full = first.cache.tokens + turn
+    assert resumed.stats.cached_tokens == len(first.cache.tokens)
+    assert resumed.token_ids == await gemma.run(solo_greedy, gemma, full, 20)
+    # The cache handed in is merged by copy: resuming it again gives the same tokens.
+    again = await gemma.generate(GenerationRequest(turn, max_tokens=20, cache=first.cache))
+    assert again.token_ids == resumed.token_ids
+
+
+async def test_request_joins_while_others_decode(gemma):
+    long = gemma.submit(GenerationRequest(prompt(gemma, 5), max_tokens=150))
+    first = await anext(long)
+    assert isinstance(first, TokenEvent)
+    late = await gemma.generate(GenerationRequest(prompt(gemma, 6, salt=1), max_tokens=5))
+    assert not long.done  # the late request finished while the long one was still decoding
+    long_result = await long.result()
+    assert late.stats.first_token_at < long_result.stats.finished_at
+    assert len(long_result.token_ids) == 150 or long_result.finish_reason is FinishReason.STOP
+
+
+async def test_sampling_params_per_request_in_one_batch(gemma):
+    p = prompt(gemma, 12)
+
+    def req(**kw):
+        return GenerationRequest(p, max_tokens=32, sampling=SamplingParams(**kw))
+
+    greedy_a, greedy_b, seed1_a, seed1_b, seed2, top_k = await asyncio.gather(
+        *(
+            gemma.generate(r)
+            for r in [
+                req(),
+                req(),
+                req(temperature=1.0, seed=1),
+                req(temperature=1.0, seed=1),
+                req(temperature=1.0, seed=2),
+                req(temperature=1.0, top_k=1, seed=5),
+            ]
+        )
+    )
+    assert greedy_a.token_ids == greedy_b.token_ids
+    assert seed1_a.token_ids == seed1_b.token_ids
+    assert seed1_a.token_ids != seed2.token_ids
+    assert seed1_a.token_ids != greedy_a.token_ids
+    assert top_k.token_ids == greedy_a.token_ids  # top_k=1 sampling is argmax
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5), ("seed", -3)],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+async def test_stop_string_ends_generation_and_is_not_returned(gemma):
+    p = prompt(gemma, 10, salt=4)
+    free = await gemma.generate(GenerationRequest(p, max_tokens=60))
+    text = free.text
+    stop = next(text[i : i + 3] for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    cut = text.index(stop)
+    stopped = await gemma.generate(GenerationRequest(p, max_tokens=60, stop=["zzzz-never", stop]))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == text[:cut]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert stopped.cache.tokens == p + stopped.token_ids
+
+
+async def test_cancel_frees_the_slot_for_a_queued_request():
+    eng = await Engine.open(
+        "tiny:gemma3", EngineConfig(completion_batch_size=1, prefill_batch_size=1)
+    )
+    try:
+        p = prompt(eng, 8)
+        running = eng.submit(GenerationRequest(p, max_tokens=10_000))
+        await anext(running)
+        queued = eng.submit(GenerationRequest(prompt(eng, 8, salt=2), max_tokens=4))
+        await asyncio.sleep(0.05)
+        assert eng.stats().queued == 1
+        running.cancel(keep_cache=True)
+        cancelled = await running.result()
+        done = await queued.result()
+        assert cancelled.finish_reason is FinishReason.CANCELLED
+        assert cancelled.cache.tokens[: len(p)] == p
+        assert (
+            cancelled.cache.tokens[len(p) :]
+            == cancelled.token_ids[: len(cancelled.cache.tokens) - len(p)]
+        )
+        assert done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        stats = eng.stats()
+        assert (stats.active, stats.queued, stats.cancelled) == (0, 0, 1)
+    finally:
+        await eng.close()
+
+
+async def test_abandoned_stream_leaves_the_batch(gemma):
+    before = gemma.stats().cancelled
+    async with contextlib.aclosing(
+        gemma.stream(GenerationRequest(prompt(gemma, 4), max_tokens=5000))
+    ) as s:
+        async for _ in s:
+            break
+    for _ in range(100):
+        if gemma.stats().active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert gemma.stats().active == 0
+    assert gemma.stats().cancelled == before + 1
+
+
+async def test_full_queue_is_refused_at_once():
+    eng = await Engine.open(
+        "tiny:gemma3", EngineConfig(completion_batch_size=1, prefill_batch_size=1, max_queue_size=1)
+    )
+    try:
+        running = eng.submit(GenerationRequest(prompt(eng, 4), max_tokens=10_000))
+        await anext(running)
+        waiting = eng.submit(GenerationRequest(prompt(eng, 4), max_tokens=2))
+        with pytest.raises(EngineOverloadedError, match="queue is full"):
+            eng.submit(GenerationRequest(prompt(eng, 4), max_tokens=2))
+        running.cancel()
+        assert (await waiting.result()).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    finally:
+        await eng.close()
+
+
+async def test_cache_from_another_model_fails_only_that_request(gemma):
+    llama = await Engine.open("tiny:llama")
+    try:
+        foreign = (await llama.generate(GenerationRequest(prompt(llama, 5), max_tokens=3))).cache
+    finally:
+        await llama.close()
+    bad, good = await asyncio.gather(
+        gemma.generate(GenerationRequest(prompt(gemma, 3), max_tokens=3, cache=foreign)),
+        gemma.generate(GenerationRequest(prompt(gemma, 3), max_tokens=3)),
+    )
+    assert bad.finish_reason is FinishReason.ERROR
+    assert isinstance(bad.error, InvalidCacheError)
+    assert good.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+async def test_failed_step_fails_the_batch_and_engine_keeps_serving(gemma, monkeypatch):
+    model_cls = type(gemma.model.model)
+    real_call = model_cls.__call__
+    boom = RuntimeError("injected fault")
+
+    def failing_call(self, *args, **kwargs):
+        raise boom
+
+    monkeypatch.setattr(model_cls, "__call__", failing_call)
+    failed = await gemma.generate(GenerationRequest(prompt(gemma, 5), max_tokens=4))
+    monkeypatch.setattr(model_cls, "__call__", real_call)
+    assert failed.finish_reason is FinishReason.ERROR
+    assert failed.error is boom
+    ok = await gemma.generate(GenerationRequest(prompt(gemma, 5), max_tokens=4))
+    assert ok.token_ids == await gemma.run(solo_greedy, gemma, prompt(gemma, 5), 4)
+
+
+async def test_close_drains_or_cancels():
+    eng = await Engine.open("tiny:gemma3")
+    pending = eng.submit(GenerationRequest(prompt(eng, 5), max_tokens=20))
+    await eng.close(drain=True)
+    assert (await pending.result()).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(EngineClosedError):
+        eng.submit(GenerationRequest(prompt(eng, 5), max_tokens=2))
+
+    eng = await Engine.open("tiny:gemma3")
+    pending = eng.submit(GenerationRequest(prompt(eng, 5), max_tokens=100_000))
+    await anext(pending)
+    await eng.close(drain=False)
+    assert (await pending.result()).finish_reason is FinishReason.CANCELLED
+
+
+async def test_request_and_aggregate_stats(gemma):
+    before = gemma.stats()
+    result = await gemma.generate(GenerationRequest(prompt(gemma, 20), max_tokens=12))
+    s = result.stats
+    assert (s.prompt_tokens, s.cached_tokens, s.decode_tokens) == (20, 0, len(result.token_ids))
+    assert 0 <= s.queue_wait_s <= s.ttft_s
+    assert s.prefill_s > 0 and s.decode_tps > 0
+    after = gemma.stats()
+    assert after.completed == before.completed + 1
+    assert after.tokens_generated == before.tokens_generated + len(result.token_ids)
+    assert after.peak_memory_bytes > 0
+
+
+def test_bad_requests_are_rejected_with_clear_errors():
+    with pytest.raises(ValueError, match="prompt_tokens is empty"):
+        GenerationRequest([])
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationRequest([1], max_tokens=0)
+    with pytest.raises(ValueError, match="prefill_batch_size"):
+        EngineConfig(completion_batch_size=2, prefill_batch_size=4)
+
+
+async def test_out_of_vocabulary_prompt_is_rejected(gemma):
+    with pytest.raises(ValueError, match="vocabulary"):
+        gemma.submit(GenerationRequest([gemma.model.vocab_size + 5], max_tokens=2))
