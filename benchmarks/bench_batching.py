@@ -22,7 +22,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import GenerationRequest
