@@ -1,0 +1,288 @@
+"""Per-agent KV caches to host-memory numpy arrays plus string metadata, and back.
+
+Both directions run on the generation thread (every MLX op lives there). An :class:`EncodedCache`
+holds only C-contiguous numpy arrays that own their memory, and strings, so a writer thread can
+hand it to ``safetensors.numpy.save_file`` without touching MLX.
+
+Format (``format_version`` 1). Tensors: ``tokens`` (int32, 1-D) and, per layer ``i``, either
+``layers.{i}.keys`` / ``layers.{i}.values`` (unquantized: the original dtype, bfloat16 as a
+uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (``mx.quantize``
+of the float16 cast: uint32 words, float16 scales and biases). Metadata: ``format_version``,
+``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or an int) and ``layers``, a JSON list
+with each layer's ``type``, ``offset``, ``max_size``, ``keep``, ``dtype``, ``keys_shape`` and
+``values_shape``. Keys and values are stored in temporal order, only the positions in use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from engine.request import PromptCache
+
+FORMAT_VERSION = 1
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
+_LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+
+
+class CacheFormatError(ValueError):
+    """Encoded cache data that cannot be decoded: missing or misshapen tensors, bad metadata."""
+
+
+@dataclass(slots=True, frozen=True)
+class EncodedCache:
+    """A prompt cache as plain arrays and strings, ready for a safetensors file.
+
+    Attributes:
+        tensors: Host-memory, C-contiguous arrays by name, including ``tokens`` (int32, 1-D).
+        metadata: Everything else needed to rebuild the cache (see the module docstring).
+    """
+
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["tokens"].shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def kv_bits(self) -> int | None:
+        return _parse_int(self.metadata, "kv_bits", (4, 8))
+
+    @property
+    def group_size(self) -> int | None:
+        return _parse_int(self.metadata, "group_size", GROUP_SIZES)
+
+
+def check_group_size(head_dim: int, group_size: int) -> None:
+    """Raise ValueError (naming both) unless ``mx.quantize`` can quantize rows of ``head_dim``.
+
+    Pure arithmetic, so any thread may call it; tests pin it to what ``mx.quantize`` accepts.
+    """
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size {group_size} is not supported; use one of {GROUP_SIZES}")
+    if head_dim % group_size:
+        raise ValueError(
+            f"head_dim {head_dim} is not divisible by group_size {group_size}; "
+            f"pick a group size from {GROUP_SIZES} that divides {head_dim}"
+        )
+
+
+def encode_cache(cache: PromptCache, kv_bits: int | None, group_size: int = 64) -> EncodedCache:
+    """Copy a prompt cache into host memory, quantizing keys and values if asked.
+
+    Args:
+        cache: Per-layer ``KVCache`` / ``RotatingKVCache`` and the tokens they hold.
+        kv_bits: None to store keys and values bit-exactly, or 8 / 4 to quantize them.
+        group_size: Quantization group size along the head dimension (ignored when unquantized).
+
+    Returns:
+        The encoded cache.
+
+    Raises:
+        ValueError: Empty cache, unsupported layer type or dtype, offsets that disagree with
+            the token count, or a kv_bits / group_size that cannot quantize these heads.
+    """
+    if kv_bits not in (None, 4, 8):
+        raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
+    if cache.num_tokens == 0 or not cache.layers:
+        raise ValueError("cannot encode an empty cache (no tokens or no layers)")
+    pending: dict[str, mx.array] = {}
+    layouts = []
+    for i, layer in enumerate(cache.layers):
+        keys, values, layout = _temporal_layer(layer, i, cache.num_tokens)
+        layouts.append(layout)
+        for kind, x in (("keys", keys), ("values", values)):
+            name = f"layers.{i}.{kind}"
+            if kv_bits is None:
+                pending[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+                continue
+            check_group_size(x.shape[-1], group_size)
+            q, scales, biases = mx.quantize(
+                x.astype(mx.float16), group_size=group_size, bits=kv_bits
+            )
+            pending.update({f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases})
+    mx.eval(*pending.values())
+    # np.array copies (C order): the result owns its memory, so no MLX buffer is freed elsewhere.
+    tensors = {name: np.array(x, order="C") for name, x in pending.items()}
+    tensors["tokens"] = np.array(cache.tokens, dtype=np.int32)
+    metadata = {
+        "format_version": str(FORMAT_VERSION),
+        "kv_bits": "none" if kv_bits is None else str(kv_bits),
+        "group_size": "none" if kv_bits is None else str(group_size),
+        "layers": json.dumps(layouts, separators=(",", ":")),
+    }
+    return EncodedCache(tensors, metadata)
+
+
+def decode_cache(encoded: EncodedCache) -> PromptCache:
+    """Rebuild the prompt cache (fresh ``KVCache`` / ``RotatingKVCache`` layers, evaluated).
+
+    Quantized keys and values are dequantized and cast back to their original dtype, so the
+    result merges into a running batch like any other cache.
+
+    Raises:
+        CacheFormatError: Unsupported format_version, bad metadata, a missing, unexpected or
+            misshapen tensor, an unknown layer type, or a token count that is not the offset.
+    """
+    meta = encoded.metadata
+    version = meta.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise CacheFormatError(
+            f"unsupported format_version {version!r}; this agentkv reads version "
+            f"{FORMAT_VERSION} (drop the cache file and let it be rebuilt)"
+        )
+    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    if (kv_bits is None) != (group_size is None):
+        raise CacheFormatError(f"kv_bits {kv_bits} and group_size {group_size} must both be set")
+    tokens = _tensor(encoded, "tokens", None, np.int32)
+    if tokens.ndim != 1:
+        raise CacheFormatError(f"tensor 'tokens' must be 1-D, got shape {tokens.shape}")
+    layouts = _parse_layouts(meta)
+    parts = [""] if kv_bits is None else [".q", ".scales", ".biases"]
+    names = [f"layers.{i}.{kv}" for i in range(len(layouts)) for kv in ("keys", "values")]
+    expected = {"tokens", *(name + part for name in names for part in parts)}
+    if extra := sorted(set(encoded.tensors) - expected):
+        raise CacheFormatError(f"unexpected tensors {extra} for this layout")
+    layers = []
+    for i, layout in enumerate(layouts):
+        if layout["offset"] != tokens.shape[0]:
+            raise CacheFormatError(
+                f"layer {i} holds {layout['offset']} positions but tensor 'tokens' has "
+                f"{tokens.shape[0]}"
+            )
+        if layout["type"] == "KVCache":
+            layer = KVCache()
+        else:
+            layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
+            layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+        layer.keys, layer.values = (
+            _read_kv(encoded, f"layers.{i}.{kv}", layout[f"{kv}_shape"], layout["dtype"])
+            for kv in ("keys", "values")
+        )
+        layer.offset = layout["offset"]
+        layers.append(layer)
+    mx.eval(*(x for layer in layers for x in (layer.keys, layer.values)))
+    return PromptCache(layers, tokens.tolist())
+
+
+def _temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.array, dict]:
+    """Keys and values of one layer in temporal order (used positions only), and its layout."""
+    if type(layer) not in _LAYER_TYPES.values():
+        raise ValueError(f"layer {i} is a {type(layer).__name__}; only {list(_LAYER_TYPES)}")
+    if layer.offset != num_tokens or layer.keys is None:
+        raise ValueError(
+            f"layer {i} holds {layer.offset} positions but the cache lists {num_tokens} tokens"
+        )
+    if type(layer) is KVCache:
+        keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+        extra = {"max_size": None, "keep": None}
+    else:
+        # Unrolls a wrapped ring (keep prefix first) and drops unfilled slots of a larger buffer.
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        extra = {"max_size": layer.max_size, "keep": layer.keep}
+    dtype = next((n for n, d in _DTYPES.items() if d == keys.dtype), None)
+    if dtype is None or values.dtype != keys.dtype:
+        raise ValueError(f"layer {i} has dtype {keys.dtype}/{values.dtype}; need {list(_DTYPES)}")
+    layout = {"type": type(layer).__name__, "offset": int(layer.offset), **extra, "dtype": dtype}
+    return keys, values, layout | {"keys_shape": keys.shape, "values_shape": values.shape}
+
+
+def _read_kv(encoded: EncodedCache, name: str, shape: tuple[int, ...], dtype: str) -> mx.array:
+    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    if kv_bits is None:
+        x = mx.array(_tensor(encoded, name, shape, _STORED[dtype]))
+        return x.view(mx.bfloat16) if dtype == "bfloat16" else x
+    rows, head_dim = shape[:-1], shape[-1]
+    if head_dim % group_size:
+        raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
+    q = _tensor(encoded, f"{name}.q", (*rows, head_dim * kv_bits // 32), np.uint32)
+    scales, biases = (
+        _tensor(encoded, f"{name}.{p}", (*rows, head_dim // group_size), np.float16)
+        for p in ("scales", "biases")
+    )
+    x = mx.dequantize(
+        mx.array(q), mx.array(scales), mx.array(biases), group_size=group_size, bits=kv_bits
+    )
+    return x.astype(_DTYPES[dtype])
+
+
+def _tensor(encoded: EncodedCache, name: str, shape: tuple | None, dtype: type) -> np.ndarray:
+    x = encoded.tensors.get(name)
+    if x is None:
+        raise CacheFormatError(f"tensor {name!r} is missing")
+    if x.dtype != dtype or (shape is not None and x.shape != tuple(shape)):
+        raise CacheFormatError(
+            f"tensor {name!r} is {x.dtype}{list(x.shape)}, expected "
+            f"{np.dtype(dtype)}{'' if shape is None else list(shape)}"
+        )
+    return x
+
+
+def _parse_int(metadata: dict[str, str], key: str, allowed: tuple[int, ...]) -> int | None:
+    raw = metadata.get(key)
+    if raw == "none":
+        return None
+    if raw not in {str(a) for a in allowed}:
+        raise CacheFormatError(f"metadata {key!r} is {raw!r}; expected 'none' or one of {allowed}")
+    return int(raw)
+
+
+def _parse_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+    try:
+        layouts = json.loads(metadata["layers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"metadata 'layers' is missing or not JSON: {exc}") from exc
+    if not isinstance(layouts, list) or not layouts:
+        raise CacheFormatError("metadata 'layers' must be a non-empty JSON list")
+    for i, layout in enumerate(layouts):
+        if problem := _layout_problem(layout):
+            raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+        layout["keys_shape"], layout["values_shape"] = map(
+            tuple, (layout["keys_shape"], layout["values_shape"])
+        )
+    return layouts
+
+
+def _layout_problem(layout: Any) -> str | None:
+    def ints(*values: Any, low: int) -> bool:
+        return all(type(v) is int and v >= low for v in values)
+
+    fields = ("type", "offset", "max_size", "keep", "dtype", "keys_shape", "values_shape")
+    if not isinstance(layout, dict) or not set(fields) <= layout.keys():
+        return f"needs the fields {list(fields)}"
+    if layout["type"] not in _LAYER_TYPES:
+        return f"unknown layer type {layout['type']!r}; expected one of {list(_LAYER_TYPES)}"
+    if layout["dtype"] not in _DTYPES:
+        return f"unknown dtype {layout['dtype']!r}; expected one of {list(_DTYPES)}"
+    if not ints(layout["offset"], low=1):
+        return "offset must be a positive integer"
+    if layout["type"] == "RotatingKVCache" and not (
+        ints(layout["max_size"], low=1) and ints(layout["keep"], low=0)
+    ):
+        return "a RotatingKVCache needs an integer max_size >= 1 and keep >= 0"
+    k, v = layout["keys_shape"], layout["values_shape"]
+    if not all(isinstance(s, list) and len(s) == 4 and ints(*s, low=1) for s in (k, v)):
+        return "keys_shape and values_shape must be 4 positive integers (B, heads, length, dim)"
+    if k[:3] != v[:3]:
+        return "keys and values disagree on batch, heads or length"
+    length, offset, max_size = k[2], layout["offset"], layout["max_size"]
+    if layout["type"] == "KVCache" and length != offset:
+        return f"a KVCache at offset {offset} stores {offset} positions, not {length}"
+    # A rotating layer holds at least the last min(offset, max_size) positions, at most all.
+    if layout["type"] == "RotatingKVCache" and not (
+        min(offset, max_size) <= length <= offset and layout["keep"] < max_size
+    ):
+        return f"a RotatingKVCache at offset {offset} cannot store {length} positions"
+    return None

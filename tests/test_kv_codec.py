@@ -1,0 +1,419 @@
+"""KV codec on real tiny-model caches: exact round trips that resume token for token (alone and
+in one batch), quantized fidelity and size, rotating-buffer edge cases, corrupt inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from engine.engine import Engine
+from engine.kv_codec import (
+    FORMAT_VERSION,
+    CacheFormatError,
+    EncodedCache,
+    check_group_size,
+    decode_cache,
+    encode_cache,
+)
+from engine.request import GenerationRequest, PromptCache
+
+SPECS = ["tiny:gemma3", "tiny:llama"]
+WINDOW = 32  # tiny:gemma3's sliding window
+HISTORIES = [10, WINDOW, WINDOW + 1, 130]  # shorter than, equal to, just past, well past
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def engine(request):
+    eng = asyncio.run(Engine.open(request.param))
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    eng = asyncio.run(Engine.open("tiny:gemma3"))
+    assert eng.model.sliding_window == WINDOW
+    yield eng
+    asyncio.run(eng.close())
+
+
+def tokens(eng: Engine, n: int, salt: int = 0) -> list[int]:
+    """n deterministic non-special token ids."""
+    return [(7 * i + 11 * salt) % (eng.model.vocab_size - 16) + 16 for i in range(n)]
+
+
+async def history(eng: Engine, n: int) -> PromptCache:
+    """A real cache of exactly n tokens: a prompt plus 4 generated tokens."""
+    res = await eng.generate(GenerationRequest(tokens(eng, n - 4, salt=n), 4, ignore_eos=True))
+    assert res.cache.num_tokens == n
+    return res.cache
+
+
+async def roundtrip(eng: Engine, cache: PromptCache, kv_bits: int | None) -> PromptCache:
+    encoded = await eng.run(encode_cache, cache, kv_bits)
+    return await eng.run(decode_cache, encoded)
+
+
+def temporal(layer) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's keys and values in temporal order, used positions only, as float32 numpy."""
+    if isinstance(layer, RotatingKVCache):
+        k, v = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    else:
+        k, v = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+    return np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
+
+
+def layout(layer) -> tuple:
+    return (type(layer), layer.offset, getattr(layer, "max_size", None), getattr(layer, "keep", 0))
+
+
+async def temporal_pairs(eng: Engine, a: PromptCache, b: PromptCache) -> list[tuple]:
+    """Per layer, ``(temporal(a_layer), temporal(b_layer))``, read on the generation thread."""
+    pairs = zip(a.layers, b.layers, strict=True)
+    return await eng.run(lambda: [(temporal(x), temporal(y)) for x, y in pairs])
+
+
+def argmax_agreement(eng: Engine, feed: list[int], a: PromptCache, b: PromptCache) -> int:
+    """How many positions of ``feed`` get the same argmax after cache ``a`` as after ``b``."""
+    model, x = eng.model.model, mx.array([feed])
+    return int(mx.sum(model(x, cache=a.layers).argmax(-1) == model(x, cache=b.layers).argmax(-1)))
+
+
+async def resume(eng: Engine, cache: PromptCache, salt: int = 1) -> list[int]:
+    req = GenerationRequest(tokens(eng, 6, salt=salt), max_tokens=16, cache=cache)
+    return (await eng.generate(req)).token_ids
+
+
+@pytest.mark.parametrize("n", HISTORIES)
+async def test_exact_roundtrip_resumes_token_for_token(engine, n):
+    original = await history(engine, n)
+    decoded = await roundtrip(engine, original, None)
+    assert decoded.tokens == original.tokens
+    assert [layout(d) for d in decoded.layers] == [layout(o) for o in original.layers]
+    pairs = await temporal_pairs(engine, original, decoded)
+    for (ok, ov), (dk, dv) in pairs:
+        assert np.array_equal(ok, dk) and np.array_equal(ov, dv)
+    if engine.model.sliding_window and n > WINDOW:
+        assert pairs[0][1][0].shape[2] == WINDOW  # a sliding layer keeps just the window
+    assert await resume(engine, decoded) == await resume(engine, original)
+
+
+async def test_decoded_caches_resume_in_one_batch_as_alone(engine):
+    caches = [await roundtrip(engine, await history(engine, n), None) for n in HISTORIES]
+    alone = [await resume(engine, c, salt=i) for i, c in enumerate(caches)]
+    batched = await asyncio.gather(*(resume(engine, c, salt=i) for i, c in enumerate(caches)))
+    assert batched == alone
+
+
+async def test_decoded_cache_survives_a_safetensors_file(gemma, tmp_path):
+    original = await history(gemma, 100)
+    for kv_bits in (None, 8):
+        encoded = await gemma.run(encode_cache, original, kv_bits)
+        assert all(t.flags.c_contiguous and t.flags.owndata for t in encoded.tensors.values())
+        save_file(encoded.tensors, tmp_path / "c.safetensors", metadata=encoded.metadata)
+        with safe_open(tmp_path / "c.safetensors", "np") as f:
+            metadata = f.metadata()
+        loaded = EncodedCache(load_file(tmp_path / "c.safetensors"), metadata)
+        via_file = await gemma.run(decode_cache, loaded)
+        direct = await gemma.run(decode_cache, encoded)
+        assert await resume(gemma, via_file) == await resume(gemma, direct)
+
+
+async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
+    original = await history(engine, 130)
+    worst = {}
+    for kv_bits in (8, 4):
+        encoded = await engine.run(encode_cache, original, kv_bits)
+        assert (encoded.kv_bits, encoded.group_size) == (kv_bits, 64)
+        decoded = await engine.run(decode_cache, encoded)
+        assert [layout(d) for d in decoded.layers] == [layout(o) for o in original.layers]
+        assert all(d.keys.dtype == mx.float32 for d in decoded.layers)
+        pairs = await temporal_pairs(engine, original, decoded)
+        worst[kv_bits] = 0.0
+        for i, ((ok, ov), (dk, dv)) in enumerate(pairs):
+            for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
+                scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
+                step = np.repeat(np.abs(scales), 64, axis=-1)
+                err = np.abs(exact - approx)
+                # Affine rounding plus MLX's zero-point nudge, plus float16 casts in and out.
+                assert np.all(err <= 1.25 * step + 2**-10 * np.abs(exact))
+                worst[kv_bits] = max(worst[kv_bits], float(err.max()))
+    assert 0 < worst[8] * 8 < worst[4]
+
+
+async def test_q8_cache_resumes_with_nearly_the_same_predictions(engine):
+    hits = total = 0
+    for n in HISTORIES:
+        original = await history(engine, n)
+        q8 = await roundtrip(engine, original, 8)
+        solo, from_q8 = await resume(engine, original), await resume(engine, q8)
+        assert from_q8[0] == solo[0]
+        # Teacher-forced: feed both caches the same 48 tokens, compare each position's argmax.
+        exact, q8 = await roundtrip(engine, original, None), await roundtrip(engine, original, 8)
+        feed = tokens(engine, 48, salt=n + 1)
+        hits += await engine.run(argmax_agreement, engine, feed, exact, q8)
+        total += len(feed)
+    assert hits / total >= 0.9
+
+
+async def test_q4_cache_resumes(gemma):
+    original = await history(gemma, 130)
+    res = await gemma.generate(
+        GenerationRequest([20, 21], 8, cache=await roundtrip(gemma, original, 4), ignore_eos=True)
+    )
+    assert len(res.token_ids) == 8 and res.stats.cached_tokens == 130
+    assert res.cache.tokens == [*original.tokens, 20, 21, *res.token_ids]
+
+
+async def test_quantized_sizes_against_float16(engine):
+    cache = await history(engine, 130)
+    encoded = {b: await engine.run(encode_cache, cache, b) for b in (None, 8, 4)}
+    token_bytes = encoded[None].tensors["tokens"].nbytes
+    assert token_bytes == 130 * 4
+    fp16_kv = (encoded[None].nbytes - token_bytes) // 2  # the tiny models are float32
+    ratios = {b: (encoded[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)}
+    assert ratios == {8: 0.53125, 4: 0.28125}  # (d + 4d/64) / 2d and (d/2 + 4d/64) / 2d
+    assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.56
+    assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.31
+
+
+async def test_tensor_names_and_metadata(gemma):
+    encoded = await gemma.run(encode_cache, await history(gemma, 130), 4, 32)
+    assert encoded.num_tokens == 130 and (encoded.kv_bits, encoded.group_size) == (4, 32)
+    assert set(encoded.tensors) == {"tokens"} | {
+        f"layers.{i}.{kv}.{part}"
+        for i in range(5)
+        for kv in ("keys", "values")
+        for part in ("q", "scales", "biases")
+    }
+    assert encoded.tensors["layers.0.keys.q"].shape == (1, 2, WINDOW, 64 * 4 // 32)
+    assert encoded.tensors["layers.1.values.scales"].shape == (1, 2, 130, 64 // 32)
+    assert encoded.nbytes == sum(t.nbytes for t in encoded.tensors.values())
+    metadata = encoded.metadata
+    assert (metadata["format_version"], metadata["kv_bits"], metadata["group_size"]) == (
+        str(FORMAT_VERSION),
+        "4",
+        "32",
+    )
+    rotating, full = json.loads(metadata["layers"])[:2]
+    assert rotating == {
+        "type": "RotatingKVCache",
+        "offset": 130,
+        "max_size": WINDOW,
+        "keep": 0,
+        "dtype": "float32",
+        "keys_shape": [1, 2, WINDOW, 64],
+        "values_shape": [1, 2, WINDOW, 64],
+    }
+    assert full == rotating | {"type": "KVCache", "max_size": None, "keep": None} | {
+        "keys_shape": [1, 2, 130, 64],
+        "values_shape": [1, 2, 130, 64],
+    }
+
+
+def _rotating(max_size: int, keep: int, steps: list[int], dtype=mx.float32) -> RotatingKVCache:
+    """A RotatingKVCache fed chunks of the given lengths (1 = in place, >1 = concatenate)."""
+    cache, pos = RotatingKVCache(max_size=max_size, keep=keep), 0
+    for s in steps:
+        kv = mx.arange(pos, pos + s, dtype=mx.float32)[None, None, :, None] + mx.zeros(
+            (1, 2, s, 64)
+        )
+        cache.update_and_fetch(kv.astype(dtype), -kv.astype(dtype))
+        pos += s
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("keep", "steps", "stored"),
+    [
+        (0, [1] * 5, 5),  # buffer allocated for 8, 5 filled
+        (0, [1] * 8, 8),  # exactly full
+        (0, [1] * 13, 8),  # wrapped: _idx < offset
+        (2, [1] * 13, 8),  # wrapped with a kept prefix
+        (0, [12], 12),  # a long prefill keeps max_size + S - 1 positions
+        (2, [12, 1, 1, 1], 8),  # prefill then in-place writes that trim
+    ],
+)
+def test_rotating_layer_keeps_temporal_order_and_continues(keep, steps, stored):
+    original = _rotating(8, keep, steps)
+    decoded = decode_cache(encode_cache(PromptCache([original], list(range(sum(steps)))), None))
+    (layer,) = decoded.layers
+    assert layout(layer) == layout(original) and layer.keys.shape[2] == stored
+    assert np.array_equal(temporal(layer)[0], temporal(original)[0])
+    first = temporal(original)[0][0, 0, :, 0].tolist()
+    assert first[:keep] == list(range(keep)) and first[-1] == sum(steps) - 1
+    for s in (1, 1, 5, 1):  # both caches see the same future and stay equal
+        kv = mx.full((1, 2, s, 64), float(100 + s))
+        for c in (original, layer):
+            c.update_and_fetch(kv, -kv)
+        assert np.array_equal(temporal(layer)[0], temporal(original)[0])
+        merged = [BatchRotatingKVCache.merge([c]) for c in (original, layer)]
+        assert mx.array_equal(merged[0].keys, merged[1].keys).item()
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_bfloat16_cache_roundtrips(kv_bits):
+    x = mx.random.normal((1, 2, 11, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    kv = KVCache()
+    kv.update_and_fetch(x[..., :5, :], 2 * x[..., :5, :])
+    kv.update_and_fetch(x[..., 5:, :], 2 * x[..., 5:, :])  # 11 positions in a 256-slot buffer
+    rot = _rotating(8, 0, [1] * 11, mx.bfloat16)
+    encoded = encode_cache(PromptCache([kv, rot], list(range(11))), kv_bits)
+    decoded = decode_cache(encoded)
+    for original, layer in zip([kv, rot], decoded.layers, strict=True):
+        assert layer.keys.dtype == layer.values.dtype == mx.bfloat16
+        assert layout(layer) == layout(original)
+        for exact, back in zip(temporal(original), temporal(layer), strict=True):
+            if kv_bits is None:  # bfloat16 -> float32 is exact, so this compares bits
+                assert np.array_equal(exact, back)
+            else:
+                assert np.abs(exact - back).max() < 0.05 * np.abs(exact).max()
+    if kv_bits is None:
+        assert encoded.tensors["layers.0.keys"].dtype == np.uint16
+    for c in (kv, decoded.layers[0]):
+        c.update_and_fetch(x[..., :1, :], x[..., :1, :])
+    assert decoded.layers[0].offset == kv.offset == 12
+    if kv_bits is None:
+        assert np.array_equal(temporal(decoded.layers[0])[0], temporal(kv)[0])
+
+
+def _corrupt(encoded: EncodedCache, tensors=None, drop=(), **metadata) -> EncodedCache:
+    t = {k: v for k, v in encoded.tensors.items() if k not in drop} | (tensors or {})
+    return EncodedCache(t, encoded.metadata | metadata)
+
+
+def _relayer(encoded: EncodedCache, layer: int = 1, **changes) -> str:
+    layers = json.loads(encoded.metadata["layers"])
+    layers[layer].update(changes)
+    return json.dumps(layers)
+
+
+@pytest.fixture(scope="module")
+def small(gemma):
+    async def encode():
+        cache = await history(gemma, 40)
+        return await gemma.run(encode_cache, cache, None), await gemma.run(encode_cache, cache, 8)
+
+    return asyncio.run(encode())
+
+
+CORRUPTIONS = {
+    "missing tensor": (
+        lambda e, q: _corrupt(e, drop=["layers.1.keys"]),
+        "'layers.1.keys' is missing",
+    ),
+    "missing scales": (
+        lambda e, q: _corrupt(q, drop=["layers.2.values.scales"]),
+        "'layers.2.values.scales' is missing",
+    ),
+    "wrong shape": (
+        lambda e, q: _corrupt(e, {"layers.0.keys": e.tensors["layers.0.keys"][:, :1]}),
+        "'layers.0.keys' is float32[1, 1, 32, 64], expected float32[1, 2, 32, 64]",
+    ),
+    "wrong dtype": (
+        lambda e, q: _corrupt(q, {"layers.3.keys.q": q.tensors["layers.3.keys.q"].view(np.int32)}),
+        "'layers.3.keys.q' is int32",
+    ),
+    "unknown layer type": (
+        lambda e, q: _corrupt(e, layers=_relayer(e, type="QuantizedKVCache")),
+        "unknown layer type 'QuantizedKVCache'",
+    ),
+    "bad format version": (
+        lambda e, q: _corrupt(e, format_version="2"),
+        "unsupported format_version '2'",
+    ),
+    "no format version": (
+        lambda e, q: EncodedCache(e.tensors, {}),
+        "unsupported format_version None",
+    ),
+    "tokens mismatch": (
+        lambda e, q: _corrupt(e, {"tokens": e.tensors["tokens"][:-1]}),
+        "layer 0 holds 40 positions but tensor 'tokens' has 39",
+    ),
+    "offset mismatch": (
+        lambda e, q: _corrupt(e, layers=_relayer(e, offset=41)),
+        "a KVCache at offset 41 stores 41 positions, not 40",
+    ),
+    "rotating length": (
+        lambda e, q: _corrupt(
+            e,
+            {"layers.0.keys": e.tensors["layers.0.keys"][:, :, :20]},
+            layers=_relayer(e, 0, keys_shape=[1, 2, 20, 64], values_shape=[1, 2, 20, 64]),
+        ),
+        "a RotatingKVCache at offset 40 cannot store 20 positions",
+    ),
+    "one layer's offset off": (
+        lambda e, q: _corrupt(
+            e, layers=_relayer(e, offset=41, keys_shape=[1, 2, 41, 64], values_shape=[1, 2, 41, 64])
+        ),
+        "layer 1 holds 41 positions but tensor 'tokens' has 40",
+    ),
+    "extra tensor": (
+        lambda e, q: _corrupt(e, {"layers.9.keys": e.tensors["tokens"]}),
+        "unexpected tensors",
+    ),
+    "bad kv_bits": (lambda e, q: _corrupt(q, kv_bits="3"), "'kv_bits' is '3'"),
+    "layers not json": (lambda e, q: _corrupt(e, layers="[{"), "'layers' is missing or not JSON"),
+    "bad shape field": (
+        lambda e, q: _corrupt(e, layers=_relayer(e, keys_shape=[1, 2])),
+        "4 positive integers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+async def test_corrupt_inputs_raise_cache_format_error(gemma, small, case):
+    mutate, message = CORRUPTIONS[case]
+    with pytest.raises(CacheFormatError, match=re.escape(message)):
+        await gemma.run(decode_cache, mutate(*small))
+
+
+async def test_bad_encode_requests_raise_value_error(gemma):
+    cache = await history(gemma, 12)
+    with pytest.raises(ValueError, match="empty cache"):
+        await gemma.run(encode_cache, PromptCache(cache.layers, []), None)
+    with pytest.raises(ValueError, match="kv_bits must be None, 8 or 4"):
+        await gemma.run(encode_cache, cache, 3)
+    with pytest.raises(ValueError, match="head_dim 64 is not divisible by group_size 128"):
+        await gemma.run(encode_cache, cache, 8, 128)
+    with pytest.raises(ValueError, match="layer 0 holds 12 positions but the cache lists 11"):
+        await gemma.run(encode_cache, PromptCache(cache.layers, cache.tokens[:-1]), None)
+    quantized = PromptCache([QuantizedKVCache()] * 5, cache.tokens)
+    with pytest.raises(ValueError, match="layer 0 is a QuantizedKVCache"):
+        await gemma.run(encode_cache, quantized, None)
+
+
+def test_check_group_size_names_head_dim_and_group_size():
+    with pytest.raises(ValueError, match=r"head_dim 64 .* group_size 128"):
+        check_group_size(64, 128)
+    check_group_size(64, 64)
+    check_group_size(128, 64)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
+def test_check_group_size_agrees_with_mx_quantize(head_dim, group_size):
+    try:
+        mx.eval(mx.quantize(mx.zeros((2, head_dim)), group_size=group_size, bits=4))
+        accepted = True
+    except ValueError:
+        accepted = False
+    try:
+        check_group_size(head_dim, group_size)
+        checked = True
+    except ValueError:
+        checked = False
+    assert checked == accepted
