@@ -7,11 +7,31 @@ Typical use::
     async with await Registry.open("data/agentkv.sqlite") as registry:
         agent = await registry.create_agent(system_prompt="You are terse.")
         await registry.append_messages(agent.id, [NewMessage("user", "hi")])
+
+KV cache files (safetensors + checksum, atomic) are written off the event loop by one thread::
+
+    async with CacheWriter(cache_dir) as writer:
+        info = await asyncio.wrap_future(writer.write(agent.id, rel_path, tensors, metadata))
+        if info is not None:  # None: a newer write for this agent superseded this one
+            await registry.set_cache(agent.id, NewCacheEntry(rel_path, ..., message_count=n))
+    cache = read_cache_file(cache_dir / rel_path, expected_checksum=info.checksum)
 """
 
+from store.cache_files import (
+    CacheFile,
+    CacheFileInfo,
+    read_cache_file,
+    remove_cache_file,
+    write_cache_file,
+)
 from store.errors import (
     AgentExistsError,
     AgentNotFoundError,
+    CacheFileCorruptError,
+    CacheFileError,
+    CacheFileMissingError,
+    CacheWriterClosedError,
+    Corruption,
     InvalidAgentIdError,
     InvalidRecordError,
     MigrationError,
@@ -28,6 +48,7 @@ from store.records import (
     Role,
 )
 from store.registry import UNSET, Registry
+from store.writer import CacheWriter, JobFuture, WriterStats
 
 __all__ = [
     "AGENT_ID_PATTERN",
@@ -35,9 +56,18 @@ __all__ = [
     "AgentExistsError",
     "AgentNotFoundError",
     "AgentRecord",
+    "CacheFile",
+    "CacheFileCorruptError",
+    "CacheFileError",
+    "CacheFileInfo",
+    "CacheFileMissingError",
     "CacheRecord",
+    "CacheWriter",
+    "CacheWriterClosedError",
+    "Corruption",
     "InvalidAgentIdError",
     "InvalidRecordError",
+    "JobFuture",
     "MessageRecord",
     "MigrationError",
     "NewCacheEntry",
@@ -46,7 +76,11 @@ __all__ = [
     "RegistryClosedError",
     "Role",
     "StoreError",
+    "WriterStats",
     "is_valid_agent_id",
     "new_agent_id",
+    "read_cache_file",
+    "remove_cache_file",
     "validate_agent_id",
+    "write_cache_file",
 ]

@@ -1,4 +1,4 @@
-"""Exceptions raised by the agent registry.
+"""Exceptions raised by the agent registry, the cache files and the cache writer.
 
 Every error the store raises on purpose derives from :class:`StoreError`, so callers can catch
 the whole family or one specific class::
@@ -9,12 +9,21 @@ the whole family or one specific class::
     ├── AgentNotFoundError   (also LookupError)  no agent with that id
     ├── AgentExistsError                         create_agent with an id already in use
     ├── RegistryClosedError                      the registry was used after close()
-    └── MigrationError                           the database could not be brought to schema head
+    ├── MigrationError                           the database could not be brought to schema head
+    ├── CacheFileError                           a KV cache file cannot be used
+    │   ├── CacheFileMissingError (also FileNotFoundError)  no file at that path
+    │   └── CacheFileCorruptError                truncated, not safetensors, or checksum mismatch
+    └── CacheWriterClosedError (also RuntimeError)  a job was submitted after CacheWriter.close()
 
-SQLAlchemy errors that are not one of these (a full disk, a corrupt file) propagate unchanged.
+SQLAlchemy errors that are not one of these (a full disk, a corrupt file) propagate unchanged,
+as do ``OSError``s other than a missing cache file (permissions, a full disk).
 """
 
 from __future__ import annotations
+
+import errno
+import os
+from enum import StrEnum
 
 _MAX_SHOWN = 80
 
@@ -81,3 +90,57 @@ class RegistryClosedError(StoreError):
 
 class MigrationError(StoreError):
     """The database could not be migrated to the schema this code expects."""
+
+
+class CacheFileError(StoreError):
+    """Base class of errors about one KV cache file.
+
+    Attributes:
+        path: The file's path.
+    """
+
+    path: str
+
+
+class CacheFileMissingError(CacheFileError, FileNotFoundError):
+    """No cache file exists at the path (it was deleted, or never written)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        super().__init__(
+            errno.ENOENT,
+            f"cache file {self.path} does not exist; clear the registry's cache entry and "
+            "rebuild the cache from the transcript",
+        )
+
+
+class Corruption(StrEnum):
+    """What is wrong with a corrupt cache file."""
+
+    TRUNCATED = "truncated"
+    NOT_SAFETENSORS = "not safetensors"
+    NO_CHECKSUM = "no checksum"
+    CHECKSUM_MISMATCH = "checksum mismatch"
+
+
+class CacheFileCorruptError(CacheFileError):
+    """A cache file exists but cannot be trusted; nothing of it was returned.
+
+    Attributes:
+        path: The file's path.
+        kind: Which check failed.
+        detail: What exactly was found.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], kind: Corruption, detail: str) -> None:
+        self.path = os.fspath(path)
+        self.kind = kind
+        self.detail = detail
+        super().__init__(
+            f"cache file {self.path} is corrupt ({kind}): {detail}; delete it and rebuild the "
+            "cache from the transcript"
+        )
+
+
+class CacheWriterClosedError(StoreError, RuntimeError):
+    """A job was submitted to a ``CacheWriter`` after ``close()``; make a new writer."""

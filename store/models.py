@@ -134,6 +134,8 @@ class KVCache(Base):
     )
     path: Mapped[str] = mapped_column(String, nullable=False)
     token_count: Mapped[int] = mapped_column(Integer, nullable=False)
+    # Rows from before revision 0002 read 0: coverage unknown (see that revision).
+    message_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     kv_bits: Mapped[int | None] = mapped_column(Integer, nullable=True)
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     model_fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)

@@ -98,6 +98,8 @@ class NewCacheEntry:
     Attributes:
         path: File path relative to the cache directory, using ``/``; no ``..`` parts.
         token_count: Tokens of the transcript the cache covers.
+        message_count: Messages of the transcript (rows of ``messages``, from position 0) the
+            cache covers; keyword-only, so it cannot be swapped with ``token_count``.
         model_fingerprint: Fingerprint of the model that produced the cache (at most 64 chars).
         nbytes: Size of the file in bytes.
         checksum: Checksum of the file, e.g. a SHA-256 hex digest (at most 64 chars).
@@ -111,6 +113,7 @@ class NewCacheEntry:
 
     path: str
     token_count: int
+    message_count: int = field(kw_only=True)
     model_fingerprint: str
     nbytes: int
     checksum: str
@@ -121,6 +124,7 @@ class NewCacheEntry:
     def __post_init__(self) -> None:
         _check_relative_path(self.path)
         _check_int("token_count", self.token_count, minimum=0)
+        _check_int("message_count", self.message_count, minimum=0)
         _check_text("model_fingerprint", self.model_fingerprint, MAX_FINGERPRINT_CHARS)
         _check_int("nbytes", self.nbytes, minimum=0)
         _check_text("checksum", self.checksum, MAX_CHECKSUM_CHARS)
@@ -143,12 +147,17 @@ class NewCacheEntry:
 
 @dataclass(slots=True, frozen=True)
 class CacheRecord:
-    """An agent's current KV cache entry as stored; ``path`` is relative to the cache dir."""
+    """An agent's current KV cache entry as stored; ``path`` is relative to the cache dir.
+
+    ``message_count`` is how many transcript messages the cache covers; 0 on a row written
+    before that column existed (migration 0002), where the coverage is unknown.
+    """
 
     id: int
     agent_id: str
     path: str
     token_count: int
+    message_count: int
     kv_bits: int | None
     group_size: int | None
     model_fingerprint: str
@@ -168,6 +177,7 @@ class CacheRecord:
             agent_id=row.agent_id,
             path=row.path,
             token_count=row.token_count,
+            message_count=row.message_count,
             kv_bits=row.kv_bits,
             group_size=row.group_size,
             model_fingerprint=row.model_fingerprint,

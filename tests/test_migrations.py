@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -46,16 +47,18 @@ SCHEMA = {
         "checksum",
         "format_version",
         "created_at",
+        "message_count",  # added by 0002, so last in the table
     ],
 }
 # A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
+# NEXT_REVISION and HEAD_REVISION are filled in by with_revision().
 RECREATE_AGENTS = '''"""Recreate agents."""
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "NEXT_REVISION"
+down_revision = "HEAD_REVISION"
 branch_labels = None
 depends_on = None
 
@@ -75,8 +78,8 @@ BROKEN = '''"""Fails halfway."""
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "NEXT_REVISION"
+down_revision = "HEAD_REVISION"
 branch_labels = None
 depends_on = None
 
@@ -109,17 +112,41 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
+HEAD = "0002"
+NEXT = "9000"
+
+
 def with_revision(scripts: Path, source: str) -> Path:
-    """A copy of the real migrations with one more revision, ``0002``."""
+    """A copy of the real migrations with one more revision, ``NEXT``, on top of ``HEAD``."""
     shutil.copytree(
         Path(migrations.__file__).parent, scripts, ignore=shutil.ignore_patterns("__pycache__")
     )
-    (scripts / "versions" / "0002_next.py").write_text(source)
+    source = source.replace("NEXT_REVISION", NEXT).replace("HEAD_REVISION", HEAD)
+    (scripts / "versions" / f"{NEXT}_next.py").write_text(source)
     return scripts
 
 
 def head_revision() -> str | None:
     return ScriptDirectory.from_config(database.alembic_config()).get_current_head()
+
+
+async def migrate(path: Path, revision: str, *, down: bool = False) -> None:
+    """Move the file at ``path`` to ``revision`` through env.py, like ``Registry.open``."""
+    engine = database.create_engine(database.database_url(path))
+    try:
+        if down:
+            async with engine.connect() as connection:
+                await connection.run_sync(_downgrade, revision)
+        else:
+            await database.upgrade(engine, revision)
+    finally:
+        await engine.dispose()
+
+
+def _downgrade(connection: Connection, revision: str) -> None:
+    config = database.alembic_config()
+    config.attributes["connection"] = connection  # picked up by migrations/env.py
+    command.downgrade(config, revision)
 
 
 async def test_upgrading_an_empty_file_gives_exactly_the_orm_schema(tmp_path: Path) -> None:
@@ -153,8 +180,8 @@ async def test_opening_twice_is_idempotent(tmp_path: Path) -> None:
     schema = rows(path, "SELECT type, name, sql FROM sqlite_master ORDER BY name")
     async with await Registry.open(path) as registry:
         assert [agent.id for agent in await registry.list_agents()] == ["a"]
-    assert head_revision() == "0001"
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("0001",)]
+    assert head_revision() == HEAD
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT type, name, sql FROM sqlite_master ORDER BY name") == schema
 
 
@@ -187,7 +214,9 @@ async def test_batch_migration_rebuilding_agents_keeps_child_rows(tmp_path: Path
         await registry.append_messages(
             "a", [NewMessage("user", "hi"), NewMessage("assistant", "yo")]
         )
-        await registry.set_cache("a", NewCacheEntry("a/c.safetensors", 2, "m", 10, "c", 1))
+        await registry.set_cache(
+            "a", NewCacheEntry("a/c.safetensors", 2, "m", 10, "c", 1, message_count=2)
+        )
     scripts = with_revision(tmp_path / "scripts", RECREATE_AGENTS)
 
     engine = database.create_engine(database.database_url(path))
@@ -199,7 +228,7 @@ async def test_batch_migration_rebuilding_agents_keeps_child_rows(tmp_path: Path
         await engine.dispose()
 
     assert foreign_keys == 1  # switched back on after the migration
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("0002",)]
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(NEXT,)]
     assert rows(path, "SELECT id, archived FROM agents") == [("a", None)]
     assert rows(path, "SELECT position, content FROM messages") == [(0, "hi"), (1, "yo")]
     assert rows(path, "SELECT agent_id FROM kv_caches") == [("a",)]
@@ -219,7 +248,7 @@ async def test_a_failing_revision_changes_nothing(tmp_path: Path) -> None:
     finally:
         await engine.dispose()
 
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("0001",)]
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT name, sql FROM sqlite_master ORDER BY name") == schema
 
 
@@ -248,3 +277,74 @@ def test_command_line_offline_sql_creates_the_tables() -> None:
     assert offline.returncode == 0, offline.stderr
     for table in ("agents", "messages", "kv_caches"):
         assert f"CREATE TABLE {table} (" in offline.stdout
+
+
+CACHE_0001 = (
+    "a",
+    "a/c.safetensors",
+    7,
+    8,
+    64,
+    "m" * 64,
+    123,
+    "c" * 64,
+    1,
+    "2026-01-02 03:04:05.000000",
+)
+
+
+async def test_a_0001_cache_row_upgrades_to_head_with_message_count_0(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    await migrate(path, "0001")
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute(
+            "INSERT INTO agents VALUES ('a', 'a', NULL, NULL, '{}', ?, ?)", CACHE_0001[-1:] * 2
+        )
+        db.execute(
+            "INSERT INTO kv_caches (agent_id, path, token_count, kv_bits, group_size, "
+            "model_fingerprint, nbytes, checksum, format_version, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            CACHE_0001,
+        )
+
+    async with await Registry.open(path) as registry:
+        cache = await registry.get_cache("a")
+        async with registry._db.engine.connect() as connection:
+            diff = await connection.run_sync(schema_diff)
+
+    assert diff == []
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert cache is not None
+    assert (cache.path, cache.token_count, cache.message_count, cache.kv_bits, cache.nbytes) == (
+        "a/c.safetensors",
+        7,
+        0,
+        8,
+        123,
+    )
+
+
+async def test_downgrading_0002_drops_message_count_and_keeps_rows(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh.sqlite"
+    await migrate(fresh, "0001")
+    path = tmp_path / "db.sqlite"
+    async with await Registry.open(path) as registry:
+        await registry.create_agent("a")
+        await registry.append_messages("a", [NewMessage("user", "hi")])
+        await registry.set_cache(
+            "a", NewCacheEntry("a/c.safetensors", 3, "m", 10, "c", 1, message_count=1)
+        )
+
+    await migrate(path, "0001", down=True)
+    # Batch mode rebuilt the table: same columns, unique index and cascading foreign key as 0001.
+    for pragma in ("table_info", "index_list", "foreign_key_list"):
+        sql = f"PRAGMA {pragma}(kv_caches)"
+        assert rows(fresh, sql) and rows(path, sql) == rows(fresh, sql), pragma
+    assert rows(path, "SELECT agent_id, path, token_count FROM kv_caches") == [
+        ("a", "a/c.safetensors", 3)
+    ]
+    assert rows(path, "SELECT content FROM messages") == [("hi",)]
+
+    async with await Registry.open(path) as registry:  # and back up again
+        cache = await registry.get_cache("a")
+    assert cache is not None and (cache.path, cache.message_count) == ("a/c.safetensors", 0)

@@ -34,6 +34,7 @@ from store.models import Agent
 ENTRY = NewCacheEntry(
     path="a/cache-1.safetensors",
     token_count=12,
+    message_count=3,
     model_fingerprint="f" * 64,
     nbytes=4096,
     checksum="c" * 64,
@@ -356,18 +357,20 @@ async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> No
     assert await registry.set_cache("a", ENTRY) is None
     first = await registry.get_cache("a")
     assert first is not None
-    assert (first.agent_id, first.path, first.kv_bits, first.group_size, first.token_count) == (
-        "a",
-        ENTRY.path,
-        8,
-        64,
-        12,
-    )
+    assert (
+        first.agent_id,
+        first.path,
+        first.kv_bits,
+        first.group_size,
+        first.token_count,
+        first.message_count,
+    ) == ("a", ENTRY.path, 8, 64, 12, 3)
 
-    newer = NewCacheEntry("a/cache-2.safetensors", 20, "f" * 64, 8192, "d" * 64, 1)
+    newer = NewCacheEntry("a/cache-2.safetensors", 20, "f" * 64, 8192, "d" * 64, 1, message_count=5)
     assert await registry.set_cache("a", newer) == first
     current = await registry.get_cache("a")
-    assert current is not None and (current.path, current.is_quantized) == (newer.path, False)
+    assert current is not None
+    assert (current.path, current.message_count, current.is_quantized) == (newer.path, 5, False)
 
     assert await registry.clear_cache("a") == current
     assert await registry.get_cache("a") is None
@@ -385,6 +388,9 @@ async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> No
         ({"kv_bits": 4, "group_size": None}, "group_size"),
         ({"kv_bits": None, "group_size": 64}, "group_size"),
         ({"token_count": -1}, "token_count"),
+        ({"message_count": -1}, "message_count"),
+        ({"message_count": True}, "message_count"),
+        ({"message_count": 1.0}, "message_count"),
         ({"checksum": "x" * 65}, "checksum"),
         ({"format_version": 0}, "format_version"),
     ],
@@ -393,6 +399,7 @@ def test_cache_entry_validates_on_construction(changes: dict[str, Any], field: s
     fields = {
         "path": "a/c.safetensors",
         "token_count": 1,
+        "message_count": 1,
         "model_fingerprint": "m",
         "nbytes": 1,
         "checksum": "c",
@@ -402,6 +409,12 @@ def test_cache_entry_validates_on_construction(changes: dict[str, Any], field: s
     }
     with pytest.raises(InvalidRecordError, match=field):
         NewCacheEntry(**(fields | changes))
+
+
+def test_cache_entry_message_count_is_required_and_keyword_only() -> None:
+    # Positionally it could be swapped with token_count without any error.
+    with pytest.raises(TypeError, match="message_count"):
+        NewCacheEntry("a/c.safetensors", 1, "m", 1, "c", 1)  # type: ignore[call-arg]
 
 
 async def test_open_accepts_a_url_and_creates_parent_directories(tmp_path: Path) -> None:

@@ -1,0 +1,263 @@
+"""KV cache files: safetensors with a checksum, written atomically and verified on read.
+
+Tensors are numpy arrays in host memory; this module never touches MLX, so the cache writer
+thread may call it. A file is one safetensors blob whose ``__metadata__`` holds the caller's
+string metadata plus ``checksum``: a SHA-256 over the rest of the metadata and every tensor's
+name, dtype, shape and bytes. A reader therefore either gets exactly what was written or a
+:class:`~store.errors.CacheFileCorruptError`; a crash mid-write leaves the previous file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+from safetensors import SafetensorError
+
+from store.errors import CacheFileCorruptError, CacheFileMissingError, Corruption
+
+CHECKSUM_KEY = "checksum"
+"""Metadata key holding the file's checksum; reserved, callers may not set it."""
+SUPPORTED_DTYPES = frozenset(
+    {
+        *("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"),
+        *("float16", "float32", "float64", "complex64"),
+    }
+)
+"""numpy dtype names that safetensors both writes and reads back as numpy."""
+_HEADER_LENGTH = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFileInfo:
+    """What :func:`write_cache_file` wrote: record ``nbytes`` and ``checksum`` in the registry."""
+
+    path: Path
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CacheFile:
+    """A verified cache file as read by :func:`read_cache_file`.
+
+    Attributes:
+        tensors: Name to array; each array is a fresh, writable copy owned by the caller.
+        metadata: The caller's metadata, without ``checksum``.
+        checksum: The verified checksum.
+        nbytes: Size of the file in bytes.
+    """
+
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, str]
+    checksum: str
+    nbytes: int
+
+
+def write_cache_file(
+    path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
+) -> CacheFileInfo:
+    """Write tensors and metadata to ``path`` atomically, replacing any file there.
+
+    The bytes go to ``.<name>.tmp-<random>`` next to ``path``, are fsynced, renamed over
+    ``path``, and the directory is fsynced. If anything fails before the rename the temporary
+    file is removed and ``path`` is untouched. Parent directories are created.
+
+    Args:
+        path: Destination file.
+        tensors: Name (non-empty, not ``__metadata__``) to array of a dtype in
+            :data:`SUPPORTED_DTYPES`; any memory layout or byte order.
+        metadata: String keys and values, stored in the header; ``checksum`` is reserved.
+
+    Returns:
+        The path, the file size and the checksum.
+
+    Raises:
+        TypeError: A tensor is not an ``np.ndarray`` or metadata is not ``str`` to ``str``.
+        ValueError: A tensor name, dtype or metadata entry is not allowed.
+        OSError: The file could not be written (e.g. a full disk); ``path`` is untouched.
+            Only a failing directory fsync, after the rename, leaves the new file in place.
+    """
+    path = Path(path)
+    arrays = {name: _normalized(name, array) for name, array in tensors.items()}
+    header = _checked_metadata(metadata)
+    checksum = _checksum(header, arrays)
+    try:
+        blob = safetensors.numpy.save(arrays, metadata={**header, CHECKSUM_KEY: checksum})
+    except SafetensorError as exc:  # inputs are checked above, so this is unexpected
+        raise ValueError(f"safetensors refused to serialize {path}: {exc}") from exc
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(blob)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    # Makes the rename itself durable; without it a crash could bring back the old file.
+    _fsync_directory(path.parent)
+    return CacheFileInfo(path=path, nbytes=len(blob), checksum=checksum)
+
+
+def read_cache_file(path: Path, *, expected_checksum: str | None = None) -> CacheFile:
+    """Read and verify a cache file written by :func:`write_cache_file`.
+
+    Args:
+        path: The file.
+        expected_checksum: The checksum the registry recorded for it, if known.
+
+    Returns:
+        The tensors, the metadata (without ``checksum``), the checksum and the file size.
+
+    Raises:
+        CacheFileMissingError: No file at ``path``.
+        CacheFileCorruptError: The file is truncated, not safetensors, has no checksum, or its
+            content or ``expected_checksum`` does not match the stored checksum.
+        OSError: The file exists but cannot be read (e.g. permissions).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise CacheFileMissingError(path) from exc
+    header = _parse_header(path, data)
+    try:
+        tensors = safetensors.numpy.load(data)
+    except Exception as exc:  # SafetensorError, or numpy rejecting a shape; never leak them
+        raise CacheFileCorruptError(path, Corruption.NOT_SAFETENSORS, str(exc)) from exc
+
+    metadata = dict(header.get("__metadata__") or {})
+    stored = metadata.pop(CHECKSUM_KEY, None)
+    if not isinstance(stored, str):
+        raise CacheFileCorruptError(
+            path, Corruption.NO_CHECKSUM, "the header has no checksum; not written by agentkv"
+        )
+    computed = _checksum(metadata, tensors)
+    if computed != stored:
+        raise CacheFileCorruptError(
+            path, Corruption.CHECKSUM_MISMATCH, f"stored {stored}, content hashes to {computed}"
+        )
+    if expected_checksum is not None and expected_checksum != stored:
+        raise CacheFileCorruptError(
+            path,
+            Corruption.CHECKSUM_MISMATCH,
+            f"the registry expects {expected_checksum}, the file has {stored}",
+        )
+    return CacheFile(tensors=tensors, metadata=metadata, checksum=stored, nbytes=len(data))
+
+
+def remove_cache_file(path: Path) -> None:
+    """Delete a cache file; a file that is already gone is not an error."""
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _normalized(name: object, array: object) -> np.ndarray:
+    """``array`` as C-contiguous little-endian, the layout safetensors stores."""
+    if not isinstance(name, str) or not name or name == "__metadata__":
+        raise ValueError(f"tensor name {name!r}: expected a non-empty str other than __metadata__")
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"tensor {name!r} is a {type(array).__name__}, expected np.ndarray")
+    if array.dtype.name not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"tensor {name!r} has dtype {array.dtype}; use one of {sorted(SUPPORTED_DTYPES)}"
+        )
+    little = array.dtype.newbyteorder("<")
+    # safetensors 0.8 writes raw memory from the data pointer: a strided view would be garbage.
+    if array.dtype != little or not array.flags.c_contiguous:
+        array = np.array(array, dtype=little, order="C")
+    return array
+
+
+def _checked_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    header = dict(metadata)
+    for key, value in header.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata {key!r}: {value!r}: keys and values must be str")
+        if key == CHECKSUM_KEY:
+            raise ValueError(f"metadata key {CHECKSUM_KEY!r} is reserved for the file checksum")
+        try:
+            (key + value).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"metadata {key!r}: not encodable as UTF-8 ({exc})") from exc
+    return header
+
+
+def _checksum(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 hex over canonical metadata, then each tensor in name order.
+
+    Every part is a JSON line (no raw newlines inside) and each tensor's bytes follow a line
+    that states their length, so no two different inputs produce the same stream.
+    """
+    digest = hashlib.sha256()
+    digest.update(_json_line(dict(sorted(metadata.items()))))
+    for name in sorted(tensors):
+        array = tensors[name]
+        digest.update(_json_line([name, array.dtype.name, list(array.shape), array.nbytes]))
+        digest.update(array.reshape(-1).view(np.uint8))
+    return digest.hexdigest()
+
+
+def _json_line(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
+
+
+def _parse_header(path: Path, data: bytes) -> dict[str, Any]:
+    """The header JSON, after checking the file is long enough for it and for its data."""
+    if len(data) < _HEADER_LENGTH.size:
+        raise CacheFileCorruptError(
+            path, Corruption.TRUNCATED, f"{len(data)} bytes, less than the 8-byte header length"
+        )
+    (length,) = _HEADER_LENGTH.unpack_from(data)
+    end = _HEADER_LENGTH.size + length
+    if end > len(data):
+        # A file cut inside its header still starts like one; random bytes rarely do.
+        looks_cut = b'{"'.startswith(data[8:10])
+        kind = Corruption.TRUNCATED if looks_cut else Corruption.NOT_SAFETENSORS
+        raise CacheFileCorruptError(
+            path, kind, f"header of {length} bytes announced, file has {len(data)}"
+        )
+    try:
+        header = json.loads(data[_HEADER_LENGTH.size : end])
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CacheFileCorruptError(path, Corruption.NOT_SAFETENSORS, f"header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CacheFileCorruptError(path, Corruption.NOT_SAFETENSORS, "header is not an object")
+    data_end = end + _declared_data_size(header)
+    if data_end > len(data):
+        raise CacheFileCorruptError(
+            path, Corruption.TRUNCATED, f"data ends at byte {data_end}, file has {len(data)}"
+        )
+    return header
+
+
+def _declared_data_size(header: dict[str, Any]) -> int:
+    """Largest data offset the header names; 0 when malformed (safetensors then rejects it)."""
+    ends = [0]
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if name != "__metadata__" and isinstance(offsets, list) and len(offsets) == 2:
+            ends.append(offsets[1] if isinstance(offsets[1], int) else 0)
+    return max(ends)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
