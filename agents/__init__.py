@@ -1,3 +1,49 @@
-"""agentkv's public API: persistent LLM agents over a continuously batched MLX engine."""
+"""agentkv's public API: persistent LLM agents over a continuously batched MLX engine.
 
-import engine  # noqa: F401  (first: preloads OpenBLAS before anything imports mlx.core)
+from agents import AgentRuntime, RuntimeConfig, SamplingParams
+"""
+
+import engine  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx.core)
+
+from agents.config import RuntimeConfig
+from agents.errors import (
+    AgentKVError,
+    ContextLengthError,
+    EmptyMessageError,
+    RuntimeClosedError,
+    TurnFailedError,
+)
+from agents.runtime import AgentRuntime
+from agents.types import Reply, TextDelta, Timings, Usage
+from engine.config import EngineConfig
+from engine.errors import EngineOverloadedError
+from engine.sampling import SamplingParams
+from store import (
+    AgentExistsError,
+    AgentNotFoundError,
+    AgentRecord,
+    InvalidAgentIdError,
+    MessageRecord,
+)
+
+__all__ = [
+    "AgentExistsError",
+    "AgentKVError",
+    "AgentNotFoundError",
+    "AgentRecord",
+    "AgentRuntime",
+    "ContextLengthError",
+    "EmptyMessageError",
+    "EngineConfig",
+    "EngineOverloadedError",
+    "InvalidAgentIdError",
+    "MessageRecord",
+    "Reply",
+    "RuntimeClosedError",
+    "RuntimeConfig",
+    "SamplingParams",
+    "TextDelta",
+    "Timings",
+    "TurnFailedError",
+    "Usage",
+]

@@ -150,6 +150,14 @@ class LoadedModel:
         return frozenset(self.tokenizer.eos_token_ids)
 
     @property
+    def head_dim(self) -> int:
+        """Size of one attention head's key/value vectors (what KV quantization groups)."""
+        explicit = self._config_value("head_dim")
+        return explicit or self._config_value("hidden_size") // self._config_value(
+            "num_attention_heads"
+        )
+
+    @property
     def max_context(self) -> int | None:
         """``max_position_embeddings`` from the config, or None when it gives none."""
         return self._config_value("max_position_embeddings")

@@ -1,0 +1,46 @@
+"""RuntimeConfig: one validated object for everything AgentRuntime.open needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import EngineConfig
+
+
+class RuntimeConfig(BaseModel):
+    """How to run agentkv.
+
+    Attributes:
+        model: ``tiny:<name>`` or a local mlx-lm model directory.
+        data_dir: holds ``agentkv.sqlite`` and ``caches/`` unless overridden.
+        db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
+        cache_dir: overrides ``data_dir/caches``.
+        kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
+        kv_group_size: quantization group size (must divide the model's head dim).
+        hot_cache_bytes: memory budget for recently used agents' unquantized caches.
+        default_max_tokens: max_tokens of a turn when the call does not say.
+        engine: continuous-batching limits.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    data_dir: Path = Path("data")
+    db_url: str | None = None
+    cache_dir: Path | None = None
+    kv_bits: Literal[8, 4] | None = 8
+    kv_group_size: Literal[32, 64, 128] = 64
+    hot_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
+    default_max_tokens: int = Field(default=512, ge=1)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @property
+    def database(self) -> str:
+        return self.db_url or str(self.data_dir / "agentkv.sqlite")
+
+    @property
+    def caches_path(self) -> Path:
+        return self.cache_dir or self.data_dir / "caches"

@@ -1,0 +1,163 @@
+"""Per-agent caches on disk: quantized on the generation thread, written by a writer thread.
+
+Save path: finished cache -> ``encode_cache`` on the generation thread (quantize, copy to host)
+-> writer thread writes safetensors atomically -> registry points at the new file -> the old
+file is removed. Neither the event loop nor the decode loop waits on disk. If a newer cache of
+the same agent is queued before an older one is written, the older write is skipped.
+
+Load path: registry entry -> read + verify the file in a worker thread -> ``decode_cache`` on the
+generation thread -> a PromptCache ready to merge into the batch. Any problem (missing,
+truncated, corrupt, other model, old format) is logged and reported as "no cache".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.engine import Engine
+from engine.kv_codec import (
+    FORMAT_VERSION,
+    CacheFormatError,
+    EncodedCache,
+    decode_cache,
+    encode_cache,
+)
+from engine.request import PromptCache
+from store import AgentNotFoundError, NewCacheEntry, Registry
+from store.cache_files import read_cache_file, remove_cache_file, write_cache_file
+from store.errors import CacheFileError
+from store.writer import CacheWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class LoadedCache:
+    cache: PromptCache
+    message_count: int
+
+
+class StaleCacheError(ValueError):
+    """A cache file that does not belong to this model, format or registry entry."""
+
+
+class DiskCaches:
+    """Saves and loads agents' caches under ``root/<agent_id>/``."""
+
+    def __init__(
+        self, root: Path, registry: Registry, engine: Engine, kv_bits: int | None, group_size: int
+    ):
+        self.root = root
+        self._registry = registry
+        self._engine = engine
+        self._kv_bits = kv_bits
+        self._group_size = group_size
+        self._writer = CacheWriter(root)
+        self._pending: dict[str, set[asyncio.Task]] = {}
+        self._loop = asyncio.get_running_loop()
+        self.saved = 0
+        self.load_failures = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return self._engine.model.fingerprint
+
+    def save(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
+        """Schedule a save; returns at once. ``wait`` or ``close`` waits for it."""
+        task = asyncio.create_task(self._save(agent_id, cache, message_count))
+        tasks = self._pending.setdefault(agent_id, set())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _save(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
+        try:
+            encoded = await self._engine.run(encode_cache, cache, self._kv_bits, self._group_size)
+            name = f"{message_count:06d}-{uuid.uuid4().hex[:8]}.safetensors"
+            job = self._writer.submit(
+                agent_id,
+                lambda: self._write(agent_id, Path(agent_id) / name, encoded, message_count),
+            )
+            await asyncio.wrap_future(job)
+        except Exception:
+            log.exception("saving the cache of agent %r failed; its transcript is intact", agent_id)
+
+    def _write(self, agent_id: str, rel: Path, encoded: EncodedCache, message_count: int) -> None:
+        """On the writer thread: write the file, point the registry at it, drop the old one."""
+        metadata = encoded.metadata | {
+            "model_fingerprint": self.fingerprint,
+            "message_count": str(message_count),
+        }
+        info = write_cache_file(self.root / rel, encoded.tensors, metadata)
+        entry = NewCacheEntry(
+            path=rel.as_posix(),
+            token_count=encoded.num_tokens,
+            model_fingerprint=self.fingerprint,
+            nbytes=info.nbytes,
+            checksum=info.checksum,
+            format_version=FORMAT_VERSION,
+            kv_bits=self._kv_bits,
+            group_size=self._group_size if self._kv_bits else None,
+            message_count=message_count,
+        )
+        try:
+            previous = asyncio.run_coroutine_threadsafe(
+                self._registry.set_cache(agent_id, entry), self._loop
+            ).result()
+        except AgentNotFoundError:
+            remove_cache_file(info.path)  # deleted while this was queued
+            return
+        self.saved += 1
+        if previous is not None and previous.path != entry.path:
+            remove_cache_file(self.root / previous.path)
+
+    async def load(self, agent_id: str) -> LoadedCache | None:
+        """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
+        record = await self._registry.get_cache(agent_id)
+        if record is None:
+            return None
+        try:
+            if record.model_fingerprint != self.fingerprint:
+                raise StaleCacheError("saved for another model")
+            if record.format_version != FORMAT_VERSION:
+                raise StaleCacheError(f"format version {record.format_version}")
+            file = await asyncio.to_thread(
+                read_cache_file, self.root / record.path, expected_checksum=record.checksum
+            )
+            meta = file.metadata
+            if meta.get("model_fingerprint") != self.fingerprint:
+                raise StaleCacheError("file was written for another model")
+            if meta.get("message_count") != str(record.message_count):
+                raise StaleCacheError("file does not match its registry entry")
+            encoded = EncodedCache(tensors=file.tensors, metadata=meta)
+            cache = await self._engine.run(decode_cache, encoded)
+        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
+            self.load_failures += 1
+            log.warning(
+                "cache of agent %r unusable (%s); rebuilding from its transcript", agent_id, exc
+            )
+            return None
+        return LoadedCache(cache, record.message_count)
+
+    async def wait(self, agent_id: str | None = None) -> None:
+        """Wait for scheduled saves (of one agent, or all) to finish."""
+        while True:
+            ids = [agent_id] if agent_id is not None else list(self._pending)
+            tasks = [t for a in ids for t in self._pending.get(a, ())]
+            if not tasks:
+                return
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def remove_agent(self, agent_id: str) -> None:
+        """Delete every file of an agent (after its saves finished)."""
+        await self.wait(agent_id)
+        self._pending.pop(agent_id, None)
+        await asyncio.to_thread(shutil.rmtree, self.root / agent_id, ignore_errors=True)
+
+    async def close(self) -> None:
+        await self.wait()
+        await asyncio.to_thread(self._writer.close)

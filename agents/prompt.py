@@ -1,0 +1,60 @@
+"""Prompt deltas: render only the new part of a conversation, never re-tokenize history.
+
+A cache's token list is the canonical history. Re-tokenizing a re-rendered transcript does not
+reproduce the tokens the model generated (tokenization is not canonical), so a token-prefix
+match against the cache would silently miss. Instead we render the conversation as text and
+cut it where the cache ends: just after the content of the last assistant message it covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class ChatRenderer:
+    """Renders conversations with the model's chat template."""
+
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The template writes special tokens (BOS included) itself.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def full_prompt(self, messages: Sequence[Message]) -> list[int]:
+        """Tokens of the whole conversation, ready for the assistant to answer."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def delta(
+        self, messages: Sequence[Message], covered: int, last_cached_token: int
+    ) -> list[int] | None:
+        """Tokens that follow a cache covering ``messages[:covered]``.
+
+        The cache ends inside the rendering of ``messages[covered - 1]``, an assistant reply:
+        after its content and, if generation stopped on it, an end-of-turn token. Returns None
+        when the template does not render that reply as a plain prefix (then re-prefill).
+        """
+        if not 0 < covered < len(messages) or messages[covered - 1]["role"] != "assistant":
+            return None
+        head = self.render(messages[: covered - 1], add_generation_prompt=True)
+        head += messages[covered - 1]["content"]
+        full = self.render(messages, add_generation_prompt=True)
+        if not full.startswith(head):
+            return None
+        tail = full[len(head) :]
+        if last_cached_token in self.eos_token_ids:
+            eos_text = self.tokenizer.decode([last_cached_token])
+            if tail.startswith(eos_text):
+                tail = tail[len(eos_text) :]
+        tokens = self.encode(tail)
+        return tokens or None

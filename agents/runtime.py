@@ -1,0 +1,294 @@
+"""AgentRuntime: persistent agents over the continuously batched engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from agents.config import RuntimeConfig
+from agents.errors import ContextLengthError, EmptyMessageError, RuntimeClosedError, TurnFailedError
+from agents.hot_tier import HotTier
+from agents.persistence import DiskCaches
+from agents.prompt import ChatRenderer, Message
+from agents.types import CacheSource, Reply, TextDelta, Timings, Usage
+from engine.engine import Engine
+from engine.kv_codec import check_group_size
+from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.sampling import SamplingParams
+from store import AgentRecord, MessageRecord, NewMessage, Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    prompt_tokens: list[int]
+    cache: PromptCache | None
+    source: CacheSource
+    load_s: float
+
+
+class AgentRuntime:
+    """Keeps many agents alive across restarts.
+
+    Example:
+        async with await AgentRuntime.open(RuntimeConfig(model="tiny:gemma3")) as rt:
+            agent = await rt.create_agent(system_prompt="You are terse.")
+            reply = await rt.chat(agent.id, "Hello")
+    """
+
+    def __init__(self, config: RuntimeConfig, registry: Registry, engine: Engine):
+        self.config = config
+        self._registry = registry
+        self._engine = engine
+        self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
+        self._hot = HotTier(config.hot_cache_bytes)
+        self._disk = DiskCaches(
+            config.caches_path, registry, engine, config.kv_bits, config.kv_group_size
+        )
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sources: Counter[str] = Counter()
+        self._closed = False
+
+    @classmethod
+    async def open(cls, config: RuntimeConfig) -> AgentRuntime:
+        """Open the registry (migrating it), load the model on the generation thread."""
+        registry = await Registry.open(config.database)
+        try:
+            engine = await Engine.open(config.model, config.engine)
+        except BaseException:
+            await registry.close()
+            raise
+        try:
+            if config.kv_bits is not None:
+                check_group_size(engine.model.head_dim, config.kv_group_size)
+        except BaseException:
+            await engine.close()
+            await registry.close()
+            raise
+        return cls(config, registry, engine)
+
+    async def __aenter__(self) -> AgentRuntime:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- agents ------------------------------------------------------------------------------
+
+    async def create_agent(
+        self,
+        agent_id: str | None = None,
+        *,
+        system_prompt: str | None = None,
+        name: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> AgentRecord:
+        """Register a new agent. ``agent_id`` defaults to a fresh ``agent-<hex>`` id."""
+        self._check_open()
+        return await self._registry.create_agent(
+            agent_id,
+            name=name,
+            system_prompt=system_prompt,
+            model_fingerprint=self._engine.model.fingerprint,
+            sampling=(sampling or SamplingParams()).model_dump(exclude_defaults=True),
+        )
+
+    async def get_agent(self, agent_id: str) -> AgentRecord:
+        return await self._registry.get_agent(agent_id)
+
+    async def list_agents(self) -> list[AgentRecord]:
+        return await self._registry.list_agents()
+
+    async def transcript(self, agent_id: str) -> list[MessageRecord]:
+        return await self._registry.transcript(agent_id)
+
+    async def delete_agent(self, agent_id: str) -> None:
+        """Delete an agent, its transcript and every cache file it had."""
+        self._check_open()
+        async with self._lock(agent_id):
+            await self._registry.get_agent(agent_id)
+            await self._disk.wait(agent_id)
+            await self._registry.delete_agent(agent_id)
+            self._hot.drop(agent_id)
+            await self._disk.remove_agent(agent_id)
+        self._locks.pop(agent_id, None)
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    async def chat(self, agent_id: str, message: str, **options: Any) -> Reply:
+        """Send ``message`` as the agent's next user turn and return its reply.
+
+        Args:
+            agent_id: the agent.
+            message: the user's text (not empty).
+            **options: ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
+                defaults), ``stop`` (list of stop strings), ``priority``.
+
+        Returns:
+            The Reply. Turns of one agent run one after another in call order.
+        """
+        reply = None
+        async for event in self.stream(agent_id, message, **options):
+            if isinstance(event, Reply):
+                reply = event
+        assert reply is not None
+        return reply
+
+    async def stream(
+        self,
+        agent_id: str,
+        message: str,
+        *,
+        max_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | None = None,
+        priority: float = 0.0,
+    ) -> AsyncIterator[TextDelta | Reply]:
+        """Like :meth:`chat`, yielding TextDelta pieces as they are generated, then the Reply.
+
+        A turn that fails, is cancelled, or whose stream is closed early is rolled back:
+        neither message is stored and the agent's cache stays as it was.
+        """
+        self._check_open()
+        if not isinstance(message, str) or not message.strip():
+            raise EmptyMessageError("message is empty: a turn needs some text")
+        started = time.perf_counter()
+        async with self._lock(agent_id):
+            agent = await self._registry.get_agent(agent_id)
+            history = await self._registry.transcript(agent_id)
+            messages = [*self._messages(agent, history), {"role": "user", "content": message}]
+            plan = await self._plan(agent_id, messages, len(history))
+            request = GenerationRequest(
+                plan.prompt_tokens,
+                max_tokens=max_tokens or self.config.default_max_tokens,
+                sampling=sampling or SamplingParams(**agent.sampling),
+                stop=list(stop or []),
+                priority=priority,
+                cache=plan.cache,
+            )
+            self._check_context(request)
+            async with self._engine.submit(request) as handle:
+                async for event in handle:
+                    if event.text:
+                        yield TextDelta(event.text)
+                result = await handle.result()
+            if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                raise TurnFailedError(
+                    f"turn of agent {agent_id!r} failed: {result.error}"
+                ) from result.error
+            await self._registry.append_messages(
+                agent_id,
+                [
+                    NewMessage("user", message, len(plan.prompt_tokens)),
+                    NewMessage("assistant", result.text, len(result.token_ids)),
+                ],
+            )
+            covered = len(history) + 2
+            self._hot.put(agent_id, result.cache, covered)
+            self._disk.save(agent_id, result.cache, covered)
+            self._sources[plan.source] += 1
+            yield self._reply(agent_id, plan, result, started)
+
+    def _messages(self, agent: AgentRecord, history: list[MessageRecord]) -> list[Message]:
+        system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
+        return system + [{"role": str(m.role), "content": m.content} for m in history]
+
+    async def _plan(self, agent_id: str, messages: list[Message], n_history: int) -> TurnPlan:
+        """Pick the cache to resume from (hot, then disk) and the tokens still to prefill."""
+        start = time.perf_counter()
+        offset = len(messages) - n_history - 1  # the system message, if any
+        hot = self._hot.get(agent_id)
+        candidates = [("hot", hot.cache, hot.message_count)] if hot else []
+        if not candidates:
+            loaded = await self._disk.load(agent_id)
+            if loaded is not None:
+                candidates.append(("disk", loaded.cache, loaded.message_count))
+        for source, cache, count in candidates:
+            if count > n_history:
+                continue  # newer than the transcript (cannot happen unless rows were removed)
+            delta = self._renderer.delta(messages, offset + count, cache.tokens[-1])
+            if delta is not None:
+                return TurnPlan(delta, cache, source, time.perf_counter() - start)
+            log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
+        tokens = self._renderer.full_prompt(messages)
+        source = "rebuilt" if n_history else "none"
+        return TurnPlan(tokens, None, source, time.perf_counter() - start)
+
+    def _check_context(self, request: GenerationRequest) -> None:
+        limit = self._engine.model.max_context
+        cached = request.cache.num_tokens if request.cache else 0
+        need = cached + len(request.prompt_tokens) + request.max_tokens
+        if limit is not None and need > limit:
+            raise ContextLengthError(
+                f"turn needs {need} tokens ({cached} history + {len(request.prompt_tokens)} new + "
+                f"max_tokens {request.max_tokens}) but the model's context is {limit}; lower "
+                "max_tokens or start a new agent"
+            )
+
+    def _reply(
+        self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
+    ) -> Reply:
+        s = result.stats
+        cached = plan.cache.num_tokens if plan.cache else 0
+        return Reply(
+            agent_id=agent_id,
+            text=result.text,
+            token_ids=list(result.token_ids),
+            finish_reason=str(result.finish_reason),
+            usage=Usage(cached + len(plan.prompt_tokens), cached, len(result.token_ids)),
+            cache_source=plan.source,
+            timings=Timings(
+                cache_load_s=plan.load_s,
+                queue_s=s.queue_wait_s or 0.0,
+                prefill_s=s.prefill_s or 0.0,
+                ttft_s=(s.first_token_at or s.submitted_at) - started,
+                decode_s=s.decode_s or 0.0,
+                total_s=time.perf_counter() - started,
+                decode_tps=s.decode_tps,
+            ),
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine, hot tier and cache counters (a snapshot)."""
+        return {
+            "engine": self._engine.stats(),
+            "hot_tier": {
+                "agents": len(self._hot),
+                "bytes": self._hot.nbytes,
+                "budget_bytes": self._hot.budget_bytes,
+                "evictions": self._hot.evictions,
+            },
+            "cache_sources": dict(self._sources),
+            "caches_saved": self._disk.saved,
+            "cache_load_failures": self._disk.load_failures,
+        }
+
+    async def flush(self) -> None:
+        """Wait until every scheduled cache write is on disk and in the registry."""
+        await self._disk.wait()
+
+    async def close(self) -> None:
+        """Finish pending cache writes, stop the engine, close the registry."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._disk.close()
+        finally:
+            await self._engine.close()
+            await self._registry.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the runtime is closed")
+
+    def _lock(self, agent_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(agent_id, asyncio.Lock())

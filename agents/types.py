@@ -1,0 +1,70 @@
+"""What AgentRuntime hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+CacheSource = Literal["hot", "disk", "none", "rebuilt"]
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Token counts of one turn (OpenAI's convention: ``prompt_tokens`` includes cached ones).
+
+    Attributes:
+        prompt_tokens: every token the model attended to before answering.
+        cached_tokens: of those, the ones resumed from a cache instead of prefilled.
+        completion_tokens: generated tokens, end-of-turn token included.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Timings:
+    """Seconds spent in each phase of a turn.
+
+    Attributes:
+        cache_load_s: finding and loading the agent's cache (hot tier, disk, or nothing).
+        queue_s: waiting for a place in the batch.
+        prefill_s: from joining the batch to the first token.
+        ttft_s: from the call to the first token.
+        decode_s: from the first token to the last.
+        total_s: the whole call.
+    """
+
+    cache_load_s: float
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    total_s: float
+    decode_tps: float | None
+
+
+@dataclass(slots=True, frozen=True)
+class Reply:
+    """The outcome of one turn. ``finish_reason`` is "stop" (end of turn or a stop string) or
+    "length" (max_tokens)."""
+
+    agent_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    cache_source: CacheSource
+    timings: Timings
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    """A piece of the reply's text, streamed as it is generated."""
+
+    text: str
