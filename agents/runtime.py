@@ -108,6 +108,29 @@ class AgentRuntime:
     async def transcript(self, agent_id: str) -> list[MessageRecord]:
         return await self._registry.transcript(agent_id)
 
+    async def append_messages(self, agent_id: str, messages: list[dict[str, str]]) -> None:
+        """Add messages to an agent's transcript without generating (e.g. importing history).
+
+        Args:
+            agent_id: the agent.
+            messages: ``{"role": "user" | "assistant", "content": str}`` dicts, in order.
+
+        The agent's cache stays valid: the next turn prefills these messages as part of its delta.
+        """
+        self._check_open()
+        for m in messages:
+            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages must be user/assistant with string content, got {m!r}")
+        async with self._lock(agent_id):
+            await self._registry.append_messages(
+                agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
+            )
+
+    def count_tokens(self, messages: list[dict[str, str]], system: str | None = None) -> int:
+        """Tokens of a conversation rendered with the model's chat template, ready to answer."""
+        system_messages = [{"role": "system", "content": system}] if system else []
+        return len(self._renderer.full_prompt([*system_messages, *messages]))
+
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
         self._check_open()

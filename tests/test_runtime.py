@@ -304,3 +304,24 @@ async def test_process_killed_right_after_a_reply_resumes_or_rebuilds(tmp_path):
         contents = [m.content for m in await rt.transcript("k")]
     assert contents[::2] == ["before the crash", "the crash", "after the crash"]
     assert len(contents) == 6
+
+
+async def test_imported_history_is_prefilled_then_cached(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("imp", system_prompt="S")
+        history = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]
+        await rt.append_messages("imp", history)
+        first = await rt.chat("imp", "u2", max_tokens=4)
+        assert first.cache_source == "rebuilt"
+        expected = rt.count_tokens([*history, {"role": "user", "content": "u2"}], system="S")
+        assert first.usage.prompt_tokens == expected
+        await rt.append_messages("imp", [{"role": "user", "content": "aside"}])
+        second = await rt.chat("imp", "u3", max_tokens=4)
+        assert second.cache_source == "hot"
+        assert (
+            second.usage.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+        )
+        contents = [m.content for m in await rt.transcript("imp")]
+        assert contents == ["u1", "a1", "u2", first.text, "aside", "u3", second.text]
+        with pytest.raises(ValueError, match="user/assistant"):
+            await rt.append_messages("imp", [{"role": "system", "content": "x"}])
