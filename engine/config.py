@@ -15,6 +15,8 @@ class EngineConfig(BaseModel):
         max_queue_size: waiting requests beyond this are refused with EngineOverloadedError.
         priority_aging_per_s: priority a waiting request gains per second of waiting.
         stats_window_s: window of the aggregate decode tok/s.
+        solo_fast_path: run a request that is alone outside the batch (faster at batch size
+            1); it joins the batch as soon as another request arrives.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -25,6 +27,7 @@ class EngineConfig(BaseModel):
     max_queue_size: int = Field(default=1024, ge=1)
     priority_aging_per_s: float = Field(default=0.1, ge=0.0)
     stats_window_s: float = Field(default=10.0, gt=0.0)
+    solo_fast_path: bool = True
 
     @model_validator(mode="after")
     def _prefill_fits(self) -> EngineConfig:

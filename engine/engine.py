@@ -15,9 +15,10 @@ from typing import TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError
-from engine.loop import EngineStats, GenerationLoop, Sequence
+from engine.loop import GenerationLoop
 from engine.models import LoadedModel
 from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
+from engine.sequence import EngineStats, Sequence
 from engine.stopping import StopStrings
 
 T = TypeVar("T")
@@ -123,7 +124,8 @@ class Engine:
         vocab_size = self.model.vocab_size
         seq = Sequence(
             request=request,
-            sink=lambda item: _post(loop, events.put_nowait, item),
+            loop=loop,
+            events=events,
             stats=RequestStats(
                 prompt_tokens=len(request.prompt_tokens),
                 cached_tokens=request.cache.num_tokens if request.cache else 0,

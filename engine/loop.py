@@ -9,13 +9,11 @@ for the batch to drain.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -24,20 +22,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, InvalidCacheError
 from engine.models import LoadedModel, load_model
-from engine.request import (
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    PromptCache,
-    RequestStats,
-    TokenEvent,
-)
-from engine.sampling import LogitsProcessor, Sampler
+from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent
 from engine.scheduler import AdmissionQueue
-from engine.stopping import StopStrings
+from engine.sequence import EngineStats, SeqStatus, Sequence
+from engine.solo import SoloRun
 
 log = logging.getLogger(__name__)
-Sink = Callable[[TokenEvent | GenerationResult], None]
+SOLO_UID = -1
 _COUNTER = {
     FinishReason.STOP: "completed",
     FinishReason.LENGTH: "completed",
@@ -46,45 +37,9 @@ _COUNTER = {
 }
 
 
-class SeqStatus(Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """A request's state while the engine owns it."""
-
-    request: GenerationRequest
-    sink: Sink
-    stats: RequestStats
-    sampler: Sampler | None
-    logits_processors: list[LogitsProcessor]
-    detokenizer: Any
-    stops: StopStrings
-    status: SeqStatus = SeqStatus.QUEUED
-    ticket: int = -1
-    uid: int = -1
-    token_ids: list[int] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
-
-    @property
-    def is_running(self) -> bool:
-        return self.status is SeqStatus.RUNNING
-
-
-@dataclass(slots=True, frozen=True)
-class EngineStats:
-    active: int
-    queued: int
-    batch_size: int
-    completed: int
-    cancelled: int
-    failed: int
-    tokens_generated: int
-    decode_tps: float
-    peak_memory_bytes: int
+def _deliver(items: list[tuple[object, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class GenerationLoop(threading.Thread):
@@ -103,7 +58,9 @@ class GenerationLoop(threading.Thread):
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
         self._stopping: str | None = None  # None, "drain" or "cancel"
-        self._running: dict[int, Sequence] = {}  # BatchGenerator uid -> sequence
+        self._running: dict[int, Sequence] = {}  # BatchGenerator uid (or SOLO_UID) -> sequence
+        self._solo: SoloRun | None = None
+        self._outbox: dict[object, list[tuple[object, object]]] = {}
         self._decode_window: collections.deque[tuple[float, int]] = collections.deque()
         self._counts = collections.Counter()
         self._peak_memory = 0
@@ -132,7 +89,7 @@ class GenerationLoop(threading.Thread):
         self._wake.set()
 
     def cancel(self, seq: Sequence, keep_cache: bool = False) -> None:
-        if seq.status is not SeqStatus.FINISHED and self.is_alive():
+        if not seq.is_finished and self.is_alive():
             self.call_soon(lambda: self._cancel(seq, keep_cache))
 
     def stop(self, drain: bool) -> None:
@@ -141,10 +98,9 @@ class GenerationLoop(threading.Thread):
 
     def stats(self) -> EngineStats:
         now = time.perf_counter()
-        window = [
-            (t, n) for t, n in list(self._decode_window) if now - t <= self.config.stats_window_s
-        ]
-        span = min(self.config.stats_window_s, now - window[0][0]) if window else 0.0
+        window_s = self.config.stats_window_s
+        window = [(t, n) for t, n in list(self._decode_window) if now - t <= window_s]
+        span = min(window_s, now - window[0][0]) if window else 0.0
         c = self._counts
         return EngineStats(
             active=len(self._running),
@@ -175,6 +131,7 @@ class GenerationLoop(threading.Thread):
         try:
             self._serve()
         finally:
+            self._flush_outbox()
             self._batch.close()
 
     def _serve(self) -> None:
@@ -184,12 +141,13 @@ class GenerationLoop(threading.Thread):
                 self._cancel_everything()
                 return
             self._admit()
+            if self._running:
+                self._step()
+            self._flush_outbox()
             if not self._running:
                 self._wake.clear()
                 if not (self._commands or len(self._queue) or self._stopping):
                     self._wake.wait(timeout=1.0)
-                continue
-            self._step()
 
     def _has_work(self) -> bool:
         return bool(self._running or len(self._queue) or self._commands)
@@ -211,32 +169,35 @@ class GenerationLoop(threading.Thread):
             except Exception:  # commands report their own errors; never kill the loop
                 log.exception("engine command failed")
 
+    def _emit(self, seq: Sequence, item: TokenEvent | GenerationResult) -> None:
+        self._outbox.setdefault(seq.loop, []).append((seq.events, item))
+
+    def _flush_outbox(self) -> None:
+        """One wake-up per caller event loop per step, not one per token."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # a closed event loop has no listener
+                loop.call_soon_threadsafe(_deliver, items)
+
+    # ---- admission ---------------------------------------------------------------------------
+
     def _admit(self) -> None:
+        if self._solo is not None and len(self._queue):
+            self._join_batch()  # someone is waiting: the solo sequence moves into the batch
         free = self.config.completion_batch_size - len(self._running)
         while free > 0 and (seq := self._queue.pop()) is not None:
             try:
-                self._insert(seq)
+                if seq.request.cache is not None:
+                    self._check_cache(seq.request.cache)
+                if self.config.solo_fast_path and not self._running and not len(self._queue):
+                    self._start_solo(seq)
+                else:
+                    req = seq.request
+                    self._insert(seq, req.prompt_tokens, req.cache, req.max_tokens)
             except Exception as exc:
                 self._finish(seq, FinishReason.ERROR, error=exc)
                 continue
             free -= 1
-
-    def _insert(self, seq: Sequence) -> None:
-        req = seq.request
-        if req.cache is not None:
-            self._check_cache(req.cache)
-        (seq.uid,) = self._batch.insert(
-            [req.prompt_tokens],
-            max_tokens=[req.max_tokens],
-            caches=[req.cache.layers if req.cache else None],
-            all_tokens=[list(req.cache.tokens) if req.cache else []],
-            samplers=[seq.sampler],
-            logits_processors=[seq.logits_processors],
-            stop_sequences=[self._no_stop if req.ignore_eos else self._eos],
-        )
-        seq.status = SeqStatus.RUNNING
-        seq.stats.admitted_at = time.perf_counter()
-        self._running[seq.uid] = seq
 
     def _check_cache(self, cache: PromptCache) -> None:
         types = [type(layer) for layer in cache.layers]
@@ -246,44 +207,120 @@ class GenerationLoop(threading.Thread):
                 f"{[t.__name__ for t in self._layer_types]}"
             )
 
+    def _mark_running(self, seq: Sequence, uid: int) -> None:
+        seq.uid = uid
+        seq.status = SeqStatus.RUNNING
+        if seq.stats.admitted_at is None:
+            seq.stats.admitted_at = time.perf_counter()
+        self._running[uid] = seq
+
+    def _insert(
+        self, seq: Sequence, prompt: list[int], cache: PromptCache | None, max_tokens: int
+    ) -> None:
+        (uid,) = self._batch.insert(
+            [prompt],
+            max_tokens=[max_tokens],
+            caches=[cache.layers if cache else None],
+            all_tokens=[list(cache.tokens) if cache else []],
+            samplers=[seq.sampler],
+            logits_processors=[seq.logits_processors],
+            stop_sequences=[self._no_stop if seq.request.ignore_eos else self._eos],
+        )
+        self._mark_running(seq, uid)
+
+    def _start_solo(self, seq: Sequence) -> None:
+        req = seq.request
+        eos = frozenset() if req.ignore_eos else self.model.eos_token_ids
+        self._solo = SoloRun(
+            self.model.model,
+            req,
+            seq.sampler,
+            seq.logits_processors,
+            eos,
+            self.config.prefill_step_size,
+        )
+        self._mark_running(seq, SOLO_UID)
+
+    def _join_batch(self) -> None:
+        """Move the solo sequence into the batch, continuing exactly where it was."""
+        solo, seq = self._solo, self._running.pop(SOLO_UID)
+        self._solo = None
+        try:
+            token, reason = solo.take_pending()
+            hit = self._on_token(seq, token, reason, time.perf_counter())
+            if reason is not None or hit:
+                if reason is None:
+                    solo.feed_last(token)
+                self._finish(seq, FinishReason(reason or "stop"), solo.cache())
+                return
+            self._insert(seq, [token], solo.cache(), solo.remaining_tokens)
+        except Exception as exc:
+            self._finish(seq, FinishReason.ERROR, error=exc)
+
+    # ---- stepping ----------------------------------------------------------------------------
+
     def _step(self) -> None:
+        if self._solo is not None:
+            self._step_solo()
+        else:
+            self._step_batch()
+
+    def _count(self, n: int) -> None:
+        now = time.perf_counter()
+        self._batch_size = n
+        self._decode_window.append((now, n))
+        while now - self._decode_window[0][0] > self.config.stats_window_s:
+            self._decode_window.popleft()
+        self._counts["tokens"] += n
+        if self._counts["tokens"] % 64 < n:
+            self._peak_memory = mx.get_peak_memory()
+
+    def _step_solo(self) -> None:
+        seq = self._running[SOLO_UID]
+        try:
+            token, reason = self._solo.step()
+            hit = self._on_token(seq, token, reason, time.perf_counter())
+        except Exception as exc:
+            log.exception("solo generation step failed")
+            self._solo = None
+            self._finish(seq, FinishReason.ERROR, error=exc)
+            return
+        self._count(1)
+        if reason is not None or hit:
+            cache, self._solo = self._solo.cache(), None
+            self._finish(seq, FinishReason(reason or "stop"), cache)
+
+    def _step_batch(self) -> None:
         try:
             _, responses = self._batch.next()
         except Exception as exc:
             # The batch's state is unknown after a failed step: fail what was in it, start fresh.
-            log.exception(
-                "generation step failed; failing %d in-flight requests", len(self._running)
-            )
+            log.exception("generation step failed; failing %d requests", len(self._running))
             for seq in list(self._running.values()):
                 self._finish(seq, FinishReason.ERROR, error=exc)
             self._batch.close()
             self._batch = self._new_batch()
             return
         now = time.perf_counter()
-        self._batch_size = len(responses)
         if responses:
-            self._decode_window.append((now, len(responses)))
-            while now - self._decode_window[0][0] > self.config.stats_window_s:
-                self._decode_window.popleft()
-            self._counts["tokens"] += len(responses)
-            if self._counts["tokens"] % 64 < len(responses):
-                self._peak_memory = mx.get_peak_memory()
+            self._count(len(responses))
         stopped: list[Sequence] = []
         for r in responses:
             seq = self._running[r.uid]
             try:
-                hit_stop = self._on_token(seq, r.token, r.finish_reason, now)
+                hit = self._on_token(seq, r.token, r.finish_reason, now)
             except Exception as exc:
                 self._remove([seq])
                 self._finish(seq, FinishReason.ERROR, error=exc)
                 continue
             if r.finish_reason is not None:
-                reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
-                self._finish(seq, reason, PromptCache(r.prompt_cache, list(r.all_tokens)))
-            elif hit_stop:
+                cache = PromptCache(r.prompt_cache, list(r.all_tokens))
+                self._finish(seq, FinishReason(r.finish_reason), cache)
+            elif hit:
                 stopped.append(seq)
         if stopped:
-            caches = self._remove(stopped, want_caches=any(s.request.return_cache for s in stopped))
+            want = any(s.request.return_cache for s in stopped)
+            caches = self._remove(stopped, want_caches=want)
             for seq in stopped:
                 self._finish(seq, FinishReason.STOP, caches.get(seq.uid))
 
@@ -293,8 +330,7 @@ class GenerationLoop(threading.Thread):
             seq.stats.first_token_at = now
         seq.token_ids.append(token)
         seq.stats.decode_tokens += 1
-        eos = finish == "stop" and token in self.model.eos_token_ids
-        if not eos:
+        if not (finish == "stop" and token in self.model.eos_token_ids):
             seq.detokenizer.add_token(token)
         if finish is not None:
             seq.detokenizer.finalize()
@@ -302,20 +338,25 @@ class GenerationLoop(threading.Thread):
         if finish is not None and not hit:
             text += seq.stops.flush()
         seq.text_parts.append(text)
-        seq.sink(TokenEvent(token, text))
+        self._emit(seq, TokenEvent(token, text))
         return hit
 
+    # ---- leaving -----------------------------------------------------------------------------
+
     def _remove(self, seqs: list[Sequence], want_caches: bool = False) -> dict[int, PromptCache]:
-        uids = [s.uid for s in seqs]
-        raw = self._batch.remove(uids, return_prompt_caches=want_caches)
+        raw = self._batch.remove([s.uid for s in seqs], return_prompt_caches=want_caches)
         return {
             uid: PromptCache(list(layers), list(tokens)) for uid, (layers, tokens) in raw.items()
         }
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
+        cache = None
         if seq.status is SeqStatus.QUEUED:
             self._queue.remove(seq.ticket)
             cache = seq.request.cache if keep_cache else None
+        elif seq.uid == SOLO_UID:
+            solo, self._solo = self._solo, None
+            cache = solo.cache() if keep_cache else None
         elif seq.status is SeqStatus.RUNNING:
             cache = self._remove([seq], want_caches=keep_cache).get(seq.uid)
         else:
@@ -335,20 +376,20 @@ class GenerationLoop(threading.Thread):
         cache: PromptCache | None = None,
         error: BaseException | None = None,
     ) -> None:
-        self._running.pop(seq.uid, None)
+        if self._running.get(seq.uid) is seq:
+            del self._running[seq.uid]
         seq.status = SeqStatus.FINISHED
         seq.stats.finished_at = time.perf_counter()
         # A cancel passes a cache only when the caller asked for it back.
         if reason is not FinishReason.CANCELLED and not seq.request.return_cache:
             cache = None
         self._counts[_COUNTER[reason]] += 1
-        seq.sink(
-            GenerationResult(
-                token_ids=seq.token_ids,
-                text="".join(seq.text_parts),
-                finish_reason=reason,
-                stats=seq.stats,
-                cache=cache,
-                error=error,
-            )
+        result = GenerationResult(
+            token_ids=seq.token_ids,
+            text="".join(seq.text_parts),
+            finish_reason=reason,
+            stats=seq.stats,
+            cache=cache,
+            error=error,
         )
+        self._emit(seq, result)

@@ -277,3 +277,54 @@ def test_bad_requests_are_rejected_with_clear_errors():
 async def test_out_of_vocabulary_prompt_is_rejected(gemma):
     with pytest.raises(ValueError, match="vocabulary"):
         gemma.submit(GenerationRequest([gemma.model.vocab_size + 5], max_tokens=2))
+
+
+async def test_solo_request_joins_the_batch_without_changing_its_tokens(gemma):
+    a_prompt, b_prompt = prompt(gemma, 40), prompt(gemma, 9, salt=5)
+    a = gemma.submit(GenerationRequest(a_prompt, max_tokens=60, ignore_eos=True))
+    for _ in range(20):  # alone: on the solo fast path, past the 32-token window
+        await anext(a)
+    assert gemma._thread._solo is not None  # white-box: the fast path was taken
+    b = await gemma.generate(GenerationRequest(b_prompt, max_tokens=10, ignore_eos=True))
+    a_result = await a.result()
+    assert a_result.token_ids == await gemma.run(solo_greedy_all, gemma, a_prompt, 60)
+    assert b.token_ids == await gemma.run(solo_greedy_all, gemma, b_prompt, 10)
+    assert a_result.cache.tokens == a_prompt + a_result.token_ids
+    assert all(layer.offset == len(a_result.cache.tokens) for layer in a_result.cache.layers)
+
+
+async def test_solo_cache_resumes_in_a_batch(gemma):
+    first = await gemma.generate(
+        GenerationRequest(prompt(gemma, 40), max_tokens=30, ignore_eos=True)
+    )
+    turn = prompt(gemma, 5, salt=9)
+    resumed, _ = await asyncio.gather(
+        gemma.generate(GenerationRequest(turn, max_tokens=12, cache=first.cache, ignore_eos=True)),
+        gemma.generate(GenerationRequest(prompt(gemma, 7, salt=2), max_tokens=12)),
+    )
+    full = first.cache.tokens + turn
+    assert resumed.token_ids == await gemma.run(solo_greedy_all, gemma, full, 12)
+
+
+async def test_seeded_sampling_is_the_same_with_and_without_the_solo_path():
+    req = GenerationRequest(
+        list(range(20, 50)), max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=11)
+    )
+    runs = []
+    for solo in (True, False):
+        eng = await Engine.open("tiny:gemma3", EngineConfig(solo_fast_path=solo))
+        try:
+            handle = eng.submit(req)
+            for _ in range(5):
+                await anext(handle)
+            joiner = await eng.generate(GenerationRequest(list(range(30, 40)), max_tokens=5))
+            runs.append(((await handle.result()).token_ids, joiner.token_ids))
+        finally:
+            await eng.close()
+    assert runs[0] == runs[1]
+
+
+def solo_greedy_all(eng: Engine, tokens: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's single-sequence greedy tokens, not stopping at end-of-sequence tokens."""
+    steps = generate_step(mx.array(tokens), eng.model.model, max_tokens=max_tokens)
+    return [int(t) for t, _ in steps]
