@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -54,6 +55,9 @@ class AgentRuntime:
         self._locks: dict[str, asyncio.Lock] = {}
         self._sources: Counter[str] = Counter()
         self._closed = False
+        self._turns = 0  # turns in flight; close() lets them finish
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @classmethod
     async def open(cls, config: RuntimeConfig) -> AgentRuntime:
@@ -181,7 +185,38 @@ class AgentRuntime:
         self._check_open()
         if not isinstance(message, str) or not message.strip():
             raise EmptyMessageError("message is empty: a turn needs some text")
+        options = {
+            "max_tokens": max_tokens,
+            "sampling": sampling,
+            "stop": stop,
+            "priority": priority,
+        }
         started = time.perf_counter()
+        self._turns += 1
+        self._idle.clear()
+        try:
+            # aclosing: an abandoned stream must release the agent and the engine slot now.
+            async with contextlib.aclosing(
+                self._turn(agent_id, message, started, **options)
+            ) as turn:
+                async for event in turn:
+                    yield event
+        finally:
+            self._turns -= 1
+            if not self._turns:
+                self._idle.set()
+
+    async def _turn(
+        self,
+        agent_id: str,
+        message: str,
+        started: float,
+        *,
+        max_tokens: int | None,
+        sampling: SamplingParams | None,
+        stop: list[str] | None,
+        priority: float,
+    ) -> AsyncIterator[TextDelta | Reply]:
         async with self._lock(agent_id):
             agent = await self._registry.get_agent(agent_id)
             history = await self._registry.transcript(agent_id)
@@ -299,11 +334,12 @@ class AgentRuntime:
         await self._disk.wait()
 
     async def close(self) -> None:
-        """Finish pending cache writes, stop the engine, close the registry."""
+        """Let turns in flight finish, flush cache writes, stop the engine, close the registry."""
         if self._closed:
             return
         self._closed = True
         try:
+            await self._idle.wait()
             await self._disk.close()
         finally:
             await self._engine.close()

@@ -325,3 +325,15 @@ async def test_imported_history_is_prefilled_then_cached(tmp_path):
         assert contents == ["u1", "a1", "u2", first.text, "aside", "u3", second.text]
         with pytest.raises(ValueError, match="user/assistant"):
             await rt.append_messages("imp", [{"role": "system", "content": "x"}])
+
+
+async def test_close_lets_turns_in_flight_finish(tmp_path):
+    rt = await AgentRuntime.open(config(tmp_path))
+    await rt.create_agent("late")
+    turn = asyncio.create_task(rt.chat("late", "still talking", max_tokens=40))
+    await asyncio.sleep(0.01)
+    await rt.close()
+    reply = await turn
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        assert [m.content for m in await rt.transcript("late")] == ["still talking", reply.text]
+        assert (await rt.chat("late", "again", max_tokens=4)).cache_source == "disk"
