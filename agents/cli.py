@@ -45,6 +45,25 @@ def _cmd_fingerprint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from agents.config import RuntimeConfig
+    from engine.models import resolve_model_path
+    from server.app import create_app
+
+    resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server
+    api_key = args.api_key or os.environ.get("AGENTKV_API_KEY") or None
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"{PROG}: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    kv_bits = None if args.kv_bits == "none" else int(args.kv_bits)
+    config = RuntimeConfig(model=args.model, data_dir=args.data_dir, kv_bits=kv_bits)
+    uvicorn.run(create_app(config, api_key), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
@@ -71,6 +90,29 @@ def build_parser() -> argparse.ArgumentParser:
     fingerprint = commands.add_parser("fingerprint", help="print a model's fingerprint")
     fingerprint.add_argument("spec", metavar="SPEC", help="tiny:<name> or a model directory")
     fingerprint.set_defaults(func=_cmd_fingerprint)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the Anthropic and OpenAI chat APIs over HTTP",
+        description="Serve Anthropic Messages, OpenAI Chat Completions, an agents API and "
+        "Prometheus metrics for one model.",
+    )
+    serve.add_argument("--model", required=True, metavar="SPEC", help="tiny:<name> or a model dir")
+    serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require this key (x-api-key or Authorization: Bearer); default: $AGENTKV_API_KEY",
+    )
+    serve.add_argument(
+        "--kv-bits",
+        choices=("8", "4", "none"),
+        default="8",
+        help="quantization of KV caches saved to disk (default: 8)",
+    )
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

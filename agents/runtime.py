@@ -310,6 +310,7 @@ class AgentRuntime:
                 total_s=time.perf_counter() - started,
                 decode_tps=s.decode_tps,
             ),
+            stop_sequence=result.stop_sequence,
         )
 
     # ---- lifecycle -----------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class Timings:
 @dataclass(slots=True, frozen=True)
 class Reply:
     """The outcome of one turn. ``finish_reason`` is "stop" (end of turn or a stop string) or
-    "length" (max_tokens)."""
+    "length" (max_tokens); ``stop_sequence`` is the stop string that ended it, if one did."""
 
     agent_id: str
     text: str
@@ -61,6 +61,7 @@ class Reply:
     usage: Usage
     cache_source: CacheSource
     timings: Timings
+    stop_sequence: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -143,6 +143,8 @@ class GenerationLoop(threading.Thread):
             self._admit()
             if self._running:
                 self._step()
+            else:
+                self._batch_size = 0
             self._flush_outbox()
             if not self._running:
                 self._wake.clear()
@@ -391,5 +393,6 @@ class GenerationLoop(threading.Thread):
             stats=seq.stats,
             cache=cache,
             error=error,
+            stop_sequence=seq.stops.matched,
         )
         self._emit(seq, result)

@@ -141,6 +141,7 @@ class GenerationResult:
     stats: RequestStats
     cache: PromptCache | None = None
     error: BaseException | None = None
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
     @property
     def is_error(self) -> bool:

@@ -12,11 +12,12 @@ class StopStrings:
     decides it, so the caller never receives any part of the stop text.
     """
 
-    __slots__ = ("_buffer", "_stops")
+    __slots__ = ("_buffer", "_stops", "matched")
 
     def __init__(self, stops: Sequence[str]):
         self._stops = tuple(s for s in stops if s)
         self._buffer = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     def __bool__(self) -> bool:
         return bool(self._stops)
@@ -26,10 +27,11 @@ class StopStrings:
         if not self._stops:
             return delta, False
         buffer = self._buffer + delta
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
         if hits:
+            cut, self.matched = min(hits, key=lambda hit: hit[0])
             self._buffer = ""
-            return buffer[: min(hits)], True
+            return buffer[:cut], True
         held = self._longest_partial_suffix(buffer)
         self._buffer = buffer[len(buffer) - held :]
         return buffer[: len(buffer) - held], False

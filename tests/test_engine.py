@@ -142,6 +142,8 @@ async def test_stop_string_ends_generation_and_is_not_returned(gemma):
     cut = text.index(stop)
     stopped = await gemma.generate(GenerationRequest(p, max_tokens=60, stop=["zzzz-never", stop]))
     assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_sequence == stop
+    assert free.stop_sequence is None
     assert stopped.text == text[:cut]
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
     assert stopped.cache.tokens == p + stopped.token_ids

@@ -33,6 +33,9 @@ def test_false_alarm_is_released():
 
 def test_earliest_of_several_stops_wins():
     assert run(["bbb", "a"], ["xxbbbxa"]) == ("xx", True)
+    matcher = StopStrings(["bbb", "a"])
+    matcher.feed("xxbbbxa")
+    assert matcher.matched == "bbb"
 
 
 def test_no_stops_passes_through():

@@ -1,0 +1,127 @@
+"""The FastAPI app: Anthropic and OpenAI chat APIs, the agents API and metrics over one runtime.
+
+Routes::
+
+    POST   /v1/messages                 Anthropic Messages (stream: SSE)
+    POST   /v1/messages/count_tokens    Anthropic token counting
+    POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
+    GET    /v1/models, /v1/models/{id}  the loaded model, readable by both SDKs
+    *      /v1/agents...                agents REST (see server.agents_api)
+    GET    /metrics                     Prometheus text format
+
+When an API key is set, every route needs it, as ``x-api-key: KEY`` (Anthropic SDK) or
+``Authorization: Bearer KEY`` (OpenAI SDK). Which agent answers a chat request is decided by
+:mod:`server.identity`; the agent's id comes back in the ``x-agent-id`` response header.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from agents import AgentRuntime, RuntimeConfig
+from server import agents_api, anthropic_api, openai_api
+from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
+from server.identity import Identity
+from server.metrics import RequestMetricsMiddleware, ServerMetrics
+from server.state import ModelInfo, ServerState, State
+
+
+def _given_key(request: Request) -> str | None:
+    if key := request.headers.get("x-api-key"):
+        return key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _model_body(model: ModelInfo) -> dict[str, Any]:
+    # The fields of both SDKs' Model types: OpenAI's (object, created, owned_by) and
+    # Anthropic's (type, display_name, created_at).
+    return {
+        "id": model.spec,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "agentkv",
+        "type": "model",
+        "display_name": model.spec,
+        "created_at": datetime.fromtimestamp(model.created, UTC).isoformat(),
+    }
+
+
+def create_app(config: RuntimeConfig, api_key: str | None = None) -> FastAPI:
+    """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
+
+    Args:
+        config: the runtime to serve.
+        api_key: when set, every request must carry it (``x-api-key`` or a bearer token).
+    """
+    metrics = ServerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = await AgentRuntime.open(config)
+        try:
+            identity = Identity(runtime)
+            await identity.load()
+            app.state.server = ServerState(runtime, identity, metrics, ModelInfo.of(runtime))
+            yield
+        finally:
+            await runtime.close()  # flushes pending cache writes
+
+    async def require_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = _given_key(request)
+        if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(
+                AUTHENTICATION,
+                "invalid API key: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
+            )
+
+    app = FastAPI(
+        title="agentkv",
+        lifespan=lifespan,
+        dependencies=[Depends(require_api_key)],
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.include_router(anthropic_api.router)
+    app.include_router(openai_api.router)
+    app.include_router(agents_api.router)
+
+    @app.get("/v1/models")
+    async def list_models(state: State) -> dict[str, Any]:
+        model = _model_body(state.model)
+        return {
+            "object": "list",
+            "data": [model],
+            "has_more": False,
+            "first_id": model["id"],
+            "last_id": model["id"],
+        }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, state: State) -> dict[str, Any]:
+        if model_id != state.model.spec:
+            raise APIError(
+                NOT_FOUND,
+                f"model {model_id!r} is not loaded; this server serves {state.model.spec!r}",
+                param="model",
+            )
+        return _model_body(state.model)
+
+    @app.get("/metrics")
+    async def metrics_text(state: State) -> Response:
+        body = metrics.render(state.runtime.stats())
+        return Response(body, media_type=metrics.content_type)
+
+    return app

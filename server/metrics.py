@@ -1,0 +1,113 @@
+"""Prometheus metrics of one app, in a registry of its own (never the global one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agents import Reply
+
+CACHE_SOURCES = ("hot", "disk", "rebuilt", "none")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    """Request, token, latency and engine metrics; ``render()`` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "agentkv_http_requests",
+            "HTTP requests by route template, method and status code.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.input_tokens = Counter(
+            "agentkv_input_tokens",
+            "Prompt tokens of finished turns: cached (resumed) or prefilled.",
+            ["kind"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "agentkv_output_tokens", "Generated tokens of finished turns.", registry=r
+        )
+        self.turns = Counter(
+            "agentkv_turns",
+            "Finished turns by where the agent's cache came from (hot, disk, rebuilt, none).",
+            ["cache_source"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "agentkv_time_to_first_token_seconds",
+            "From the call to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "agentkv_engine_queue_depth", "Requests waiting for a place in the batch.", registry=r
+        )
+        self.batch_size = Gauge(
+            "agentkv_engine_batch_size",
+            "Sequences in the engine's latest decode step (0 when idle).",
+            registry=r,
+        )
+        self.active = Gauge(
+            "agentkv_engine_active_requests", "Requests admitted and not finished.", registry=r
+        )
+        for kind in ("cached", "prefilled"):
+            self.input_tokens.labels(kind)
+        for source in CACHE_SOURCES:
+            self.turns.labels(source)
+
+    def observe_turn(self, reply: Reply) -> None:
+        usage = reply.usage
+        self.input_tokens.labels("cached").inc(usage.cached_tokens)
+        self.input_tokens.labels("prefilled").inc(usage.prefilled_tokens)
+        self.output_tokens.inc(usage.completion_tokens)
+        self.turns.labels(reply.cache_source).inc()
+        self.ttft.observe(max(0.0, reply.timings.ttft_s))
+
+    def render(self, runtime_stats: dict[str, Any]) -> bytes:
+        engine = runtime_stats["engine"]
+        self.queue_depth.set(engine.queued)
+        self.batch_size.set(engine.batch_size)
+        self.active.set(engine.active)
+        return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by its route template (not the raw path) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()

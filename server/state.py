@@ -1,0 +1,51 @@
+"""What the routes share: the runtime, the identity resolver, the metrics, the model's facts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from agents import AgentRuntime, Reply
+from server.identity import Identity
+from server.metrics import ServerMetrics
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that replies need."""
+
+    spec: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def of(cls, runtime: AgentRuntime) -> ModelInfo:
+        return cls(runtime.config.model)
+
+    @staticmethod
+    def stop_reason(reply: Reply) -> tuple[str, str | None]:
+        """Anthropic's (stop_reason, stop_sequence) of a reply."""
+        if reply.finish_reason == "length":
+            return "max_tokens", None
+        if reply.stop_sequence is not None:
+            return "stop_sequence", reply.stop_sequence
+        return "end_turn", None
+
+
+@dataclass(slots=True)
+class ServerState:
+    runtime: AgentRuntime
+    identity: Identity
+    metrics: ServerMetrics
+    model: ModelInfo
+
+
+def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the state the app's lifespan opened."""
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(get_state)]
+"""Route parameter type: the server's state."""

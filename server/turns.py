@@ -1,0 +1,115 @@
+"""One turn over HTTP: resolve the agent, run or stream the turn, record it.
+
+Streaming turns are started before the response is: the agent is resolved and the runtime's
+stream is read up to its first event, so overload, unknown agents or a too long context still
+answer with a status code. After that the response owns the stream; whatever ends the
+response (the last event, an error, or the client going away, which Starlette turns into a
+cancellation) closes the runtime's stream, and a turn that had not finished is rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Annotated
+
+from fastapi import Header
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from agents import Reply, TextDelta
+from server.conversation import TurnRequest
+from server.identity import Claim
+from server.state import ServerState
+
+AGENT_HEADER = "x-agent-id"
+AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
+"""Route parameter type: the agent id a request names in its header."""
+
+
+async def run_turn(state: ServerState, request: TurnRequest) -> Reply:
+    """Run a whole turn and return its reply."""
+    async with state.identity.claim(request) as claim:
+        reply = await state.runtime.chat(claim.agent_id, request.message, **request.options)
+        claim.commit(request.message, reply.text)
+    state.metrics.observe_turn(reply)
+    return reply
+
+
+class TurnStream:
+    """A started streaming turn: iterate it for TextDelta pieces and then the Reply."""
+
+    def __init__(self, state: ServerState, request: TurnRequest):
+        self._state = state
+        self._request = request
+        self._stack = AsyncExitStack()
+        self._claim: Claim | None = None
+        self._events: AsyncIterator[TextDelta | Reply] | None = None
+        self._first: TextDelta | Reply | None = None
+
+    @property
+    def agent_id(self) -> str:
+        assert self._claim is not None
+        return self._claim.agent_id
+
+    async def start(self) -> TurnStream:
+        """Resolve the agent and wait for the first event; raises what the turn raises."""
+        try:
+            self._claim = await self._stack.enter_async_context(
+                self._state.identity.claim(self._request)
+            )
+            events = self._state.runtime.stream(
+                self._claim.agent_id, self._request.message, **self._request.options
+            )
+            self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
+            self._events = events
+            self._first = await self._next()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    def events(self) -> AsyncIterator[TextDelta | Reply]:
+        """The turn's events, the first one included, ending with the Reply."""
+        events = self._iterate()
+        self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
+        return events
+
+    async def _iterate(self) -> AsyncIterator[TextDelta | Reply]:
+        event, self._first = self._first, None
+        while event is not None:
+            yield event
+            event = await self._next()  # after the Reply: lets the runtime's stream finish
+
+    async def _next(self) -> TextDelta | Reply | None:
+        """The runtime's next event; a Reply is recorded at once (the turn is stored)."""
+        assert self._events is not None and self._claim is not None
+        event = await anext(self._events, None)
+        if isinstance(event, Reply):
+            self._claim.commit(self._request.message, event.text)
+            self._state.metrics.observe_turn(event)
+        return event
+
+    async def aclose(self) -> None:
+        """Close the runtime's stream (rolling an unfinished turn back) and free the agent."""
+        await self._stack.aclose()
+
+
+class TurnStreamingResponse(StreamingResponse):
+    """A server-sent-events response that closes its turn however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], turn: TurnStream):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={AGENT_HEADER: turn.agent_id, "cache-control": "no-cache"},
+        )
+        self._turn = turn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # A disconnect cancels the body mid-iteration and leaves the generators open.
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._turn.aclose()
