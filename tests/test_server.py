@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -20,12 +19,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents import EngineConfig, RuntimeConfig
 from agents.cli import build_parser, main
-from server.app import create_app
+from server.background import serve_in_thread
 from store import NewMessage, Registry
 
 MODEL = "tiny:gemma3"
@@ -54,27 +52,8 @@ class Server:
 @contextlib.contextmanager
 def serve(config: RuntimeConfig, api_key: str | None = None) -> Iterator[Server]:
     """A real uvicorn server on a free loopback port, in a background thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, api_key), log_level="warning", http="h11", ws="none", lifespan="on"
-        )
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", config.data_dir, api_key or "unused")
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
+    with serve_in_thread(config, api_key) as url:
+        yield Server(url, config.data_dir, api_key or "unused")
 
 
 @pytest.fixture(scope="module")
