@@ -184,7 +184,9 @@ class GenerationLoop(threading.Thread):
     # ---- admission ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        if self._solo is not None and len(self._queue):
+        if self._solo is not None:
+            if not len(self._queue):
+                return
             self._join_batch()  # someone is waiting: the solo sequence moves into the batch
         free = self.config.completion_batch_size - len(self._running)
         while free > 0 and (seq := self._queue.pop()) is not None:
@@ -193,9 +195,9 @@ class GenerationLoop(threading.Thread):
                     self._check_cache(seq.request.cache)
                 if self.config.solo_fast_path and not self._running and not len(self._queue):
                     self._start_solo(seq)
-                else:
-                    req = seq.request
-                    self._insert(seq, req.prompt_tokens, req.cache, req.max_tokens)
+                    return
+                req = seq.request
+                self._insert(seq, req.prompt_tokens, req.cache, req.max_tokens)
             except Exception as exc:
                 self._finish(seq, FinishReason.ERROR, error=exc)
                 continue
@@ -233,6 +235,7 @@ class GenerationLoop(threading.Thread):
     def _start_solo(self, seq: Sequence) -> None:
         req = seq.request
         eos = frozenset() if req.ignore_eos else self.model.eos_token_ids
+        self._mark_running(seq, SOLO_UID)
         self._solo = SoloRun(
             self.model.model,
             req,
@@ -241,21 +244,22 @@ class GenerationLoop(threading.Thread):
             eos,
             self.config.prefill_step_size,
         )
-        self._mark_running(seq, SOLO_UID)
 
     def _join_batch(self) -> None:
         """Move the solo sequence into the batch, continuing exactly where it was."""
         solo, seq = self._solo, self._running.pop(SOLO_UID)
         self._solo = None
         try:
-            token, reason = solo.take_pending()
-            hit = self._on_token(seq, token, reason, time.perf_counter())
-            if reason is not None or hit:
-                if reason is None:
-                    solo.feed_last(token)
-                self._finish(seq, FinishReason(reason or "stop"), solo.cache())
-                return
-            self._insert(seq, [token], solo.cache(), solo.remaining_tokens)
+            if not solo.is_prefilling:
+                token, reason = solo.take_pending()
+                hit = self._on_token(seq, token, reason, time.perf_counter())
+                if reason is not None or hit:
+                    if reason is None:
+                        solo.feed_prompt()
+                    self._finish(seq, FinishReason(reason or "stop"), solo.cache())
+                    return
+            h = solo.handover()
+            self._insert(seq, h.prompt, h.cache, h.max_tokens)
         except Exception as exc:
             self._finish(seq, FinishReason.ERROR, error=exc)
 
@@ -280,7 +284,10 @@ class GenerationLoop(threading.Thread):
     def _step_solo(self) -> None:
         seq = self._running[SOLO_UID]
         try:
-            token, reason = self._solo.step()
+            reported = self._solo.step()
+            if reported is None:
+                return  # a prefill chunk
+            token, reason = reported
             hit = self._on_token(seq, token, reason, time.perf_counter())
         except Exception as exc:
             log.exception("solo generation step failed")

@@ -330,3 +330,25 @@ def solo_greedy_all(eng: Engine, tokens: list[int], max_tokens: int) -> list[int
     """mlx-lm's single-sequence greedy tokens, not stopping at end-of-sequence tokens."""
     steps = generate_step(mx.array(tokens), eng.model.model, max_tokens=max_tokens)
     return [int(t) for t, _ in steps]
+
+
+async def test_request_arriving_during_a_solo_prefill_is_not_starved():
+    eng = await Engine.open("tiny:gemma3", EngineConfig(prefill_step_size=16))
+    try:
+        long_prompt, short_prompt = prompt(eng, 400), prompt(eng, 6, salt=8)
+        a = eng.submit(GenerationRequest(long_prompt, max_tokens=8, ignore_eos=True))
+        while eng._thread._solo is None:  # white-box: wait until A prefills alone
+            await asyncio.sleep(0.001)
+        b = await eng.generate(GenerationRequest(short_prompt, max_tokens=4, ignore_eos=True))
+        a_result = await a.result()
+        assert b.stats.first_token_at < a_result.stats.first_token_at  # B did not wait for A
+        assert a_result.token_ids == await eng.run(solo_greedy_all, eng, long_prompt, 8)
+        assert b.token_ids == await eng.run(solo_greedy_all, eng, short_prompt, 4)
+        assert a_result.cache.tokens == long_prompt + a_result.token_ids
+    finally:
+        await eng.close()
+
+
+async def test_solo_timings_charge_prefill_to_prefill(gemma):
+    result = await gemma.generate(GenerationRequest(prompt(gemma, 300), max_tokens=2))
+    assert result.stats.queue_wait_s < result.stats.prefill_s
