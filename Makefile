@@ -30,5 +30,11 @@ format: setup
 demo: setup
 	$(PY) demo_full_stack.py
 
+bench: setup
+	$(PY) -m benchmarks.run
+
+bench-quick: setup
+	$(PY) -m benchmarks.run --quick
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,77 @@
+"""The benchmark scripts run end to end (--quick) and report what they promise, so they cannot rot.
+
+Sizes and ratios here are sanity bounds, not performance targets: those live in the full runs.
+"""
+
+import importlib
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_quick(name, tmp_path):
+    module = importlib.import_module(f"benchmarks.{name}")
+    out = tmp_path / "x.json"
+    report = module.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    return report
+
+
+def test_batching_quick(tmp_path):
+    report = run_quick("bench_batching", tmp_path)
+
+    assert report["model"] == "tiny:gemma3"
+    assert [row["n"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        for key in ("engine_tps", "raw_tps", "sequential_tps", "engine_vs_raw"):
+            assert row[key] > 0
+
+
+def test_roundtrip_quick(tmp_path):
+    report = run_quick("bench_roundtrip", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["cache_tokens"] == report["history_tokens"] + 1
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert list(rows) == ["none", "fp16", "q8", "q4"]
+    # Sizes follow the format: float32 is twice float16, q8 and q4 add group scales and biases.
+    assert rows["none"]["file_bytes"] > rows["fp16"]["file_bytes"] > rows["q8"]["file_bytes"]
+    assert rows["q8"]["file_bytes"] > rows["q4"]["file_bytes"]
+    assert 0.5 < report["ratios"]["q8_vs_fp16"] < 0.6
+    assert 0.25 < report["ratios"]["q4_vs_fp16"] < 0.35
+    for row in rows.values():
+        assert row["save_ms"] > 0 and row["load_ms"] > 0
+        assert set(row["fidelity"]) == {"greedy", "random"}
+        for f in row["fidelity"].values():
+            assert 0 <= f["agreement"] <= 1
+            assert f["mean_kl"] >= -1e-6
+    # The unquantized trip is bit exact: same distributions after every teacher-forced token.
+    for f in rows["none"]["fidelity"].values():
+        assert f["agreement"] == 1.0
+        assert f["max_abs_logprob_diff"] == 0.0
+    assert set(report["targets_met"]) == {"q8_vs_fp16", "q4_vs_fp16", "q8_agreement"}
+
+
+def test_resume_quick(tmp_path):
+    report = run_quick("bench_resume", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert [row["history"] for row in report["rows"]] == [128, 256]
+    for row in report["rows"]:
+        assert row["prompt_tokens"] >= row["history"]
+        for key in ("reprefill_ttft_s", "hot_ttft_s", "raw_mlx_lm_ttft_s"):
+            assert row[key] > 0
+        assert set(row["disk"]) == {"none", "q8", "q4"}
+        for disk in row["disk"].values():
+            assert disk["ttft_s"] > 0 and disk["speedup_vs_reprefill"] > 0 and disk["vs_raw"] > 0
+            assert disk["cache_load_s"] < disk["ttft_s"]
+        # Quantized files are smaller than the exact one.
+        sizes = {name: disk["file_bytes"] for name, disk in row["disk"].items()}
+        assert sizes["none"] > sizes["q8"] > sizes["q4"] > 0
+    concurrent = report["concurrent"]
+    assert concurrent["ratio"] > 0
+    assert all(r["saves_in_flight_at_start"] > 0 for r in concurrent["rounds"]["saving"])
+    assert all(r["saves_in_flight_at_start"] == 0 for r in concurrent["rounds"]["quiet"])
+    assert set(report["targets_met"]) == {"none_vs_raw", "saving_decode_ratio"}
