@@ -5,9 +5,10 @@ Save path: finished cache -> ``encode_cache`` on the generation thread (quantize
 file is removed. Neither the event loop nor the decode loop waits on disk. If a newer cache of
 the same agent is queued before an older one is written, the older write is skipped.
 
-Load path: registry entry -> read + verify the file in a worker thread -> ``decode_cache`` on the
-generation thread -> a PromptCache ready to merge into the batch. Any problem (missing,
-truncated, corrupt, other model, old format) is logged and reported as "no cache".
+Load path: registry entry -> read, verify and dequantize the file in a worker thread ->
+``decode_cache`` on the generation thread -> a PromptCache ready to merge into the batch.
+Any problem (missing, truncated, corrupt, other model, old format) is logged and reported as
+"no cache".
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.kv_codec import (
     CacheFormatError,
     EncodedCache,
     decode_cache,
+    dequantize_on_host,
     encode_cache,
 )
 from engine.request import PromptCache
@@ -133,7 +135,8 @@ class DiskCaches:
                 raise StaleCacheError("file was written for another model")
             if meta.get("message_count") != str(record.message_count):
                 raise StaleCacheError("file does not match its registry entry")
-            encoded = EncodedCache(tensors=file.tensors, metadata=meta)
+            # Dequantize in a worker thread; the generation thread then only copies arrays in.
+            encoded = await asyncio.to_thread(dequantize_on_host, EncodedCache(file.tensors, meta))
             cache = await self._engine.run(decode_cache, encoded)
         except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
             self.load_failures += 1

@@ -177,6 +177,51 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
     return PromptCache(layers, tokens.tolist())
 
 
+def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
+    """The same cache with quantized keys/values expanded in numpy (no MLX: any thread).
+
+    Loading runs this in the reader thread so that :func:`decode_cache` on the generation
+    thread only copies arrays in, instead of stalling the batch on dequantization.
+
+    Raises:
+        CacheFormatError: as :func:`decode_cache`.
+    """
+    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    if kv_bits is None:
+        return encoded
+    tensors = {"tokens": _tensor(encoded, "tokens", None, np.int32)}
+    for i, layout in enumerate(_parse_layouts(encoded.metadata)):
+        for kv in ("keys", "values"):
+            name, shape = f"layers.{i}.{kv}", tuple(layout[f"{kv}_shape"])
+            rows, head_dim = shape[:-1], shape[-1]
+            if head_dim % group_size:
+                raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
+            words = _tensor(encoded, f"{name}.q", (*rows, head_dim * kv_bits // 32), np.uint32)
+            scales, biases = (
+                _tensor(encoded, f"{name}.{p}", (*rows, head_dim // group_size), np.float16)
+                for p in ("scales", "biases")
+            )
+            # mx.quantize packs little-endian: 8-bit values are the words' bytes in order,
+            # 4-bit values are each byte's low nibble, then its high nibble.
+            packed = np.ascontiguousarray(words).view(np.uint8)
+            q = packed if kv_bits == 8 else np.stack([packed & 0xF, packed >> 4], axis=-1)
+            q = q.reshape(*rows, head_dim // group_size, group_size).astype(np.float16)
+            # float16 arithmetic, rounding after each operation, as mx.dequantize does.
+            x = (q * scales[..., None] + biases[..., None]).reshape(shape)
+            tensors[name] = _to_stored(x, layout["dtype"])
+    metadata = encoded.metadata | {"kv_bits": "none", "group_size": "none"}
+    return EncodedCache(tensors, metadata)
+
+
+def _to_stored(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float16 values in the stored form of ``dtype`` (bfloat16 as its uint16 bit pattern)."""
+    if dtype != "bfloat16":
+        return np.ascontiguousarray(x.astype(_STORED[dtype]))
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)  # round to nearest even, as a cast would
+    return np.ascontiguousarray((rounded >> 16).astype(np.uint16))
+
+
 def _temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.array, dict]:
     """Keys and values of one layer in temporal order (used positions only), and its layout."""
     if type(layer) not in _LAYER_TYPES.values():

@@ -26,6 +26,7 @@ from engine.kv_codec import (
     EncodedCache,
     check_group_size,
     decode_cache,
+    dequantize_on_host,
     encode_cache,
 )
 from engine.request import GenerationRequest, PromptCache
@@ -417,3 +418,18 @@ def test_check_group_size_agrees_with_mx_quantize(head_dim, group_size):
     except ValueError:
         checked = False
     assert checked == accepted
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4])
+async def test_host_dequantization_is_bit_exact_with_mlx(engine, kv_bits):
+    for n in (10, 130):
+        encoded = await engine.run(encode_cache, await history(engine, n), kv_bits)
+        on_mlx = await engine.run(decode_cache, encoded)
+        host = dequantize_on_host(encoded)
+        assert host.kv_bits is None and host.group_size is None
+        on_host = await engine.run(decode_cache, host)
+        for a, b in zip(on_mlx.layers, on_host.layers, strict=True):
+            assert (type(a), a.offset) == (type(b), b.offset)
+            assert mx.array_equal(a.keys, b.keys).item()
+            assert mx.array_equal(a.values, b.values).item()
+        assert on_host.tokens == on_mlx.tokens
