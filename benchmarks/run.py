@@ -10,10 +10,15 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks import bench_batching, bench_resume, bench_roundtrip
+from benchmarks import bench_batching, bench_peer, bench_resume, bench_roundtrip
 
 RESULTS = Path(__file__).parent / "results"
-SUITE = {"batching": bench_batching, "roundtrip": bench_roundtrip, "resume": bench_resume}
+SUITE = {
+    "batching": bench_batching,
+    "roundtrip": bench_roundtrip,
+    "resume": bench_resume,
+    "peer": bench_peer,
+}
 
 
 def flatten(row: dict, prefix: str = "") -> dict:

@@ -75,3 +75,35 @@ def test_resume_quick(tmp_path):
     assert all(r["saves_in_flight_at_start"] > 0 for r in concurrent["rounds"]["saving"])
     assert all(r["saves_in_flight_at_start"] == 0 for r in concurrent["rounds"]["quiet"])
     assert set(report["targets_met"]) == {"none_vs_raw", "saving_decode_ratio"}
+
+
+def test_peer_quick(tmp_path):
+    report = run_quick("bench_peer", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["model"] == "tiny:gemma3"
+    assert report["agents"] == 2
+    phases = ["cold", "hot", "restart", "restart_concurrent"]
+    assert list(report["totals"]) == phases
+    assert [row["agent"] for row in report["rows"]] == ["agent-0", "agent-1"]
+    for row in report["rows"]:
+        assert 0 < row["history_tokens"] <= report["history"]
+        for phase in phases:
+            r = row[phase]
+            for server in ("agentkv", "mlx_lm"):
+                assert r["ttft_s"][server] > 0
+                assert r["total_s"][server] >= r["ttft_s"][server]
+                assert r["prompt_tokens"][server] > row["history_tokens"]
+            assert r["ttft_ratio"] > 0
+        # After each restart agentkv resumed the agent's cache from disk: the whole prompt but
+        # the new turn; its first prefill (cold) had nothing cached.
+        assert row["cold"]["cached_tokens"]["agentkv"] == 0
+        for phase in ("restart", "restart_concurrent"):
+            prompt = row[phase]["prompt_tokens"]["agentkv"]
+            assert row["history_tokens"] < row[phase]["cached_tokens"]["agentkv"] < prompt
+    assert report["agentkv_resumed_from_disk"] is True
+    for server in ("agentkv", "mlx_lm"):
+        sessions = report["servers"][server]["sessions"]
+        assert [s["phase"] for s in sessions] == ["cold", "restart", "restart_concurrent"]
+        assert all(s["ready_s"] > 0 and s["stop_s"] > 0 for s in sessions)
+    assert set(report["versions"]) >= {"agentkv", "mlx_lm"}
