@@ -8,6 +8,7 @@ import engine  # noqa: F401, I001  (first: preloads OpenBLAS before anything imp
 from agents.config import RuntimeConfig
 from agents.errors import (
     AgentKVError,
+    ChatTemplateError,
     ContextLengthError,
     EmptyMessageError,
     RuntimeClosedError,
@@ -32,6 +33,7 @@ __all__ = [
     "AgentNotFoundError",
     "AgentRecord",
     "AgentRuntime",
+    "ChatTemplateError",
     "ContextLengthError",
     "EmptyMessageError",
     "EngineConfig",

@@ -3,6 +3,7 @@
     AgentKVError
     ├── EmptyMessageError (also ValueError)     a turn with no text
     ├── ContextLengthError (also ValueError)    the turn would not fit the model's context
+    ├── ChatTemplateError (also ValueError)     the model's chat template refused the messages
     ├── TurnFailedError                         generation failed; the turn was rolled back
     └── RuntimeClosedError                      the runtime was used after close()
 
@@ -25,6 +26,10 @@ class EmptyMessageError(AgentKVError, ValueError):
 
 class ContextLengthError(AgentKVError, ValueError):
     """History + new turn + max_tokens exceeds the model's context window."""
+
+
+class ChatTemplateError(AgentKVError, ValueError):
+    """The model's chat template cannot render the conversation (e.g. roles must alternate)."""
 
 
 class TurnFailedError(AgentKVError):

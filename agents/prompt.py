@@ -3,7 +3,7 @@
 A cache's token list is the canonical history. Re-tokenizing a re-rendered transcript does not
 reproduce the tokens the model generated (tokenization is not canonical), so a token-prefix
 match against the cache would silently miss. Instead we render the conversation as text and
-cut it where the cache ends: just after the content of the last assistant message it covers.
+cut it where the cache ends: just after the content of the last assistant reply it covers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agents.errors import ChatTemplateError
+
 Message = dict[str, str]
+# Stands in for the reply's content while rendering: templates that trim or rewrite content
+# leave a token like this alone, so the text after it is exactly what follows the reply.
+_CUT = "\u27e6agentkv-cache-ends-here\u27e7"
 
 
 @dataclass(slots=True)
@@ -23,9 +28,14 @@ class ChatRenderer:
     eos_token_ids: frozenset[int]
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja's TemplateError, or the template's raise_exception
+            raise ChatTemplateError(
+                f"the model's chat template refused the conversation: {exc}"
+            ) from exc
 
     def encode(self, text: str) -> list[int]:
         # The template writes special tokens (BOS included) itself.
@@ -41,17 +51,18 @@ class ChatRenderer:
         """Tokens that follow a cache covering ``messages[:covered]``.
 
         The cache ends inside the rendering of ``messages[covered - 1]``, an assistant reply:
-        after its content and, if generation stopped on it, an end-of-turn token. Returns None
-        when the template does not render that reply as a plain prefix (then re-prefill).
+        after its generated content and, if generation stopped on it, an end-of-turn token.
+        Returns None when the template does not render that reply where the cache expects it
+        (then the caller re-prefills).
         """
         if not 0 < covered < len(messages) or messages[covered - 1]["role"] != "assistant":
             return None
+        probe = [*messages[: covered - 1], {**messages[covered - 1], "content": _CUT}]
+        rendered = self.render([*probe, *messages[covered:]], add_generation_prompt=True)
         head = self.render(messages[: covered - 1], add_generation_prompt=True)
-        head += messages[covered - 1]["content"]
-        full = self.render(messages, add_generation_prompt=True)
-        if not full.startswith(head):
+        if not rendered.startswith(head) or rendered.count(_CUT) != 1:
             return None
-        tail = full[len(head) :]
+        tail = rendered[rendered.index(_CUT) + len(_CUT) :]
         if last_cached_token in self.eos_token_ids:
             eos_text = self.tokenizer.decode([last_cached_token])
             if tail.startswith(eos_text):

@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.kv_codec import check_group_size
 from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
-from store import AgentRecord, MessageRecord, NewMessage, Registry
+from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,12 @@ class AgentRuntime:
             if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages must be user/assistant with string content, got {m!r}")
         async with self._lock(agent_id):
+            agent = await self._registry.get_agent(agent_id)
+            history = await self._registry.transcript(agent_id)
+            # Store nothing the chat template would refuse later (e.g. two user turns in a row).
+            await asyncio.to_thread(
+                self._renderer.render, [*self._messages(agent, history), *messages], False
+            )
             await self._registry.append_messages(
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
             )
@@ -144,7 +150,6 @@ class AgentRuntime:
             await self._registry.delete_agent(agent_id)
             self._hot.drop(agent_id)
             await self._disk.remove_agent(agent_id)
-        self._locks.pop(agent_id, None)
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -240,18 +245,27 @@ class AgentRuntime:
                 raise TurnFailedError(
                     f"turn of agent {agent_id!r} failed: {result.error}"
                 ) from result.error
-            await self._registry.append_messages(
-                agent_id,
-                [
-                    NewMessage("user", message, len(plan.prompt_tokens)),
-                    NewMessage("assistant", result.text, len(result.token_ids)),
-                ],
+            # Shielded: once the reply exists, storing it and its cache is not interruptible, so a
+            # caller cancelled now cannot leave the transcript stored but the cache unrecorded.
+            await asyncio.shield(
+                asyncio.ensure_future(self._commit(agent_id, message, plan, result))
             )
-            covered = len(history) + 2
-            self._hot.put(agent_id, result.cache, covered)
-            self._disk.save(agent_id, result.cache, covered)
             self._sources[plan.source] += 1
             yield self._reply(agent_id, plan, result, started)
+
+    async def _commit(
+        self, agent_id: str, message: str, plan: TurnPlan, result: GenerationResult
+    ) -> None:
+        stored = await self._registry.append_messages(
+            agent_id,
+            [
+                NewMessage("user", message, len(plan.prompt_tokens)),
+                NewMessage("assistant", result.text, len(result.token_ids)),
+            ],
+        )
+        covered = stored[-1].position + 1
+        self._hot.put(agent_id, result.cache, covered)
+        self._disk.save(agent_id, result.cache, covered)
 
     def _messages(self, agent: AgentRecord, history: list[MessageRecord]) -> list[Message]:
         system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
@@ -264,17 +278,21 @@ class AgentRuntime:
         hot = self._hot.get(agent_id)
         candidates = [("hot", hot.cache, hot.message_count)] if hot else []
         if not candidates:
+            await self._disk.wait(agent_id)  # a save in flight is the newest cache: let it land
             loaded = await self._disk.load(agent_id)
             if loaded is not None:
                 candidates.append(("disk", loaded.cache, loaded.message_count))
         for source, cache, count in candidates:
             if count > n_history:
                 continue  # newer than the transcript (cannot happen unless rows were removed)
-            delta = self._renderer.delta(messages, offset + count, cache.tokens[-1])
+            # Rendering and tokenizing grow with the history: keep them off the event loop.
+            delta = await asyncio.to_thread(
+                self._renderer.delta, messages, offset + count, cache.tokens[-1]
+            )
             if delta is not None:
                 return TurnPlan(delta, cache, source, time.perf_counter() - start)
             log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
-        tokens = self._renderer.full_prompt(messages)
+        tokens = await asyncio.to_thread(self._renderer.full_prompt, messages)
         source = "rebuilt" if n_history else "none"
         return TurnPlan(tokens, None, source, time.perf_counter() - start)
 
@@ -351,4 +369,5 @@ class AgentRuntime:
             raise RuntimeClosedError("the runtime is closed")
 
     def _lock(self, agent_id: str) -> asyncio.Lock:
+        validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
         return self._locks.setdefault(agent_id, asyncio.Lock())

@@ -76,7 +76,7 @@ class GenerationLoop(threading.Thread):
         return self.model
 
     def submit(self, seq: Sequence) -> None:
-        if self._stopping:
+        if self._stopping or not self.is_alive():
             raise EngineClosedError("the engine is closing and takes no new requests")
         seq.ticket = self._queue.push(seq, seq.request.priority)
         self._wake.set()
@@ -130,6 +130,12 @@ class GenerationLoop(threading.Thread):
         self._ready.set()
         try:
             self._serve()
+        except BaseException as exc:
+            # A bug, not a request's fault: fail everything so no caller waits forever.
+            log.exception("the generation loop failed; failing every request")
+            self._stopping = "cancel"
+            self._fail_everything(exc)
+            self._run_commands()  # pending run() calls and cancels still get their answer
         finally:
             self._flush_outbox()
             self._batch.close()
@@ -359,18 +365,24 @@ class GenerationLoop(threading.Thread):
         }
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
+        if seq.is_finished:  # it ended between the cancel call and this step boundary
+            return
         cache = None
         if seq.status is SeqStatus.QUEUED:
             self._queue.remove(seq.ticket)
             cache = seq.request.cache if keep_cache else None
-        elif seq.uid == SOLO_UID:
+        elif self._running.get(SOLO_UID) is seq:
             solo, self._solo = self._solo, None
             cache = solo.cache() if keep_cache else None
-        elif seq.status is SeqStatus.RUNNING:
-            cache = self._remove([seq], want_caches=keep_cache).get(seq.uid)
         else:
-            return
+            cache = self._remove([seq], want_caches=keep_cache).get(seq.uid)
         self._finish(seq, FinishReason.CANCELLED, cache)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        self._solo = None
+        for seq in [*self._running.values(), *self._queue.drain()]:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ERROR, error=exc)
 
     def _cancel_everything(self) -> None:
         for seq in list(self._running.values()):

@@ -352,3 +352,34 @@ async def test_request_arriving_during_a_solo_prefill_is_not_starved():
 async def test_solo_timings_charge_prefill_to_prefill(gemma):
     result = await gemma.generate(GenerationRequest(prompt(gemma, 300), max_tokens=2))
     assert result.stats.queue_wait_s < result.stats.prefill_s
+
+
+async def test_a_bug_in_the_loop_fails_requests_instead_of_hanging(monkeypatch):
+    from engine.loop import GenerationLoop
+
+    eng = await Engine.open("tiny:gemma3")
+    boom = RuntimeError("bug in the loop")
+
+    def broken(self, n):
+        raise boom
+
+    monkeypatch.setattr(GenerationLoop, "_count", broken)  # outside the per-step error handling
+    result = await asyncio.wait_for(
+        eng.generate(GenerationRequest(prompt(eng, 5), max_tokens=4)), timeout=30
+    )
+    assert result.finish_reason is FinishReason.ERROR and result.error is boom
+    await asyncio.wait_for(asyncio.to_thread(eng._thread.join), timeout=30)
+    with pytest.raises(EngineClosedError):
+        eng.submit(GenerationRequest(prompt(eng, 5), max_tokens=4))
+    await asyncio.wait_for(eng.close(), timeout=30)
+
+
+async def test_cancel_after_finish_is_a_no_op(gemma):
+    before = gemma.stats()
+    handle = gemma.submit(GenerationRequest(prompt(gemma, 5), max_tokens=3))
+    result = await handle.result()
+    # A cancel that lost the race: queued while the sequence was running, run after it ended.
+    await gemma.run(gemma._thread._cancel, handle._seq, True)
+    after = gemma.stats()
+    assert (after.cancelled, after.completed) == (before.cancelled, before.completed + 1)
+    assert result.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

@@ -299,8 +299,12 @@ async def test_process_killed_right_after_a_reply_resumes_or_rebuilds(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     async with await AgentRuntime.open(config(tmp_path)) as rt:
+        entry = await rt._registry.get_cache("k")
         reply = await rt.chat("k", "after the crash", max_tokens=6)
         assert reply.cache_source in ("disk", "rebuilt")
+        if reply.cache_source == "disk":  # the newest cache written before the kill
+            assert reply.usage.cached_tokens == entry.token_count
+            assert entry.message_count in (2, 4)
         contents = [m.content for m in await rt.transcript("k")]
     assert contents[::2] == ["before the crash", "the crash", "after the crash"]
     assert len(contents) == 6
@@ -330,8 +334,9 @@ async def test_imported_history_is_prefilled_then_cached(tmp_path):
 async def test_close_lets_turns_in_flight_finish(tmp_path):
     rt = await AgentRuntime.open(config(tmp_path))
     await rt.create_agent("late")
-    turn = asyncio.create_task(rt.chat("late", "still talking", max_tokens=40))
+    turn = asyncio.create_task(rt.chat("late", "still talking", max_tokens=200))
     await asyncio.sleep(0.01)
+    assert not turn.done()
     await rt.close()
     reply = await turn
     async with await AgentRuntime.open(config(tmp_path)) as rt:
