@@ -14,6 +14,7 @@ Any problem (missing, truncated, corrupt, other model, old format) is logged and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import uuid
@@ -160,6 +161,32 @@ class DiskCaches:
         await self.wait(agent_id)
         self._pending.pop(agent_id, None)
         await asyncio.to_thread(shutil.rmtree, self.root / agent_id, ignore_errors=True)
+
+    async def sweep(self) -> int:
+        """Remove files no registry entry points at (left by a crash mid-save, or by agents
+        deleted behind the runtime's back). Call before any save starts. Returns the count."""
+        current = {}
+        for agent in await self._registry.list_agents():
+            record = await self._registry.get_cache(agent.id)
+            current[agent.id] = record.path if record else None
+        return await asyncio.to_thread(self._sweep_files, current)
+
+    def _sweep_files(self, current: dict[str, str | None]) -> int:
+        # Only names this module writes: finished files and the writer's temp files.
+        ours = [*self.root.glob("*/*.safetensors"), *self.root.glob("*/.*.tmp-*")]
+        removed = 0
+        for file in ours:
+            rel = file.relative_to(self.root)
+            if current.get(rel.parts[0], "") != rel.as_posix():
+                remove_cache_file(file)
+                removed += 1
+        for directory in {f.parent for f in ours}:
+            if directory.name not in current:
+                with contextlib.suppress(OSError):  # not empty: something else lives there
+                    directory.rmdir()
+        if removed:
+            log.info("removed %d cache files no agent points at", removed)
+        return removed
 
     async def close(self) -> None:
         await self.wait()

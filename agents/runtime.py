@@ -75,7 +75,13 @@ class AgentRuntime:
             await engine.close()
             await registry.close()
             raise
-        return cls(config, registry, engine)
+        runtime = cls(config, registry, engine)
+        try:
+            await runtime._disk.sweep()
+        except BaseException:
+            await runtime.close()
+            raise
+        return runtime
 
     async def __aenter__(self) -> AgentRuntime:
         return self

@@ -342,3 +342,20 @@ async def test_close_lets_turns_in_flight_finish(tmp_path):
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         assert [m.content for m in await rt.transcript("late")] == ["still talking", reply.text]
         assert (await rt.chat("late", "again", max_tokens=4)).cache_source == "disk"
+
+
+async def test_orphaned_cache_files_are_swept_on_open(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("a")
+        await rt.chat("a", "hi", max_tokens=4)
+    caches = tmp_path / "caches"
+    (kept,) = (caches / "a").glob("*.safetensors")
+    (caches / "a" / "000000-deadbeef.safetensors").write_bytes(b"left by a crash")
+    (caches / "a" / f".{kept.name}.tmp-abc123").write_bytes(b"half written")
+    (caches / "ghost").mkdir()
+    (caches / "ghost" / "000002-aaaa.safetensors").write_bytes(b"agent deleted elsewhere")
+    (caches / "notes.txt").write_text("not ours: left alone")
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        left = sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*"))
+        assert left == ["a", f"a/{kept.name}", "notes.txt"]
+        assert (await rt.chat("a", "again", max_tokens=4)).cache_source == "disk"
