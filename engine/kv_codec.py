@@ -194,13 +194,7 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
         for kv in ("keys", "values"):
             name, shape = f"layers.{i}.{kv}", tuple(layout[f"{kv}_shape"])
             rows, head_dim = shape[:-1], shape[-1]
-            if head_dim % group_size:
-                raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
-            words = _tensor(encoded, f"{name}.q", (*rows, head_dim * kv_bits // 32), np.uint32)
-            scales, biases = (
-                _tensor(encoded, f"{name}.{p}", (*rows, head_dim // group_size), np.float16)
-                for p in ("scales", "biases")
-            )
+            words, scales, biases = _quantized(encoded, name, shape)
             # mx.quantize packs little-endian: 8-bit values are the words' bytes in order,
             # 4-bit values are each byte's low nibble, then its high nibble.
             packed = np.ascontiguousarray(words).view(np.uint8)
@@ -249,18 +243,27 @@ def _read_kv(encoded: EncodedCache, name: str, shape: tuple[int, ...], dtype: st
     if kv_bits is None:
         x = mx.array(_tensor(encoded, name, shape, _STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    rows, head_dim = shape[:-1], shape[-1]
-    if head_dim % group_size:
-        raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
-    q = _tensor(encoded, f"{name}.q", (*rows, head_dim * kv_bits // 32), np.uint32)
-    scales, biases = (
-        _tensor(encoded, f"{name}.{p}", (*rows, head_dim // group_size), np.float16)
-        for p in ("scales", "biases")
-    )
+    q, scales, biases = _quantized(encoded, name, shape)
     x = mx.dequantize(
         mx.array(q), mx.array(scales), mx.array(biases), group_size=group_size, bits=kv_bits
     )
     return x.astype(_DTYPES[dtype])
+
+
+def _quantized(
+    encoded: EncodedCache, name: str, shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (packed words, scales, biases) of a quantized tensor, shapes checked."""
+    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    rows, head_dim = shape[:-1], shape[-1]
+    if head_dim % group_size:
+        raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
+    words = _tensor(encoded, f"{name}.q", (*rows, head_dim * kv_bits // 32), np.uint32)
+    scales, biases = (
+        _tensor(encoded, f"{name}.{p}", (*rows, head_dim // group_size), np.float16)
+        for p in ("scales", "biases")
+    )
+    return words, scales, biases
 
 
 def _tensor(encoded: EncodedCache, name: str, shape: tuple | None, dtype: type) -> np.ndarray:
