@@ -5,15 +5,14 @@ sequential single-sequence generation, same model, same prompts, same process.
 
 All three run on the engine's generation thread (the raw loop and the sequential baseline
 through ``Engine.run``), so they share one model instance and one MLX thread. Every sequence
-generates exactly ``--tokens`` tokens (end-of-sequence ignored). Writes JSON to
-benchmarks/results/batching.json.
+generates exactly ``--tokens`` tokens (end-of-sequence ignored). Writes
+benchmarks/results/batching.json and batching.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
+from benchmarks.plots import save_plot, write_report
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import GenerationRequest
@@ -136,10 +136,28 @@ def main(argv: list[str] | None = None) -> dict:
             1,
         )
     report = asyncio.run(run(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(report, args.out, plot)
     return report
+
+
+def plot(report: dict, path: Path) -> Path:
+    ns = [row["n"] for row in report["rows"]]
+
+    def throughput(ax) -> None:
+        for key, label in (
+            ("engine", "agentkv engine"),
+            ("raw", "raw BatchGenerator"),
+            ("sequential", "sequential generate_step"),
+        ):
+            ax.plot(ns, [row[f"{key}_tps"] for row in report["rows"]], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tok/s")
+        ax.set_title("continuous batching")
+        ax.legend(fontsize=7)
+
+    return save_plot(path, [throughput], f"{report['model']}, {report['date']}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -72,7 +71,7 @@ from mlx_lm.utils import load_tokenizer
 from openai import AsyncOpenAI
 
 from benchmarks.bench_resume import words
-from benchmarks.plots import bar_labels, save_plot
+from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.models import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
@@ -541,10 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     report = summarize(bench)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    png = plot(report, args.plot or args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {png}")
+    write_report(report, args.out, plot, args.plot)
     return report
 
 

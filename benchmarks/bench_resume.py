@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import shutil
 import statistics
@@ -54,7 +53,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from agents import AgentRuntime, RuntimeConfig
-from benchmarks.plots import bar_labels, save_plot
+from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -438,10 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    png = plot(report, args.plot or args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {png}")
+    write_report(report, args.out, plot, args.plot)
     return report
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import platform
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.plots import bar_labels, save_plot
+from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.engine import Engine
 from engine.kv_codec import EncodedCache, decode_cache, encode_cache
 from engine.request import GenerationRequest, PromptCache
@@ -291,10 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="agentkv-roundtrip-", dir=args.cache_dir) as tmp:
         report = asyncio.run(run(args, Path(tmp)))
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    png = plot(report, args.plot or args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {png}")
+    write_report(report, args.out, plot, args.plot)
     return report
 
 

@@ -6,6 +6,7 @@ so plotting works without a display and from any thread.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,16 @@ def save_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return path
+
+
+def write_report(
+    report: dict, out: Path, plot: Callable[[dict, Path], Path], plot_path: Path | None = None
+) -> None:
+    """Write a benchmark's JSON to ``out`` and its PNG next to it (or to ``plot_path``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    png = plot(report, plot_path or out.with_suffix(".png"))
+    print(f"wrote {out} and {png}")
 
 
 def bar_labels(ax: Any, bars: Any, fmt: str) -> None:
