@@ -70,7 +70,7 @@ import numpy as np
 from mlx_lm.utils import load_tokenizer
 from openai import AsyncOpenAI
 
-from benchmarks.bench_resume import words
+from benchmarks.bench_resume import sized_history
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.models import resolve_model_path
 
@@ -88,31 +88,6 @@ MLX_LM_WRAPPER = (
 
 class BenchError(RuntimeError):
     """A server failed to start, stop or answer: the comparison cannot be made."""
-
-
-def sized_history(tokenizer: Any, tokens: int, seed: int, turn_words: int = 80) -> list[dict]:
-    """User/assistant pairs whose chat-template rendering is ``tokens`` tokens or just under."""
-    count = lambda messages: len(tokenizer.apply_chat_template(messages, tokenize=True))  # noqa: E731
-    rng = np.random.default_rng(seed)
-    messages: list[dict] = []
-    while True:
-        pair = [
-            {"role": "user", "content": words(rng, turn_words)},
-            {"role": "assistant", "content": words(rng, turn_words)},
-        ]
-        if count(messages + pair) > tokens:
-            break
-        messages += pair
-    user = {"role": "user", "content": words(rng, 4)}
-    reply = words(rng, 2 * turn_words).split()
-    low, high = 0, len(reply)  # the last reply takes as many words as still fit
-    while low < high:
-        mid = (low + high + 1) // 2
-        candidate = [*messages, user, {"role": "assistant", "content": " ".join(reply[:mid])}]
-        low, high = (mid, high) if count(candidate) <= tokens else (low, mid - 1)
-    if low:
-        messages += [user, {"role": "assistant", "content": " ".join(reply[:low])}]
-    return messages
 
 
 def free_port() -> int:
@@ -277,7 +252,11 @@ class Bench:
         self.logs.mkdir(parents=True)
         tokenizer = load_tokenizer(model_dir)
         self.agents = [f"agent-{i}" for i in range(args.agents)]
-        histories = [sized_history(tokenizer, args.history, seed=i) for i in range(args.agents)]
+
+        def count(messages: list[dict]) -> int:
+            return len(tokenizer.apply_chat_template(messages, tokenize=True))
+
+        histories = [sized_history(count, args.history, seed=i) for i in range(args.agents)]
         self.history_tokens = [len(tokenizer.apply_chat_template(h)) for h in histories]
         self.history_messages = {a: len(h) for a, h in zip(self.agents, histories, strict=True)}
         # Each server's own copy: the same history, then its own replies.

@@ -44,6 +44,7 @@ import string
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,11 @@ def words(rng: np.random.Generator, n: int) -> str:
     return " ".join("".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(n))
 
 
-def sized_history(rt: AgentRuntime, tokens: int, seed: int, turn_words: int = 80) -> list[dict]:
-    """User/assistant messages whose rendering is ``tokens`` tokens or just under."""
+def sized_history(
+    count_tokens: Callable[[list[dict]], int], tokens: int, seed: int, turn_words: int = 80
+) -> list[dict]:
+    """User/assistant messages whose rendering (as ``count_tokens`` counts it) is ``tokens``
+    tokens or just under."""
     rng = np.random.default_rng(seed)
     messages: list[dict] = []
     while True:
@@ -76,7 +80,7 @@ def sized_history(rt: AgentRuntime, tokens: int, seed: int, turn_words: int = 80
             {"role": "user", "content": words(rng, turn_words)},
             {"role": "assistant", "content": words(rng, turn_words)},
         ]
-        if rt.count_tokens(messages + pair) > tokens:
+        if count_tokens(messages + pair) > tokens:
             break
         messages += pair
     # The last pair takes as many words as still fit (binary search on the assistant's words).
@@ -86,7 +90,7 @@ def sized_history(rt: AgentRuntime, tokens: int, seed: int, turn_words: int = 80
     while low < high:
         mid = (low + high + 1) // 2
         candidate = [*messages, user, {"role": "assistant", "content": " ".join(reply[:mid])}]
-        low, high = (mid, high) if rt.count_tokens(candidate) <= tokens else (low, mid - 1)
+        low, high = (mid, high) if count_tokens(candidate) <= tokens else (low, mid - 1)
     if low:
         messages += [user, {"role": "assistant", "content": " ".join(reply[:low])}]
     return messages
@@ -178,7 +182,7 @@ class Bench:
             for h in self.args.histories:
                 agent_id = (await rt.create_agent()).id
                 self.agents[(name, h)] = agent_id
-                await rt.append_messages(agent_id, sized_history(rt, h, seed=h))
+                await rt.append_messages(agent_id, sized_history(rt.count_tokens, h, seed=h))
                 first = await self.chat(rt, agent_id, "rebuilt")
                 hot = await self.chat(rt, agent_id, "hot")
                 self.samples["reprefill"][h].append(first.timings.ttft_s)
@@ -240,7 +244,7 @@ class Bench:
         async with await AgentRuntime.open(config) as rt:
             agents = [(await rt.create_agent()).id for _ in range(args.agents)]
             for i, agent_id in enumerate(agents):
-                history = sized_history(rt, args.concurrent_history, seed=1000 + i)
+                history = sized_history(rt.count_tokens, args.concurrent_history, seed=1000 + i)
                 await rt.append_messages(agent_id, history)
             await self.decode_round(rt, agents)  # prefills every history
             await rt.flush()
