@@ -11,6 +11,7 @@ from agents.errors import (
     ChatTemplateError,
     ContextLengthError,
     EmptyMessageError,
+    InvalidMessageError,
     RuntimeClosedError,
     TurnFailedError,
 )
@@ -25,6 +26,8 @@ from store import (
     AgentRecord,
     InvalidAgentIdError,
     MessageRecord,
+    RegistryStorageError,
+    StoreError,
 )
 
 __all__ = [
@@ -39,11 +42,14 @@ __all__ = [
     "EngineConfig",
     "EngineOverloadedError",
     "InvalidAgentIdError",
+    "InvalidMessageError",
     "MessageRecord",
+    "RegistryStorageError",
     "Reply",
     "RuntimeClosedError",
     "RuntimeConfig",
     "SamplingParams",
+    "StoreError",
     "TextDelta",
     "Timings",
     "TurnFailedError",

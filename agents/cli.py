@@ -60,8 +60,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: serving on {args.host} without --api-key", file=sys.stderr)
     kv_bits = None if args.kv_bits == "none" else int(args.kv_bits)
     config = RuntimeConfig(model=args.model, data_dir=args.data_dir, kv_bits=kv_bits)
-    uvicorn.run(create_app(config, api_key), host=args.host, port=args.port, log_level="info")
+    limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    app = create_app(config, api_key, **limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("8", "4", "none"),
         default="8",
         help="quantization of KV caches saved to disk (default: 8)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        metavar="N",
+        help="refuse request bodies over N bytes with 413 (default: 32 MiB)",
     )
     serve.set_defaults(func=_cmd_serve)
     return parser

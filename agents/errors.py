@@ -1,26 +1,43 @@
-"""Errors raised by AgentRuntime.
+"""Errors raised by AgentRuntime, and the one root every agentkv error derives from.
+
+``except AgentKVError`` catches every error agentkv raises on purpose, whichever package it
+comes from::
 
     AgentKVError
-    ├── EmptyMessageError (also ValueError)     a turn with no text
+    ├── InvalidMessageError (also ValueError)   a message's text cannot be used (lone UTF-16
+    │   │                                       surrogates, not a string)
+    │   └── EmptyMessageError                   a turn with no text
     ├── ContextLengthError (also ValueError)    the turn would not fit the model's context
     ├── ChatTemplateError (also ValueError)     the model's chat template refused the messages
     ├── TurnFailedError                         generation failed; the turn was rolled back
-    └── RuntimeClosedError                      the runtime was used after close()
-
-Also raised through the runtime, from the packages below it:
-``store.AgentNotFoundError`` (unknown agent), ``store.AgentExistsError``,
-``store.InvalidAgentIdError`` (an id that could not be a file name), and
-``engine.errors.EngineOverloadedError`` (the admission queue is full; retry later).
+    ├── RuntimeClosedError                      the runtime was used after close()
+    ├── store.StoreError                        the registry and cache files: AgentNotFoundError,
+    │                                           AgentExistsError, InvalidAgentIdError,
+    │                                           RegistryStorageError (disk full, read-only), ...
+    └── engine.errors.EngineError               EngineOverloadedError (queue full; retry later),
+                                                ModelNotFoundError, CacheFormatError, ...
 """
 
 from __future__ import annotations
 
+from engine.errors import AgentKVError
 
-class AgentKVError(Exception):
-    """Base class of the runtime's own errors."""
+__all__ = [
+    "AgentKVError",
+    "ChatTemplateError",
+    "ContextLengthError",
+    "EmptyMessageError",
+    "InvalidMessageError",
+    "RuntimeClosedError",
+    "TurnFailedError",
+]
 
 
-class EmptyMessageError(AgentKVError, ValueError):
+class InvalidMessageError(AgentKVError, ValueError):
+    """A message's text cannot be stored or tokenized (e.g. it holds a lone UTF-16 surrogate)."""
+
+
+class EmptyMessageError(InvalidMessageError):
     """The message is empty or only whitespace."""
 
 
@@ -38,3 +55,21 @@ class TurnFailedError(AgentKVError):
 
 class RuntimeClosedError(AgentKVError):
     """The runtime is closed."""
+
+
+def check_text(text: object, where: str) -> str:
+    """``text`` if it is a string that UTF-8 can encode, else InvalidMessageError naming ``where``.
+
+    JSON allows ``"\\ud800"`` escapes that decode to lone surrogates, which neither SQLite's
+    UTF-8 nor the tokenizer can take.
+    """
+    if not isinstance(text, str):
+        raise InvalidMessageError(f"{where} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(
+            f"{where} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start}; send UTF-8 text (pair or drop the surrogate)"
+        ) from None
+    return text

@@ -7,12 +7,19 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agents.config import RuntimeConfig
-from agents.errors import ContextLengthError, EmptyMessageError, RuntimeClosedError, TurnFailedError
+from agents.errors import (
+    ContextLengthError,
+    EmptyMessageError,
+    InvalidMessageError,
+    RuntimeClosedError,
+    TurnFailedError,
+    check_text,
+)
 from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message
@@ -55,7 +62,7 @@ class AgentRuntime:
         self._locks: dict[str, asyncio.Lock] = {}
         self._sources: Counter[str] = Counter()
         self._closed = False
-        self._turns = 0  # turns in flight; close() lets them finish
+        self._in_flight = 0  # turns and their commits; close() lets them finish
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -101,6 +108,10 @@ class AgentRuntime:
     ) -> AgentRecord:
         """Register a new agent. ``agent_id`` defaults to a fresh ``agent-<hex>`` id."""
         self._check_open()
+        if system_prompt is not None:
+            check_text(system_prompt, "system_prompt")
+        if name is not None:
+            check_text(name, "name")
         return await self._registry.create_agent(
             agent_id,
             name=name,
@@ -112,13 +123,22 @@ class AgentRuntime:
     async def get_agent(self, agent_id: str) -> AgentRecord:
         return await self._registry.get_agent(agent_id)
 
-    async def list_agents(self) -> list[AgentRecord]:
-        return await self._registry.list_agents()
+    async def list_agents(
+        self, *, limit: int | None = None, after_id: str | None = None
+    ) -> list[AgentRecord]:
+        """Agents, oldest first: all, or a page of at most ``limit`` after agent ``after_id``."""
+        return await self._registry.list_agents(limit=limit, after_id=after_id)
 
-    async def transcript(self, agent_id: str) -> list[MessageRecord]:
-        return await self._registry.transcript(agent_id)
+    async def transcript(
+        self, agent_id: str, *, start: int = 0, limit: int | None = None
+    ) -> list[MessageRecord]:
+        """The agent's messages from position ``start`` on (at most ``limit``), in order."""
+        return await self._registry.transcript(agent_id, start=start, limit=limit)
 
-    async def append_messages(self, agent_id: str, messages: list[dict[str, str]]) -> None:
+    async def message_count(self, agent_id: str) -> int:
+        return await self._registry.message_count(agent_id)
+
+    async def append_messages(self, agent_id: str, messages: Sequence[Message]) -> None:
         """Add messages to an agent's transcript without generating (e.g. importing history).
 
         Args:
@@ -126,11 +146,10 @@ class AgentRuntime:
             messages: ``{"role": "user" | "assistant", "content": str}`` dicts, in order.
 
         The agent's cache stays valid: the next turn prefills these messages as part of its delta.
+        To import history and run a turn atomically, pass it as ``chat(..., history=...)``.
         """
         self._check_open()
-        for m in messages:
-            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages must be user/assistant with string content, got {m!r}")
+        messages = _checked_history(messages)
         async with self._lock(agent_id):
             agent = await self._registry.get_agent(agent_id)
             history = await self._registry.transcript(agent_id)
@@ -142,10 +161,15 @@ class AgentRuntime:
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
             )
 
-    def count_tokens(self, messages: list[dict[str, str]], system: str | None = None) -> int:
-        """Tokens of a conversation rendered with the model's chat template, ready to answer."""
-        system_messages = [{"role": "system", "content": system}] if system else []
-        return len(self._renderer.full_prompt([*system_messages, *messages]))
+    async def count_tokens(self, messages: Sequence[Message], system: str | None = None) -> int:
+        """Tokens of a conversation rendered with the model's chat template, ready to answer.
+
+        Rendering and tokenizing run in a worker thread: a long conversation does not stall
+        the event loop.
+        """
+        head = [{"role": "system", "content": check_text(system, "system")}] if system else []
+        conversation = [*head, *_checked_history(messages)]
+        return len(await asyncio.to_thread(self._renderer.full_prompt, conversation))
 
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
@@ -165,7 +189,8 @@ class AgentRuntime:
         Args:
             agent_id: the agent.
             message: the user's text (not empty).
-            **options: ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
+            **options: ``history`` (messages to add before this turn, stored with it or not
+                at all), ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
                 defaults), ``stop`` (list of stop strings), ``priority``.
 
         Returns:
@@ -183,6 +208,7 @@ class AgentRuntime:
         agent_id: str,
         message: str,
         *,
+        history: Sequence[Message] = (),
         max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         stop: list[str] | None = None,
@@ -190,21 +216,23 @@ class AgentRuntime:
     ) -> AsyncIterator[TextDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta pieces as they are generated, then the Reply.
 
-        A turn that fails, is cancelled, or whose stream is closed early is rolled back:
-        neither message is stored and the agent's cache stays as it was.
+        ``history`` (user/assistant message dicts) is added to the transcript before the new
+        message, in the same transaction as the turn. A turn that fails, is refused (e.g. too
+        long for the context), is cancelled, or whose stream is closed early is rolled back:
+        nothing of it, the history included, is stored and the agent's cache stays as it was.
         """
         self._check_open()
-        if not isinstance(message, str) or not message.strip():
+        if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
         options = {
+            "history": _checked_history(history),
             "max_tokens": max_tokens,
             "sampling": sampling,
             "stop": stop,
             "priority": priority,
         }
         started = time.perf_counter()
-        self._turns += 1
-        self._idle.clear()
+        self._begin()
         try:
             # aclosing: an abandoned stream must release the agent and the engine slot now.
             async with contextlib.aclosing(
@@ -213,9 +241,16 @@ class AgentRuntime:
                 async for event in turn:
                     yield event
         finally:
-            self._turns -= 1
-            if not self._turns:
-                self._idle.set()
+            self._end()
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.set()
 
     async def _turn(
         self,
@@ -223,6 +258,7 @@ class AgentRuntime:
         message: str,
         started: float,
         *,
+        history: list[Message],
         max_tokens: int | None,
         sampling: SamplingParams | None,
         stop: list[str] | None,
@@ -230,9 +266,13 @@ class AgentRuntime:
     ) -> AsyncIterator[TextDelta | Reply]:
         async with self._lock(agent_id):
             agent = await self._registry.get_agent(agent_id)
-            history = await self._registry.transcript(agent_id)
-            messages = [*self._messages(agent, history), {"role": "user", "content": message}]
-            plan = await self._plan(agent_id, messages, len(history))
+            stored = await self._registry.transcript(agent_id)
+            messages = [
+                *self._messages(agent, stored),
+                *history,
+                {"role": "user", "content": message},
+            ]
+            plan = await self._plan(agent_id, messages, len(stored) + len(history), bool(stored))
             request = GenerationRequest(
                 plan.prompt_tokens,
                 max_tokens=max_tokens or self.config.default_max_tokens,
@@ -253,18 +293,27 @@ class AgentRuntime:
                 ) from result.error
             # Shielded: once the reply exists, storing it and its cache is not interruptible, so a
             # caller cancelled now cannot leave the transcript stored but the cache unrecorded.
-            await asyncio.shield(
-                asyncio.ensure_future(self._commit(agent_id, message, plan, result))
-            )
+            # The commit counts as in flight on its own: close() waits for it even when the
+            # caller that started it is cancelled.
+            commit = asyncio.ensure_future(self._commit(agent_id, history, message, plan, result))
+            self._begin()
+            commit.add_done_callback(lambda _: self._end())
+            await asyncio.shield(commit)
             self._sources[plan.source] += 1
             yield self._reply(agent_id, plan, result, started)
 
     async def _commit(
-        self, agent_id: str, message: str, plan: TurnPlan, result: GenerationResult
+        self,
+        agent_id: str,
+        history: list[Message],
+        message: str,
+        plan: TurnPlan,
+        result: GenerationResult,
     ) -> None:
         stored = await self._registry.append_messages(
             agent_id,
             [
+                *(NewMessage(m["role"], m["content"]) for m in history),
                 NewMessage("user", message, len(plan.prompt_tokens)),
                 NewMessage("assistant", result.text, len(result.token_ids)),
             ],
@@ -277,8 +326,14 @@ class AgentRuntime:
         system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
         return system + [{"role": str(m.role), "content": m.content} for m in history]
 
-    async def _plan(self, agent_id: str, messages: list[Message], n_history: int) -> TurnPlan:
-        """Pick the cache to resume from (hot, then disk) and the tokens still to prefill."""
+    async def _plan(
+        self, agent_id: str, messages: list[Message], n_history: int, has_stored: bool
+    ) -> TurnPlan:
+        """Pick the cache to resume from (hot, then disk) and the tokens still to prefill.
+
+        ``n_history`` counts the messages before the new one (stored and imported);
+        ``has_stored``: the agent had a transcript, so prefilling all of it is a rebuild.
+        """
         start = time.perf_counter()
         offset = len(messages) - n_history - 1  # the system message, if any
         hot = self._hot.get(agent_id)
@@ -299,7 +354,7 @@ class AgentRuntime:
                 return TurnPlan(delta, cache, source, time.perf_counter() - start)
             log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
         tokens = await asyncio.to_thread(self._renderer.full_prompt, messages)
-        source = "rebuilt" if n_history else "none"
+        source = "rebuilt" if has_stored else "none"
         return TurnPlan(tokens, None, source, time.perf_counter() - start)
 
     def _check_context(self, request: GenerationRequest) -> None:
@@ -377,3 +432,16 @@ class AgentRuntime:
     def _lock(self, agent_id: str) -> asyncio.Lock:
         validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
         return self._locks.setdefault(agent_id, asyncio.Lock())
+
+
+def _checked_history(messages: Sequence[Message]) -> list[Message]:
+    """Copies of user/assistant message dicts whose content is usable text."""
+    checked = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise InvalidMessageError(
+                f"messages[{i}]: role must be 'user' or 'assistant', got {role!r}"
+            )
+        checked.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+    return checked

@@ -67,10 +67,9 @@ from typing import Any
 import httpx
 import mlx_lm
 import numpy as np
-from mlx_lm.utils import load_tokenizer
 from openai import AsyncOpenAI
 
-from benchmarks.bench_resume import sized_history
+from benchmarks.bench_resume import chat_token_counter, sized_history
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.models import resolve_model_path
 
@@ -250,14 +249,10 @@ class Bench:
         self.data_dir = root / "agentkv-data"
         self.logs = root / "logs"
         self.logs.mkdir(parents=True)
-        tokenizer = load_tokenizer(model_dir)
+        count = chat_token_counter(model_dir)
         self.agents = [f"agent-{i}" for i in range(args.agents)]
-
-        def count(messages: list[dict]) -> int:
-            return len(tokenizer.apply_chat_template(messages, tokenize=True))
-
         histories = [sized_history(count, args.history, seed=i) for i in range(args.agents)]
-        self.history_tokens = [len(tokenizer.apply_chat_template(h)) for h in histories]
+        self.history_tokens = [count(h) for h in histories]
         self.history_messages = {a: len(h) for a, h in zip(self.agents, histories, strict=True)}
         # Each server's own copy: the same history, then its own replies.
         self.conversations = {

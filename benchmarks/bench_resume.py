@@ -52,10 +52,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.utils import load_tokenizer
 
 from agents import AgentRuntime, RuntimeConfig
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.config import EngineConfig
+from engine.models import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
 KV_BITS = {"none": None, "q8": 8, "q4": 4}
@@ -66,6 +68,13 @@ TTFT_TOKENS = 4  # a resume turn only needs its first token; a few more exercise
 def words(rng: np.random.Generator, n: int) -> str:
     letters = np.array(list(string.ascii_lowercase))
     return " ".join("".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(n))
+
+
+def chat_token_counter(model: str | Path) -> Callable[[list[dict]], int]:
+    """Tokens of a conversation rendered with the model's chat template (a sync counter for
+    :func:`sized_history`, outside any runtime)."""
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    return lambda messages: len(tokenizer.apply_chat_template(messages, tokenize=True))
 
 
 def sized_history(
@@ -126,6 +135,7 @@ class Bench:
         self.prompt_tokens: dict[int, int] = {}
         self.file_bytes: dict[str, dict[int, int]] = defaultdict(dict)
         self.turn = 0
+        self.count_tokens = chat_token_counter(args.model)
 
     def config(
         self, name: str, data_dir: str | None = None, engine: EngineConfig | None = None
@@ -182,7 +192,7 @@ class Bench:
             for h in self.args.histories:
                 agent_id = (await rt.create_agent()).id
                 self.agents[(name, h)] = agent_id
-                await rt.append_messages(agent_id, sized_history(rt.count_tokens, h, seed=h))
+                await rt.append_messages(agent_id, sized_history(self.count_tokens, h, seed=h))
                 first = await self.chat(rt, agent_id, "rebuilt")
                 hot = await self.chat(rt, agent_id, "hot")
                 self.samples["reprefill"][h].append(first.timings.ttft_s)
@@ -244,7 +254,7 @@ class Bench:
         async with await AgentRuntime.open(config) as rt:
             agents = [(await rt.create_agent()).id for _ in range(args.agents)]
             for i, agent_id in enumerate(agents):
-                history = sized_history(rt.count_tokens, args.concurrent_history, seed=1000 + i)
+                history = sized_history(self.count_tokens, args.concurrent_history, seed=1000 + i)
                 await rt.append_messages(agent_id, history)
             await self.decode_round(rt, agents)  # prefills every history
             await rt.flush()

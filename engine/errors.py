@@ -1,14 +1,17 @@
 """Errors raised by the engine.
 
-Exception tree::
+Exception tree (``AgentKVError`` is the root of every error agentkv raises on purpose; the
+store's ``StoreError`` and the runtime's errors derive from it too, see ``agents/errors.py``)::
 
-    EngineError(Exception)
-    ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
-    ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
-    ├── OutputDirNotEmptyError(EngineError, FileExistsError)   refusing to overwrite a directory
-    ├── InvalidCacheError(EngineError, ValueError)             a KV cache that does not fit
-    ├── EngineClosedError(EngineError, RuntimeError)           no new work is accepted
-    └── EngineOverloadedError(EngineError, RuntimeError)       admission queue full; retry later
+    AgentKVError(Exception)
+    └── EngineError
+        ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
+        ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
+        ├── OutputDirNotEmptyError(EngineError, FileExistsError)   refusing to overwrite a directory
+        ├── InvalidCacheError(EngineError, ValueError)             a KV cache that does not fit
+        ├── CacheFormatError(EngineError, ValueError)              undecodable encoded cache data
+        ├── EngineClosedError(EngineError, RuntimeError)           no new work is accepted
+        └── EngineOverloadedError(EngineError, RuntimeError)       admission queue full; retry later
 
 Each class also derives from the builtin a caller without agentkv in mind would catch, so
 ``except FileNotFoundError`` still sees a missing model.
@@ -17,7 +20,11 @@ Each class also derives from the builtin a caller without agentkv in mind would 
 from __future__ import annotations
 
 
-class EngineError(Exception):
+class AgentKVError(Exception):
+    """Root of every error agentkv raises on purpose: ``except AgentKVError`` catches them all."""
+
+
+class EngineError(AgentKVError):
     """Base class of every error the engine raises on purpose."""
 
 
@@ -35,6 +42,10 @@ class OutputDirNotEmptyError(EngineError, FileExistsError):
 
 class InvalidCacheError(EngineError, ValueError):
     """A KV cache whose layers, shapes or model do not match the loaded model."""
+
+
+class CacheFormatError(EngineError, ValueError):
+    """Encoded cache data that cannot be decoded: missing or misshapen tensors, bad metadata."""
 
 
 class EngineClosedError(EngineError, RuntimeError):

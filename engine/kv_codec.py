@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine.errors import CacheFormatError
 from engine.request import PromptCache
 
 FORMAT_VERSION = 1
@@ -30,10 +31,6 @@ GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
 _LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
-
-
-class CacheFormatError(ValueError):
-    """Encoded cache data that cannot be decoded: missing or misshapen tensors, bad metadata."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,18 +12,22 @@ from engine.sampling import SamplingParams
 
 @dataclass(slots=True)
 class PromptCache:
-    """Per-layer mlx-lm caches (KVCache / RotatingKVCache) and the exact tokens they hold."""
+    """Per-layer mlx-lm caches (KVCache / RotatingKVCache) and the exact tokens they hold.
+
+    Made on the generation thread, which also sizes it (``nbytes``), so that code on other
+    threads (the hot tier's byte budget) never calls into MLX.
+    """
 
     layers: list[Any]
     tokens: list[int]
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(layer.nbytes for layer in self.layers)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
 
 class FinishReason(StrEnum):

@@ -62,13 +62,18 @@ class SamplingParams(BaseModel):
 
 
 class SeededSampler:
-    """Samples with its own PRNG key, so a sequence's draws do not depend on its batch-mates."""
+    """Samples with its own PRNG key, so a sequence's draws do not depend on its batch-mates.
 
-    __slots__ = ("_key", "_params")
+    The key is made on the first call, on the generation thread: the sampler itself is built
+    wherever the request is submitted (the event loop), where no MLX op may run.
+    """
+
+    __slots__ = ("_key", "_params", "_seed")
 
     def __init__(self, params: SamplingParams, seed: int):
         self._params = params
-        self._key = mx.random.key(seed)
+        self._seed = seed
+        self._key: mx.array | None = None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         p = self._params
@@ -78,6 +83,8 @@ class SeededSampler:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
+        if self._key is None:
+            self._key = mx.random.key(self._seed)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
 

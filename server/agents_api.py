@@ -1,17 +1,20 @@
 """Agents REST API: list, create, inspect, delete agents and read their transcripts.
 
-GET    /v1/agents                  {"object": "list", "data": [agent, ...]}
+GET    /v1/agents?limit=&after_id=    one page, oldest first: {"object": "list",
+                                   "data": [agent, ...], "has_more", "first_id", "last_id"};
+                                   the next page is ?after_id=<last_id>
 POST   /v1/agents                  {id?, name?, system_prompt?} -> 201 agent (409: id taken)
 GET    /v1/agents/{id}             agent, with "message_count" (404: no such agent)
 DELETE /v1/agents/{id}             {"id", "object": "agent.deleted", "deleted": true}
-GET    /v1/agents/{id}/messages    {"object": "list", "data": [message, ...]}
+GET    /v1/agents/{id}/messages?limit=&after_position=
+                                   one page of the transcript, in order, same list shape
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +22,8 @@ from agents import AgentRecord, MessageRecord
 from server.state import State
 
 router = APIRouter(prefix="/v1/agents")
+DEFAULT_PAGE, MAX_PAGE = 20, 1000
+MAX_MESSAGES_PAGE = 1000
 
 
 class NewAgent(BaseModel):
@@ -53,10 +58,26 @@ def message_body(message: MessageRecord) -> dict[str, Any]:
     }
 
 
+def page(data: list[dict[str, Any]], limit: int, key: str) -> dict[str, Any]:
+    """A list response from up to ``limit + 1`` items (the extra one only says there is more)."""
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "has_more": len(data) > limit,
+        "first_id": shown[0][key] if shown else None,
+        "last_id": shown[-1][key] if shown else None,
+    }
+
+
 @router.get("")
-async def list_agents(state: State) -> dict[str, Any]:
-    agents = await state.runtime.list_agents()
-    return {"object": "list", "data": [agent_body(a) for a in agents]}
+async def list_agents(
+    state: State,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
+    after_id: str | None = None,
+) -> dict[str, Any]:
+    agents = await state.runtime.list_agents(limit=limit + 1, after_id=after_id)
+    return page([agent_body(a) for a in agents], limit, "id")
 
 
 @router.post("", status_code=201)
@@ -71,8 +92,7 @@ async def create_agent(body: NewAgent, state: State) -> JSONResponse:
 @router.get("/{agent_id}")
 async def get_agent(agent_id: str, state: State) -> dict[str, Any]:
     agent = await state.runtime.get_agent(agent_id)
-    transcript = await state.runtime.transcript(agent_id)
-    return agent_body(agent, message_count=len(transcript))
+    return agent_body(agent, message_count=await state.runtime.message_count(agent_id))
 
 
 @router.delete("/{agent_id}")
@@ -83,6 +103,11 @@ async def delete_agent(agent_id: str, state: State) -> dict[str, Any]:
 
 
 @router.get("/{agent_id}/messages")
-async def list_messages(agent_id: str, state: State) -> dict[str, Any]:
-    transcript = await state.runtime.transcript(agent_id)
-    return {"object": "list", "data": [message_body(m) for m in transcript]}
+async def list_messages(
+    agent_id: str,
+    state: State,
+    limit: Annotated[int, Query(ge=1, le=MAX_MESSAGES_PAGE)] = MAX_MESSAGES_PAGE,
+    after_position: Annotated[int, Query(ge=-1)] = -1,
+) -> dict[str, Any]:
+    messages = await state.runtime.transcript(agent_id, start=after_position + 1, limit=limit + 1)
+    return page([message_body(m) for m in messages], limit, "position")

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -161,6 +161,7 @@ async def _events(
 
 @router.post("/v1/messages")
 async def create_message(
+    http: Request,
     body: MessagesRequest,
     state: State,
     x_agent_id: AgentHeader = None,
@@ -169,7 +170,7 @@ async def create_message(
     if body.stream:
         turn = await TurnStream(state, request).start()
         return TurnStreamingResponse(_events(body, turn, state), turn)
-    reply = await run_turn(state, request)
+    reply = await run_turn(state, request, http)
     msg = message(body, f"msg_{uuid.uuid4().hex}", reply, state)
     return JSONResponse(msg, headers={AGENT_HEADER: reply.agent_id})
 
@@ -177,5 +178,5 @@ async def create_message(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, state: State) -> dict[str, int]:
     system, messages = body.conversation()
-    count = state.runtime.count_tokens([m.as_dict() for m in messages], system or None)
+    count = await state.runtime.count_tokens([m.as_dict() for m in messages], system or None)
     return {"input_tokens": count}

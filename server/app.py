@@ -29,6 +29,7 @@ from agents import AgentRuntime, RuntimeConfig
 from server import agents_api, anthropic_api, openai_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.identity import Identity
+from server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.metrics import RequestMetricsMiddleware, ServerMetrics
 from server.state import ModelInfo, ServerState, State
 
@@ -54,12 +55,17 @@ def _model_body(model: ModelInfo) -> dict[str, Any]:
     }
 
 
-def create_app(config: RuntimeConfig, api_key: str | None = None) -> FastAPI:
+def create_app(
+    config: RuntimeConfig,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
     Args:
         config: the runtime to serve.
         api_key: when set, every request must carry it (``x-api-key`` or a bearer token).
+        max_body_bytes: larger request bodies are refused with 413.
     """
     metrics = ServerMetrics()
 
@@ -93,6 +99,7 @@ def create_app(config: RuntimeConfig, api_key: str | None = None) -> FastAPI:
         openapi_url=None,
     )
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -16,9 +17,14 @@ from server.app import create_app
 
 @contextlib.contextmanager
 def serve_in_thread(
-    config: RuntimeConfig, api_key: str | None = None, start_timeout_s: float = 120
+    config: RuntimeConfig,
+    api_key: str | None = None,
+    start_timeout_s: float = 120,
+    **app_options: Any,
 ) -> Iterator[str]:
     """Start uvicorn with agentkv's app on 127.0.0.1; yields the base URL; stops on exit.
+
+    ``app_options`` go to :func:`server.app.create_app` (e.g. ``max_body_bytes``).
 
     Stopping is graceful: the app's lifespan closes the runtime, which flushes cache writes.
     """
@@ -27,7 +33,11 @@ def serve_in_thread(
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config, api_key), log_level="warning", http="h11", ws="none", lifespan="on"
+            create_app(config, api_key, **app_options),
+            log_level="warning",
+            http="h11",
+            ws="none",
+            lifespan="on",
         )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import SamplingParams
+from agents import InvalidMessageError, SamplingParams
+from agents.errors import check_text
 from server.errors import APIError
 
 TEXT_JOINER = "\n"
@@ -61,7 +62,7 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     if content is None:
         raise APIError.invalid(f"{where}: content is required", param=where)
     if isinstance(content, str):
-        return content
+        return _checked(content, where)
     texts = []
     for i, block in enumerate(content):
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -70,8 +71,15 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
                 f"{block.get('type')!r}",
                 param=f"{where}.content",
             )
-        texts.append(block["text"])
+        texts.append(_checked(block["text"], f"{where}.content.{i}.text"))
     return TEXT_JOINER.join(texts)
+
+
+def _checked(text: str, where: str) -> str:
+    try:
+        return check_text(text, where)
+    except InvalidMessageError as exc:
+        raise APIError.invalid(str(exc), param=where) from None
 
 
 def split_turn(messages: list[ChatMessage]) -> tuple[list[ChatMessage], str]:

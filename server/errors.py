@@ -13,8 +13,11 @@ Status codes::
         raise as BadRequestError), empty message, bad agent id, context too long, ValueError
     401 missing or wrong API key
     404 unknown agent or route            409 agent id already taken
+    413 request body over the server's limit
     429 (OpenAI) / 529 (Anthropic overloaded_error): the engine's admission queue is full
-    500 a failed turn (rolled back)        503 the runtime is shutting down
+    500 a failed turn (rolled back)
+    503 the runtime is shutting down, or the registry cannot be written (read-only, locked)
+    507 the registry's disk is full (nothing of the request was stored)
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from agents import (
     AgentNotFoundError,
     ContextLengthError,
     EngineOverloadedError,
+    RegistryStorageError,
     RuntimeClosedError,
 )
 
@@ -78,9 +82,16 @@ CONTEXT_LENGTH = ErrorKind(
 AUTHENTICATION = ErrorKind(401, "authentication_error", "invalid_request_error", "invalid_api_key")
 NOT_FOUND = ErrorKind(404, "not_found_error", "invalid_request_error", "not_found")
 CONFLICT = ErrorKind(409, "invalid_request_error", "invalid_request_error", "conflict")
+TOO_LARGE = ErrorKind(413, "request_too_large", "invalid_request_error", "request_too_large")
 OVERLOADED = ErrorKind(429, "overloaded_error", "rate_limit_error", "overloaded", 529)
 INTERNAL = ErrorKind(500, "api_error", "server_error")
 UNAVAILABLE = ErrorKind(503, "api_error", "server_error", "unavailable")
+CLIENT_CLOSED = ErrorKind(499, "api_error", "invalid_request_error", "client_closed_request")
+STORAGE_FULL = ErrorKind(507, "api_error", "server_error", "insufficient_storage")
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before its reply was ready; nobody reads the answer."""
 
 
 class APIError(Exception):
@@ -132,8 +143,12 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(INVALID_REQUEST, str(exc))
     if isinstance(exc, RuntimeClosedError):
         return APIError(UNAVAILABLE, "the server is shutting down; retry on a new connection")
+    if isinstance(exc, RegistryStorageError):
+        return APIError(STORAGE_FULL if exc.is_full else UNAVAILABLE, str(exc))
     if isinstance(exc, AgentKVError):
         return APIError(INTERNAL, str(exc))
+    if isinstance(exc, ClientDisconnectedError):
+        return APIError(CLIENT_CLOSED, str(exc))
     return APIError(INTERNAL, f"internal error: {type(exc).__name__}")
 
 
@@ -167,19 +182,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 500)
-        kind = NOT_FOUND if status == 404 else ErrorKind(status, *["invalid_request_error"] * 2)
+        known = {404: NOT_FOUND, 413: TOO_LARGE}
+        kind = known.get(status) or ErrorKind(status, *["invalid_request_error"] * 2)
         return APIError(kind, str(getattr(exc, "detail", exc))).response(Dialect.of(request))
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
-    for cls in (
-        APIError,
-        AgentKVError,
-        AgentNotFoundError,
-        AgentExistsError,
-        EngineOverloadedError,
-        ValueError,
-        jinja2.TemplateError,
-    ):
+    for cls in (APIError, AgentKVError, ClientDisconnectedError, ValueError, jinja2.TemplateError):
         app.add_exception_handler(cls, on_error)
     app.add_exception_handler(Exception, on_unexpected)

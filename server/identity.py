@@ -7,14 +7,17 @@ A request names its agent with the ``x-agent-id`` header, or else Anthropic's
   requests' system prompts are ignored: the agent keeps its own);
 - its transcript is the document: the request's last message (a user message) is the new turn
   and the earlier request messages are ignored, except when the agent's transcript is still
-  empty, in which case they are imported first (``append_messages``) and the turn follows.
+  empty, in which case they are imported with the turn (stored together with it, or not at all).
 
 A request without an id is treated as a stateless client resending the whole conversation each
 call. Its agent is the idle agent whose system prompt equals the request's and whose transcript
 is a prefix of the request's history (``messages[:-1]``), comparing role and exact text, with
 the longest such transcript (ties: the most recently used). The history the agent lacks is
-appended, then the last message is chatted. When no agent matches, a new agent is created, the
-history imported, and the last message chatted.
+imported with the turn. When no agent matches, a new agent is created and the whole history
+imported with the turn.
+
+Nothing of a turn that fails or is refused is stored: not its history, and not an agent the
+request created (that agent is deleted again).
 
 A client that resends the whole history after every reply thus keeps resuming one agent and
 its KV cache. Two concurrent requests never share an agent: an agent with a turn in flight is
@@ -38,7 +41,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agents import AgentNotFoundError, AgentRecord, AgentRuntime, MessageRecord
 from server.conversation import ChatMessage, TurnRequest
@@ -95,16 +98,36 @@ class ConversationIndex:
 
 @dataclass(slots=True)
 class Claim:
-    """An agent reserved for one turn; ``digest`` is its state before the turn."""
+    """An agent reserved for one turn.
+
+    Attributes:
+        agent_id: the agent.
+        digest: its state before the turn.
+        index: where to record the state after it.
+        history: messages the turn imports before its own (``chat(..., history=...)``).
+        created: the agent was created for this request (deleted again if the turn fails).
+        committed: the turn was stored.
+    """
 
     agent_id: str
     digest: bytes
     index: ConversationIndex
+    history: list[ChatMessage] = field(default_factory=list)
+    created: bool = False
+    committed: bool = False
+
+    @property
+    def history_dicts(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.history]
 
     def commit(self, message: str, reply_text: str) -> None:
-        """Record the turn (the user message and the reply the runtime stored)."""
-        self.digest = _extend(_extend(self.digest, "user", message), "assistant", reply_text)
+        """Record the turn (its history, the user message and the reply the runtime stored)."""
+        digest = self.digest
+        for m in self.history:
+            digest = _extend(digest, m.role, m.content)
+        self.digest = _extend(_extend(digest, "user", message), "assistant", reply_text)
         self.index.put(self.agent_id, self.digest)
+        self.committed = True
 
 
 class Identity:
@@ -138,31 +161,43 @@ class Identity:
         if request.agent_id is not None:
             await self._enter(request.agent_id)
             try:
-                yield await self._named(request)
-            finally:
+                claim = await self._named(request)
+            except BaseException:
                 self._leave(request.agent_id)
-            return
-        claim = await self._match(request)
+                raise
+        else:
+            claim = await self._match(request)
         try:
             yield claim
         finally:
-            self._leave(claim.agent_id)
+            try:
+                if claim.created and not claim.committed:
+                    await asyncio.shield(self._discard(claim.agent_id))
+            finally:
+                self._leave(claim.agent_id)
+
+    async def _discard(self, agent_id: str) -> None:
+        """Delete an agent a failed request created, so a refused request leaves nothing."""
+        self._index.drop(agent_id)
+        try:
+            await self._runtime.delete_agent(agent_id)
+        except Exception:
+            log.exception("could not delete agent %r after its first turn failed", agent_id)
 
     async def _named(self, request: TurnRequest) -> Claim:
         agent_id, runtime = request.agent_id, self._runtime
         assert agent_id is not None
+        created = False
         try:
             agent = await runtime.get_agent(agent_id)
             transcript = _as_chat(await runtime.transcript(agent_id))
         except AgentNotFoundError:
             agent = await runtime.create_agent(agent_id, system_prompt=request.system or None)
-            transcript = []
-        if not transcript and request.history:
-            await runtime.append_messages(agent_id, [m.as_dict() for m in request.history])
-            transcript = request.history
+            transcript, created = [], True
         digest = prefix_digests(agent.system_prompt or "", transcript)[-1]
         self._index.put(agent_id, digest)
-        return Claim(agent_id, digest, self._index)
+        history = request.history if not transcript else []
+        return Claim(agent_id, digest, self._index, list(history), created)
 
     async def _match(self, request: TurnRequest) -> Claim:
         """Take the idle agent with the longest matching transcript, or a new one (entered)."""
@@ -180,11 +215,8 @@ class Identity:
                 await self._enter(agent_id)  # idle: returns at once, before anyone can match it
             try:
                 if fresh or await self._verified(agent_id, request.system, history[:matched]):
-                    if matched < len(history):
-                        missing = [m.as_dict() for m in history[matched:]]
-                        await self._runtime.append_messages(agent_id, missing)
-                    self._index.put(agent_id, digests[-1])
-                    return Claim(agent_id, digests[-1], self._index)
+                    missing = list(history[matched:])
+                    return Claim(agent_id, digests[matched], self._index, missing, fresh)
             except BaseException:
                 self._leave(agent_id)
                 raise

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -160,6 +160,7 @@ async def _chunks(body: ChatCompletionRequest, turn: TurnStream) -> AsyncIterato
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(
+    http: Request,
     body: ChatCompletionRequest,
     state: State,
     x_agent_id: AgentHeader = None,
@@ -168,5 +169,5 @@ async def create_chat_completion(
     if body.stream:
         turn = await TurnStream(state, request).start()
         return TurnStreamingResponse(_chunks(body, turn), turn)
-    reply = await run_turn(state, request)
+    reply = await run_turn(state, request, http)
     return JSONResponse(completion(body, reply), headers={AGENT_HEADER: reply.agent_id})

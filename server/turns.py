@@ -9,16 +9,19 @@ cancellation) closes the runtime's stream, and a turn that had not finished is r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated
 
-from fastapi import Header
+from fastapi import Header, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from agents import Reply, TextDelta
 from server.conversation import TurnRequest
+from server.errors import ClientDisconnectedError
 from server.identity import Claim
 from server.state import ServerState
 
@@ -27,10 +30,38 @@ AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
 """Route parameter type: the agent id a request names in its header."""
 
 
-async def run_turn(state: ServerState, request: TurnRequest) -> Reply:
-    """Run a whole turn and return its reply."""
+async def run_turn(state: ServerState, request: TurnRequest, http: Request) -> Reply:
+    """Run a whole turn and return its reply.
+
+    A client that disconnects before the reply is ready cancels the turn (rolled back, its
+    engine slot freed) instead of leaving it to generate for nobody.
+    """
+    turn = asyncio.ensure_future(_whole_turn(state, request))
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait((turn, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not turn.done():  # the client left, or this handler itself was cancelled
+            turn.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await turn
+    if turn.cancelled():
+        raise ClientDisconnectedError("the client disconnected; its turn was cancelled")
+    return turn.result()
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client goes away (the request body was already read)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _whole_turn(state: ServerState, request: TurnRequest) -> Reply:
     async with state.identity.claim(request) as claim:
-        reply = await state.runtime.chat(claim.agent_id, request.message, **request.options)
+        reply = await state.runtime.chat(
+            claim.agent_id, request.message, history=claim.history_dicts, **request.options
+        )
         claim.commit(request.message, reply.text)
     state.metrics.observe_turn(reply)
     return reply
@@ -59,7 +90,10 @@ class TurnStream:
                 self._state.identity.claim(self._request)
             )
             events = self._state.runtime.stream(
-                self._claim.agent_id, self._request.message, **self._request.options
+                self._claim.agent_id,
+                self._request.message,
+                history=self._claim.history_dicts,
+                **self._request.options,
             )
             self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
             self._events = events

@@ -36,6 +36,7 @@ from store.errors import (
     InvalidRecordError,
     MigrationError,
     RegistryClosedError,
+    RegistryStorageError,
     StoreError,
 )
 from store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
@@ -74,6 +75,7 @@ __all__ = [
     "NewMessage",
     "Registry",
     "RegistryClosedError",
+    "RegistryStorageError",
     "Role",
     "StoreError",
     "WriterStats",

@@ -21,6 +21,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import URL, Connection, event, make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -30,7 +31,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import ConnectionPoolEntry
 
 import migrations
-from store.errors import MigrationError, RegistryClosedError
+from store.errors import MigrationError, RegistryClosedError, RegistryStorageError
 
 DRIVER = "sqlite+aiosqlite"
 PRAGMAS = ("busy_timeout=5000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
@@ -70,8 +71,11 @@ class Database:
         """A session in a ``BEGIN DEFERRED`` transaction, committed on exit."""
         if self._closed:
             raise RegistryClosedError("registry is closed; open a new one with Registry.open")
-        async with self._sessions.begin() as session:
-            yield session
+        try:
+            async with self._sessions.begin() as session:
+                yield session
+        except OperationalError as exc:  # the transaction was rolled back on the way out
+            raise storage_error(exc) from exc
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncSession]:
@@ -79,6 +83,29 @@ class Database:
         async with self._write_lock, self.read() as session:
             await session.connection(execution_options=WRITE)
             yield session
+
+
+_CODES_BY_MESSAGE = (
+    ("database or disk is full", "SQLITE_FULL"),
+    ("readonly database", "SQLITE_READONLY"),
+    ("database is locked", "SQLITE_BUSY"),
+    ("disk i/o error", "SQLITE_IOERR"),
+    ("unable to open database file", "SQLITE_CANTOPEN"),
+)
+
+
+def storage_error(exc: OperationalError) -> RegistryStorageError:
+    """The RegistryStorageError an SQLite OperationalError stands for."""
+    cause: BaseException | None = exc.orig
+    while cause is not None:  # aiosqlite's adapter wraps sqlite3's error
+        if name := getattr(cause, "sqlite_errorname", None):
+            return RegistryStorageError(name, str(cause))
+        cause = cause.__cause__
+    detail = str(exc.orig)
+    for fragment, code in _CODES_BY_MESSAGE:
+        if fragment in detail.lower():
+            return RegistryStorageError(code, detail)
+    return RegistryStorageError("SQLITE_ERROR", detail)
 
 
 def database_url(target: str | os.PathLike[str]) -> URL:

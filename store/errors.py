@@ -1,7 +1,8 @@
 """Exceptions raised by the agent registry, the cache files and the cache writer.
 
-Every error the store raises on purpose derives from :class:`StoreError`, so callers can catch
-the whole family or one specific class::
+Every error the store raises on purpose derives from :class:`StoreError` (itself an
+``AgentKVError``, the root of all of agentkv's errors), so callers can catch the whole family or
+one specific class::
 
     StoreError
     ├── InvalidAgentIdError  (also ValueError)   the id breaks the format rule; DB not touched
@@ -9,14 +10,15 @@ the whole family or one specific class::
     ├── AgentNotFoundError   (also LookupError)  no agent with that id
     ├── AgentExistsError                         create_agent with an id already in use
     ├── RegistryClosedError                      the registry was used after close()
+    ├── RegistryStorageError                     SQLite could not read or write the file
+    │                                            (disk full, read-only, I/O error, locked)
     ├── MigrationError                           the database could not be brought to schema head
     ├── CacheFileError                           a KV cache file cannot be used
     │   ├── CacheFileMissingError (also FileNotFoundError)  no file at that path
     │   └── CacheFileCorruptError                truncated, not safetensors, or checksum mismatch
     └── CacheWriterClosedError (also RuntimeError)  a job was submitted after CacheWriter.close()
 
-SQLAlchemy errors that are not one of these (a full disk, a corrupt file) propagate unchanged,
-as do ``OSError``s other than a missing cache file (permissions, a full disk).
+``OSError``s other than a missing cache file (permissions, a full disk) propagate unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import errno
 import os
 from enum import StrEnum
+
+from engine.errors import AgentKVError
 
 _MAX_SHOWN = 80
 
@@ -34,7 +38,7 @@ def _shown(value: object) -> str:
     return text if len(text) <= _MAX_SHOWN else f"{text[: _MAX_SHOWN - 3]}..."
 
 
-class StoreError(Exception):
+class StoreError(AgentKVError):
     """Base class of every error raised by the store."""
 
 
@@ -86,6 +90,30 @@ class AgentExistsError(StoreError):
 
 class RegistryClosedError(StoreError):
     """The registry was used after ``close()``; open a new one with ``Registry.open``."""
+
+
+class RegistryStorageError(StoreError):
+    """SQLite could not read or write the registry file; the transaction was rolled back.
+
+    Attributes:
+        code: SQLite's error name, e.g. ``SQLITE_FULL`` or ``SQLITE_READONLY``.
+    """
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        if self.is_full:
+            advice = "free disk space (or raise the database's size limit) and retry"
+        else:
+            advice = "check that the file is writable and not held by another process, then retry"
+        super().__init__(
+            f"the registry database could not be written ({code}: {detail}); nothing of this "
+            f"call was stored; {advice}"
+        )
+
+    @property
+    def is_full(self) -> bool:
+        """The disk (or the database's page limit) is full."""
+        return self.code.startswith("SQLITE_FULL")
 
 
 class MigrationError(StoreError):

@@ -16,7 +16,7 @@ from enum import Enum
 from types import TracebackType
 from typing import Any, Literal, Self
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -132,10 +132,34 @@ class Registry:
                 raise AgentNotFoundError(agent_id)
             return AgentRecord.from_row(row)
 
-    async def list_agents(self) -> list[AgentRecord]:
-        """All agents, oldest first (ties broken by id)."""
+    async def list_agents(
+        self, *, limit: int | None = None, after_id: str | None = None
+    ) -> list[AgentRecord]:
+        """Agents, oldest first (ties broken by id): all of them, or one page.
+
+        Args:
+            limit: at most this many (None: no limit).
+            after_id: start after this agent in that order (keyset paging: stable while
+                agents are created or deleted between pages).
+
+        Raises:
+            InvalidRecordError: ``limit`` is not positive.
+            AgentNotFoundError: ``after_id`` names no agent.
+        """
+        query = select(Agent).order_by(Agent.created_at, Agent.id)
+        if limit is not None:
+            validation.check_limit(limit)
+            query = query.limit(limit)
         async with self._db.read() as session:
-            rows = await session.scalars(select(Agent).order_by(Agent.created_at, Agent.id))
+            if after_id is not None:
+                validate_agent_id(after_id)
+                anchor = await session.get(Agent, after_id)
+                if anchor is None:
+                    raise AgentNotFoundError(after_id)
+                query = query.where(
+                    tuple_(Agent.created_at, Agent.id) > tuple_(anchor.created_at, anchor.id)
+                )
+            rows = await session.scalars(query)
             return [AgentRecord.from_row(row) for row in rows]
 
     async def update_agent(
@@ -236,22 +260,28 @@ class Registry:
             await session.flush()
             return [MessageRecord.from_row(row) for row in rows]
 
-    async def transcript(self, agent_id: str, *, start: int = 0) -> list[MessageRecord]:
-        """The agent's messages from position ``start`` on, in order.
+    async def transcript(
+        self, agent_id: str, *, start: int = 0, limit: int | None = None
+    ) -> list[MessageRecord]:
+        """The agent's messages from position ``start`` on (at most ``limit``), in order.
 
         Raises:
-            InvalidRecordError: ``start`` is negative.
+            InvalidRecordError: ``start`` is negative or ``limit`` not positive.
             AgentNotFoundError: No such agent.
         """
         validate_agent_id(agent_id)
         validation.check_count("start", start)
+        query = (
+            select(Message)
+            .where(Message.agent_id == agent_id, Message.position >= start)
+            .order_by(Message.position)
+        )
+        if limit is not None:
+            validation.check_limit(limit)
+            query = query.limit(limit)
         async with self._db.read() as session:
             await _require_agent(session, agent_id)
-            rows = await session.scalars(
-                select(Message)
-                .where(Message.agent_id == agent_id, Message.position >= start)
-                .order_by(Message.position)
-            )
+            rows = await session.scalars(query)
             return [MessageRecord.from_row(row) for row in rows]
 
     async def message_count(self, agent_id: str) -> int:

@@ -77,6 +77,12 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def check_limit(limit: object) -> None:
+    """Check that a page size is an int >= 1."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidRecordError(f"limit={limit!r}: expected an int >= 1")
+
+
 def check_count(name: str, value: object) -> None:
     """Check that ``value`` is an int >= 0 (a position or a count)."""
     if not _is_count(value):

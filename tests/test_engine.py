@@ -89,14 +89,18 @@ async def test_resuming_a_returned_cache_equals_prefilling_everything(gemma):
 
 
 async def test_request_joins_while_others_decode(gemma):
-    long = gemma.submit(GenerationRequest(prompt(gemma, 5), max_tokens=150))
+    long_prompt, late_prompt = prompt(gemma, 5), prompt(gemma, 6, salt=1)
+    long = gemma.submit(GenerationRequest(long_prompt, max_tokens=150, ignore_eos=True))
     first = await anext(long)
     assert isinstance(first, TokenEvent)
-    late = await gemma.generate(GenerationRequest(prompt(gemma, 6, salt=1), max_tokens=5))
+    late = await gemma.generate(GenerationRequest(late_prompt, max_tokens=5, ignore_eos=True))
     assert not long.done  # the late request finished while the long one was still decoding
     long_result = await long.result()
     assert late.stats.first_token_at < long_result.stats.finished_at
-    assert len(long_result.token_ids) == 150 or long_result.finish_reason is FinishReason.STOP
+    # Joining mid-decode changed neither sequence's tokens.
+    assert long_result.finish_reason is FinishReason.LENGTH
+    assert long_result.token_ids == await gemma.run(solo_greedy_all, gemma, long_prompt, 150)
+    assert late.token_ids == await gemma.run(solo_greedy_all, gemma, late_prompt, 5)
 
 
 async def test_sampling_params_per_request_in_one_batch(gemma):

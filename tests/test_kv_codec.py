@@ -392,7 +392,13 @@ async def test_bad_encode_requests_raise_value_error(gemma):
         await gemma.run(encode_cache, cache, 8, 128)
     with pytest.raises(ValueError, match="layer 0 holds 12 positions but the cache lists 11"):
         await gemma.run(encode_cache, PromptCache(cache.layers, cache.tokens[:-1]), None)
-    quantized = PromptCache([QuantizedKVCache()] * 5, cache.tokens)
+
+    def quantized_cache() -> PromptCache:
+        layer = QuantizedKVCache()
+        layer.update_and_fetch(mx.zeros((1, 1, 12, 64)), mx.zeros((1, 1, 12, 64)))
+        return PromptCache([layer] * 5, cache.tokens)
+
+    quantized = await gemma.run(quantized_cache)
     with pytest.raises(ValueError, match="layer 0 is a QuantizedKVCache"):
         await gemma.run(encode_cache, quantized, None)
 

@@ -9,23 +9,36 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from pydantic import ValidationError
 
+import agents
+import agents.errors
+import engine.errors
+import store.errors
 from agents import (
+    AgentKVError,
     AgentNotFoundError,
     AgentRuntime,
     ContextLengthError,
     EmptyMessageError,
+    EngineOverloadedError,
     InvalidAgentIdError,
+    InvalidMessageError,
+    RegistryStorageError,
     RuntimeConfig,
     SamplingParams,
     TextDelta,
 )
+from engine.errors import CacheFormatError
 from store import NewCacheEntry
 
+SYSTEM_S = [{"role": "system", "content": "S"}]
 TURNS = [
     "Tell me about the sea.",
     "And the mountains, in more detail please?",
@@ -317,7 +330,7 @@ async def test_imported_history_is_prefilled_then_cached(tmp_path):
         await rt.append_messages("imp", history)
         first = await rt.chat("imp", "u2", max_tokens=4)
         assert first.cache_source == "rebuilt"
-        expected = rt.count_tokens([*history, {"role": "user", "content": "u2"}], system="S")
+        expected = await rt.count_tokens([*history, {"role": "user", "content": "u2"}], system="S")
         assert first.usage.prompt_tokens == expected
         await rt.append_messages("imp", [{"role": "user", "content": "aside"}])
         second = await rt.chat("imp", "u3", max_tokens=4)
@@ -327,7 +340,7 @@ async def test_imported_history_is_prefilled_then_cached(tmp_path):
         )
         contents = [m.content for m in await rt.transcript("imp")]
         assert contents == ["u1", "a1", "u2", first.text, "aside", "u3", second.text]
-        with pytest.raises(ValueError, match="user/assistant"):
+        with pytest.raises(ValueError, match="role must be 'user' or 'assistant'"):
             await rt.append_messages("imp", [{"role": "system", "content": "x"}])
 
 
@@ -359,3 +372,147 @@ async def test_orphaned_cache_files_are_swept_on_open(tmp_path):
         left = sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*"))
         assert left == ["a", f"a/{kept.name}", "notes.txt"]
         assert (await rt.chat("a", "again", max_tokens=4)).cache_source == "disk"
+
+
+async def test_history_given_with_a_turn_is_stored_with_it_or_not_at_all(tmp_path):
+    history = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("imp", system_prompt="S")
+        # Refused (too long for the context): neither the history nor the turn is stored.
+        with pytest.raises(ContextLengthError):
+            await rt.chat("imp", "u2", history=history, max_tokens=10**6)
+        assert await rt.transcript("imp") == []
+        # A turn abandoned after its first piece of text stores nothing either.
+        stream = rt.stream("imp", "u2", history=history, max_tokens=50)
+        async with contextlib.aclosing(stream):
+            assert isinstance(await anext(stream), TextDelta)
+        assert await rt.transcript("imp") == []
+        reply = await rt.chat("imp", "u2", history=history, max_tokens=4)
+        assert reply.cache_source == "none"
+        expected = await rt.count_tokens([*history, {"role": "user", "content": "u2"}], "S")
+        assert reply.usage.prompt_tokens == expected
+        contents = [(str(m.role), m.content) for m in await rt.transcript("imp")]
+        assert contents == [
+            ("user", "u1"),
+            ("assistant", "a1"),
+            ("user", "u2"),
+            ("assistant", reply.text),
+        ]
+
+
+@pytest.mark.parametrize("where", ["message", "history", "system_prompt", "count_tokens"])
+async def test_lone_surrogates_are_invalid_input_and_store_nothing(tmp_path, where):
+    bad = "caf\ud800e"
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("s")
+        with pytest.raises(InvalidMessageError, match=r"lone surrogate '\\ud800' at character 3"):
+            if where == "message":
+                await rt.chat("s", bad, max_tokens=2)
+            elif where == "history":
+                await rt.chat("s", "hi", history=[{"role": "user", "content": bad}])
+            elif where == "system_prompt":
+                await rt.create_agent("t", system_prompt=bad)
+            else:
+                await rt.count_tokens([{"role": "user", "content": bad}])
+        assert [a.id for a in await rt.list_agents()] == ["s"]
+        assert await rt.transcript("s") == []
+        reply = await rt.chat("s", "caf\u00e9 \U0001f600", max_tokens=2)  # real non-ASCII is fine
+        first, *_ = await rt.transcript("s")
+        assert first.content == "caf\u00e9 \U0001f600"
+        assert reply.finish_reason in ("stop", "length")
+
+
+async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path):
+    """A caller cancelled while its finished turn is being stored: close() must not close the
+    registry under that commit, and the turn must be there after a restart."""
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("c")
+        registry = rt._registry  # white-box: hold the commit at the registry write
+        real_append = registry.append_messages
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def held_append(*args, **kwargs):
+            entered.set()
+            await release.wait()
+            return await real_append(*args, **kwargs)
+
+        registry.append_messages = held_append
+        caller = asyncio.create_task(rt.chat("c", "hello there", max_tokens=4))
+        await entered.wait()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        closing = asyncio.create_task(rt.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # waiting for the commit, not closing the registry under it
+        release.set()
+        await closing
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        transcript = await rt.transcript("c")
+        assert [(str(m.role), m.content) for m in transcript][:1] == [("user", "hello there")]
+        assert len(transcript) == 2
+        again = await rt.chat("c", "more", max_tokens=2)
+        assert again.cache_source == "disk"
+
+
+async def test_count_tokens_renders_off_the_event_loop(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        renderer = rt._renderer  # white-box: record the thread the rendering runs on
+        threads = []
+        real = type(renderer).full_prompt
+
+        def recording(self, messages):
+            threads.append(threading.current_thread())
+            return real(self, messages)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(renderer), "full_prompt", recording)
+            count = await rt.count_tokens([{"role": "user", "content": "hello"}], "S")
+        assert count == len(real(renderer, [*SYSTEM_S, {"role": "user", "content": "hello"}]))
+        assert threads and threading.main_thread() not in threads
+
+
+async def test_no_mlx_call_on_the_event_loop_during_a_seeded_turn(tmp_path):
+    """The seeded sampler's PRNG key and the hot tier's byte count are made on the
+    generation thread (MLX has thread affinity)."""
+    calls = []
+    real_key = mx.random.key
+
+    def recording_key(seed):
+        calls.append(("key", threading.current_thread()))
+        return real_key(seed)
+
+    nbytes = {cls: cls.nbytes for cls in (KVCache, RotatingKVCache)}
+
+    def recording_nbytes(cls):
+        def get(self):
+            calls.append(("nbytes", threading.current_thread()))
+            return nbytes[cls].fget(self)
+
+        return property(get)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.random, "key", recording_key)
+        for cls in nbytes:
+            mp.setattr(cls, "nbytes", recording_nbytes(cls))
+        async with await AgentRuntime.open(config(tmp_path)) as rt:
+            await rt.create_agent("m")
+            seeded = SamplingParams(temperature=0.8, seed=7)
+            await rt.chat("m", "hello", max_tokens=3, sampling=seeded)
+    assert {kind for kind, _ in calls} == {"key", "nbytes"}
+    assert all(t is not threading.main_thread() for _, t in calls), calls
+
+
+def test_every_public_error_derives_from_one_root():
+    classes = [
+        obj
+        for module in (agents, engine.errors, store.errors, agents.errors)
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, Exception)
+    ]
+    assert len(classes) > 20
+    assert all(issubclass(cls, AgentKVError) for cls in classes), [
+        c for c in classes if not issubclass(c, AgentKVError)
+    ]
+    for cls in (AgentNotFoundError, EngineOverloadedError, CacheFormatError, RegistryStorageError):
+        assert issubclass(cls, AgentKVError)

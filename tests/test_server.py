@@ -109,8 +109,19 @@ def transcript(http: httpx.Client, agent_id: str) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in response.json()["data"]]
 
 
+def all_agent_ids(http: httpx.Client) -> list[str]:
+    """Every agent's id, following the list's pages."""
+    ids, params = [], {"limit": 1000}
+    while True:
+        body = http.get("/v1/agents", params=params).json()
+        ids += [a["id"] for a in body["data"]]
+        if not body["has_more"]:
+            return ids
+        params["after_id"] = body["last_id"]
+
+
 def agent_count(http: httpx.Client) -> int:
-    return len(http.get("/v1/agents").json()["data"])
+    return len(all_agent_ids(http))
 
 
 def metric(http: httpx.Client, name: str, **labels: str) -> float:
@@ -666,8 +677,8 @@ def test_agents_rest_api(claude, http):
         "model_fingerprint": None,
     }
     assert http.post("/v1/agents", json={"id": agent_id}).status_code == 409
-    assert agent_id in [a["id"] for a in http.get("/v1/agents").json()["data"]]
-    assert http.get(f"/v1/agents/{agent_id}/messages").json() == {"object": "list", "data": []}
+    assert agent_id in all_agent_ids(http)
+    assert http.get(f"/v1/agents/{agent_id}/messages").json()["data"] == []
 
     reply = claude.messages.create(
         model="m", max_tokens=4, messages=[user("Hi")], extra_headers={"x-agent-id": agent_id}

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event
 
 from store import (
     AgentExistsError,
@@ -25,6 +26,7 @@ from store import (
     NewMessage,
     Registry,
     RegistryClosedError,
+    RegistryStorageError,
     Role,
     is_valid_agent_id,
     validate_agent_id,
@@ -428,3 +430,44 @@ async def test_open_accepts_a_url_and_creates_parent_directories(tmp_path: Path)
 async def test_open_rejects_unsupported_targets(target: str) -> None:
     with pytest.raises(ValueError):
         await Registry.open(target)
+
+
+async def _reconnect_with(registry: Registry, pragma: str) -> None:
+    """Give every new connection of the registry ``pragma`` and drop the pooled ones."""
+    engine = registry._db.engine  # white-box: SQLite limits are set per connection
+
+    def on_connect(dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA {pragma}")
+        cursor.fetchall()
+        cursor.close()
+
+    event.listen(engine.sync_engine, "connect", on_connect)
+    await engine.dispose()
+
+
+async def test_a_full_disk_is_a_storage_error_and_keeps_what_was_stored(
+    registry: Registry, db_path: Path
+) -> None:
+    await registry.create_agent("full")
+    await registry.append_messages("full", [NewMessage("user", "kept")])
+    (pages,) = rows(db_path, "PRAGMA page_count")[0]
+    await _reconnect_with(registry, f"max_page_count={pages}")
+
+    with pytest.raises(RegistryStorageError, match="SQLITE_FULL") as caught:
+        await registry.append_messages("full", [NewMessage("user", "x" * 200_000)])
+    assert caught.value.is_full and "free disk space" in str(caught.value)
+    with pytest.raises(RegistryStorageError, match="SQLITE_FULL"):
+        await registry.create_agent("another", system_prompt="y" * 200_000)
+    # Reads still work, and nothing of the failed calls was stored.
+    assert [m.content for m in await registry.transcript("full")] == ["kept"]
+    assert [a.id for a in await registry.list_agents()] == ["full"]
+
+
+async def test_a_read_only_database_is_a_storage_error(registry: Registry) -> None:
+    await registry.create_agent("ro")
+    await _reconnect_with(registry, "query_only=ON")
+    with pytest.raises(RegistryStorageError, match="SQLITE_READONLY") as caught:
+        await registry.append_messages("ro", [NewMessage("user", "hi")])
+    assert not caught.value.is_full
+    assert await registry.transcript("ro") == []

@@ -1,0 +1,255 @@
+"""The server under bad input and failure: refused requests store nothing, oversized bodies,
+invalid text, a client that goes away, the registry's disk. Real uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agents import AgentRuntime, RegistryStorageError, RuntimeConfig
+from server.background import serve_in_thread
+from server.errors import Dialect, api_error
+
+MODEL = "tiny:gemma3"
+MAX_BODY = 256 * 1024
+TOO_LONG = "word " * 20_000  # far past tiny:gemma3's 8192-token context
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory) -> Iterator[httpx.Client]:
+    config = RuntimeConfig(model=MODEL, data_dir=tmp_path_factory.mktemp("errors"))
+    with (
+        serve_in_thread(config, max_body_bytes=MAX_BODY) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
+        yield client
+
+
+def agent_ids(http: httpx.Client) -> list[str]:
+    ids, after = [], None
+    while True:
+        params = {"limit": 100} | ({"after_id": after} if after else {})
+        body = http.get("/v1/agents", params=params).json()
+        ids += [a["id"] for a in body["data"]]
+        if not body["has_more"]:
+            return ids
+        after = body["last_id"]
+
+
+def transcript(http: httpx.Client, agent_id: str) -> list[tuple[str, str]]:
+    response = http.get(f"/v1/agents/{agent_id}/messages")
+    assert response.status_code == 200
+    return [(m["role"], m["content"]) for m in response.json()["data"]]
+
+
+def anthropic_body(messages: list[dict], **kw) -> dict:
+    return {"model": "m", "max_tokens": 4, "messages": messages, **kw}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refused_stateless_request_leaves_no_agent_and_no_history(http, stream):
+    before = agent_ids(http)
+    history = [user(f"first {stream}"), assistant("an answer")]
+    refused = http.post(
+        "/v1/messages", json=anthropic_body([*history, user(TOO_LONG)], stream=stream)
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert agent_ids(http) == before
+    # The same conversation, answerable, gets one new agent holding the history and the turn.
+    ok = http.post("/v1/messages", json=anthropic_body([*history, user("short")]))
+    assert ok.status_code == 200
+    agent_id = ok.headers["x-agent-id"]
+    assert agent_ids(http) == [*before, agent_id]
+    reply = ok.json()["content"][0]["text"]
+    assert transcript(http, agent_id) == [
+        ("user", f"first {stream}"),
+        ("assistant", "an answer"),
+        ("user", "short"),
+        ("assistant", reply),
+    ]
+
+
+def test_refused_request_naming_a_new_agent_creates_nothing(http):
+    headers = {"x-agent-id": "named-refused"}
+    body = anthropic_body([user("earlier"), assistant("reply"), user(TOO_LONG)])
+    assert http.post("/v1/messages", json=body, headers=headers).status_code == 400
+    assert http.get("/v1/agents/named-refused").status_code == 404
+    # An existing agent keeps its (empty) transcript: the imported history was not stored.
+    assert http.post("/v1/agents", json={"id": "named-empty"}).status_code == 201
+    refused = http.post("/v1/messages", json=body, headers={"x-agent-id": "named-empty"})
+    assert refused.status_code == 400
+    assert transcript(http, "named-empty") == []
+
+
+LONE_SURROGATE = '"caf\\ud800e"'  # JSON text: a valid escape that decodes to a lone surrogate
+
+
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        ("/v1/messages", '{"model":"m","max_tokens":4,"messages":[{"role":"user","content":%s}]}'),
+        (
+            "/v1/messages",
+            '{"model":"m","max_tokens":4,"stream":true,"messages":[{"role":"user","content":%s}]}',
+        ),
+        (
+            "/v1/messages",
+            '{"model":"m","max_tokens":4,"system":%s,"messages":[{"role":"user","content":"x"}]}',
+        ),
+        ("/v1/messages/count_tokens", '{"model":"m","messages":[{"role":"user","content":%s}]}'),
+        ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":%s}]}'),
+    ],
+)
+def test_lone_surrogates_are_a_400_naming_the_problem(http, path, template):
+    before = agent_ids(http)
+    response = http.post(
+        path, content=template % LONE_SURROGATE, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    body = response.json()
+    message = body["error"]["message"]
+    assert "lone surrogate '\\ud800' at character 3" in message
+    assert agent_ids(http) == before
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_oversized_bodies_are_refused_with_413_in_the_api_shape(http, path):
+    big = json.dumps(
+        {"model": "m", "max_tokens": 4, "messages": [user("x" * (MAX_BODY + 10))]}
+    ).encode()
+    announced = http.post(path, content=big, headers={"content-type": "application/json"})
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    chunked = http.post(path, content=chunks(), headers={"content-type": "application/json"})
+    for response in (announced, chunked):
+        assert response.status_code == 413
+        error = response.json()["error"]
+        assert f"limit of {MAX_BODY} bytes" in error["message"]
+        if path == "/v1/messages":
+            assert response.json()["type"] == "error"
+            assert error["type"] == "request_too_large"
+        else:
+            assert error["code"] == "request_too_large"
+    small = {"model": "m", "max_tokens": 2, "messages": [user("y" * 1000)]}
+    assert http.post(path, json=small).status_code == 200
+
+
+def test_non_streaming_client_that_disconnects_cancels_its_turn(http):
+    # Seeded sampling that runs ~590 tokens (~1.5 s here) before its end-of-turn token.
+    body = {
+        "model": "m",
+        "max_tokens": 3000,
+        "temperature": 1.0,
+        "seed": 14,
+        "messages": [user("Talk a lot")],
+    }
+    headers = {"x-agent-id": "leaves-early"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        http.post(
+            "/v1/chat/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.4)
+        )
+    deadline = time.monotonic() + 30
+    while active_requests(http):
+        assert time.monotonic() < deadline, "the abandoned turn kept generating"
+        time.sleep(0.02)
+    # Rolled back: nothing stored, and the agent this request created is gone again.
+    assert http.get("/v1/agents/leaves-early").status_code == 404
+    again = http.post("/v1/chat/completions", json=body | {"max_tokens": 3}, headers=headers)
+    assert again.status_code == 200
+    assert len(transcript(http, "leaves-early")) == 2
+
+
+def active_requests(http: httpx.Client) -> float:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "agentkv_engine_active_requests":
+                return sample.value
+    raise AssertionError("no agentkv_engine_active_requests in /metrics")
+
+
+def test_registry_storage_errors_map_to_507_and_503():
+    full = api_error(RegistryStorageError("SQLITE_FULL", "database or disk is full"))
+    read_only = api_error(RegistryStorageError("SQLITE_READONLY", "attempt to write"))
+    assert full.kind.status_in(Dialect.ANTHROPIC) == 507
+    assert full.kind.status_in(Dialect.OPENAI) == 507
+    assert read_only.kind.status_in(Dialect.OPENAI) == 503
+    assert "free disk space" in full.message
+
+
+async def test_a_turn_on_a_full_registry_fails_cleanly_and_loses_nothing(tmp_path: Path):
+    """Disk full at the turn's commit: a clear error, the transcript as it was, and the agent
+    answers again once there is room."""
+    from sqlalchemy import event
+
+    config = RuntimeConfig(model=MODEL, data_dir=tmp_path)
+    async with await AgentRuntime.open(config) as rt:
+        await rt.create_agent("full")
+        first = await rt.chat("full", "hello", max_tokens=3)
+        await rt.flush()
+        engine = rt._registry._db.engine  # white-box: SQLite's page limit is per connection
+
+        def limit(dbapi_connection, record) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA page_count")
+            (pages,) = cursor.fetchone()
+            cursor.execute(f"PRAGMA max_page_count={pages}")
+            cursor.fetchall()
+            cursor.close()
+
+        event.listen(engine.sync_engine, "connect", limit)
+        await engine.dispose()
+        with pytest.raises(RegistryStorageError, match="SQLITE_FULL"):
+            await rt.chat("full", "x" * 6000, max_tokens=3)
+        event.remove(engine.sync_engine, "connect", limit)
+        await engine.dispose()
+        assert [m.content for m in await rt.transcript("full")] == ["hello", first.text]
+        again = await rt.chat("full", "room again", max_tokens=3)
+        assert again.cache_source == "hot"
+        assert len(await rt.transcript("full")) == 4
+
+
+def test_agents_and_transcripts_paginate(http):
+    before = agent_ids(http)
+    created = [http.post("/v1/agents", json={"id": f"page-{i}"}).json()["id"] for i in range(5)]
+    first = http.get("/v1/agents", params={"limit": 2, "after_id": before[-1]}).json()
+    assert [a["id"] for a in first["data"]] == created[:2]
+    assert (first["has_more"], first["first_id"], first["last_id"]) == (True, "page-0", "page-1")
+    rest = http.get("/v1/agents", params={"limit": 1000, "after_id": "page-1"}).json()
+    assert [a["id"] for a in rest["data"]] == created[2:]
+    assert rest["has_more"] is False
+    assert len(http.get("/v1/agents").json()["data"]) == min(20, len(before) + 5)
+    for bad in ({"limit": 0}, {"limit": 1001}, {"limit": "x"}):
+        assert http.get("/v1/agents", params=bad).status_code == 400
+    assert http.get("/v1/agents", params={"after_id": "no-such-agent"}).status_code == 404
+
+    reply = http.post(
+        "/v1/messages",
+        json=anthropic_body([user("one"), assistant("two"), user("three")]),
+        headers={"x-agent-id": "page-0"},
+    )
+    assert reply.status_code == 200
+    messages = http.get("/v1/agents/page-0/messages", params={"limit": 3}).json()
+    assert [m["position"] for m in messages["data"]] == [0, 1, 2]
+    assert (messages["has_more"], messages["last_id"]) == (True, 2)
+    tail = http.get("/v1/agents/page-0/messages", params={"after_position": 2}).json()
+    assert [(m["position"], m["role"]) for m in tail["data"]] == [(3, "assistant")]
+    assert tail["has_more"] is False
+    assert http.get("/v1/agents/page-0").json()["message_count"] == 4
