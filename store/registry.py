@@ -16,7 +16,7 @@ from enum import Enum
 from types import TracebackType
 from typing import Any, Literal, Self
 
-from sqlalchemy import delete, func, select, tuple_, update
+from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -32,6 +32,8 @@ from store.records import (
     NewMessage,
     Role,
 )
+
+_INSERT_CHUNK = 1000
 
 
 class _Unset(Enum):
@@ -246,19 +248,29 @@ class Registry:
             )
             first = 0 if last is None else last + 1
             rows = [
-                Message(
-                    agent_id=agent_id,
-                    position=first + offset,
-                    role=Role(message.role).value,
-                    content=message.content,
-                    token_count=message.token_count,
-                    created_at=now,
-                )
+                {
+                    "agent_id": agent_id,
+                    "position": first + offset,
+                    "role": message.role,
+                    "content": message.content,
+                    "token_count": message.token_count,
+                    "created_at": now,
+                }
                 for offset, message in enumerate(batch)
             ]
-            session.add_all(rows)
-            await session.flush()
-            return [MessageRecord.from_row(row) for row in rows]
+            # One executemany per chunk, not one ORM object per row: an import can be 10^4+
+            # messages, and each chunk gives the event loop a turn.
+            for i in range(0, len(rows), _INSERT_CHUNK):
+                await session.execute(insert(Message.__table__), rows[i : i + _INSERT_CHUNK])
+            ids = await session.scalars(
+                select(Message.id)
+                .where(Message.agent_id == agent_id, Message.position >= first)
+                .order_by(Message.position)
+            )
+            return [
+                MessageRecord(id=i, **row | {"role": Role(row["role"])})
+                for i, row in zip(ids, rows, strict=True)
+            ]
 
     async def transcript(
         self, agent_id: str, *, start: int = 0, limit: int | None = None
@@ -271,8 +283,9 @@ class Registry:
         """
         validate_agent_id(agent_id)
         validation.check_count("start", start)
+        columns = [getattr(Message, f.name) for f in fields(MessageRecord)]
         query = (
-            select(Message)
+            select(*columns)  # plain rows: no ORM identity map for long transcripts
             .where(Message.agent_id == agent_id, Message.position >= start)
             .order_by(Message.position)
         )
@@ -281,8 +294,8 @@ class Registry:
             query = query.limit(limit)
         async with self._db.read() as session:
             await _require_agent(session, agent_id)
-            rows = await session.scalars(query)
-            return [MessageRecord.from_row(row) for row in rows]
+            rows = await session.execute(query)
+            return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
 
     async def message_count(self, agent_id: str) -> int:
         """Number of messages in the agent's transcript. Raises ``AgentNotFoundError``."""
