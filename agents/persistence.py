@@ -5,8 +5,10 @@ Save path: finished cache -> ``encode_cache`` on the generation thread (quantize
 file is removed. Neither the event loop nor the decode loop waits on disk. If a newer cache of
 the same agent is queued before an older one is written, the older write is skipped.
 
-Load path: registry entry -> read, verify and dequantize the file in a worker thread ->
-``decode_cache`` on the generation thread -> a PromptCache ready to merge into the batch.
+Load path: registry entry -> read and verify the file in a worker thread -> on a CPU, dequantize
+there too (numpy), so the generation thread only copies arrays in; on a GPU, ``decode_cache``
+dequantizes on the device (far cheaper than host float16 math) -> a PromptCache ready to merge
+into the batch.
 Any problem (missing, truncated, corrupt, other model, old format) is logged and reported as
 "no cache".
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -43,6 +46,10 @@ log = logging.getLogger(__name__)
 class LoadedCache:
     cache: PromptCache
     message_count: int
+
+
+# What ``_save`` names files (``<message count>-<hex>.safetensors``) and the writer's temp files.
+_WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
 
 
 class StaleCacheError(ValueError):
@@ -136,8 +143,9 @@ class DiskCaches:
                 raise StaleCacheError("file was written for another model")
             if meta.get("message_count") != str(record.message_count):
                 raise StaleCacheError("file does not match its registry entry")
-            # Dequantize in a worker thread; the generation thread then only copies arrays in.
-            encoded = await asyncio.to_thread(dequantize_on_host, EncodedCache(file.tensors, meta))
+            encoded = EncodedCache(file.tensors, meta)
+            if not self._engine.model.on_gpu:  # host math off the generation thread
+                encoded = await asyncio.to_thread(dequantize_on_host, encoded)
             cache = await self._engine.run(decode_cache, encoded)
         except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
             self.load_failures += 1
@@ -163,22 +171,26 @@ class DiskCaches:
         await asyncio.to_thread(shutil.rmtree, self.root / agent_id, ignore_errors=True)
 
     async def sweep(self) -> int:
-        """Remove files no registry entry points at (left by a crash mid-save, or by agents
-        deleted behind the runtime's back). Call before any save starts. Returns the count."""
-        current = {}
-        for agent in await self._registry.list_agents():
-            record = await self._registry.get_cache(agent.id)
-            current[agent.id] = record.path if record else None
-        return await asyncio.to_thread(self._sweep_files, current)
+        """Remove cache files no registry entry points at (left by a crash mid-save, or by agents
+        deleted behind the runtime's back). Call before any save starts. Returns the count.
+
+        One registry query, whatever the number of agents. Only names this module writes are
+        touched, and a file that cannot be removed is logged and left: opening never fails here.
+        """
+        return await asyncio.to_thread(self._sweep_files, await self._registry.cache_paths())
 
     def _sweep_files(self, current: dict[str, str | None]) -> int:
-        # Only names this module writes: finished files and the writer's temp files.
-        ours = [*self.root.glob("*/*.safetensors"), *self.root.glob("*/.*.tmp-*")]
+        ours = [f for f in self.root.glob("*/*") if _WRITTEN_NAME.fullmatch(f.name)]
         removed = 0
         for file in ours:
             rel = file.relative_to(self.root)
-            if current.get(rel.parts[0], "") != rel.as_posix():
+            if current.get(rel.parts[0], "") == rel.as_posix():
+                continue
+            try:
                 remove_cache_file(file)
+            except OSError as exc:
+                log.warning("could not remove stale cache file %s: %s", file, exc)
+            else:
                 removed += 1
         for directory in {f.parent for f in ours}:
             if directory.name not in current:

@@ -127,6 +127,8 @@ class LoadedModel:
         spec: The spec it was loaded from, as given.
         fingerprint: :func:`model_fingerprint` of ``path``.
         config: The model config as mlx-lm read it (``eos_token_id`` from generation_config).
+        on_gpu: MLX's default device is a GPU (Metal, CUDA): array math there is cheap next to
+            host numpy, so cache loads dequantize on the device.
     """
 
     model: nn.Module
@@ -135,6 +137,7 @@ class LoadedModel:
     spec: str
     fingerprint: str
     config: dict[str, Any]
+    on_gpu: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -193,5 +196,8 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
 
     path = resolve_model_path(spec)
     fingerprint = model_fingerprint(path)
+    import mlx.core as mx
+
     model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
-    return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu)

@@ -363,6 +363,14 @@ class Registry:
             row = await _current_cache(session, agent_id)
             return None if row is None else CacheRecord.from_row(row)
 
+    async def cache_paths(self) -> dict[str, str | None]:
+        """Every agent's id and its current cache file's path (None: no cache), in one query."""
+        async with self._db.read() as session:
+            rows = await session.execute(
+                select(Agent.id, KVCache.path).outerjoin(KVCache, KVCache.agent_id == Agent.id)
+            )
+            return {agent_id: path for agent_id, path in rows}
+
     async def clear_cache(self, agent_id: str) -> CacheRecord | None:
         """Forget the agent's cache entry and return it (the caller deletes the file)."""
         validate_agent_id(agent_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -75,7 +76,7 @@ def test_round_trip_keeps_bytes_dtypes_and_metadata(written: CacheFileInfo) -> N
     assert_same(loaded.tensors, sample_tensors())
     assert loaded.metadata == METADATA
     assert loaded.checksum == written.checksum
-    assert re.fullmatch(r"[0-9a-f]{64}", written.checksum)
+    assert re.fullmatch(r"xxh3-128:[0-9a-f]{32}", written.checksum)
     assert loaded.nbytes == written.nbytes == written.path.stat().st_size
     header = json.loads(written.path.read_bytes()[8 : header_end(written.path)])
     assert header["__metadata__"] == {**METADATA, "checksum": written.checksum}
@@ -109,6 +110,28 @@ def test_same_content_gives_the_same_checksum(tmp_path: Path) -> None:
     )
     other = write_cache_file(tmp_path / "3.safetensors", sample_tensors(), {**METADATA, "x": ""})
     assert first.checksum == second.checksum != other.checksum
+
+
+def test_files_with_the_earlier_sha256_checksum_still_verify(tmp_path: Path) -> None:
+    """Files written before the switch to XXH3 carry a bare SHA-256 hex checksum."""
+    tensors = sample_tensors()
+    digest = hashlib.sha256()
+    digest.update(json.dumps(dict(sorted(METADATA.items())), separators=(",", ":")).encode())
+    digest.update(b"\n")
+    for name in sorted(tensors):
+        array = tensors[name]
+        line = [name, array.dtype.name, list(array.shape), array.nbytes]
+        digest.update(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        digest.update(array.tobytes())
+    legacy = digest.hexdigest()
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(safetensors.numpy.save(tensors, metadata={**METADATA, "checksum": legacy}))
+    loaded = read_cache_file(path, expected_checksum=legacy)
+    assert loaded.checksum == legacy
+    assert_same(loaded.tensors, tensors)
+    tampered = {**tensors, "tokens": np.array([0, 1, 65534], dtype=np.uint16)}
+    path.write_bytes(safetensors.numpy.save(tampered, metadata={**METADATA, "checksum": legacy}))
+    assert corrupt(path, "checksum mismatch").kind == Corruption.CHECKSUM_MISMATCH
 
 
 def test_overwrite_replaces_and_creates_parents(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -139,6 +140,26 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             reply = await rt.chat("q", "Again", max_tokens=8)
             assert reply.cache_source == "disk"
             assert len(await rt.transcript("q")) == 4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_device_and_host_dequantization_resume_identically(tmp_path, bits):
+    """On a GPU a quantized cache is dequantized on the device, on a CPU in a worker thread:
+    both give the cache the same bits, so the resumed turn's tokens are the same."""
+    data = tmp_path / "data"
+    async with await AgentRuntime.open(config(data, kv_bits=bits)) as rt:
+        await rt.create_agent("d")
+        await rt.chat("d", "Hello there, tell me a story", max_tokens=20)
+    replies = []
+    for on_gpu in (False, True):
+        copy = tmp_path / f"on_gpu={on_gpu}"
+        shutil.copytree(data, copy)
+        async with await AgentRuntime.open(config(copy, kv_bits=bits)) as rt:
+            rt._engine.model.on_gpu = on_gpu  # white-box: take the device path on this CPU
+            replies.append(await rt.chat("d", "Again", max_tokens=12))
+    assert [r.cache_source for r in replies] == ["disk", "disk"]
+    assert replies[0].token_ids == replies[1].token_ids
+    assert replies[0].usage.cached_tokens == replies[1].usage.cached_tokens > 0
 
 
 async def saved_cache_path(data: Path, agent_id: str) -> Path:
@@ -368,9 +389,13 @@ async def test_orphaned_cache_files_are_swept_on_open(tmp_path):
     (caches / "ghost").mkdir()
     (caches / "ghost" / "000002-aaaa.safetensors").write_bytes(b"agent deleted elsewhere")
     (caches / "notes.txt").write_text("not ours: left alone")
-    async with await AgentRuntime.open(config(tmp_path)) as rt:
+    (caches / "a" / "mine.safetensors").write_bytes(b"a name agentkv never writes: left alone")
+    (caches / "a" / "000003-bbbb.safetensors").mkdir()  # ours by name, but cannot be unlinked
+    async with await AgentRuntime.open(config(tmp_path)) as rt:  # logged, never fatal
         left = sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*"))
-        assert left == ["a", f"a/{kept.name}", "notes.txt"]
+        assert left == sorted(
+            ["a", "a/000003-bbbb.safetensors", f"a/{kept.name}", "a/mine.safetensors", "notes.txt"]
+        )
         assert (await rt.chat("a", "again", max_tokens=4)).cache_source == "disk"
 
 
