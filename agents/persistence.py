@@ -67,7 +67,7 @@ class DiskCaches:
         self._engine = engine
         self._kv_bits = kv_bits
         self._group_size = group_size
-        self._writer = CacheWriter(root)
+        self._writer = CacheWriter()
         self._pending: dict[str, set[asyncio.Task]] = {}
         self._loop = asyncio.get_running_loop()
         self.saved = 0

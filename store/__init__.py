@@ -8,13 +8,16 @@ Typical use::
         agent = await registry.create_agent(system_prompt="You are terse.")
         await registry.append_messages(agent.id, [NewMessage("user", "hi")])
 
-KV cache files (safetensors + checksum, atomic) are written off the event loop by one thread::
+KV cache files (safetensors + checksum, atomic) are written off the event loop by one thread;
+a newer job for the same key replaces one that has not started::
 
-    async with CacheWriter(cache_dir) as writer:
-        info = await asyncio.wrap_future(writer.write(agent.id, rel_path, tensors, metadata))
-        if info is not None:  # None: a newer write for this agent superseded this one
-            await registry.set_cache(agent.id, NewCacheEntry(rel_path, ..., message_count=n))
-    cache = read_cache_file(cache_dir / rel_path, expected_checksum=info.checksum)
+    writer = CacheWriter()
+    job = partial(write_cache_file, cache_dir / rel_path, tensors, metadata)
+    info = await asyncio.wrap_future(writer.submit(agent.id, job))
+    if info is not None:  # None: a newer job for this agent superseded this one
+        await registry.set_cache(agent.id, NewCacheEntry(rel_path, ..., message_count=n))
+        cache = read_cache_file(cache_dir / rel_path, expected_checksum=info.checksum)
+    await asyncio.to_thread(writer.close)  # finishes the queued jobs, then stops the thread
 """
 
 from store.cache_files import (
@@ -48,12 +51,11 @@ from store.records import (
     NewMessage,
     Role,
 )
-from store.registry import UNSET, Registry
-from store.writer import CacheWriter, JobFuture, WriterStats
+from store.registry import Registry
+from store.writer import CacheWriter, JobFuture
 
 __all__ = [
     "AGENT_ID_PATTERN",
-    "UNSET",
     "AgentExistsError",
     "AgentNotFoundError",
     "AgentRecord",
@@ -78,7 +80,6 @@ __all__ = [
     "RegistryStorageError",
     "Role",
     "StoreError",
-    "WriterStats",
     "is_valid_agent_id",
     "new_agent_id",
     "read_cache_file",

@@ -103,7 +103,7 @@ class Message(Base):
     """One conversation turn part; positions per agent are dense, ``0..n-1``."""
 
     __tablename__ = "messages"
-    # sqlite_autoincrement: ids are never reused after truncate_messages() or delete_agent().
+    # sqlite_autoincrement: ids are never reused after delete_agent().
     __table_args__ = (
         UniqueConstraint("agent_id", "position"),
         {"sqlite_autoincrement": True},

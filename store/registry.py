@@ -12,9 +12,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import datetime
-from enum import Enum
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
@@ -34,14 +33,6 @@ from store.records import (
 )
 
 _INSERT_CHUNK = 1000
-
-
-class _Unset(Enum):
-    UNSET = "UNSET"
-
-
-UNSET = _Unset.UNSET
-"""Default of ``update_agent`` fields: leave the field as it is (``None`` means clear it)."""
 
 
 class Registry:
@@ -164,44 +155,6 @@ class Registry:
             rows = await session.scalars(query)
             return [AgentRecord.from_row(row) for row in rows]
 
-    async def update_agent(
-        self,
-        agent_id: str,
-        *,
-        name: str | Literal[_Unset.UNSET] = UNSET,
-        system_prompt: str | Literal[_Unset.UNSET] | None = UNSET,
-        model_fingerprint: str | Literal[_Unset.UNSET] | None = UNSET,
-        sampling: dict[str, Any] | Literal[_Unset.UNSET] = UNSET,
-    ) -> AgentRecord:
-        """Change only the given fields of an agent (and its ``updated_at``).
-
-        Returns:
-            The agent as updated.
-
-        Raises:
-            InvalidRecordError: A given value is invalid.
-            AgentNotFoundError: No such agent.
-        """
-        validate_agent_id(agent_id)
-        given = {
-            "name": name,
-            "system_prompt": system_prompt,
-            "model_fingerprint": model_fingerprint,
-            "sampling": sampling,
-        }
-        changes = validation.agent_fields(**{k: v for k, v in given.items() if v is not UNSET})
-        if not changes:
-            return await self.get_agent(agent_id)
-        async with self._db.write() as session:
-            row = await session.get(Agent, agent_id)
-            if row is None:
-                raise AgentNotFoundError(agent_id)
-            for key, value in changes.items():
-                setattr(row, key, value)
-            row.updated_at = utcnow()
-            await session.flush()
-            return AgentRecord.from_row(row)
-
     async def delete_agent(self, agent_id: str) -> CacheRecord | None:
         """Delete an agent with its messages and cache entry.
 
@@ -307,27 +260,6 @@ class Registry:
             )
             return count or 0
 
-    async def truncate_messages(self, agent_id: str, keep: int) -> int:
-        """Delete the messages at positions ``>= keep`` (rolls back a failed turn).
-
-        Returns:
-            How many messages were deleted.
-
-        Raises:
-            InvalidRecordError: ``keep`` is negative.
-            AgentNotFoundError: No such agent.
-        """
-        validate_agent_id(agent_id)
-        validation.check_count("keep", keep)
-        async with self._db.write() as session:
-            await _touch(session, agent_id)
-            deleted = await session.scalars(
-                delete(Message)
-                .where(Message.agent_id == agent_id, Message.position >= keep)
-                .returning(Message.id)
-            )
-            return len(deleted.all())
-
     # -- KV cache entries -----------------------------------------------------------------
 
     async def set_cache(self, agent_id: str, entry: NewCacheEntry) -> CacheRecord | None:
@@ -370,17 +302,6 @@ class Registry:
                 select(Agent.id, KVCache.path).outerjoin(KVCache, KVCache.agent_id == Agent.id)
             )
             return {agent_id: path for agent_id, path in rows}
-
-    async def clear_cache(self, agent_id: str) -> CacheRecord | None:
-        """Forget the agent's cache entry and return it (the caller deletes the file)."""
-        validate_agent_id(agent_id)
-        async with self._db.write() as session:
-            await _require_agent(session, agent_id)
-            row = await _current_cache(session, agent_id)
-            if row is None:
-                return None
-            await session.delete(row)
-            return CacheRecord.from_row(row)
 
 
 async def _require_agent(session: AsyncSession, agent_id: str) -> None:

@@ -51,15 +51,12 @@ Call = Callable[[Registry, Any], Awaitable[object]]
 # Every method that takes an agent id, called with harmless other arguments.
 CALLS: dict[str, Call] = {
     "get_agent": lambda r, a: r.get_agent(a),
-    "update_agent": lambda r, a: r.update_agent(a, name="renamed"),
     "delete_agent": lambda r, a: r.delete_agent(a),
     "append_messages": lambda r, a: r.append_messages(a, [NewMessage("user", "hi")]),
     "transcript": lambda r, a: r.transcript(a),
     "message_count": lambda r, a: r.message_count(a),
-    "truncate_messages": lambda r, a: r.truncate_messages(a, 0),
     "set_cache": lambda r, a: r.set_cache(a, ENTRY),
     "get_cache": lambda r, a: r.get_cache(a),
-    "clear_cache": lambda r, a: r.clear_cache(a),
 }
 
 
@@ -200,28 +197,30 @@ def test_id_validator_accepts_exactly_the_rule(candidate: str) -> None:
             validate_agent_id(candidate)
 
 
-async def test_update_changes_only_given_fields(registry: Registry) -> None:
-    before = await registry.create_agent(
-        "u", name="old", system_prompt="prompt", sampling={"top_p": 0.9}
-    )
-    renamed = await registry.update_agent("u", name="new")
-    assert (renamed.name, renamed.system_prompt, renamed.sampling) == (
-        "new",
-        "prompt",
-        {"top_p": 0.9},
-    )
-    assert renamed.created_at == before.created_at and renamed.updated_at > before.updated_at
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"name": ""}, "name=''"),
+        ({"sampling": {"bad": object()}}, "sampling="),
+        ({"sampling": {1: "int key"}}, "sampling="),
+        ({"system_prompt": 3}, "system_prompt=3"),
+        ({"model_fingerprint": ""}, "model_fingerprint=''"),
+    ],
+)
+async def test_an_invalid_agent_field_creates_nothing(
+    registry: Registry, fields: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(InvalidRecordError, match=match):
+        await registry.create_agent("v", **fields)
+    assert await registry.list_agents() == []
 
-    cleared = await registry.update_agent("u", system_prompt=None, sampling={})
-    assert (cleared.name, cleared.system_prompt, cleared.sampling) == ("new", None, {})
-    assert await registry.get_agent("u") == cleared
-    assert await registry.update_agent("u") == cleared  # nothing given: nothing written
 
-    with pytest.raises(InvalidRecordError, match="name"):
-        await registry.update_agent("u", name="")
-    with pytest.raises(InvalidRecordError, match="sampling"):
-        await registry.update_agent("u", sampling={"bad": object()})
-    assert await registry.get_agent("u") == cleared
+async def test_transcript_paging_arguments_are_validated(registry: Registry) -> None:
+    await registry.create_agent("p")
+    with pytest.raises(InvalidRecordError, match="start=-1"):
+        await registry.transcript("p", start=-1)
+    with pytest.raises(InvalidRecordError, match="limit=0"):
+        await registry.transcript("p", limit=0)
 
 
 async def test_records_are_frozen_copies(registry: Registry) -> None:
@@ -340,19 +339,6 @@ async def test_empty_batch_is_a_value_error(registry: Registry) -> None:
         await registry.append_messages("e", [])
 
 
-async def test_truncate_rolls_back_a_turn(registry: Registry) -> None:
-    await registry.create_agent("r")
-    await registry.append_messages("r", [NewMessage("user", str(i)) for i in range(4)])
-
-    assert await registry.truncate_messages("r", 2) == 2
-    assert [m.position for m in await registry.transcript("r")] == [0, 1]
-    assert await registry.truncate_messages("r", 5) == 0
-    again = await registry.append_messages("r", [NewMessage("user", "retry")])
-    assert [m.position for m in again] == [2]
-    with pytest.raises(InvalidRecordError, match="keep=-1"):
-        await registry.truncate_messages("r", -1)
-
-
 async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> None:
     await registry.create_agent("a")
     assert await registry.get_cache("a") is None
@@ -373,10 +359,6 @@ async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> No
     current = await registry.get_cache("a")
     assert current is not None
     assert (current.path, current.message_count, current.is_quantized) == (newer.path, 5, False)
-
-    assert await registry.clear_cache("a") == current
-    assert await registry.get_cache("a") is None
-    assert await registry.clear_cache("a") is None
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The cache writer thread: ordering, per-key coalescing, failures, flush and close."""
+"""The cache writer thread: ordering, per-key coalescing, failures and close."""
 
 from __future__ import annotations
 
@@ -6,14 +6,11 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from store.cache_files import CacheFileInfo, read_cache_file
 from store.errors import CacheWriterClosedError, StoreError
-from store.writer import THREAD_NAME, CacheWriter, JobFuture, WriterStats
+from store.writer import THREAD_NAME, CacheWriter, JobFuture
 
 TIMEOUT = 10  # seconds; only reached when a test is about to fail
 
@@ -35,8 +32,8 @@ class Gate:
 
 
 @pytest.fixture
-def writer(tmp_path: Path) -> Iterator[CacheWriter]:
-    writer = CacheWriter(tmp_path / "caches")
+def writer() -> Iterator[CacheWriter]:
+    writer = CacheWriter()
     yield writer
     writer.close()
 
@@ -66,9 +63,9 @@ def test_jobs_run_in_submission_order(writer: CacheWriter) -> None:
     ran: list[str] = []
     job = recorder(ran)
     futures = [writer.submit(f"k{i}", job(f"j{i}")) for i in range(50)]
-    writer.flush().result(TIMEOUT)
+    futures[-1].result(TIMEOUT)  # jobs run in order: the last one done means all are
     assert ran == [f"j{i}" for i in range(50)]
-    assert [future.result() for future in futures] == ran
+    assert [future.result(0) for future in futures] == ran
 
 
 def test_a_waiting_job_is_replaced_by_a_newer_one_for_its_key(
@@ -80,13 +77,12 @@ def test_a_waiting_job_is_replaced_by_a_newer_one_for_its_key(
     second = writer.submit("a", job("a2"))
 
     assert (first.done(), first.result(), first.skipped) == (True, None, True)
-    assert writer.stats == WriterStats(num_run=0, num_failed=0, num_skipped=1, queue_depth=1)
+    assert [slot.future for slot in writer._queue] == [second]  # one slot, the newer job in it
     gate.open()
     assert second.result(TIMEOUT) == "a2"
     assert second.skipped is False
-    writer.flush().result(TIMEOUT)
     assert ran == ["a2"]
-    assert writer.stats == WriterStats(num_run=2, num_failed=0, num_skipped=1, queue_depth=0)
+    assert len(writer._queue) == 0
 
 
 def test_the_replacement_keeps_the_older_slot(writer: CacheWriter, gate: Gate) -> None:
@@ -95,9 +91,9 @@ def test_the_replacement_keeps_the_older_slot(writer: CacheWriter, gate: Gate) -
     writer.submit("a", job("a1"))
     writer.submit("b", job("b1"))
     writer.submit("a", job("a2"))
-    writer.submit("c", job("c1"))
+    last = writer.submit("c", job("c1"))
     gate.open()
-    writer.flush().result(TIMEOUT)
+    assert last.result(TIMEOUT) == "c1"
     assert ran == ["a2", "b1", "c1"]
 
 
@@ -105,11 +101,11 @@ def test_different_keys_never_coalesce(writer: CacheWriter, gate: Gate) -> None:
     ran: list[str] = []
     job = recorder(ran)
     futures = [writer.submit(key, job(key)) for key in ("a", "b", "c", "A", "a ")]
-    assert writer.stats.queue_depth == 5
+    assert len(writer._queue) == 5
     gate.open()
     assert [future.result(TIMEOUT) for future in futures] == ["a", "b", "c", "A", "a "]
     assert not any(future.skipped for future in futures)
-    assert writer.stats.num_skipped == 0
+    assert ran == ["a", "b", "c", "A", "a "]
 
 
 def test_a_started_job_is_not_replaced(writer: CacheWriter) -> None:
@@ -120,7 +116,8 @@ def test_a_started_job_is_not_replaced(writer: CacheWriter) -> None:
     newer = writer.submit("a", recorder(ran)("a2"))
     gate.open()
     assert (running.result(TIMEOUT), newer.result(TIMEOUT)) == ("gate", "a2")
-    assert writer.stats.num_skipped == 0
+    assert (running.skipped, newer.skipped) == (False, False)
+    assert ran == ["a2"]
 
 
 def test_a_failing_job_gets_its_exception_and_the_thread_survives(writer: CacheWriter) -> None:
@@ -134,9 +131,9 @@ def test_a_failing_job_gets_its_exception_and_the_thread_survives(writer: CacheW
     assert isinstance(error, OSError) and error.errno == 28
     with pytest.raises(OSError, match="No space left"):
         failed.result()
-    assert writer.stats == WriterStats(num_run=2, num_failed=1, num_skipped=0, queue_depth=0)
-    assert writer.stats.num_succeeded == 1
+    assert (failed.skipped, after.skipped) == (False, False)
     assert writer._thread.is_alive()
+    assert writer.submit("c", lambda: "and after").result(TIMEOUT) == "and after"
 
 
 def test_concurrent_submitters_keep_per_key_order_and_the_last_job(writer: CacheWriter) -> None:
@@ -154,7 +151,10 @@ def test_concurrent_submitters_keep_per_key_order_and_the_last_job(writer: Cache
         thread.start()
     for thread in threads:
         thread.join(TIMEOUT)
-    writer.flush().result(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads)
+    # A key's last job is never replaced, and every job of a key runs or is skipped before it.
+    for key in keys:
+        futures[key, 199].result(TIMEOUT)
 
     for key in keys:
         seqs = [seq for k, seq in ran if k == key]
@@ -162,41 +162,13 @@ def test_concurrent_submitters_keep_per_key_order_and_the_last_job(writer: Cache
     skipped = {item for item, future in futures.items() if future.skipped}
     assert skipped.isdisjoint(ran) and len(skipped) + len(ran) == 800
     assert all(futures[item].result(0) == item for item in ran)
-    stats = writer.stats
-    assert (stats.num_run, stats.num_skipped, stats.queue_depth) == (len(ran), len(skipped), 0)
+    assert len(futures) == 800 and all(future.done() for future in futures.values())
+    assert all(futures[item].result(0) is None for item in skipped)
+    assert len(writer._queue) == 0
 
 
-def test_flush_waits_for_its_key_only(writer: CacheWriter, gate: Gate) -> None:
-    assert writer.flush("a").done()  # nothing for "a", even though the thread is busy
-    assert not writer.flush("gate").done()
-    assert not writer.flush().done()
-
-    ran: list[str] = []
-    job = recorder(ran)
-    stale = writer.submit("a", job("a1"))
-    flushed = writer.flush("a")
-    newer = writer.submit("a", job("a2"))
-    # The job flush waited for was replaced; flush now waits for its replacement.
-    assert stale.done() and not flushed.done()
-    gate.open()
-    flushed.result(TIMEOUT)
-    assert newer.done() and ran == ["a2"]
-
-
-def test_flush_of_everything_covers_earlier_jobs(writer: CacheWriter, gate: Gate) -> None:
-    ran: list[str] = []
-    job = recorder(ran)
-    for name in ("a", "b", "c"):
-        writer.submit(name, job(name))
-    flushed = writer.flush()
-    gate.open()
-    flushed.result(TIMEOUT)
-    assert ran == ["a", "b", "c"]
-    assert writer.flush().done()
-
-
-def test_close_drains_the_queue_and_refuses_new_jobs(tmp_path: Path) -> None:
-    writer = CacheWriter(tmp_path)
+def test_close_drains_the_queue_and_refuses_new_jobs() -> None:
+    writer = CacheWriter()
     gate = Gate()
     writer.submit("gate", gate)
     assert gate.started.wait(TIMEOUT)
@@ -205,7 +177,7 @@ def test_close_drains_the_queue_and_refuses_new_jobs(tmp_path: Path) -> None:
     closer = threading.Thread(target=writer.close)
     closer.start()
     deadline = time.monotonic() + TIMEOUT
-    while not writer.is_closed and time.monotonic() < deadline:
+    while not writer._closing and time.monotonic() < deadline:
         time.sleep(0.001)
     with pytest.raises(CacheWriterClosedError, match="closed") as info:
         writer.submit("late", lambda: None)
@@ -218,7 +190,8 @@ def test_close_drains_the_queue_and_refuses_new_jobs(tmp_path: Path) -> None:
     assert [future.result(0) for future in futures] == ran
     assert not writer._thread.is_alive()
     writer.close()  # idempotent
-    assert writer.flush().done()
+    with pytest.raises(CacheWriterClosedError):
+        writer.submit("later", lambda: None)
 
 
 def test_close_from_a_job_is_refused(writer: CacheWriter) -> None:
@@ -235,7 +208,7 @@ def test_a_cancelled_job_does_not_run(writer: CacheWriter, gate: Gate) -> None:
     gate.open()
     assert kept.result(TIMEOUT) == "b"
     assert ran == ["b"]
-    assert writer.stats.num_skipped == 1
+    assert cancelled.cancelled() and not cancelled.skipped
 
 
 def test_the_thread_is_a_named_daemon(writer: CacheWriter) -> None:
@@ -243,32 +216,8 @@ def test_the_thread_is_a_named_daemon(writer: CacheWriter) -> None:
     assert writer._thread.daemon
 
 
-def test_write_puts_only_the_newest_file_on_disk(writer: CacheWriter, gate: Gate) -> None:
-    old = {"k": np.zeros(4, np.float32)}
-    new = {"k": np.ones(4, np.float32)}
-    superseded = writer.write("agent", "agent/1.safetensors", old, {"turn": "1"})
-    latest = writer.write("agent", "agent/2.safetensors", new, {"turn": "2"})
-    gate.open()
-    info = latest.result(TIMEOUT)
-
-    assert superseded.result(0) is None and superseded.skipped
-    assert isinstance(info, CacheFileInfo)
-    assert info.path == writer.root / "agent" / "2.safetensors"
-    assert sorted(p.name for p in (writer.root / "agent").iterdir()) == ["2.safetensors"]
-    loaded = read_cache_file(info.path, expected_checksum=info.checksum)
-    assert loaded.metadata == {"turn": "2"}
-    assert loaded.tensors["k"].tobytes() == new["k"].tobytes()
-
-
-@pytest.mark.parametrize("bad", ["", ".", "/abs/x.safetensors", "a/../../x.safetensors"])
-def test_write_refuses_paths_outside_the_root(writer: CacheWriter, bad: str) -> None:
-    with pytest.raises(ValueError, match="relative_path"):
-        writer.write("a", bad, {"k": np.zeros(1)}, {})
-    assert writer.stats.queue_depth == 0
-
-
-async def test_asyncio_callers_await_without_blocking(tmp_path: Path) -> None:
-    writer = CacheWriter(tmp_path)
+async def test_asyncio_callers_await_without_blocking() -> None:
+    writer = CacheWriter()
     release = threading.Event()
     started = writer.submit("slow", lambda: release.wait(TIMEOUT))
     ticks = 0
@@ -282,10 +231,9 @@ async def test_asyncio_callers_await_without_blocking(tmp_path: Path) -> None:
     ticker = asyncio.create_task(tick())
     result = writer.submit("fast", lambda: 42)
     asyncio.get_running_loop().call_later(0.05, release.set)
-    await writer.aflush()
     assert await asyncio.wrap_future(result) == 42
-    assert await asyncio.wrap_future(started) is True
+    assert started.done() and started.result(0) is True
     await ticker
     assert ticks > 1  # the loop kept running while the writer was busy
-    await writer.aclose()
-    assert writer.is_closed and not writer._thread.is_alive()
+    await asyncio.to_thread(writer.close)
+    assert not writer._thread.is_alive()
