@@ -10,12 +10,13 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks import bench_batching, bench_peer, bench_resume, bench_roundtrip
+from benchmarks import bench_batching, bench_load, bench_peer, bench_resume, bench_roundtrip
 
 RESULTS = Path(__file__).parent / "results"
 SUITE = {
     "batching": bench_batching,
     "roundtrip": bench_roundtrip,
+    "load": bench_load,
     "resume": bench_resume,
     "peer": bench_peer,
 }

@@ -54,6 +54,19 @@ def test_roundtrip_quick(tmp_path):
     assert set(report["targets_met"]) == {"q8_vs_fp16", "q4_vs_fp16", "q8_agreement"}
 
 
+def test_load_quick(tmp_path):
+    report = run_quick("bench_load", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    (row,) = report["rows"]
+    assert row["same_cache"] is True  # the new load path rebuilds exactly what the old one did
+    paths = {"agentkv", "previous"}
+    expected = {f"{p}.{v}" for p in paths for v in ("none", "q8", "q4")} | {"raw.none"}
+    assert {k for k, v in row.items() if isinstance(v, dict)} == expected
+    assert row["agentkv.q4"]["mb"] < row["agentkv.q8"]["mb"] < row["agentkv.none"]["mb"]
+    assert all(v["ms"] > 0 for v in row.values() if isinstance(v, dict))
+
+
 def test_resume_quick(tmp_path):
     report = run_quick("bench_resume", tmp_path)
 
