@@ -21,6 +21,9 @@ class RuntimeConfig(BaseModel):
         kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
         kv_group_size: quantization group size (must divide the model's head dim).
         hot_cache_bytes: memory budget for recently used agents' unquantized caches.
+        disk_budget_bytes: when the cache files exceed it, the caches of the agents idle
+            longest are evicted (their transcripts stay; they are rebuilt when they speak).
+            None: no budget.
         default_max_tokens: max_tokens of a turn when the call does not say.
         engine: continuous-batching limits.
     """
@@ -34,6 +37,7 @@ class RuntimeConfig(BaseModel):
     kv_bits: Literal[8, 4] | None = 8
     kv_group_size: Literal[32, 64, 128] = 64
     hot_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
+    disk_budget_bytes: int | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 

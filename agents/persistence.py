@@ -21,6 +21,7 @@ import logging
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class LoadedCache:
 _WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
 
 
+_EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
+
+
 class StaleCacheError(ValueError):
     """A cache file that does not belong to this model, format or registry entry."""
 
@@ -60,18 +64,38 @@ class DiskCaches:
     """Saves and loads agents' caches under ``root/<agent_id>/``."""
 
     def __init__(
-        self, root: Path, registry: Registry, engine: Engine, kv_bits: int | None, group_size: int
+        self,
+        root: Path,
+        registry: Registry,
+        engine: Engine,
+        kv_bits: int | None,
+        group_size: int,
+        *,
+        budget_bytes: int | None = None,
+        lock_of: Callable[[str], asyncio.Lock] | None = None,
     ):
+        """
+        Args:
+            budget_bytes: evict the caches of the agents idle longest when the files exceed it
+                (None: no budget). Transcripts stay; an evicted agent is rebuilt when it speaks.
+            lock_of: the per-agent turn lock; eviction skips agents whose lock is held and
+                holds it while it evicts.
+        """
         self.root = root
         self._registry = registry
         self._engine = engine
         self._kv_bits = kv_bits
         self._group_size = group_size
+        self._budget_bytes = budget_bytes
+        self._lock_of = lock_of or (lambda agent_id: asyncio.Lock())
+        self._evicting = asyncio.Lock()
         self._writer = CacheWriter()
         self._pending: dict[str, set[asyncio.Task]] = {}
         self._loop = asyncio.get_running_loop()
         self.saved = 0
         self.load_failures = 0
+        self.evictions = 0
+        self.usage = (0, 0)  # (bytes, files) of the current cache files, as last counted
 
     @property
     def fingerprint(self) -> str:
@@ -93,8 +117,28 @@ class DiskCaches:
                 lambda: self._write(agent_id, Path(agent_id) / name, encoded, message_count),
             )
             await asyncio.wrap_future(job)
+            await self._keep_budget()
         except Exception:
             log.exception("saving the cache of agent %r failed; its transcript is intact", agent_id)
+
+    async def _keep_budget(self) -> None:
+        """Count the files; over the budget, evict the caches of the agents idle longest."""
+        async with self._evicting:  # one pass at a time; later saves find it done
+            self.usage = await self._registry.cache_usage()
+            if self._budget_bytes is None or self.usage[0] <= self._budget_bytes:
+                return
+            for entry in await self._registry.coldest_caches(_EVICTION_SCAN):
+                lock = self._lock_of(entry.agent_id)
+                if lock.locked() or self._pending.get(entry.agent_id):
+                    continue  # speaking now or saving: not cold
+                async with lock:
+                    if await self._registry.clear_cache(entry.agent_id, entry.path):
+                        await asyncio.to_thread(remove_cache_file, self.root / entry.path)
+                        self.evictions += 1
+                        log.info("evicted the cache of agent %r (disk budget)", entry.agent_id)
+                self.usage = await self._registry.cache_usage()
+                if self.usage[0] <= self._budget_bytes:
+                    return
 
     def _write(self, agent_id: str, rel: Path, encoded: EncodedCache, message_count: int) -> None:
         """On the writer thread: write the file, point the registry at it, drop the old one."""
@@ -169,6 +213,7 @@ class DiskCaches:
         await self.wait(agent_id)
         self._pending.pop(agent_id, None)
         await asyncio.to_thread(shutil.rmtree, self.root / agent_id, ignore_errors=True)
+        self.usage = await self._registry.cache_usage()
 
     async def sweep(self) -> int:
         """Remove cache files no registry entry points at (left by a crash mid-save, or by agents
@@ -177,7 +222,9 @@ class DiskCaches:
         One registry query, whatever the number of agents. Only names this module writes are
         touched, and a file that cannot be removed is logged and left: opening never fails here.
         """
-        return await asyncio.to_thread(self._sweep_files, await self._registry.cache_paths())
+        removed = await asyncio.to_thread(self._sweep_files, await self._registry.cache_paths())
+        await self._keep_budget()  # also counts what is on disk
+        return removed
 
     def _sweep_files(self, current: dict[str, str | None]) -> int:
         ours = [f for f in self.root.glob("*/*") if _WRITTEN_NAME.fullmatch(f.name)]

@@ -28,7 +28,14 @@ from engine.engine import Engine
 from engine.kv_codec import check_group_size
 from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
-from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
+from store import (
+    AgentNotFoundError,
+    AgentRecord,
+    MessageRecord,
+    NewMessage,
+    Registry,
+    validate_agent_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +64,13 @@ class AgentRuntime:
         self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
         self._hot = HotTier(config.hot_cache_bytes)
         self._disk = DiskCaches(
-            config.caches_path, registry, engine, config.kv_bits, config.kv_group_size
+            config.caches_path,
+            registry,
+            engine,
+            config.kv_bits,
+            config.kv_group_size,
+            budget_bytes=config.disk_budget_bytes,
+            lock_of=self._lock,
         )
         self._locks: dict[str, asyncio.Lock] = {}
         self._sources: Counter[str] = Counter()
@@ -105,8 +118,13 @@ class AgentRuntime:
         system_prompt: str | None = None,
         name: str | None = None,
         sampling: SamplingParams | None = None,
+        idle_ttl_s: int | None = None,
     ) -> AgentRecord:
-        """Register a new agent. ``agent_id`` defaults to a fresh ``agent-<hex>`` id."""
+        """Register a new agent. ``agent_id`` defaults to a fresh ``agent-<hex>`` id.
+
+        ``idle_ttl_s``: after that many seconds without a turn, :meth:`expire_agents` deletes
+        it (None: never).
+        """
         self._check_open()
         if system_prompt is not None:
             check_text(system_prompt, "system_prompt")
@@ -118,6 +136,7 @@ class AgentRuntime:
             system_prompt=system_prompt,
             model_fingerprint=self._engine.model.fingerprint,
             sampling=(sampling or SamplingParams()).model_dump(exclude_defaults=True),
+            idle_ttl_s=idle_ttl_s,
         )
 
     async def get_agent(self, agent_id: str) -> AgentRecord:
@@ -180,6 +199,27 @@ class AgentRuntime:
             await self._registry.delete_agent(agent_id)
             self._hot.drop(agent_id)
             await self._disk.remove_agent(agent_id)
+
+    async def expire_agents(self) -> list[str]:
+        """Delete the agents whose ``idle_ttl_s`` has passed since their last turn (transcript
+        and cache files); agents with a turn in flight are left for the next call.
+
+        Returns:
+            The ids deleted.
+        """
+        self._check_open()
+        expired = []
+        for agent_id in await self._registry.expired_agents():
+            if self._lock(agent_id).locked():
+                continue
+            try:
+                await self.delete_agent(agent_id)
+            except AgentNotFoundError:
+                continue  # deleted meanwhile
+            expired.append(agent_id)
+        if expired:
+            log.info("expired %d idle agents", len(expired))
+        return expired
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -407,6 +447,12 @@ class AgentRuntime:
             "cache_sources": dict(self._sources),
             "caches_saved": self._disk.saved,
             "cache_load_failures": self._disk.load_failures,
+            "disk": {
+                "bytes": self._disk.usage[0],
+                "files": self._disk.usage[1],
+                "budget_bytes": self.config.disk_budget_bytes,
+                "evictions": self._disk.evictions,
+            },
         }
 
     async def flush(self) -> None:

@@ -84,6 +84,9 @@ class Agent(Base):
     )
 
     # passive_deletes: the database's ON DELETE CASCADE removes children, no ORM loads needed.
+    # Seconds without a turn after which the agent expires; NULL: never (added by 0003).
+    idle_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
     messages: Mapped[list[Message]] = relationship(
         back_populates="agent",
         lazy="raise",

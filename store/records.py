@@ -37,6 +37,8 @@ class AgentRecord:
     sampling: dict[str, Any] = field(hash=False)
     created_at: datetime
     updated_at: datetime
+    idle_ttl_s: int | None = None
+    """Seconds without a turn after which the agent expires; None: it never does."""
 
     @classmethod
     def from_row(cls, row: Agent) -> AgentRecord:
@@ -48,6 +50,7 @@ class AgentRecord:
             sampling=dict(row.sampling),
             created_at=row.created_at,
             updated_at=row.updated_at,
+            idle_ttl_s=row.idle_ttl_s,
         )
 
 

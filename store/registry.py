@@ -85,6 +85,7 @@ class Registry:
         system_prompt: str | None = None,
         model_fingerprint: str | None = None,
         sampling: dict[str, Any] | None = None,
+        idle_ttl_s: int | None = None,
     ) -> AgentRecord:
         """Create an agent.
 
@@ -94,6 +95,8 @@ class Registry:
             system_prompt: The system prompt, if any.
             model_fingerprint: Fingerprint of the model the agent runs on, if pinned.
             sampling: JSON-serialisable sampling settings; defaults to ``{}``.
+            idle_ttl_s: Seconds without a turn after which :meth:`expired_agents` lists it;
+                ``None`` (default): never.
 
         Raises:
             InvalidAgentIdError: ``agent_id`` breaks the id rule.
@@ -106,6 +109,7 @@ class Registry:
             system_prompt=system_prompt,
             model_fingerprint=model_fingerprint,
             sampling={} if sampling is None else sampling,
+            idle_ttl_s=idle_ttl_s,
         )
         now = utcnow()
         row = Agent(id=agent_id, created_at=now, updated_at=now, **columns)
@@ -294,6 +298,59 @@ class Registry:
             await _require_agent(session, agent_id)
             row = await _current_cache(session, agent_id)
             return None if row is None else CacheRecord.from_row(row)
+
+    async def expired_agents(self, now: datetime | None = None) -> list[str]:
+        """Ids of agents with an ``idle_ttl_s`` whose last change is older than that, oldest
+        first."""
+        now = now or utcnow()
+        async with self._db.read() as session:
+            rows = await session.execute(
+                select(Agent.id, Agent.updated_at, Agent.idle_ttl_s)
+                .where(Agent.idle_ttl_s.is_not(None))
+                .order_by(Agent.updated_at)
+            )
+            return [
+                agent_id
+                for agent_id, updated_at, ttl in rows
+                if (now - updated_at).total_seconds() > ttl
+            ]
+
+    async def cache_usage(self) -> tuple[int, int]:
+        """(bytes, files) of every current cache entry."""
+        async with self._db.read() as session:
+            row = (
+                await session.execute(
+                    select(func.coalesce(func.sum(KVCache.nbytes), 0), func.count(KVCache.id))
+                )
+            ).one()
+            return int(row[0]), int(row[1])
+
+    async def coldest_caches(self, limit: int) -> list[CacheRecord]:
+        """Current cache entries, those of the agents with the oldest last change first."""
+        validation.check_limit(limit)
+        async with self._db.read() as session:
+            rows = await session.scalars(
+                select(KVCache)
+                .join(Agent, Agent.id == KVCache.agent_id)
+                .order_by(Agent.updated_at, Agent.id)
+                .limit(limit)
+            )
+            return [CacheRecord.from_row(row) for row in rows]
+
+    async def clear_cache(self, agent_id: str, path: str) -> bool:
+        """Forget the agent's cache entry if it still points at ``path`` (a newer save is kept).
+
+        Returns:
+            Whether the entry was removed; the caller then deletes the file.
+        """
+        validate_agent_id(agent_id)
+        async with self._db.write() as session:
+            deleted = await session.scalar(
+                delete(KVCache)
+                .where(KVCache.agent_id == agent_id, KVCache.path == path)
+                .returning(KVCache.id)
+            )
+            return deleted is not None
 
     async def cache_paths(self) -> dict[str, str | None]:
         """Every agent's id and its current cache file's path (None: no cache), in one query."""

@@ -30,6 +30,9 @@ def agent_fields(**fields: Any) -> dict[str, Any]:
             f"model_fingerprint={fingerprint!r}: expected None or a str of "
             f"1-{MAX_FINGERPRINT_CHARS} characters"
         )
+    ttl = fields.get("idle_ttl_s")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+        raise InvalidRecordError(f"idle_ttl_s={ttl!r}: expected None or an int >= 1 (seconds)")
     if "sampling" in fields:
         sampling = fields["sampling"]
         try:

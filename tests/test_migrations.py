@@ -33,6 +33,7 @@ SCHEMA = {
         "sampling",
         "created_at",
         "updated_at",
+        "idle_ttl_s",  # added by 0003
     ],
     "messages": ["id", "agent_id", "position", "role", "content", "token_count", "created_at"],
     "kv_caches": [
@@ -112,7 +113,7 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-HEAD = "0002"
+HEAD = "0003"
 NEXT = "9000"
 
 
@@ -348,3 +349,23 @@ async def test_downgrading_0002_drops_message_count_and_keeps_rows(tmp_path: Pat
     async with await Registry.open(path) as registry:  # and back up again
         cache = await registry.get_cache("a")
     assert cache is not None and (cache.path, cache.message_count) == ("a/c.safetensors", 0)
+
+
+async def test_0003_adds_idle_ttl_and_downgrades_keeping_rows(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    await migrate(path, "0002")
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute(
+            "INSERT INTO agents VALUES ('a', 'a', NULL, NULL, '{}', ?, ?)", CACHE_0001[-1:] * 2
+        )
+        db.execute(
+            "INSERT INTO messages VALUES (1, 'a', 0, 'user', 'hi', NULL, ?)", CACHE_0001[-1:]
+        )
+    async with await Registry.open(path) as registry:
+        assert (await registry.get_agent("a")).idle_ttl_s is None  # existing agents never expire
+        await registry.create_agent("b", idle_ttl_s=60)
+        assert (await registry.get_agent("b")).idle_ttl_s == 60
+    await migrate(path, "0002", down=True)
+    assert rows(path, "SELECT id FROM agents ORDER BY id") == [("a",), ("b",)]
+    assert rows(path, "SELECT content FROM messages") == [("hi",)]
+    assert "idle_ttl_s" not in [r[1] for r in rows(path, "PRAGMA table_info(agents)")]

@@ -541,3 +541,52 @@ def test_every_public_error_derives_from_one_root():
     ]
     for cls in (AgentNotFoundError, EngineOverloadedError, CacheFormatError, RegistryStorageError):
         assert issubclass(cls, AgentKVError)
+
+
+async def test_disk_budget_evicts_the_caches_of_the_agents_idle_longest(tmp_path):
+    turn = {"max_tokens": 6}
+    async with await AgentRuntime.open(config(tmp_path / "probe")) as rt:
+        await rt.create_agent("p")
+        await rt.chat("p", "Tell me a story", **turn)
+        await rt.flush()
+        one_cache = rt.stats()["disk"]["bytes"]
+    assert one_cache > 0
+    budget = int(2.5 * one_cache)
+    data = tmp_path / "data"
+    cfg = config(data, disk_budget_bytes=budget, hot_cache_bytes=0)
+    async with await AgentRuntime.open(cfg) as rt:
+        for agent_id in ("a", "b", "c"):  # "a" is the one idle longest
+            await rt.create_agent(agent_id)
+            await rt.chat(agent_id, "Tell me a story", **turn)
+            await rt.flush()
+        disk = rt.stats()["disk"]
+        assert (disk["files"], disk["evictions"], disk["budget_bytes"]) == (2, 1, budget)
+        assert disk["bytes"] <= budget
+        assert await rt._registry.get_cache("a") is None
+        assert sorted(p.parent.name for p in (data / "caches").glob("*/*.safetensors")) == [
+            "b",
+            "c",
+        ]
+        again = await rt.chat("a", "And then?", **turn)  # evicted: rebuilt from its transcript
+        assert again.cache_source == "rebuilt"
+        assert len(await rt.transcript("a")) == 4
+        assert (await rt.chat("c", "And then?", **turn)).cache_source == "disk"
+
+
+async def test_agents_with_an_idle_ttl_expire_and_others_stay(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("keeps")
+        await rt.create_agent("short", idle_ttl_s=1)
+        await rt.create_agent("busy", idle_ttl_s=1)
+        for agent_id in ("keeps", "short", "busy"):
+            await rt.chat(agent_id, "hi", max_tokens=2)
+        assert await rt.expire_agents() == []  # within its TTL
+        await asyncio.sleep(1.2)
+        async with rt._lock("busy"):  # white-box: "busy" has a turn in flight
+            assert await rt.expire_agents() == ["short"]
+        assert [a.id for a in await rt.list_agents()] == ["keeps", "busy"]
+        assert not (tmp_path / "caches" / "short").exists()
+        assert await rt.expire_agents() == ["busy"]
+        assert (await rt.get_agent("keeps")).idle_ttl_s is None
+    with pytest.raises(ValidationError):
+        RuntimeConfig(model="tiny:gemma3", disk_budget_bytes=-1)

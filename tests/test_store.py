@@ -205,6 +205,8 @@ def test_id_validator_accepts_exactly_the_rule(candidate: str) -> None:
         ({"sampling": {1: "int key"}}, "sampling="),
         ({"system_prompt": 3}, "system_prompt=3"),
         ({"model_fingerprint": ""}, "model_fingerprint=''"),
+        ({"idle_ttl_s": 0}, "idle_ttl_s=0"),
+        ({"idle_ttl_s": True}, "idle_ttl_s=True"),
     ],
 )
 async def test_an_invalid_agent_field_creates_nothing(
