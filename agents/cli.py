@@ -59,9 +59,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"{PROG}: warning: serving on {args.host} without --api-key", file=sys.stderr)
     kv_bits = None if args.kv_bits == "none" else int(args.kv_bits)
-    config = RuntimeConfig(model=args.model, data_dir=args.data_dir, kv_bits=kv_bits)
-    limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
-    app = create_app(config, api_key, **limits)
+    config = RuntimeConfig(
+        model=args.model,
+        data_dir=args.data_dir,
+        kv_bits=kv_bits,
+        disk_budget_bytes=args.disk_budget_bytes,
+    )
+    options: dict = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    if args.stateless_ttl is not None:
+        options["stateless_ttl_s"] = args.stateless_ttl or None  # 0: never expire
+    app = create_app(config, api_key, **options)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -70,6 +77,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
@@ -126,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         help="refuse request bodies over N bytes with 413 (default: 32 MiB)",
+    )
+    serve.add_argument(
+        "--disk-budget-bytes",
+        type=_positive_int,
+        metavar="N",
+        help="keep cache files under N bytes, evicting the caches of the agents idle longest "
+        "(their transcripts stay); default: no budget",
+    )
+    serve.add_argument(
+        "--stateless-ttl",
+        type=_non_negative_int,
+        metavar="SECONDS",
+        help="delete agents created for requests that name no agent after this long without "
+        "a turn (default: 604800, a week; 0: never)",
     )
     serve.set_defaults(func=_cmd_serve)
     return parser

@@ -42,6 +42,7 @@ def agent_body(agent: AgentRecord, **extra: Any) -> dict[str, Any]:
         "system_prompt": agent.system_prompt,
         "sampling": agent.sampling,
         "model_fingerprint": agent.model_fingerprint,
+        "idle_ttl_s": agent.idle_ttl_s,
         "created_at": agent.created_at.isoformat(),
         "updated_at": agent.updated_at.isoformat(),
         **extra,

@@ -16,7 +16,10 @@ When an API key is set, every route needs it, as ``x-api-key: KEY`` (Anthropic S
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -32,6 +35,22 @@ from server.identity import Identity
 from server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.metrics import RequestMetricsMiddleware, ServerMetrics
 from server.state import ModelInfo, ServerState, State
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_STATELESS_TTL_S = 7 * 24 * 3600
+
+
+async def _expire_forever(runtime: AgentRuntime, identity: Identity, ttl_s: int) -> None:
+    """Delete expired agents every ``ttl_s / 10`` seconds (at most a minute apart)."""
+    while True:
+        await asyncio.sleep(min(60.0, ttl_s / 10))
+        try:
+            for agent_id in await runtime.expire_agents():
+                identity.deleted(agent_id)
+        except Exception:  # a full disk, say: try again next round, keep serving
+            log.exception("expiring idle agents failed")
 
 
 def _given_key(request: Request) -> str | None:
@@ -59,6 +78,7 @@ def create_app(
     config: RuntimeConfig,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    stateless_ttl_s: int | None = DEFAULT_STATELESS_TTL_S,
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
@@ -66,18 +86,27 @@ def create_app(
         config: the runtime to serve.
         api_key: when set, every request must carry it (``x-api-key`` or a bearer token).
         max_body_bytes: larger request bodies are refused with 413.
+        stateless_ttl_s: agents created for requests that name no agent are deleted after this
+            many seconds without a turn (None: kept). Named agents never expire.
     """
     metrics = ServerMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await AgentRuntime.open(config)
+        expiry = None
         try:
-            identity = Identity(runtime)
+            identity = Identity(runtime, stateless_ttl_s)
             await identity.load()
             app.state.server = ServerState(runtime, identity, metrics, ModelInfo.of(runtime))
+            if stateless_ttl_s is not None:
+                expiry = asyncio.create_task(_expire_forever(runtime, identity, stateless_ttl_s))
             yield
         finally:
+            if expiry is not None:
+                expiry.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await expiry
             await runtime.close()  # flushes pending cache writes
 
     async def require_api_key(request: Request) -> None:

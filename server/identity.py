@@ -133,8 +133,10 @@ class Claim:
 class Identity:
     """Resolves requests to agents and holds each agent for the length of its turn."""
 
-    def __init__(self, runtime: AgentRuntime):
+    def __init__(self, runtime: AgentRuntime, stateless_ttl_s: int | None = None):
+        """``stateless_ttl_s``: idle TTL of the agents created for requests without an id."""
         self._runtime = runtime
+        self._stateless_ttl_s = stateless_ttl_s
         self._index = ConversationIndex()
         self._match_lock = asyncio.Lock()
         self._agent_locks: dict[str, asyncio.Lock] = {}
@@ -208,7 +210,9 @@ class Identity:
                 found = self._longest_idle(digests)
                 fresh = found is None
                 if found is None:
-                    agent = await self._runtime.create_agent(system_prompt=request.system or None)
+                    agent = await self._runtime.create_agent(
+                        system_prompt=request.system or None, idle_ttl_s=self._stateless_ttl_s
+                    )
                     self.created(agent)
                     found = (agent.id, 0)
                 agent_id, matched = found

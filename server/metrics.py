@@ -66,6 +66,25 @@ class ServerMetrics:
         self.active = Gauge(
             "agentkv_engine_active_requests", "Requests admitted and not finished.", registry=r
         )
+        self.disk_bytes = Gauge(
+            "agentkv_cache_disk_bytes", "Bytes of the agents' current cache files.", registry=r
+        )
+        self.disk_files = Gauge(
+            "agentkv_cache_disk_files", "Agents with a cache file on disk.", registry=r
+        )
+        self.disk_budget = Gauge(
+            "agentkv_cache_disk_budget_bytes",
+            "The disk budget for cache files (0: none).",
+            registry=r,
+        )
+        self.evictions = Gauge(
+            "agentkv_cache_evictions",
+            "Cache files evicted to keep within the disk budget since the server started.",
+            registry=r,
+        )
+        self.hot_bytes = Gauge(
+            "agentkv_cache_hot_bytes", "Bytes of caches held in memory (hot tier).", registry=r
+        )
         for kind in ("cached", "prefilled"):
             self.input_tokens.labels(kind)
         for source in CACHE_SOURCES:
@@ -80,7 +99,12 @@ class ServerMetrics:
         self.ttft.observe(max(0.0, reply.timings.ttft_s))
 
     def render(self, runtime_stats: dict[str, Any]) -> bytes:
-        engine = runtime_stats["engine"]
+        engine, disk = runtime_stats["engine"], runtime_stats["disk"]
+        self.disk_bytes.set(disk["bytes"])
+        self.disk_files.set(disk["files"])
+        self.disk_budget.set(disk["budget_bytes"] or 0)
+        self.evictions.set(disk["evictions"])
+        self.hot_bytes.set(runtime_stats["hot_tier"]["bytes"])
         self.queue_depth.set(engine.queued)
         self.batch_size.set(engine.batch_size)
         self.active.set(engine.active)

@@ -675,6 +675,7 @@ def test_agents_rest_api(claude, http):
         "created_at": None,
         "updated_at": None,
         "model_fingerprint": None,
+        "idle_ttl_s": None,
     }
     assert http.post("/v1/agents", json={"id": agent_id}).status_code == 409
     assert agent_id in all_agent_ids(http)

@@ -153,26 +153,21 @@ def test_oversized_bodies_are_refused_with_413_in_the_api_shape(http, path):
 
 
 def test_non_streaming_client_that_disconnects_cancels_its_turn(http):
-    # Seeded sampling that runs ~590 tokens (~1.5 s here) before its end-of-turn token.
-    body = {
-        "model": "m",
-        "max_tokens": 3000,
-        "temperature": 1.0,
-        "seed": 14,
-        "messages": [user("Talk a lot")],
-    }
+    # ~6000 prompt tokens: seconds of prefill here, whatever the sampling does after.
+    body = {"model": "m", "max_tokens": 50, "messages": [user("word " * 2000)]}
     headers = {"x-agent-id": "leaves-early"}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         http.post(
             "/v1/chat/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.4)
         )
-    deadline = time.monotonic() + 30
-    while active_requests(http):
-        assert time.monotonic() < deadline, "the abandoned turn kept generating"
-        time.sleep(0.02)
     # Rolled back: nothing stored, and the agent this request created is gone again.
-    assert http.get("/v1/agents/leaves-early").status_code == 404
-    again = http.post("/v1/chat/completions", json=body | {"max_tokens": 3}, headers=headers)
+    deadline = time.monotonic() + 30
+    while http.get("/v1/agents/leaves-early").status_code != 404:
+        assert time.monotonic() < deadline, "the abandoned turn was not cancelled"
+        time.sleep(0.02)
+    assert active_requests(http) == 0
+    short = {"model": "m", "max_tokens": 3, "messages": [user("Talk a little")]}
+    again = http.post("/v1/chat/completions", json=short, headers=headers)
     assert again.status_code == 200
     assert len(transcript(http, "leaves-early")) == 2
 
@@ -253,3 +248,40 @@ def test_agents_and_transcripts_paginate(http):
     assert [(m["position"], m["role"]) for m in tail["data"]] == [(3, "assistant")]
     assert tail["has_more"] is False
     assert http.get("/v1/agents/page-0").json()["message_count"] == 4
+
+
+def test_stateless_agents_expire_and_named_ones_stay(tmp_path):
+    config = RuntimeConfig(model=MODEL, data_dir=tmp_path)
+    with (
+        serve_in_thread(config, stateless_ttl_s=1) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        stateless = http.post("/v1/messages", json=anthropic_body([user("hello")]))
+        named = http.post(
+            "/v1/messages", json=anthropic_body([user("hello")]), headers={"x-agent-id": "kept"}
+        )
+        assert stateless.status_code == named.status_code == 200
+        gone = stateless.headers["x-agent-id"]
+        assert http.get(f"/v1/agents/{gone}").json()["idle_ttl_s"] == 1
+        deadline = time.monotonic() + 30
+        while (disk := disk_metrics(http))["agentkv_cache_disk_files"] != 2:  # saves are async
+            assert time.monotonic() < deadline, disk
+            time.sleep(0.05)
+        assert disk["agentkv_cache_disk_bytes"] > 0
+        while http.get(f"/v1/agents/{gone}").status_code != 404:
+            assert time.monotonic() < deadline, "the idle stateless agent never expired"
+            time.sleep(0.1)
+        assert agent_ids(http) == ["kept"]
+        assert not (tmp_path / "caches" / gone).exists()
+        # The same conversation again starts a new agent (the expired one is out of the index).
+        again = http.post("/v1/messages", json=anthropic_body([user("hello")]))
+        assert again.status_code == 200 and again.headers["x-agent-id"] != gone
+
+
+def disk_metrics(http: httpx.Client) -> dict[str, float]:
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for s in family.samples
+        if s.name.startswith("agentkv_cache_")
+    }
