@@ -196,9 +196,14 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
             # 4-bit values are each byte's low nibble, then its high nibble.
             packed = np.ascontiguousarray(words).view(np.uint8)
             q = packed if kv_bits == 8 else np.stack([packed & 0xF, packed >> 4], axis=-1)
-            q = q.reshape(*rows, head_dim // group_size, group_size).astype(np.float16)
-            # float16 arithmetic, rounding after each operation, as mx.dequantize does.
-            x = (q * scales[..., None] + biases[..., None]).reshape(shape)
+            q = q.reshape(*rows, head_dim // group_size, group_size).astype(np.float32)
+            # float16 arithmetic rounding after each operation, as mx.dequantize does, done in
+            # float32 (vectorized) with a float16 rounding after each step: q * scale is exact
+            # in float32 (<= 8 + 11 significant bits), and a float16 sum is what numpy's own
+            # float16 add computes (float32 add, then round).
+            f32 = np.float32
+            scaled = (q * scales[..., None].astype(f32)).astype(np.float16).astype(f32)
+            x = (scaled + biases[..., None].astype(f32)).astype(np.float16).reshape(shape)
             tensors[name] = _to_stored(x, layout["dtype"])
     metadata = encoded.metadata | {"kv_bits": "none", "group_size": "none"}
     return EncodedCache(tensors, metadata)
