@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
-from benchmarks.plots import bar_labels, save_plot, write_report
+from benchmarks.plots import save_plot, write_report
 from engine.engine import Engine
 from engine.kv_codec import EncodedCache, decode_cache, encode_cache
 from engine.request import PromptCache
@@ -64,6 +64,17 @@ def continuation_perplexity(logprobs: mx.array, fed: list[int]) -> float:
     """Perplexity of fed[1:] under the distributions after fed[:-1] (teacher-forced)."""
     picked = mx.take_along_axis(logprobs[:-1], mx.array(fed[1:])[:, None], axis=-1)
     return math.exp(-mx.mean(picked).item())
+
+
+def flip_gaps(reference: mx.array, other: mx.array) -> list[float]:
+    """Where the top-1 tokens differ: how far (nats, under the reference) the resumed cache's
+    top-1 token was behind the reference's. Small gaps mean near-ties flipped."""
+    ref_top, other_top = mx.argmax(reference, axis=-1), mx.argmax(other, axis=-1)
+    gaps = mx.take_along_axis(reference, ref_top[:, None], axis=-1) - mx.take_along_axis(
+        reference, other_top[:, None], axis=-1
+    )
+    flipped = np.array(ref_top != other_top)
+    return [round(float(g), 4) for g in np.array(gaps[:, 0])[flipped]]
 
 
 def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -> tuple[str, int]:
@@ -135,6 +146,7 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 logprobs = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
                 stats = await eng.run(compare, reference, logprobs)
                 stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
+                stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
                 row["variants"][name] = stats | {"file_bytes": nbytes, "load_s": load_s}
                 del cache, logprobs
             rows.append(row)
@@ -178,14 +190,16 @@ def print_table(report: dict) -> None:
     )
     print(
         f"{'history':>8}{'ppl hist':>10}{'variant':>9}{'agree':>9}{'mean KL':>11}{'max KL':>10}"
-        f"{'ppl cont':>10}{'MiB':>8}"
+        f"{'ppl cont':>10}{'MiB':>8}  top-1 flips: gap (nats) behind the reference's top-1"
     )
     for row in report["rows"]:
         for name, v in row["variants"].items():
             print(
                 f"{row['history']:>8}{row['history_perplexity']:>10.2f}{name:>9}"
                 f"{v['agreement']:>9.4f}{v['mean_kl']:>11.2e}{v['max_kl']:>10.2e}"
-                f"{v['perplexity']:>10.3f}{v['file_bytes'] / 2**20:>8.1f}"
+                f"{v['perplexity']:>10.3f}{v['file_bytes'] / 2**20:>8.1f}  "
+                f"{len(v['flip_gaps_nats'])} flips, largest gap "
+                f"{max(v['flip_gaps_nats'], default=0):.3f}"
             )
     print(f"targets met: {report['targets_met']}", flush=True)
 
@@ -199,15 +213,19 @@ def plot(report: dict, path: Path) -> Path:
     def panel(key: str, label: str, fmt: str, log: bool = False):
         def draw(ax) -> None:
             for i, row in enumerate(rows):
-                values = [max(row["variants"][n][key], 1e-12) for n in names]
-                bars = ax.bar(x + (i - (len(rows) - 1) / 2) * width, values, width)
+                values = [row["variants"][n][key] for n in names]
+                # An exact resume has KL 0, which a log axis cannot draw: a stub, labelled 0.
+                heights = [max(v, 1e-7) if log else v for v in values]
+                bars = ax.bar(x + (i - (len(rows) - 1) / 2) * width, heights, width)
                 bars.set_label(f"history {row['history']}")
-                bar_labels(ax, bars, fmt)
+                ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8)
             ax.set_xticks(x, names)
             ax.set_ylabel(label)
             if log:
                 ax.set_yscale("log")
-            ax.legend(fontsize=8, loc="lower left")
+            else:
+                ax.set_ylim(0, 1.3)  # room for the legend above the bars
+            ax.legend(fontsize=8, loc="upper left")
 
         return draw
 
