@@ -32,8 +32,9 @@ from engine.errors import ModelInstallError
 
 DEFAULT_MODEL = "gemma3-270m"
 FALLBACK_MODEL = "tiny:gemma3"
-# Gentle sampling: greedy decoding of a small base model loops on one phrase.
-SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=7)
+# Greedy decoding of a small base model loops on one phrase. min_p (unlike top_p) needs no
+# sort over Gemma's 262K-token vocabulary, and it drops the junk tail a temperature lifts.
+SAMPLING = SamplingParams(temperature=0.7, min_p=0.1)
 
 PERSONAS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -41,7 +42,13 @@ PERSONAS = {
     "builder": "You are the builder. Say what you would build first.",
     "tester": "You are the tester. Say how you would check it works.",
 }
-TASK = "Task: design a tiny weather station that reports temperature every minute."
+QUESTIONS = {
+    "planner": "What are the steps?",
+    "critic": "What could go wrong?",
+    "builder": "What would you build first?",
+    "tester": "How would you check that it works?",
+}
+TASK = "We want to build a tiny weather station that reports the temperature every minute."
 
 
 def say(text: str) -> None:
@@ -55,10 +62,14 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), line, *map(fmt, rows)])
 
 
-def round_prompt(name: str, round_no: int, last: dict[str, str]) -> str:
-    """The task, plus what every other agent said last round."""
-    others = "\n".join(f"{o}: {last[o][:120]}" for o in PERSONAS if o != name and last[o])
-    return f"{TASK}\nRound {round_no}.\n{others}" if others else f"{TASK}\nRound {round_no}."
+def round_prompt(name: str, last: dict[str, str]) -> str:
+    """The task, what every other agent said last round, and this agent's question."""
+    others = " ".join(
+        f'The {o} said: "{" ".join(last[o].split()[:20])}"'
+        for o in PERSONAS
+        if o != name and last[o].strip()
+    )
+    return " ".join(part for part in (TASK, others, QUESTIONS[name]) if part)
 
 
 async def orchestrate(rt: AgentRuntime, rounds: int, max_tokens: int) -> list[dict]:
@@ -76,10 +87,7 @@ async def orchestrate(rt: AgentRuntime, rounds: int, max_tokens: int) -> list[di
         watcher = asyncio.create_task(watch_batch())
         start = time.perf_counter()
         replies: list[Reply] = await asyncio.gather(
-            *(
-                rt.chat(name, round_prompt(name, r, last), max_tokens=max_tokens)
-                for name in PERSONAS
-            )
+            *(rt.chat(name, round_prompt(name, last), max_tokens=max_tokens) for name in PERSONAS)
         )
         wall = time.perf_counter() - start
         watcher.cancel()
