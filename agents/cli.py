@@ -11,10 +11,22 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError
+from engine.errors import (
+    ModelInstallError,
+    ModelNotFoundError,
+    OutputDirNotEmptyError,
+    UnknownTinyModelError,
+    UnsupportedModelError,
+)
 
 PROG = "agentkv"
-BAD_INPUT = (ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError)
+BAD_INPUT = (
+    ModelInstallError,
+    ModelNotFoundError,
+    OutputDirNotEmptyError,
+    UnknownTinyModelError,
+    UnsupportedModelError,
+)
 EXIT_BAD_INPUT = 2
 
 
@@ -35,6 +47,20 @@ def _cmd_list_tiny(args: argparse.Namespace) -> int:
     width = max(map(len, TINY_SPECS))
     for name, spec in TINY_SPECS.items():
         print(f"{name:<{width}}  {spec.description}")
+    return 0
+
+
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.gguf_import import import_gguf
+    from engine.models import model_fingerprint
+
+    start = time.perf_counter()
+    path = import_gguf(args.file, args.out, dtype=args.dtype, progress=not args.quiet)
+    print(f"path: {path}")
+    print(f"fingerprint: {model_fingerprint(path)}")
+    print(f"seconds: {time.perf_counter() - start:.1f}")
     return 0
 
 
@@ -110,8 +136,26 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list-tiny", help="list the built-in tiny model specs")
     listing.set_defaults(func=_cmd_list_tiny)
 
+    importer = commands.add_parser(
+        "import-gguf",
+        help="convert a GGUF file (Gemma 3, Llama family) into an mlx-lm model directory",
+        description="Dequantize a GGUF file and write config.json, model.safetensors, "
+        "tokenizer.json and tokenizer_config.json (with a chat template) into a new directory "
+        "that mlx_lm.load and `agentkv serve --model DIR` accept.",
+    )
+    importer.add_argument("file", metavar="FILE", help="the .gguf file")
+    importer.add_argument("--out", required=True, metavar="DIR", help="directory to create")
+    importer.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="weight dtype (default: float32, the fast one on CPU)",
+    )
+    importer.add_argument("--quiet", action="store_true", help="no progress bar")
+    importer.set_defaults(func=_cmd_import_gguf)
+
     fingerprint = commands.add_parser("fingerprint", help="print a model's fingerprint")
-    fingerprint.add_argument("spec", metavar="SPEC", help="tiny:<name> or a model directory")
+    fingerprint.add_argument("spec", metavar="SPEC", help="tiny:<name>, gemma3-270m or a model dir")
     fingerprint.set_defaults(func=_cmd_fingerprint)
 
     serve = commands.add_parser(
@@ -120,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Anthropic Messages, OpenAI Chat Completions, an agents API and "
         "Prometheus metrics for one model.",
     )
-    serve.add_argument("--model", required=True, metavar="SPEC", help="tiny:<name> or a model dir")
+    serve.add_argument(
+        "--model", required=True, metavar="SPEC", help="tiny:<name>, gemma3-270m or a model dir"
+    )
     serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000")

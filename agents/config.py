@@ -19,7 +19,8 @@ class RuntimeConfig(BaseModel):
         db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
         cache_dir: overrides ``data_dir/caches``.
         kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
-        kv_group_size: quantization group size (must divide the model's head dim).
+        kv_group_size: preferred quantization group size; a layer whose head size it does not
+            divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
         hot_cache_bytes: memory budget for recently used agents' unquantized caches.
         disk_budget_bytes: when the cache files exceed it, the caches of the agents idle
             longest are evicted (their transcripts stay; they are rebuilt when they speak).

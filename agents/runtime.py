@@ -25,7 +25,6 @@ from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message
 from agents.types import CacheSource, Reply, TextDelta, Timings, Usage
 from engine.engine import Engine
-from engine.kv_codec import check_group_size
 from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
 from store import (
@@ -86,13 +85,6 @@ class AgentRuntime:
         try:
             engine = await Engine.open(config.model, config.engine)
         except BaseException:
-            await registry.close()
-            raise
-        try:
-            if config.kv_bits is not None:
-                check_group_size(engine.model.head_dim, config.kv_group_size)
-        except BaseException:
-            await engine.close()
             await registry.close()
             raise
         runtime = cls(config, registry, engine)

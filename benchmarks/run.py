@@ -10,7 +10,14 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks import bench_batching, bench_load, bench_peer, bench_resume, bench_roundtrip
+from benchmarks import (
+    bench_batching,
+    bench_fidelity,
+    bench_load,
+    bench_peer,
+    bench_resume,
+    bench_roundtrip,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SUITE = {
@@ -19,6 +26,7 @@ SUITE = {
     "load": bench_load,
     "resume": bench_resume,
     "peer": bench_peer,
+    "fidelity": bench_fidelity,
 }
 
 

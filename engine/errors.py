@@ -7,6 +7,8 @@ store's ``StoreError`` and the runtime's errors derive from it too, see ``agents
     └── EngineError
         ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
         ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
+        ├── UnsupportedModelError(EngineError, ValueError)         unconvertible GGUF
+        ├── ModelInstallError(EngineError, RuntimeError)           package not installable
         ├── OutputDirNotEmptyError(EngineError, FileExistsError)   refusing to overwrite a directory
         ├── InvalidCacheError(EngineError, ValueError)             a KV cache that does not fit
         ├── CacheFormatError(EngineError, ValueError)              undecodable encoded cache data
@@ -34,6 +36,14 @@ class ModelNotFoundError(EngineError, FileNotFoundError):
 
 class UnknownTinyModelError(EngineError, ValueError):
     """A ``tiny:`` spec that is not one of the built-in tiny models."""
+
+
+class UnsupportedModelError(EngineError, ValueError):
+    """A GGUF file whose architecture, tokenizer or tensors import-gguf cannot convert."""
+
+
+class ModelInstallError(EngineError, RuntimeError):
+    """A packaged model (e.g. ``gemma3-270m``) whose package is missing and cannot be installed."""
 
 
 class OutputDirNotEmptyError(EngineError, FileExistsError):

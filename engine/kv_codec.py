@@ -8,14 +8,22 @@ Format (``format_version`` 1). Tensors: ``tokens`` (int32, 1-D) and, per layer `
 ``layers.{i}.keys`` / ``layers.{i}.values`` (unquantized: the original dtype, bfloat16 as a
 uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (``mx.quantize``
 of the float16 cast: uint32 words, float16 scales and biases). Metadata: ``format_version``,
-``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or an int) and ``layers``, a JSON list
-with each layer's ``type``, ``offset``, ``max_size``, ``keep``, ``dtype``, ``keys_shape`` and
-``values_shape``. Keys and values are stored in temporal order, only the positions in use.
+``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred group size) and
+``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``, ``keep``, ``dtype``,
+``keys_shape``, ``values_shape`` and ``group_size``. Keys and values are stored in temporal order,
+only the positions in use.
+
+Each layer is quantized with the first group size that divides its head dimension, trying the
+preferred one, then 64, 32, 128 (what ``mx.quantize`` accepts). A layer that none divides (head
+dim 72, say) is stored unquantized, with a logged warning: saving never fails on a head size.
+Its layout says ``"group_size": null``; a layout without the field (older files) uses the file's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +34,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.errors import CacheFormatError
 from engine.request import PromptCache
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 1
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
+_warned_head_dims: set[int] = set()
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
 _LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
@@ -76,38 +88,52 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         )
 
 
+def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
+    """The quantization group size for rows of ``head_dim``: ``preferred`` if it divides them,
+    else the first of 64, 32, 128 that does; None when none does (store the layer unquantized).
+    """
+    for group_size in (preferred, *FALLBACK_GROUP_SIZES):
+        if group_size in GROUP_SIZES and head_dim % group_size == 0:
+            return group_size
+    return None
+
+
 def encode_cache(cache: PromptCache, kv_bits: int | None, group_size: int = 64) -> EncodedCache:
     """Copy a prompt cache into host memory, quantizing keys and values if asked.
 
     Args:
         cache: Per-layer ``KVCache`` / ``RotatingKVCache`` and the tokens they hold.
         kv_bits: None to store keys and values bit-exactly, or 8 / 4 to quantize them.
-        group_size: Quantization group size along the head dimension (ignored when unquantized).
+        group_size: Preferred quantization group size along the head dimension (ignored when
+            unquantized); a layer it does not divide uses :func:`choose_group_size`'s choice.
 
     Returns:
         The encoded cache.
 
     Raises:
         ValueError: Empty cache, unsupported layer type or dtype, offsets that disagree with
-            the token count, or a kv_bits / group_size that cannot quantize these heads.
+            the token count, kv_bits other than None / 8 / 4, or a group size mx.quantize
+            does not know.
     """
     if kv_bits not in (None, 4, 8):
         raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
+    if kv_bits is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size {group_size} is not supported; use one of {GROUP_SIZES}")
     if cache.num_tokens == 0 or not cache.layers:
         raise ValueError("cannot encode an empty cache (no tokens or no layers)")
     pending: dict[str, mx.array] = {}
     layouts = []
     for i, layer in enumerate(cache.layers):
         keys, values, layout = _temporal_layer(layer, i, cache.num_tokens)
-        layouts.append(layout)
+        layer_group = None if kv_bits is None else _layer_group_size(keys, values, group_size)
+        layouts.append(layout | {"group_size": layer_group})
         for kind, x in (("keys", keys), ("values", values)):
             name = f"layers.{i}.{kind}"
-            if kv_bits is None:
+            if layer_group is None:
                 pending[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
                 continue
-            check_group_size(x.shape[-1], group_size)
             q, scales, biases = mx.quantize(
-                x.astype(mx.float16), group_size=group_size, bits=kv_bits
+                x.astype(mx.float16), group_size=layer_group, bits=kv_bits
             )
             pending.update({f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases})
     mx.eval(*pending.values())
@@ -121,6 +147,22 @@ def encode_cache(cache: PromptCache, kv_bits: int | None, group_size: int = 64) 
         "layers": json.dumps(layouts, separators=(",", ":")),
     }
     return EncodedCache(tensors, metadata)
+
+
+def _layer_group_size(keys: mx.array, values: mx.array, preferred: int) -> int | None:
+    """One group size for a layer's keys and values, or None (logged once per head size)."""
+    # A group size divides both head sizes exactly when it divides their gcd.
+    group_size = choose_group_size(math.gcd(keys.shape[-1], values.shape[-1]), preferred)
+    dims = {keys.shape[-1], values.shape[-1]}
+    if group_size is None and not dims <= _warned_head_dims:
+        _warned_head_dims.update(dims)
+        log.warning(
+            "KV head size %s is not divisible by any quantization group size %s; "
+            "such layers are saved unquantized",
+            "/".join(map(str, sorted(dims))),
+            GROUP_SIZES,
+        )
+    return group_size
 
 
 def decode_cache(encoded: EncodedCache) -> PromptCache:
@@ -147,9 +189,10 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
     if tokens.ndim != 1:
         raise CacheFormatError(f"tensor 'tokens' must be 1-D, got shape {tokens.shape}")
     layouts = _parse_layouts(meta)
-    parts = [""] if kv_bits is None else [".q", ".scales", ".biases"]
-    names = [f"layers.{i}.{kv}" for i in range(len(layouts)) for kv in ("keys", "values")]
-    expected = {"tokens", *(name + part for name in names for part in parts)}
+    expected = {"tokens"}
+    for i, layout in enumerate(layouts):
+        parts = [""] if _group_of(encoded, layout) is None else [".q", ".scales", ".biases"]
+        expected |= {f"layers.{i}.{kv}{part}" for kv in ("keys", "values") for part in parts}
     if extra := sorted(set(encoded.tensors) - expected):
         raise CacheFormatError(f"unexpected tensors {extra} for this layout")
     layers = []
@@ -164,8 +207,11 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
         else:
             layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
             layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+        group_size = _group_of(encoded, layout)
         layer.keys, layer.values = (
-            _read_kv(encoded, f"layers.{i}.{kv}", layout[f"{kv}_shape"], layout["dtype"])
+            _read_kv(
+                encoded, f"layers.{i}.{kv}", layout[f"{kv}_shape"], layout["dtype"], group_size
+            )
             for kv in ("keys", "values")
         )
         layer.offset = layout["offset"]
@@ -183,15 +229,19 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
     Raises:
         CacheFormatError: as :func:`decode_cache`.
     """
-    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    kv_bits = encoded.kv_bits
     if kv_bits is None:
         return encoded
     tensors = {"tokens": _tensor(encoded, "tokens", None, np.int32)}
     for i, layout in enumerate(_parse_layouts(encoded.metadata)):
+        group_size = _group_of(encoded, layout)
         for kv in ("keys", "values"):
             name, shape = f"layers.{i}.{kv}", tuple(layout[f"{kv}_shape"])
+            if group_size is None:  # stored unquantized
+                tensors[name] = _tensor(encoded, name, shape, _STORED[layout["dtype"]])
+                continue
             rows, head_dim = shape[:-1], shape[-1]
-            words, scales, biases = _quantized(encoded, name, shape)
+            words, scales, biases = _quantized(encoded, name, shape, group_size)
             # mx.quantize packs little-endian: 8-bit values are the words' bytes in order,
             # 4-bit values are each byte's low nibble, then its high nibble.
             packed = np.ascontiguousarray(words).view(np.uint8)
@@ -240,23 +290,31 @@ def _temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.a
     return keys, values, layout | {"keys_shape": keys.shape, "values_shape": values.shape}
 
 
-def _read_kv(encoded: EncodedCache, name: str, shape: tuple[int, ...], dtype: str) -> mx.array:
-    kv_bits, group_size = encoded.kv_bits, encoded.group_size
-    if kv_bits is None:
+def _group_of(encoded: EncodedCache, layout: dict[str, Any]) -> int | None:
+    """A layer's quantization group size; None when the file or the layer is unquantized."""
+    if encoded.kv_bits is None:
+        return None
+    return layout.get("group_size", encoded.group_size)
+
+
+def _read_kv(
+    encoded: EncodedCache, name: str, shape: tuple[int, ...], dtype: str, group_size: int | None
+) -> mx.array:
+    if group_size is None:
         x = mx.array(_tensor(encoded, name, shape, _STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    q, scales, biases = _quantized(encoded, name, shape)
+    q, scales, biases = _quantized(encoded, name, shape, group_size)
     x = mx.dequantize(
-        mx.array(q), mx.array(scales), mx.array(biases), group_size=group_size, bits=kv_bits
+        mx.array(q), mx.array(scales), mx.array(biases), group_size=group_size, bits=encoded.kv_bits
     )
     return x.astype(_DTYPES[dtype])
 
 
 def _quantized(
-    encoded: EncodedCache, name: str, shape: tuple[int, ...]
+    encoded: EncodedCache, name: str, shape: tuple[int, ...], group_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (packed words, scales, biases) of a quantized tensor, shapes checked."""
-    kv_bits, group_size = encoded.kv_bits, encoded.group_size
+    kv_bits = encoded.kv_bits
     rows, head_dim = shape[:-1], shape[-1]
     if head_dim % group_size:
         raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
@@ -316,6 +374,8 @@ def _layout_problem(layout: Any) -> str | None:
         return f"unknown layer type {layout['type']!r}; expected one of {list(_LAYER_TYPES)}"
     if layout["dtype"] not in _DTYPES:
         return f"unknown dtype {layout['dtype']!r}; expected one of {list(_DTYPES)}"
+    if layout.get("group_size") not in (None, *GROUP_SIZES):
+        return f"group_size must be null or one of {GROUP_SIZES}"
     if not ints(layout["offset"], low=1):
         return "offset must be a positive integer"
     if layout["type"] == "RotatingKVCache" and not (

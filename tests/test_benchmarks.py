@@ -120,3 +120,26 @@ def test_peer_quick(tmp_path):
         assert [s["phase"] for s in sessions] == ["cold", "restart", "restart_concurrent"]
         assert all(s["ready_s"] > 0 and s["stop_s"] > 0 for s in sessions)
     assert set(report["versions"]) >= {"agentkv", "mlx_lm"}
+
+
+def test_fidelity_quick(tmp_path):
+    report = run_quick("bench_fidelity", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["model"] == "gemma3-270m"
+    assert report["sliding_window"] == 512
+    assert [row["history"] for row in report["rows"]] == [64, 600]  # 600: past the window
+    for row in report["rows"]:
+        assert row["continuation"] == 32
+        assert list(row["variants"]) == ["none", "q8", "q4"]
+        assert row["history_perplexity"] < 50  # a trained model on English prose
+        # Resumed after a restart from an exact file: every log-probability is the same.
+        exact = row["variants"]["none"]
+        assert (exact["agreement"], exact["max_abs_logprob_diff"]) == (1.0, 0.0)
+        assert exact["perplexity"] == row["reference_perplexity"]
+        q8, q4 = row["variants"]["q8"], row["variants"]["q4"]
+        assert q8["agreement"] >= 0.9 and 0 < q8["mean_kl"] < q4["mean_kl"]
+        sizes = [v["file_bytes"] for v in row["variants"].values()]
+        assert sizes == sorted(sizes, reverse=True)
+    assert report["exact_is_identical"] is True
+    assert set(report["targets_met"]) == {"q8_agreement", "exact"}

@@ -11,6 +11,8 @@ def test_demo_runs_end_to_end(tmp_path):
         [
             sys.executable,
             str(ROOT / "demo_full_stack.py"),
+            "--model",
+            "tiny:gemma3",  # the default, gemma3-270m, takes minutes on CPU
             "--rounds",
             "2",
             "--max-tokens",
@@ -25,6 +27,9 @@ def test_demo_runs_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
+    assert "agentkv demo: model tiny:gemma3" in out
+    # Each round prints every agent's reply.
+    assert len(re.findall(r"^ +planner: ", out, flags=re.M)) == 2
     assert re.search(r"resumed from disk after restart\s+4/4", out)
     assert "round 2: 4 agents concurrently" in out
     cached = int(out.split("HTTP turn: cached input tokens")[1].split()[0])

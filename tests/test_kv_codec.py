@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ from engine.kv_codec import (
     CacheFormatError,
     EncodedCache,
     check_group_size,
+    choose_group_size,
     decode_cache,
     dequantize_on_host,
     encode_cache,
@@ -218,6 +220,7 @@ async def test_tensor_names_and_metadata(gemma):
         "dtype": "float32",
         "keys_shape": [1, 2, WINDOW, 64],
         "values_shape": [1, 2, WINDOW, 64],
+        "group_size": 32,
     }
     assert full == rotating | {"type": "KVCache", "max_size": None, "keep": None} | {
         "keys_shape": [1, 2, 130, 64],
@@ -388,8 +391,8 @@ async def test_bad_encode_requests_raise_value_error(gemma):
         await gemma.run(encode_cache, PromptCache(cache.layers, []), None)
     with pytest.raises(ValueError, match="kv_bits must be None, 8 or 4"):
         await gemma.run(encode_cache, cache, 3)
-    with pytest.raises(ValueError, match="head_dim 64 is not divisible by group_size 128"):
-        await gemma.run(encode_cache, cache, 8, 128)
+    with pytest.raises(ValueError, match="group_size 48 is not supported"):
+        await gemma.run(encode_cache, cache, 8, 48)
     with pytest.raises(ValueError, match="layer 0 holds 12 positions but the cache lists 11"):
         await gemma.run(encode_cache, PromptCache(cache.layers, cache.tokens[:-1]), None)
 
@@ -439,3 +442,87 @@ async def test_host_dequantization_is_bit_exact_with_mlx(engine, kv_bits):
             assert mx.array_equal(a.keys, b.keys).item()
             assert mx.array_equal(a.values, b.values).item()
         assert on_host.tokens == on_mlx.tokens
+
+
+async def test_a_preferred_group_size_that_does_not_divide_falls_back(gemma):
+    cache = await history(gemma, 12)  # head_dim 64
+    encoded = await gemma.run(encode_cache, cache, 8, 128)
+    assert encoded.group_size == 128  # the preference, recorded for the file
+    assert {layer["group_size"] for layer in json.loads(encoded.metadata["layers"])} == {64}
+    assert encoded.tensors["layers.0.keys.scales"].shape[-1] == 1  # 64 / 64
+    decoded = await gemma.run(decode_cache, encoded)
+    assert decoded.tokens == cache.tokens
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "preferred", "chosen"),
+    [
+        (64, 64, 64),
+        (128, 128, 128),
+        (96, 64, 32),
+        (160, 64, 32),
+        (256, 128, 128),
+        (80, 64, None),
+        (72, 32, None),
+        (48, 64, None),
+        (32, 64, 32),
+    ],
+)
+def test_choose_group_size_divides_the_head_dim_or_gives_none(head_dim, preferred, chosen):
+    assert choose_group_size(head_dim, preferred) == chosen
+
+
+def small_llama(head_dim: int):
+    """A random-weight mlx-lm llama with the given head size (2 layers, 2 KV heads)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=2 * head_dim, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
+        vocab_size=128, rope_theta=10_000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    mx.random.seed(head_dim)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_head_dim_96_quantizes_with_group_32_and_resumes_like_the_original():
+    model = small_llama(96)
+    prompt = [(5 * i) % 120 + 3 for i in range(40)]
+    layers = [KVCache() for _ in model.layers]
+    model(mx.array([prompt]), cache=layers)
+    cache = PromptCache(layers, prompt)
+    encoded = encode_cache(cache, 8)  # preferred 64 does not divide 96
+    assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [32, 32]
+    assert encoded.tensors["layers.0.keys.scales"].shape == (1, 2, 40, 3)
+    decoded = decode_cache(encoded)
+    for a, b in zip(cache.layers, decoded.layers, strict=True):
+        assert a.keys[..., :40, :].shape == b.keys.shape
+        assert mx.allclose(a.keys[..., :40, :], b.keys, atol=0.05).item()
+    feed = mx.array([[7, 9, 11, 13]])
+    expected = model(feed, cache=cache.layers).argmax(-1)
+    assert mx.array_equal(model(feed, cache=decoded.layers).argmax(-1), expected).item()
+
+
+def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(caplog):
+    mx.random.seed(3)
+    layers = []
+    for head_dim in (64, 72):  # 72: neither 32, 64 nor 128 divides it
+        layer = KVCache()
+        keys, values = (mx.random.normal((1, 2, 10, head_dim)) for _ in range(2))
+        layer.update_and_fetch(keys, values)
+        layers.append(layer)
+    cache = PromptCache(layers, list(range(10)))
+    with caplog.at_level(logging.WARNING, logger="engine.kv_codec"):
+        encoded = encode_cache(cache, 4)
+    assert "KV head size 72 is not divisible by any quantization group size" in caplog.text
+    assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [64, None]
+    assert {"layers.0.keys.q", "layers.1.keys", "layers.1.values"} <= set(encoded.tensors)
+    assert "layers.1.keys.q" not in encoded.tensors
+    used = [(layer.keys[..., :10, :], layer.values[..., :10, :]) for layer in layers]
+    for decoded in (decode_cache(encoded), decode_cache(dequantize_on_host(encoded))):
+        assert mx.array_equal(decoded.layers[1].keys, used[1][0]).item()
+        assert mx.array_equal(decoded.layers[1].values, used[1][1]).item()
+        assert not mx.array_equal(decoded.layers[0].keys, used[0][0]).item()  # 4-bit
+        assert mx.allclose(decoded.layers[0].keys, used[0][0], atol=0.5).item()

@@ -291,7 +291,7 @@ def test_missing_models_raise_model_not_found(tmp_path):
         tmp_path / "no_weights",
         "google/gemma-3-1b-it",
     ):
-        with pytest.raises(ModelNotFoundError, match="only local model directories"):
+        with pytest.raises(ModelNotFoundError, match="it does not download from a hub"):
             load_model(spec)
     assert issubclass(ModelNotFoundError, FileNotFoundError)
 

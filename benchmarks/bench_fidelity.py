@@ -1,0 +1,270 @@
+"""Fidelity of resumed KV caches on a trained model and real English text, across a restart.
+
+    python -m benchmarks.bench_fidelity [--model gemma3-270m] [--histories 1024 4096] [--quick]
+
+The text is benchmarks/data/alice_ch1_2.txt (Lewis Carroll, *Alice's Adventures in Wonderland*,
+chapters I-II, public domain). For each history length H, one engine prefills the first H tokens
+(``make_prompt_cache``: ``KVCache`` for global layers, ``RotatingKVCache`` for Gemma's sliding
+ones, so a 4K history is well past the 512-token window) and teacher-forces the next
+``--continuation`` tokens of the text on a copy of that cache: the uninterrupted reference. It
+saves the cache three ways (``none``: exact, ``q8``, ``q4``) through ``encode_cache`` and
+``write_cache_file``, exactly as the runtime does, and closes. A fresh engine (the restart)
+reads each file, decodes it and teacher-forces the same tokens. Reported per variant: argmax
+agreement with the reference, mean and max KL(reference || resumed), perplexity of the
+continuation, file size. ``none`` must be token-identical (every log-probability equal).
+Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
+generation thread. Writes benchmarks/results/fidelity.json and fidelity.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.bench_roundtrip import compare, next_token_logprobs
+from benchmarks.plots import save_plot, write_report
+from engine.engine import Engine
+from engine.kv_codec import EncodedCache, decode_cache, encode_cache
+from engine.request import PromptCache
+from store.cache_files import read_cache_file, write_cache_file
+
+RESULTS = Path(__file__).parent / "results"
+TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
+VARIANTS = {"none": None, "q8": 8, "q4": 4}  # name -> kv_bits
+TARGETS = {"q8_agreement_min": 0.99}
+
+
+def prefill(model: object, tokens: list[int], chunk: int) -> tuple[PromptCache, float]:
+    """The model's cache after ``tokens`` and the summed NLL of tokens[1:] (one pass)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    layers = make_prompt_cache(model)
+    nll = 0.0
+    for i in range(0, len(tokens), chunk):
+        part = tokens[i : i + chunk]
+        logits = model(mx.array(part)[None], cache=layers)[0].astype(mx.float32)
+        targets = mx.array(tokens[i + 1 : i + 1 + len(part)])
+        logprobs = logits[: targets.shape[0]] - mx.logsumexp(
+            logits[: targets.shape[0]], axis=-1, keepdims=True
+        )
+        nll -= mx.sum(mx.take_along_axis(logprobs, targets[:, None], axis=-1)).item()
+    mx.eval(*(x for layer in layers for x in (layer.keys, layer.values)))
+    return PromptCache(layers, list(tokens)), nll
+
+
+def continuation_perplexity(logprobs: mx.array, fed: list[int]) -> float:
+    """Perplexity of fed[1:] under the distributions after fed[:-1] (teacher-forced)."""
+    picked = mx.take_along_axis(logprobs[:-1], mx.array(fed[1:])[:, None], axis=-1)
+    return math.exp(-mx.mean(picked).item())
+
+
+def flip_gaps(reference: mx.array, other: mx.array) -> list[float]:
+    """Where the top-1 tokens differ: how far (nats, under the reference) the resumed cache's
+    top-1 token was behind the reference's. Small gaps mean near-ties flipped."""
+    ref_top, other_top = mx.argmax(reference, axis=-1), mx.argmax(other, axis=-1)
+    gaps = mx.take_along_axis(reference, ref_top[:, None], axis=-1) - mx.take_along_axis(
+        reference, other_top[:, None], axis=-1
+    )
+    flipped = np.array(ref_top != other_top)
+    return [round(float(g), 4) for g in np.array(gaps[:, 0])[flipped]]
+
+
+def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -> tuple[str, int]:
+    encoded = encode_cache(cache, kv_bits, group_size)
+    info = write_cache_file(path, encoded.tensors, encoded.metadata)
+    return info.checksum, info.nbytes
+
+
+def load(path: Path, checksum: str) -> PromptCache:
+    file = read_cache_file(path, expected_checksum=checksum)
+    return decode_cache(EncodedCache(file.tensors, file.metadata))
+
+
+async def before_restart(args: argparse.Namespace, cache_dir: Path) -> tuple[dict, dict]:
+    """Tokenize, prefill, teacher-force the reference, save every variant; then close."""
+    eng = await Engine.open(args.model)
+    runs = {}
+    try:
+        model = eng.model.model
+        ids = eng.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
+        info = {"text_tokens": len(ids), "sliding_window": eng.model.sliding_window}
+        needed = max(args.histories) + args.continuation
+        if len(ids) < needed:
+            raise SystemExit(f"{TEXT.name} has {len(ids)} tokens; this run needs {needed}")
+        for h in args.histories:
+            history, fed = ids[:h], ids[h : h + args.continuation]
+            start = time.perf_counter()
+            cache, nll = await eng.run(prefill, model, history, args.chunk)
+            prefill_s = time.perf_counter() - start
+            reference = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
+            files = {}
+            for name, bits in VARIANTS.items():
+                path = cache_dir / f"h{h}-{name}.safetensors"
+                files[name] = (path, *await eng.run(save, cache, bits, args.group_size, path))
+            runs[h] = {
+                "fed": fed,
+                "reference": await eng.run(np.array, reference),  # host memory across restart
+                "files": files,
+                "history_perplexity": math.exp(nll / (h - 1)),
+                "prefill_s": prefill_s,
+            }
+            del cache, reference
+    finally:
+        await eng.close()
+    return info, runs
+
+
+async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
+    """A fresh engine loads every saved file and teacher-forces the same tokens."""
+    eng = await Engine.open(args.model)
+    rows = []
+    try:
+        model = eng.model.model
+        for h, run in runs.items():
+            fed = run["fed"]
+            reference = await eng.run(mx.array, run["reference"])
+            row = {
+                "history": h,
+                "continuation": len(fed),
+                "history_perplexity": run["history_perplexity"],
+                "reference_perplexity": await eng.run(continuation_perplexity, reference, fed),
+                "prefill_s": run["prefill_s"],
+                "variants": {},
+            }
+            for name, (path, checksum, nbytes) in run["files"].items():
+                start = time.perf_counter()
+                cache = await eng.run(load, path, checksum)
+                load_s = time.perf_counter() - start
+                logprobs = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
+                stats = await eng.run(compare, reference, logprobs)
+                stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
+                stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
+                row["variants"][name] = stats | {"file_bytes": nbytes, "load_s": load_s}
+                del cache, logprobs
+            rows.append(row)
+            del reference
+    finally:
+        await eng.close()
+    return rows
+
+
+async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
+    info, runs = await before_restart(args, cache_dir)
+    rows = await after_restart(args, runs)
+    q8 = min(row["variants"]["q8"]["agreement"] for row in rows)
+    exact = all(
+        row["variants"]["none"]["max_abs_logprob_diff"] == 0.0
+        and row["variants"]["none"]["agreement"] == 1.0
+        for row in rows
+    )
+    return {
+        "benchmark": "fidelity",
+        "model": args.model,
+        "text": f"{TEXT.name} ({info['text_tokens']} tokens)",
+        "sliding_window": info["sliding_window"],
+        "histories": args.histories,
+        "continuation_tokens": args.continuation,
+        "group_size": args.group_size,
+        "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "exact_is_identical": exact,
+        "rows": rows,
+        "targets": TARGETS,
+        "targets_met": {"q8_agreement": q8 >= TARGETS["q8_agreement_min"], "exact": exact},
+    }
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"{report['model']} on {report['text']}, window {report['sliding_window']}, "
+        f"{report['continuation_tokens']} teacher-forced tokens after a restart, "
+        f"group size {report['group_size']}"
+    )
+    print(
+        f"{'history':>8}{'ppl hist':>10}{'variant':>9}{'agree':>9}{'mean KL':>11}{'max KL':>10}"
+        f"{'ppl cont':>10}{'MiB':>8}  top-1 flips: gap (nats) behind the reference's top-1"
+    )
+    for row in report["rows"]:
+        for name, v in row["variants"].items():
+            print(
+                f"{row['history']:>8}{row['history_perplexity']:>10.2f}{name:>9}"
+                f"{v['agreement']:>9.4f}{v['mean_kl']:>11.2e}{v['max_kl']:>10.2e}"
+                f"{v['perplexity']:>10.3f}{v['file_bytes'] / 2**20:>8.1f}  "
+                f"{len(v['flip_gaps_nats'])} flips, largest gap "
+                f"{max(v['flip_gaps_nats'], default=0):.3f}"
+            )
+    print(f"targets met: {report['targets_met']}", flush=True)
+
+
+def plot(report: dict, path: Path) -> Path:
+    rows = report["rows"]
+    names = list(VARIANTS)
+    x = np.arange(len(names))
+    width = 0.8 / len(rows)
+
+    def panel(key: str, label: str, fmt: str, log: bool = False):
+        def draw(ax) -> None:
+            for i, row in enumerate(rows):
+                values = [row["variants"][n][key] for n in names]
+                # An exact resume has KL 0, which a log axis cannot draw: a stub, labelled 0.
+                heights = [max(v, 1e-7) if log else v for v in values]
+                bars = ax.bar(x + (i - (len(rows) - 1) / 2) * width, heights, width)
+                bars.set_label(f"history {row['history']}")
+                ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8)
+            ax.set_xticks(x, names)
+            ax.set_ylabel(label)
+            if log:
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(0, 1.3)  # room for the legend above the bars
+            ax.legend(fontsize=8, loc="upper left")
+
+        return draw
+
+    title = (
+        f"{report['model']}: resumed after restart vs uninterrupted, "
+        f"{report['continuation_tokens']} teacher-forced tokens, {report['date']}"
+    )
+    return save_plot(
+        path,
+        [
+            panel("agreement", "top-1 agreement", "{:.4f}"),
+            panel("mean_kl", "mean KL (nats, log scale)", "{:.1e}", log=True),
+        ],
+        title,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="fidelity of resumed caches on a trained model")
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens")
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per forward pass")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument("--cache-dir", type=Path, help="where to write files (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="histories 64 and 600, 32 tokens")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    parser.add_argument("--plot", type=Path, help="PNG path (default: --out with .png)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.histories, args.continuation = [64, 600], 32
+    if min(args.histories) < 2 or args.continuation < 2 or args.chunk < 1:
+        parser.error("histories and --continuation need at least 2 tokens, --chunk at least 1")
+    with tempfile.TemporaryDirectory(prefix="agentkv-fidelity-", dir=args.cache_dir) as tmp:
+        report = asyncio.run(run(args, Path(tmp)))
+    print_table(report)
+    write_report(report, args.out, plot, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
