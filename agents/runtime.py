@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -12,10 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.config import RuntimeConfig
+from agents.document import (
+    CachedReply,
+    DocumentPrompt,
+    common_prefix,
+    render_document,
+    tool_calls_of,
+)
 from agents.errors import ContextLengthError, EmptyMessageError, RuntimeClosedError, TurnFailedError
 from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message
+from agents.tool_calls import ParsedReply, ToolFormat, ToolsUnsupportedError
 from agents.types import CacheSource, Reply, TextDelta, Timings, Usage
 from engine.engine import Engine
 from engine.kv_codec import check_group_size
@@ -48,6 +57,9 @@ class AgentRuntime:
         self._registry = registry
         self._engine = engine
         self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
+        self.tool_format = ToolFormat.of(engine.tokenizer)
+        """The model's tool-call markers and parser; None when it cannot call tools."""
+        self._replies: dict[str, list[CachedReply]] = {}  # generated replies in each hot cache
         self._hot = HotTier(config.hot_cache_bytes)
         self._disk = DiskCaches(
             config.caches_path, registry, engine, config.kv_bits, config.kv_group_size
@@ -142,10 +154,16 @@ class AgentRuntime:
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
             )
 
-    def count_tokens(self, messages: list[dict[str, str]], system: str | None = None) -> int:
+    def count_tokens(
+        self,
+        messages: list[Message],
+        system: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> int:
         """Tokens of a conversation rendered with the model's chat template, ready to answer."""
+        self._check_tools(tools)
         system_messages = [{"role": "system", "content": system}] if system else []
-        return len(self._renderer.full_prompt([*system_messages, *messages]))
+        return len(self._renderer.full_prompt([*system_messages, *messages], tools))
 
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
@@ -155,6 +173,7 @@ class AgentRuntime:
             await self._disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
             self._hot.drop(agent_id)
+            self._replies.pop(agent_id, None)
             await self._disk.remove_agent(agent_id)
 
     # ---- turns -------------------------------------------------------------------------------
@@ -273,6 +292,160 @@ class AgentRuntime:
         self._hot.put(agent_id, result.cache, covered)
         self._disk.save(agent_id, result.cache, covered)
 
+    # ---- whole conversations -------------------------------------------------------------
+
+    async def respond(
+        self,
+        agent_id: str,
+        messages: list[Message],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | None = None,
+        priority: float = 0.0,
+    ) -> AsyncIterator[TextDelta | Reply]:
+        """Answer a whole conversation the client resends each time (the client's copy is the
+        document; see :mod:`agents.document`). Yields TextDelta pieces, then the Reply.
+
+        The agent's cache is reused up to the longest common token prefix with the rendered
+        conversation; afterwards the agent's transcript is the conversation plus the reply and
+        its system prompt that of the conversation. Rolled back like :meth:`stream`.
+
+        Args:
+            agent_id: the agent (it must exist).
+            messages: the conversation in chat-template shape (``role``, ``content``,
+                ``tool_calls``; roles system, user, assistant, tool); a leading system message
+                is the system prompt. The last message is not an assistant message.
+            tools: tool definitions in the OpenAI shape, rendered by the chat template.
+            max_tokens, sampling, stop, priority: as for :meth:`stream`.
+        """
+        self._check_open()
+        self._check_tools(tools)
+        if not messages or messages[-1]["role"] == "assistant":
+            raise EmptyMessageError("the conversation must end with a non-assistant message")
+        options = {"max_tokens": max_tokens, "sampling": sampling, "stop": stop}
+        started = time.perf_counter()
+        self._turns += 1
+        self._idle.clear()
+        try:
+            async with contextlib.aclosing(
+                self._document_turn(agent_id, messages, tools, started, priority, options)
+            ) as turn:
+                async for event in turn:
+                    yield event
+        finally:
+            self._turns -= 1
+            if not self._turns:
+                self._idle.set()
+
+    async def _document_turn(
+        self,
+        agent_id: str,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        started: float,
+        priority: float,
+        options: dict[str, Any],
+    ) -> AsyncIterator[TextDelta | Reply]:
+        async with self._lock(agent_id):
+            agent = await self._registry.get_agent(agent_id)
+            history = await self._registry.transcript(agent_id)
+            plan, document = await self._plan_document(agent_id, messages, tools)
+            request = GenerationRequest(
+                plan.prompt_tokens,
+                max_tokens=options["max_tokens"] or self.config.default_max_tokens,
+                sampling=options["sampling"] or SamplingParams(**agent.sampling),
+                stop=list(options["stop"] or []),
+                priority=priority,
+                cache=plan.cache,
+            )
+            self._check_context(request)
+            async with self._engine.submit(request) as handle:
+                async for event in handle:
+                    if event.text:
+                        yield TextDelta(event.text)
+                result = await handle.result()
+            if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                raise TurnFailedError(
+                    f"turn of agent {agent_id!r} failed: {result.error}"
+                ) from result.error
+            reply = CachedReply(
+                len(document.tokens),
+                tuple(result.token_ids),
+                self._parse(result.text, tools),
+            )
+            commit = self._commit_document(
+                agent, history, messages, result, [*document.replies, reply]
+            )
+            await asyncio.shield(asyncio.ensure_future(commit))  # see _turn
+            self._sources[plan.source] += 1
+            yield dataclasses.replace(
+                self._reply(agent_id, plan, result, started), parsed=reply.parsed
+            )
+
+    async def _plan_document(
+        self, agent_id: str, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> tuple[TurnPlan, DocumentPrompt]:
+        """Render the conversation and resume from the longest prefix the cache shares."""
+        start = time.perf_counter()
+        source: CacheSource = "hot"
+        hot = self._hot.get(agent_id)
+        cache = hot.cache if hot else None
+        if cache is None:
+            await self._disk.wait(agent_id)
+            loaded = await self._disk.load(agent_id)
+            cache, source = (loaded.cache, "disk") if loaded else (None, "none")
+        replies = [r for r in self._replies.get(agent_id, []) if cache and r.is_in(cache.tokens)]
+
+        def render() -> tuple[DocumentPrompt, int]:
+            document = render_document(self._renderer, messages, tools, replies)
+            shared = common_prefix(document.tokens, cache.tokens) if cache else 0
+            return document, min(shared, len(document.tokens) - 1)  # prefill at least one
+
+        document, shared = await asyncio.to_thread(render)
+        resumed = cache.prefix(shared) if cache else None
+        if resumed is None and cache is not None:
+            source = "rebuilt"
+        kept = resumed.num_tokens if resumed else 0
+        plan = TurnPlan(document.tokens[kept:], resumed, source, time.perf_counter() - start)
+        return plan, document
+
+    async def _commit_document(
+        self,
+        agent: AgentRecord,
+        history: list[MessageRecord],
+        messages: list[Message],
+        result: GenerationResult,
+        replies: list[CachedReply],
+    ) -> None:
+        system = None
+        if messages[0]["role"] == "system":
+            system, messages = messages[0]["content"], messages[1:]
+        stored = [NewMessage(m["role"], self.stored_text(m)) for m in messages]
+        old = [NewMessage(str(m.role), m.content) for m in history]
+        keep = common_prefix(old, stored)  # type: ignore[arg-type]
+        text = self.stored_text(replies[-1].parsed.as_message())
+        reply = NewMessage("assistant", text, len(result.token_ids))
+        await self._registry.append_messages(agent.id, [*stored[keep:], reply], replace_from=keep)
+        if system != agent.system_prompt:
+            await self._registry.update_agent(agent.id, system_prompt=system)
+        covered = len(stored) + 1
+        self._hot.put(agent.id, result.cache, covered)
+        self._disk.save(agent.id, result.cache, covered)
+        self._replies[agent.id] = replies
+
+    def _parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
+        return self.tool_format.parse(text, tools) if self.tool_format else ParsedReply(text)
+
+    def stored_text(self, message: Message) -> str:
+        """A message as transcripts store it: its text, then its tool calls' markup."""
+        text = message.get("content") or ""
+        calls = tool_calls_of(message)
+        if calls and self.tool_format is not None:
+            text += self.tool_format.markup(calls)
+        return text
+
     def _messages(self, agent: AgentRecord, history: list[MessageRecord]) -> list[Message]:
         system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
         return system + [{"role": str(m.role), "content": m.content} for m in history]
@@ -303,14 +476,23 @@ class AgentRuntime:
         return TurnPlan(tokens, None, source, time.perf_counter() - start)
 
     def _check_context(self, request: GenerationRequest) -> None:
+        """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
         limit = self._engine.model.max_context
-        cached = request.cache.num_tokens if request.cache else 0
-        need = cached + len(request.prompt_tokens) + request.max_tokens
-        if limit is not None and need > limit:
+        if limit is None:
+            return
+        prompt = (request.cache.num_tokens if request.cache else 0) + len(request.prompt_tokens)
+        if prompt >= limit:  # Anthropic's wording: clients (Claude Code) parse it to compact
             raise ContextLengthError(
-                f"turn needs {need} tokens ({cached} history + {len(request.prompt_tokens)} new + "
-                f"max_tokens {request.max_tokens}) but the model's context is {limit}; lower "
-                "max_tokens or start a new agent"
+                f"prompt is too long: {prompt} tokens > {limit - 1} maximum (the model's "
+                f"context is {limit} tokens); shorten the conversation or start a new agent"
+            )
+        request.max_tokens = min(request.max_tokens, limit - prompt)
+
+    def _check_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        if tools and self.tool_format is None:
+            raise ToolsUnsupportedError(
+                f"model {self.config.model!r} cannot call tools: its tokenizer has no tool-call "
+                "format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
             )
 
     def _reply(

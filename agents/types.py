@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from agents.tool_calls import ParsedReply
+
 CacheSource = Literal["hot", "disk", "none", "rebuilt"]
 
 
@@ -62,6 +64,12 @@ class Reply:
     cache_source: CacheSource
     timings: Timings
     stop_sequence: str | None = None
+    parsed: ParsedReply | None = None
+
+    @property
+    def content(self) -> ParsedReply:
+        """The reply's text and tool calls (tool calls are parsed in whole-conversation turns)."""
+        return self.parsed if self.parsed is not None else ParsedReply(self.text)
 
 
 @dataclass(slots=True, frozen=True)

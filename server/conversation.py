@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import SamplingParams
+from agents.prompt import Message
 from server.errors import APIError
 
 TEXT_JOINER = "\n"
@@ -31,11 +32,17 @@ class TurnRequest:
         agent_id: the agent named by the request (header, ``metadata.user_id`` or ``user``), or
             None to find the agent by the conversation itself (see :mod:`server.identity`).
         system: the system prompt, "" when there is none.
-        history: every message before the new turn.
-        message: the new user turn.
+        history: every message before the new turn (for a whole-conversation turn: every
+            message but the last, as transcripts store them).
+        message: the new user turn (for a whole-conversation turn: the last message as stored).
         max_tokens: None means the runtime's default.
         sampling: None means the agent's own defaults.
         stop: stop strings.
+        session: a client session (Claude Code's session id): it has an agent of its own.
+        document: set for a whole-conversation turn (tools, tool calls and results, system
+            messages anywhere): the conversation in chat-template shape, system prompt first,
+            answered by ``AgentRuntime.respond``.
+        tools: tool definitions for the chat template (OpenAI shape).
     """
 
     agent_id: str | None
@@ -45,6 +52,9 @@ class TurnRequest:
     max_tokens: int | None = None
     sampling: SamplingParams | None = None
     stop: list[str] = field(default_factory=list)
+    session: str | None = None
+    document: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def options(self) -> dict[str, Any]:

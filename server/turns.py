@@ -9,9 +9,10 @@ cancellation) closes the runtime's stream, and a turn that had not finished is r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Header
 from starlette.responses import StreamingResponse
@@ -25,13 +26,30 @@ from server.state import ServerState
 AGENT_HEADER = "x-agent-id"
 AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
 """Route parameter type: the agent id a request names in its header."""
+SESSION_HEADER = "x-claude-code-session-id"
+SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER)]
+"""Route parameter type: the Claude Code session a request belongs to."""
+
+
+def _events(state: ServerState, claim: Claim, request: TurnRequest) -> AsyncIterator[Any]:
+    """The runtime's stream for the request: a whole-conversation turn or a next user turn."""
+    if request.document is not None:
+        return state.runtime.respond(
+            claim.agent_id, request.document, tools=request.tools, **request.options
+        )
+    return state.runtime.stream(claim.agent_id, request.message, **request.options)
 
 
 async def run_turn(state: ServerState, request: TurnRequest) -> Reply:
     """Run a whole turn and return its reply."""
     async with state.identity.claim(request) as claim:
-        reply = await state.runtime.chat(claim.agent_id, request.message, **request.options)
-        claim.commit(request.message, reply.text)
+        reply = None
+        async with contextlib.aclosing(_events(state, claim, request)) as events:
+            async for event in events:
+                if isinstance(event, Reply):
+                    reply = event
+                    claim.commit(reply)
+        assert reply is not None
     state.metrics.observe_turn(reply)
     return reply
 
@@ -58,9 +76,7 @@ class TurnStream:
             self._claim = await self._stack.enter_async_context(
                 self._state.identity.claim(self._request)
             )
-            events = self._state.runtime.stream(
-                self._claim.agent_id, self._request.message, **self._request.options
-            )
+            events = _events(self._state, self._claim, self._request)
             self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
             self._events = events
             self._first = await self._next()
@@ -86,7 +102,7 @@ class TurnStream:
         assert self._events is not None and self._claim is not None
         event = await anext(self._events, None)
         if isinstance(event, Reply):
-            self._claim.commit(self._request.message, event.text)
+            self._claim.commit(event)
             self._state.metrics.observe_turn(event)
         return event
 

@@ -198,13 +198,15 @@ class Registry:
     # -- messages -------------------------------------------------------------------------
 
     async def append_messages(
-        self, agent_id: str, messages: Sequence[NewMessage]
+        self, agent_id: str, messages: Sequence[NewMessage], *, replace_from: int | None = None
     ) -> list[MessageRecord]:
         """Append messages at the end of the transcript, all or none; bumps ``updated_at``.
 
         Args:
             agent_id: The agent.
             messages: One or more messages; they get consecutive positions after the last one.
+            replace_from: first delete the messages at positions ``>= replace_from`` (in the
+                same transaction): the new messages replace the transcript's tail.
 
         Returns:
             The stored messages, in order.
@@ -215,8 +217,16 @@ class Registry:
         """
         validate_agent_id(agent_id)
         batch = validation.new_messages(messages)
+        if replace_from is not None:
+            validation.check_count("replace_from", replace_from)
         async with self._db.write() as session:
             now = await _touch(session, agent_id)
+            if replace_from is not None:
+                await session.execute(
+                    delete(Message).where(
+                        Message.agent_id == agent_id, Message.position >= replace_from
+                    )
+                )
             last = await session.scalar(
                 select(func.max(Message.position)).where(Message.agent_id == agent_id)
             )

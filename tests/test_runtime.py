@@ -209,9 +209,20 @@ async def test_bad_input_errors(tmp_path):
                 await rt.create_agent(bad)
             with pytest.raises(InvalidAgentIdError):
                 await rt.chat(bad, "hi")
-        with pytest.raises(ContextLengthError, match="context"):
-            await rt.chat("ok", "hi", max_tokens=100_000)
+        with pytest.raises(ContextLengthError, match=r"^prompt is too long: \d+ tokens > 8191 max"):
+            await rt.chat("ok", "hi " * 9000)
         assert await rt.transcript("ok") == []
+
+
+async def test_max_tokens_is_clamped_to_the_context_left(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("full")
+        text = "hi " * 2600
+        while (prompt := rt.count_tokens([{"role": "user", "content": text}])) > 8190:
+            text = text[:-30]
+        reply = await rt.chat("full", text, max_tokens=100_000)
+        assert reply.usage.prompt_tokens == prompt
+        assert reply.usage.completion_tokens <= 8192 - prompt
 
 
 @pytest.mark.parametrize(
