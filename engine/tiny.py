@@ -59,8 +59,9 @@ CHATML_TOOLS_TEMPLATE = (
     "To call a function, answer with <tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n" + _CONTENT +
-    "{% for tool_call in message['tool_calls'] or [] %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT
+    + "{% for tool_call in message['tool_calls'] or [] %}"
     "{% set tool_call = tool_call['function'] or tool_call %}"
     '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
     "{{ tool_call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
