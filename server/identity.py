@@ -1,10 +1,12 @@
 """Which agent answers a request.
 
-A Claude Code session has an agent of its own, ``claude-code-<session id>``: the session is
-named by the ``x-claude-code-session-id`` header or by the ``session_id`` inside the JSON that
-Claude Code sends as ``metadata.user_id``. Its requests are whole conversations (see
-``AgentRuntime.respond``): each one is the document, and the agent's cache is reused up to the
-longest common token prefix.
+A Claude Code session has an agent of its own, ``claude-code-<session id>-<tool set>``: the
+session is named by the ``x-claude-code-session-id`` header or by the ``session_id`` inside the
+JSON that Claude Code sends as ``metadata.user_id``; side requests of the session (a title, a
+summary: another prompt, no tools) get a sibling agent, so they do not evict the main
+conversation's cache. Its requests are whole conversations (see ``AgentRuntime.respond``):
+each one is the document, and the agent's cache is reused up to the longest common token
+prefix.
 
 Otherwise a request names its agent with the ``x-agent-id`` header, or else Anthropic's
 ``metadata.user_id`` / OpenAI's ``user`` field when that is a valid agent id (any other
@@ -133,11 +135,14 @@ def named_agent(user_id: str | None) -> str | None:
     return user_id if user_id is not None and is_valid_agent_id(user_id) else None
 
 
-def session_agent_id(session: str) -> str:
-    agent_id = SESSION_PREFIX + session
-    if is_valid_agent_id(agent_id):
-        return agent_id
-    return SESSION_PREFIX + hashlib.sha256(session.encode()).hexdigest()[:40]
+def session_agent_id(session: str, tools: list[dict[str, Any]] | None) -> str:
+    """``claude-code-<session>-<tool set>``: a session's main conversation and its side requests
+    (titles, summaries: other prompts, no tools) each keep their own agent and cache."""
+    names = sorted(t.get("function", t).get("name", "") for t in tools or [])
+    tool_set = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:8]
+    if not is_valid_agent_id(f"{SESSION_PREFIX}{session}-{tool_set}"):
+        session = hashlib.sha256(session.encode()).hexdigest()[:40]
+    return f"{SESSION_PREFIX}{session}-{tool_set}"
 
 
 def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
@@ -201,7 +206,7 @@ class Identity:
         hold it until the block ends."""
         named = request.agent_id
         if request.session is not None:
-            named = session_agent_id(request.session)
+            named = session_agent_id(request.session, request.tools)
         if named is not None:
             await self._enter(named)
             try:
