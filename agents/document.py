@@ -13,8 +13,8 @@ rendered as a placeholder, and the placeholder is replaced by that reply's token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from agents.prompt import ChatRenderer, Message
@@ -45,6 +45,8 @@ class DocumentPrompt:
 
     tokens: list[int]
     replies: list[CachedReply]
+    spliced: dict[int, CachedReply] = field(default_factory=dict)
+    """Index of each message that was replaced by a reply's tokens -> that reply."""
 
 
 def tool_calls_of(message: Message) -> list[ToolCall]:
@@ -70,14 +72,15 @@ def render_document(
         tools: tool definitions for the template (None: no tools).
         replies: replies the agent's cache holds, in conversation order.
     """
-    probe, spliced, j = [], [], 0
-    for message in messages:
+    probe, spliced, at, j = [], [], [], 0
+    for i, message in enumerate(messages):
         if message["role"] == "assistant":
             calls = tool_calls_of(message)
             for k in range(j, len(replies)):
                 if replies[k].parsed.same_as(message.get("content") or "", calls):
                     message = {"role": "assistant", "content": _REPLY.format(len(spliced))}
                     spliced.append(replies[k])
+                    at.append(i)
                     j = k + 1
                     break
         probe.append(message)
@@ -101,7 +104,7 @@ def render_document(
             if rest.startswith(eos_text):
                 rest = rest[len(eos_text) :]
     tokens += renderer.encode(rest)
-    return DocumentPrompt(tokens, placed)
+    return DocumentPrompt(tokens, placed, dict(zip(at, placed, strict=True)))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,3 +114,52 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def recover_replies(
+    renderer: ChatRenderer,
+    parse: Callable[[str], ParsedReply],
+    stored: Callable[[ParsedReply], str],
+    cache_tokens: Sequence[int],
+    transcript: Sequence[tuple[str, str, int | None]],
+) -> list[CachedReply]:
+    """Find a transcript's generated replies in its cache's tokens (after a restart, when the
+    spans kept in memory are gone).
+
+    A reply starts right after the template's generation prompt and is as many tokens long as
+    the transcript recorded; a candidate counts only if its decoded text is the stored reply.
+
+    Args:
+        renderer: the model's chat template.
+        parse: splits a reply's text into text and tool calls.
+        stored: a parsed reply as transcripts store it.
+        cache_tokens: the tokens the agent's cache holds.
+        transcript: (role, stored content, token count) of each message.
+    """
+    probe = [{"role": "user", "content": "x"}]
+    opened = renderer.render(probe, add_generation_prompt=True)
+    closed = renderer.render(probe, add_generation_prompt=False)
+    if not opened.startswith(closed) or opened == closed:
+        return []
+    marker = renderer.encode(opened[len(closed) :])
+    starts = [
+        i + len(marker)
+        for i in range(len(cache_tokens) - len(marker) + 1)
+        if list(cache_tokens[i : i + len(marker)]) == marker
+    ]
+    replies: list[CachedReply] = []
+    at = 0
+    for role, content, count in transcript:
+        if role != "assistant" or not count:
+            continue
+        for k in range(at, len(starts)):
+            tokens = tuple(cache_tokens[starts[k] : starts[k] + count])
+            if len(tokens) < count:
+                break
+            body = tokens[:-1] if tokens[-1] in renderer.eos_token_ids else tokens
+            parsed = parse(renderer.tokenizer.decode(list(body)))
+            if stored(parsed).strip() == content.strip():
+                replies.append(CachedReply(starts[k], tokens, parsed))
+                at = k + 1
+                break
+    return replies

@@ -17,6 +17,7 @@ from agents.document import (
     CachedReply,
     DocumentPrompt,
     common_prefix,
+    recover_replies,
     render_document,
     tool_calls_of,
 )
@@ -351,7 +352,7 @@ class AgentRuntime:
         async with self._lock(agent_id):
             agent = await self._registry.get_agent(agent_id)
             history = await self._registry.transcript(agent_id)
-            plan, document = await self._plan_document(agent_id, messages, tools)
+            plan, document = await self._plan_document(agent_id, messages, tools, history)
             request = GenerationRequest(
                 plan.prompt_tokens,
                 max_tokens=options["max_tokens"] or self.config.default_max_tokens,
@@ -375,9 +376,7 @@ class AgentRuntime:
                 tuple(result.token_ids),
                 self._parse(result.text, tools),
             )
-            commit = self._commit_document(
-                agent, history, messages, result, [*document.replies, reply]
-            )
+            commit = self._commit_document(agent, history, messages, result, document, reply)
             await asyncio.shield(asyncio.ensure_future(commit))  # see _turn
             self._sources[plan.source] += 1
             yield dataclasses.replace(
@@ -385,7 +384,11 @@ class AgentRuntime:
             )
 
     async def _plan_document(
-        self, agent_id: str, messages: list[Message], tools: list[dict[str, Any]] | None
+        self,
+        agent_id: str,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        history: list[MessageRecord],
     ) -> tuple[TurnPlan, DocumentPrompt]:
         """Render the conversation and resume from the longest prefix the cache shares."""
         start = time.perf_counter()
@@ -396,9 +399,18 @@ class AgentRuntime:
             await self._disk.wait(agent_id)
             loaded = await self._disk.load(agent_id)
             cache, source = (loaded.cache, "disk") if loaded else (None, "none")
-        replies = [r for r in self._replies.get(agent_id, []) if cache and r.is_in(cache.tokens)]
+        known = self._replies.get(agent_id)
 
         def render() -> tuple[DocumentPrompt, int]:
+            replies = [r for r in known or [] if cache and r.is_in(cache.tokens)]
+            if known is None and cache is not None:  # first turn since a restart
+                replies = recover_replies(
+                    self._renderer,
+                    lambda text: self._parse(text, tools),
+                    lambda parsed: self.stored_text(parsed.as_message()),
+                    cache.tokens,
+                    [(str(m.role), m.content, m.token_count) for m in history],
+                )
             document = render_document(self._renderer, messages, tools, replies)
             shared = common_prefix(document.tokens, cache.tokens) if cache else 0
             return document, min(shared, len(document.tokens) - 1)  # prefill at least one
@@ -417,23 +429,34 @@ class AgentRuntime:
         history: list[MessageRecord],
         messages: list[Message],
         result: GenerationResult,
-        replies: list[CachedReply],
+        document: DocumentPrompt,
+        reply: CachedReply,
     ) -> None:
-        system = None
+        system, first = None, 0
         if messages[0]["role"] == "system":
-            system, messages = messages[0]["content"], messages[1:]
-        stored = [NewMessage(m["role"], self.stored_text(m)) for m in messages]
-        old = [NewMessage(str(m.role), m.content) for m in history]
-        keep = common_prefix(old, stored)  # type: ignore[arg-type]
-        text = self.stored_text(replies[-1].parsed.as_message())
-        reply = NewMessage("assistant", text, len(result.token_ids))
-        await self._registry.append_messages(agent.id, [*stored[keep:], reply], replace_from=keep)
+            system, first = messages[0]["content"], 1
+        # Replies keep their token counts: after a restart, recover_replies finds them by those.
+        stored = [
+            NewMessage(
+                m["role"],
+                self.stored_text(m),
+                len(document.spliced[i].tokens) if i in document.spliced else None,
+            )
+            for i, m in enumerate(messages)
+            if i >= first
+        ]
+        stored.append(
+            NewMessage("assistant", self.stored_text(reply.parsed.as_message()), len(reply.tokens))
+        )
+        old = [(str(m.role), m.content, m.token_count) for m in history]
+        keep = common_prefix(old, [(m.role, m.content, m.token_count) for m in stored])
+        keep = min(keep, len(stored) - 1)  # the reply is always (re)written
+        await self._registry.append_messages(agent.id, stored[keep:], replace_from=keep)
         if system != agent.system_prompt:
             await self._registry.update_agent(agent.id, system_prompt=system)
-        covered = len(stored) + 1
-        self._hot.put(agent.id, result.cache, covered)
-        self._disk.save(agent.id, result.cache, covered)
-        self._replies[agent.id] = replies
+        self._hot.put(agent.id, result.cache, len(stored))
+        self._disk.save(agent.id, result.cache, len(stored))
+        self._replies[agent.id] = [*document.replies, reply]
 
     def _parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
         return self.tool_format.parse(text, tools) if self.tool_format else ParsedReply(text)

@@ -69,6 +69,22 @@ async def test_follow_up_resumes_the_whole_cache_with_the_reply_spliced_in(tmp_p
     assert two.usage.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens
 
 
+async def test_after_a_restart_replies_are_found_in_the_cache_on_disk(tmp_path):
+    model = "tiny:tools"
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    conversation = [system("Be brief."), user("Hi")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", conversation, tools=[weather])
+        conversation += [{"role": "assistant", "content": one.text}, user("More")]
+        two = await respond(rt, "doc", conversation, tools=[weather])
+    conversation += [{"role": "assistant", "content": two.text}, user("Again")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        three = await respond(rt, "doc", conversation, tools=[weather])
+    assert three.cache_source == "disk"
+    assert three.usage.cached_tokens == two.usage.prompt_tokens + two.usage.completion_tokens
+
+
 async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path):
     model = "tiny:gemma3"  # sliding-window layers (window 32): an old prefix is gone
     long = "You are a careful assistant who checks every answer twice and thrice. " * 3
