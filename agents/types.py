@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agents.tool_calls import ParsedReply
+from engine.request import PromptCache
 
 CacheSource = Literal["hot", "disk", "none", "rebuilt"]
 
@@ -77,3 +78,13 @@ class TextDelta:
     """A piece of the reply's text, streamed as it is generated."""
 
     text: str
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """Internal: the tokens a turn prefills after the cache it resumes from."""
+
+    prompt_tokens: list[int]
+    cache: PromptCache | None
+    source: CacheSource
+    load_s: float
