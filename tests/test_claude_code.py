@@ -7,6 +7,7 @@ SDKs, and the real ``claude`` CLI when it is installed, against a real server on
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import os
@@ -26,6 +27,7 @@ from test_server import metric
 from agents import RuntimeConfig
 from engine.sampling import SamplingParams
 from engine.tiny import tiny_model_dir
+from server import turns
 from server.background import serve_in_thread
 
 MODEL = "tiny:tools"
@@ -73,18 +75,31 @@ class ForcedTokens:
         return forced
 
 
+_FORCED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("forced", default=None)
+
+
 @pytest.fixture
 def force_tool_call(monkeypatch):
-    """``force_tool_call(name, arguments)``: the next turn's reply is that tool call."""
+    """``force_tool_call(name, arguments)``: the next request with tools is answered with that
+    tool call (forced token by token). A context variable carries the tokens from the request's
+    turn to its logits processors, so concurrent requests (Claude Code's title requests) are
+    left alone."""
     tokenizer = load_tokenizer(tiny_model_dir(MODEL))
     scripts: list[list[int]] = []
-    original = SamplingParams.make_logits_processors
+    make_processors, events = SamplingParams.make_logits_processors, turns._events
 
     def processors(self: SamplingParams) -> list:
-        forced = [ForcedTokens(scripts.pop(0))] if scripts else []
-        return forced + original(self)
+        forced = _FORCED.get()
+        _FORCED.set(None)
+        return ([ForcedTokens(forced)] if forced else []) + make_processors(self)
+
+    def forcing_events(state, claim, request):
+        if request.tools and scripts:
+            _FORCED.set(scripts.pop(0))
+        return events(state, claim, request)
 
     monkeypatch.setattr(SamplingParams, "make_logits_processors", processors)
+    monkeypatch.setattr(turns, "_events", forcing_events)
 
     def force(name: str, arguments: dict) -> None:
         call = json.dumps({"name": name, "arguments": arguments})
@@ -321,3 +336,39 @@ def test_claude_cli_print_and_continue(server, http, tmp_path):
     cached = metric(http, "agentkv_input_tokens_total", kind="cached") - cached
     prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled") - prefilled
     assert cached / (cached + prefilled) >= 0.95
+
+
+@pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
+def test_claude_cli_runs_the_tool_the_model_calls(server, http, tmp_path, force_tool_call):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("the answer is 42\n")
+    (tmp_path / "home").mkdir()
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path / "home"),
+        "ANTHROPIC_BASE_URL": server,
+        "ANTHROPIC_API_KEY": "sk-local",
+    }
+    force_tool_call("Read", {"file_path": str(project / "notes.txt")})
+    cached = metric(http, "agentkv_input_tokens_total", kind="cached")
+    done = subprocess.run(
+        ["claude", "-p", "What is in notes.txt?"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    # Claude Code ran the tool and sent its result back; that turn resumed from the cache.
+    sessions = [a["id"] for a in http.get("/v1/agents").json()["data"]]
+    results = [
+        m["content"]
+        for agent_id in sessions
+        if agent_id.startswith("claude-code-")
+        for m in http.get(f"/v1/agents/{agent_id}/messages").json()["data"]
+        if m["role"] == "tool"
+    ]
+    assert sum("the answer is 42" in content for content in results) == 1
+    assert metric(http, "agentkv_input_tokens_total", kind="cached") - cached > 50_000
