@@ -12,6 +12,7 @@ from agents.errors import (
     ContextLengthError,
     EmptyMessageError,
     RuntimeClosedError,
+    ToolsUnsupportedError,
     TurnFailedError,
 )
 from agents.runtime import AgentRuntime
@@ -46,6 +47,7 @@ __all__ = [
     "SamplingParams",
     "TextDelta",
     "Timings",
+    "ToolsUnsupportedError",
     "TurnFailedError",
     "Usage",
 ]

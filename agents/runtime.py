@@ -13,11 +13,17 @@ from typing import Any
 from agents.config import RuntimeConfig
 from agents.conversations import WholeConversations
 from agents.document import CachedReply
-from agents.errors import ContextLengthError, EmptyMessageError, RuntimeClosedError, TurnFailedError
+from agents.errors import (
+    ContextLengthError,
+    EmptyMessageError,
+    RuntimeClosedError,
+    ToolsUnsupportedError,
+    TurnFailedError,
+)
 from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message
-from agents.tool_calls import ToolFormat, ToolsUnsupportedError
+from agents.tool_calls import ToolFormat
 from agents.types import Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
 from engine.kv_codec import check_group_size

@@ -14,10 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ToolsUnsupportedError(ValueError):
-    """The model has no tool-call format, so a request with tools cannot be served."""
-
-
 @dataclass(slots=True, frozen=True)
 class ToolCall:
     """One call: the function's name and its arguments (a JSON object)."""
