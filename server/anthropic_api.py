@@ -6,7 +6,12 @@ cache; ``cache_creation_input_tokens`` is 0 (every turn's tokens are cached, for
 once as input). A streamed message starts with zero usage; its ``message_delta`` carries the
 turn's full usage (the runtime knows the cached part only when the turn ends).
 
-Consecutive messages of one role are joined into one turn, as Anthropic's API does.
+Consecutive messages of one role are joined into one turn, as Anthropic's API does. Content
+blocks and tools: see :mod:`server.anthropic_content`; a request with tools, tool blocks or
+system messages among its messages, or from a Claude Code session, is a whole conversation
+(``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
+``stop_reason: "tool_use"``; streamed, each is a block with one ``input_json_delta``, after the
+text block (text from a tool call's start marker on is held back while streaming).
 
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0
@@ -135,8 +140,8 @@ class MessagesRequest(CountTokensRequest):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]
             request.history, request.message = split_turn(chat)
         else:
-            if messages[-1]["role"] == "assistant":
-                split_turn([ChatMessage("assistant", "")])  # the same 400 as the plain path
+            if not messages or messages[-1]["role"] == "assistant":
+                split_turn([ChatMessage(m["role"], "") for m in messages])  # the plain path's 400
             system_message = [{"role": "system", "content": system}] if system else []
             request.document = [*system_message, *messages]
         return request

@@ -205,7 +205,7 @@ class Identity:
         """Find or create the request's agent, bring its transcript up to the new turn, and
         hold it until the block ends."""
         named = request.agent_id
-        if request.session is not None:
+        if named is None and request.session is not None:
             named = session_agent_id(request.session, request.tools)
         if named is not None:
             await self._enter(named)
