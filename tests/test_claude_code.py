@@ -101,9 +101,10 @@ def force_tool_call(monkeypatch):
     monkeypatch.setattr(SamplingParams, "make_logits_processors", processors)
     monkeypatch.setattr(turns, "_events", forcing_events)
 
-    def force(name: str, arguments: dict) -> None:
+    def force(name: str, arguments: dict, text: str = "") -> None:
         call = json.dumps({"name": name, "arguments": arguments})
-        tokens = tokenizer.encode(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)
+        reply = f"{text}<tool_call>\n{call}\n</tool_call>"
+        tokens = tokenizer.encode(reply, add_special_tokens=False)
         scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
     return force
@@ -169,6 +170,8 @@ def test_replayed_claude_code_session_resumes_from_cache(http):
     assert reply["stop_reason"] == "end_turn" and reply["content"][0]["type"] == "text"
     usage = reply["usage"]
     assert usage["cache_read_input_tokens"] == 0 and usage["input_tokens"] > 50_000
+    counted = http.post("/v1/messages/count_tokens", json=first["body"], headers=first["headers"])
+    assert counted.json() == {"input_tokens": usage["input_tokens"]}
     agent_id = headers["x-agent-id"]
     session = first["headers"]["x-claude-code-session-id"]
     assert agent_id.startswith(f"claude-code-{session}-")
@@ -251,6 +254,25 @@ def test_anthropic_sdk_tool_use_round_trip(server, force_tool_call):
         assert second.usage.cache_read_input_tokens == (
             first.usage.input_tokens + first.usage.output_tokens
         )
+
+
+def test_text_before_a_tool_call_streams_and_the_call_does_not(http, force_tool_call):
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "stream": True,
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "Weather in Rome?"}],
+    }
+    force_tool_call("get_weather", {"city": "Rome"}, text="Let me check. ")
+    events, _ = post_stream(http, {"path": "/v1/messages", "headers": {}, "body": body})
+    texts = [
+        d["delta"]["text"] for n, d in events if d.get("delta", {}).get("type") == "text_delta"
+    ]
+    assert "".join(texts) == "Let me check. "
+    reply = final_message(events)
+    assert reply["content"][1]["input"] == {"city": "Rome"}
+    assert reply["stop_reason"] == "tool_use"
 
 
 def test_openai_sdk_tool_call_round_trip(server, force_tool_call):

@@ -69,6 +69,20 @@ async def test_follow_up_resumes_the_whole_cache_with_the_reply_spliced_in(tmp_p
     assert two.usage.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens
 
 
+async def test_dropped_messages_reprefill_from_the_first_change(tmp_path):
+    model = "tiny:llama"
+    conversation = [system("Be brief."), user("First question")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", conversation)
+        conversation += [{"role": "assistant", "content": one.text}, user("Second question")]
+        await respond(rt, "doc", conversation)
+        compacted = [system("Be brief."), user("Second question")]  # the first exchange dropped
+        three = await respond(rt, "doc", compacted)
+    shared = common_prefix(tokens(model, conversation[:2]), tokens(model, compacted))
+    assert three.usage.cached_tokens == shared > 0
+
+
 async def test_after_a_restart_replies_are_found_in_the_cache_on_disk(tmp_path):
     model = "tiny:tools"
     weather = {"type": "function", "function": {"name": "weather", "parameters": {}}}
