@@ -217,10 +217,16 @@ async def test_bad_input_errors(tmp_path):
 async def test_max_tokens_is_clamped_to_the_context_left(tmp_path):
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         await rt.create_agent("full")
-        text = "hi " * 2600
-        while (prompt := rt.count_tokens([{"role": "user", "content": text}])) > 8190:
-            text = text[:-30]
-        reply = await rt.chat("full", text, max_tokens=100_000)
+
+        def count(n: int) -> int:
+            return rt.count_tokens([{"role": "user", "content": "hi " * n}])
+
+        low, high = 1, 9000  # the longest prompt that leaves a few tokens of context
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if count(mid) <= 8190 else (low, mid - 1)
+        prompt = count(low)
+        reply = await rt.chat("full", "hi " * low, max_tokens=100_000)
         assert reply.usage.prompt_tokens == prompt
         assert reply.usage.completion_tokens <= 8192 - prompt
 
