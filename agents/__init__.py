@@ -13,6 +13,7 @@ from agents.errors import (
     EmptyMessageError,
     InvalidMessageError,
     RuntimeClosedError,
+    ToolsUnsupportedError,
     TurnFailedError,
 )
 from agents.runtime import AgentRuntime
@@ -52,6 +53,7 @@ __all__ = [
     "StoreError",
     "TextDelta",
     "Timings",
+    "ToolsUnsupportedError",
     "TurnFailedError",
     "Usage",
 ]

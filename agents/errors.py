@@ -9,6 +9,7 @@ comes from::
     │   └── EmptyMessageError                   a turn with no text
     ├── ContextLengthError (also ValueError)    the turn would not fit the model's context
     ├── ChatTemplateError (also ValueError)     the model's chat template refused the messages
+    ├── ToolsUnsupportedError (also ValueError) tools sent to a model that cannot call them
     ├── TurnFailedError                         generation failed; the turn was rolled back
     ├── RuntimeClosedError                      the runtime was used after close()
     ├── store.StoreError                        the registry and cache files: AgentNotFoundError,
@@ -47,6 +48,10 @@ class ContextLengthError(AgentKVError, ValueError):
 
 class ChatTemplateError(AgentKVError, ValueError):
     """The model's chat template cannot render the conversation (e.g. roles must alternate)."""
+
+
+class ToolsUnsupportedError(AgentKVError, ValueError):
+    """The model has no tool-call format mlx-lm knows, so a turn with tools cannot be served."""
 
 
 class TurnFailedError(AgentKVError):

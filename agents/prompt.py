@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agents.errors import ChatTemplateError
+from agents.errors import ChatTemplateError, check_text
 
-Message = dict[str, str]
+Message = dict[str, Any]
+"""A chat message as templates read it: ``role``, ``content`` and, for tool calling,
+``tool_calls`` (assistant) or role ``tool``."""
 # Stands in for the reply's content while rendering: templates that trim or rewrite content
 # leave a token like this alone, so the text after it is exactly what follows the reply.
 _CUT = "\u27e6agentkv-cache-ends-here\u27e7"
@@ -27,10 +29,18 @@ class ChatRenderer:
     tokenizer: Any
     eos_token_ids: frozenset[int]
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
             )
         except Exception as exc:  # jinja's TemplateError, or the template's raise_exception
             raise ChatTemplateError(
@@ -41,9 +51,11 @@ class ChatRenderer:
         # The template writes special tokens (BOS included) itself.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def full_prompt(self, messages: Sequence[Message]) -> list[int]:
+    def full_prompt(
+        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Tokens of the whole conversation, ready for the assistant to answer."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
     def delta(
         self, messages: Sequence[Message], covered: int, last_cached_token: int
@@ -69,3 +81,12 @@ class ChatRenderer:
                 tail = tail[len(eos_text) :]
         tokens = self.encode(tail)
         return tokens or None
+
+
+def checked_texts(messages: Sequence[Message]) -> list[Message]:
+    """Chat-template messages whose text content UTF-8 can encode (else InvalidMessageError
+    naming the message)."""
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), str):
+            check_text(m["content"], f"messages[{i}].content")
+    return list(messages)

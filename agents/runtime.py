@@ -7,25 +7,28 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from agents.config import RuntimeConfig
+from agents.conversations import WholeConversations
+from agents.document import CachedReply
 from agents.errors import (
     ContextLengthError,
     EmptyMessageError,
     InvalidMessageError,
     RuntimeClosedError,
+    ToolsUnsupportedError,
     TurnFailedError,
     check_text,
 )
 from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
-from agents.prompt import ChatRenderer, Message
-from agents.types import CacheSource, Reply, TextDelta, Timings, Usage
+from agents.prompt import ChatRenderer, Message, checked_texts
+from agents.tool_calls import ToolFormat
+from agents.types import Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
-from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.request import FinishReason, GenerationRequest, GenerationResult
 from engine.sampling import SamplingParams
 from store import (
     AgentNotFoundError,
@@ -39,15 +42,7 @@ from store import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class TurnPlan:
-    prompt_tokens: list[int]
-    cache: PromptCache | None
-    source: CacheSource
-    load_s: float
-
-
-class AgentRuntime:
+class AgentRuntime(WholeConversations):
     """Keeps many agents alive across restarts.
 
     Example:
@@ -61,6 +56,9 @@ class AgentRuntime:
         self._registry = registry
         self._engine = engine
         self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
+        self.tool_format = ToolFormat.of(engine.tokenizer)
+        """The model's tool-call markers and parser; None when it cannot call tools."""
+        self._replies: dict[str, list[CachedReply]] = {}  # generated replies in each hot cache
         self._hot = HotTier(config.hot_cache_bytes)
         self._disk = DiskCaches(
             config.caches_path,
@@ -146,6 +144,11 @@ class AgentRuntime:
         """The agent's messages from position ``start`` on (at most ``limit``), in order."""
         return await self._registry.transcript(agent_id, start=start, limit=limit)
 
+    async def transcripts(self, id_prefix: str = "") -> dict[str, list[tuple[str, str]]]:
+        """(role, content) of every message of the agents whose id starts with ``id_prefix``,
+        by agent id (one registry query)."""
+        return await self._registry.transcripts(id_prefix)
+
     async def message_count(self, agent_id: str) -> int:
         return await self._registry.message_count(agent_id)
 
@@ -172,15 +175,21 @@ class AgentRuntime:
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
             )
 
-    async def count_tokens(self, messages: Sequence[Message], system: str | None = None) -> int:
+    async def count_tokens(
+        self,
+        messages: Sequence[Message],
+        system: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> int:
         """Tokens of a conversation rendered with the model's chat template, ready to answer.
 
-        Rendering and tokenizing run in a worker thread: a long conversation does not stall
-        the event loop.
+        ``messages`` may be in chat-template shape (tool calls, role ``tool``). Rendering and
+        tokenizing run in a worker thread: a long conversation does not stall the event loop.
         """
+        self._check_tools(tools)
         head = [{"role": "system", "content": check_text(system, "system")}] if system else []
-        conversation = [*head, *_checked_history(messages)]
-        return len(await asyncio.to_thread(self._renderer.full_prompt, conversation))
+        conversation = [*head, *checked_texts(messages)]
+        return len(await asyncio.to_thread(self._renderer.full_prompt, conversation, tools))
 
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
@@ -190,6 +199,7 @@ class AgentRuntime:
             await self._disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
             self._hot.drop(agent_id)
+            self._replies.pop(agent_id, None)
             await self._disk.remove_agent(agent_id)
 
     async def expire_agents(self) -> list[str]:
@@ -313,26 +323,43 @@ class AgentRuntime:
                 priority=priority,
                 cache=plan.cache,
             )
-            self._check_context(request)
-            async with self._engine.submit(request) as handle:
-                async for event in handle:
-                    if event.text:
-                        yield TextDelta(event.text)
-                result = await handle.result()
-            if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-                raise TurnFailedError(
-                    f"turn of agent {agent_id!r} failed: {result.error}"
-                ) from result.error
-            # Shielded: once the reply exists, storing it and its cache is not interruptible, so a
-            # caller cancelled now cannot leave the transcript stored but the cache unrecorded.
-            # The commit counts as in flight on its own: close() waits for it even when the
-            # caller that started it is cancelled.
-            commit = asyncio.ensure_future(self._commit(agent_id, history, message, plan, result))
-            self._begin()
-            commit.add_done_callback(lambda _: self._end())
-            await asyncio.shield(commit)
+            async for event in self._generate(agent_id, request):
+                if isinstance(event, TextDelta):
+                    yield event
+                else:
+                    result = event
+            await self._shielded(self._commit(agent_id, history, message, plan, result))
             self._sources[plan.source] += 1
             yield self._reply(agent_id, plan, result, started)
+
+    async def _generate(
+        self, agent_id: str, request: GenerationRequest
+    ) -> AsyncIterator[TextDelta | GenerationResult]:
+        """Run ``request`` (max_tokens clamped to the context): TextDelta pieces, then the
+        GenerationResult. Raises ContextLengthError, or TurnFailedError when it fails."""
+        self._check_context(request)
+        async with self._engine.submit(request) as handle:
+            async for event in handle:
+                if event.text:
+                    yield TextDelta(event.text)
+            result = await handle.result()
+        if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+            raise TurnFailedError(
+                f"turn of agent {agent_id!r} failed: {result.error}"
+            ) from result.error
+        yield result
+
+    async def _shielded(self, commit: Coroutine[Any, Any, None]) -> None:
+        """Store a finished turn, uninterruptibly.
+
+        Once the reply exists, storing it and its cache must not be cut short: a caller
+        cancelled now cannot leave the transcript stored but the cache unrecorded. The commit
+        counts as in flight on its own, so close() waits for it even when its caller is gone.
+        """
+        task = asyncio.ensure_future(commit)
+        self._begin()
+        task.add_done_callback(lambda _: self._end())
+        await asyncio.shield(task)
 
     async def _commit(
         self,
@@ -390,14 +417,23 @@ class AgentRuntime:
         return TurnPlan(tokens, None, source, time.perf_counter() - start)
 
     def _check_context(self, request: GenerationRequest) -> None:
+        """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
         limit = self._engine.model.max_context
-        cached = request.cache.num_tokens if request.cache else 0
-        need = cached + len(request.prompt_tokens) + request.max_tokens
-        if limit is not None and need > limit:
+        if limit is None:
+            return
+        prompt = (request.cache.num_tokens if request.cache else 0) + len(request.prompt_tokens)
+        if prompt >= limit:  # Anthropic's wording: clients (Claude Code) parse it to compact
             raise ContextLengthError(
-                f"turn needs {need} tokens ({cached} history + {len(request.prompt_tokens)} new + "
-                f"max_tokens {request.max_tokens}) but the model's context is {limit}; lower "
-                "max_tokens or start a new agent"
+                f"prompt is too long: {prompt} tokens > {limit - 1} maximum (the model's "
+                f"context is {limit} tokens); shorten the conversation or start a new agent"
+            )
+        request.max_tokens = min(request.max_tokens, limit - prompt)
+
+    def _check_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        if tools and self.tool_format is None:
+            raise ToolsUnsupportedError(
+                f"model {self.config.model!r} cannot call tools: its tokenizer has no tool-call "
+                "format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
             )
 
     def _reply(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from agents.tool_calls import ParsedReply
+from engine.request import PromptCache
+
 CacheSource = Literal["hot", "disk", "none", "rebuilt"]
 
 
@@ -62,6 +65,12 @@ class Reply:
     cache_source: CacheSource
     timings: Timings
     stop_sequence: str | None = None
+    parsed: ParsedReply | None = None
+
+    @property
+    def content(self) -> ParsedReply:
+        """The reply's text and tool calls (tool calls are parsed in whole-conversation turns)."""
+        return self.parsed if self.parsed is not None else ParsedReply(self.text)
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,3 +78,13 @@ class TextDelta:
     """A piece of the reply's text, streamed as it is generated."""
 
     text: str
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """Internal: the tokens a turn prefills after the cache it resumes from."""
+
+    prompt_tokens: list[int]
+    cache: PromptCache | None
+    source: CacheSource
+    load_s: float

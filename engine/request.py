@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,14 +21,44 @@ class PromptCache:
 
     layers: list[Any]
     tokens: list[int]
-    nbytes: int = field(init=False)
+    nbytes: int | None = None  # computed on construction when not given
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(layer.nbytes for layer in self.layers)
+        if self.nbytes is None:
+            self.nbytes = sum(layer.nbytes for layer in self.layers)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, keep: int) -> PromptCache | None:
+        """The cache of the first ``keep`` tokens, sharing this one's arrays (which it leaves
+        as they are), or None when that is empty or cannot be had.
+
+        A global-attention layer just holds fewer positions. A sliding-window layer can only
+        give back positions it still holds: once its window has moved on (it dropped the
+        oldest ones), only the whole cache is available.
+        """
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        if keep == self.num_tokens:
+            return self
+        if not 0 < keep < self.num_tokens:
+            return None
+        layers = []
+        for layer in self.layers:
+            kind = type(layer)
+            if kind is not KVCache and not (
+                kind is RotatingKVCache and layer.offset <= layer.max_size
+            ):
+                return None
+            # A shallow copy with a shorter length: no MLX work, and the original is intact.
+            trimmed = copy.copy(layer)
+            trimmed.offset = keep
+            if kind is RotatingKVCache:
+                trimmed._idx = keep
+            layers.append(trimmed)
+        return PromptCache(layers, self.tokens[:keep], nbytes=self.nbytes)  # the same arrays
 
 
 class FinishReason(StrEnum):

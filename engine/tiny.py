@@ -48,6 +48,25 @@ GEMMA_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\\n' }}" + _CONTENT + "{{ '<end_of_turn>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
+# ChatML with Hermes-style tools (what mlx-lm's ``json_tools`` parser reads): the tool list is
+# its own system turn before the system prompt, so editing the system prompt keeps the (much
+# longer) tool schemas' cached prefix; every message, a mid-conversation system one included,
+# is its own turn.
+CHATML_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|im_start|>system\n# Tools\n\nYou may call functions. "
+    "Their signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "To call a function, answer with <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT
+    + "{% for tool_call in message['tool_calls'] or [] %}"
+    "{% set tool_call = tool_call['function'] or tool_call %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
@@ -101,6 +120,21 @@ LLAMA = ChatFormat(
     stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
     chat_template=LLAMA_TEMPLATE,
 )
+CHATML_TOOLS = ChatFormat(
+    special_tokens=(
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|pad|>",
+    ),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    pad="<|pad|>",
+    stop_tokens=("<|endoftext|>", "<|im_end|>"),
+    chat_template=CHATML_TOOLS_TEMPLATE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +165,10 @@ class TinySpec:
     corpus_words: int
     lexicon_size: int
     seed: int = 0
+    eos_scale: float = 1.0
+    """Scales the end-of-turn token's (tied) embedding, so the random model ends its replies
+    after a few tokens instead of running to max_tokens (clients like Claude Code ask for up
+    to 64,000 tokens)."""
 
     @property
     def vocab_size(self) -> int:
@@ -139,7 +177,10 @@ class TinySpec:
     @property
     def definition_hash(self) -> str:
         """Short hash of everything that shapes the files, including the building libraries."""
-        blob = json.dumps([BUILDER_VERSION, _library_versions(), asdict(self)], sort_keys=True)
+        definition = asdict(self)
+        if definition["eos_scale"] == 1.0:  # the default leaves older models' hashes as they were
+            del definition["eos_scale"]
+        blob = json.dumps([BUILDER_VERSION, _library_versions(), definition], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     @property
@@ -205,6 +246,20 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
             corpus_words=20_000,
             lexicon_size=2_000,
+        ),
+        TinySpec(
+            name="tiny:tools",
+            description=(
+                "gemma3_text with tool calling (ChatML, <tool_call> JSON) and a 128K context: one "
+                "sliding layer (window 128) and one global layer, so prefilling a Claude Code "
+                "prompt (~60K tokens) takes seconds on a CPU"
+            ),
+            model_type="gemma3_text",
+            chat=CHATML_TOOLS,
+            shape=Shape(64, 2, 1, 1, 64, 128, vocab=512, max_pos=131_072, window=128, pattern=2),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
         ),
         TinySpec(
             name="tiny:gemma3-bench",
@@ -424,5 +479,9 @@ def _write_weights(definition: TinySpec, path: Path) -> None:
     if definition.config.get("tie_word_embeddings"):
         params.pop("lm_head.weight", None)  # tied: mlx_lm's sanitize drops the head when absent
     params = {k: v.astype(mx.float32) for k, v in params.items()}
+    if definition.eos_scale != 1.0:
+        embed = "model.embed_tokens.weight"
+        eos = definition.chat.id_of(definition.chat.eos)
+        params[embed][eos] = params[embed][eos] * definition.eos_scale
     mx.eval(params)
     mx.save_safetensors(str(path), params, metadata={"format": "mlx"})

@@ -6,7 +6,12 @@ cache; ``cache_creation_input_tokens`` is 0 (every turn's tokens are cached, for
 once as input). A streamed message starts with zero usage; its ``message_delta`` carries the
 turn's full usage (the runtime knows the cached part only when the turn ends).
 
-Consecutive messages of one role are joined into one turn, as Anthropic's API does.
+Consecutive messages of one role are joined into one turn, as Anthropic's API does. Content
+blocks and tools: see :mod:`server.anthropic_content`; a request with tools, tool blocks or
+system messages among its messages, or from a Claude Code session, is a whole conversation
+(``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
+``stop_reason: "tool_use"``; streamed, each is a block with one ``input_json_delta``, after the
+text block (text from a tool call's start marker on is held back while streaming).
 
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0
@@ -18,13 +23,16 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents import Reply, TextDelta
+from agents.prompt import Message
+from agents.tool_calls import ToolCall
+from server.anthropic_content import is_plain, template_messages, template_tools, tool_input_json
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -33,9 +41,17 @@ from server.conversation import (
     split_turn,
     text_of,
 )
-from server.errors import APIError, Dialect, api_error
+from server.errors import Dialect, api_error
+from server.identity import named_agent, session_of
 from server.state import ServerState, State
-from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
+from server.turns import (
+    AGENT_HEADER,
+    AgentHeader,
+    SessionHeader,
+    TurnStream,
+    TurnStreamingResponse,
+    run_turn,
+)
 
 router = APIRouter()
 
@@ -45,7 +61,7 @@ Content = str | list[dict[str, Any]]
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Content
 
 
@@ -56,24 +72,42 @@ class Metadata(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
+    """Fields of Anthropic's API this server does not use (``thinking``, ``context_management``,
+    ``output_config``, ``cache_control``, ``service_tier``, ...) are accepted and ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
     system: Content | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
-    def conversation(self) -> tuple[str, list[ChatMessage]]:
-        if self.tools:
-            raise APIError.invalid("tools are not supported", param="tools")
+    def conversation(self) -> tuple[str, list[Message], list[dict[str, Any]] | None]:
+        """(system prompt, messages in chat-template shape, tools)."""
         system = "" if self.system is None else text_of(self.system, "system")
-        messages: list[ChatMessage] = []
+        messages: list[Message] = []
         for i, m in enumerate(self.messages):
-            text = text_of(m.content, f"messages.{i}")
-            if messages and messages[-1].role == m.role:  # as Anthropic does: one turn
-                text = TEXT_JOINER.join((messages.pop().content, text))
-            messages.append(ChatMessage(m.role, text))
-        return system, messages
+            for message in template_messages(m.role, m.content, f"messages.{i}"):
+                last = messages[-1] if messages else None
+                if (  # as Anthropic does: consecutive user (or system) text is one turn
+                    last is not None
+                    and last["role"] == message["role"] != "assistant"
+                    and message["role"] != "tool"
+                ):
+                    last["content"] = TEXT_JOINER.join((last["content"], message["content"]))
+                else:
+                    messages.append(message)
+        return system, messages, template_tools(self.tools, self.tool_choice)
+
+
+def echoed_model(model: str, betas: str | None) -> str:
+    """The ``model`` a reply names: the request's, marked ``[1m]`` when the client asked for
+    the 1M-context variant (the ``context-1m-*`` beta). Claude Code restores a session's model
+    from its replies, so ``--continue`` then keeps the same system prompt (it names the
+    variant) and resumes from the cache instead of re-prefilling."""
+    asked = any(b.strip().startswith("context-1m-") for b in (betas or "").split(","))
+    return f"{model}[1m]" if asked and not model.endswith("[1m]") else model
 
 
 class MessagesRequest(CountTokensRequest):
@@ -85,21 +119,32 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     stream: bool = False
 
-    def turn(self, agent_header: str | None) -> TurnRequest:
-        system, messages = self.conversation()
-        history, message = split_turn(messages)
+    def turn(self, agent_header: str | None, session_header: str | None) -> TurnRequest:
+        system, messages, tools = self.conversation()
         user_id = self.metadata.user_id if self.metadata else None
-        return TurnRequest(
-            agent_id=agent_header or user_id,
+        session = session_header or session_of(user_id)
+        request = TurnRequest(
+            agent_id=agent_header or (named_agent(user_id) if session is None else None),
             system=system,
-            history=history,
-            message=message,
+            history=[],
+            message="",
             max_tokens=self.max_tokens,
             sampling=sampling_from(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
             ),
             stop=list(self.stop_sequences or []),
+            session=session,
+            tools=tools,
         )
+        if session is None and tools is None and is_plain(messages):
+            chat = [ChatMessage(m["role"], m["content"]) for m in messages]
+            request.history, request.message = split_turn(chat)
+        else:
+            if not messages or messages[-1]["role"] == "assistant":
+                split_turn([ChatMessage(m["role"], "") for m in messages])  # the plain path's 400
+            system_message = [{"role": "system", "content": system}] if system else []
+            request.document = [*system_message, *messages]
+        return request
 
 
 def usage(reply: Reply | None) -> dict[str, int]:
@@ -112,17 +157,26 @@ def usage(reply: Reply | None) -> dict[str, int]:
     }
 
 
-def message(
-    body: MessagesRequest, msg_id: str, reply: Reply | None, state: ServerState
-) -> dict[str, Any]:
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name}
+
+
+def content_blocks(reply: Reply) -> list[dict[str, Any]]:
+    """The reply's text block (left out when empty beside tool calls) and tool_use blocks."""
+    parsed = reply.content
+    text = [{"type": "text", "text": parsed.text}] if parsed.text or not parsed.tool_calls else []
+    return text + [tool_use_block(c) | {"input": c.arguments} for c in parsed.tool_calls]
+
+
+def message(model: str, msg_id: str, reply: Reply | None, state: ServerState) -> dict[str, Any]:
     """The Message object; with no reply yet, the empty one that opens a stream."""
     stop_reason, stop_sequence = state.model.stop_reason(reply) if reply else (None, None)
     return {
         "id": msg_id,
         "type": "message",
         "role": "assistant",
-        "content": [{"type": "text", "text": reply.text}] if reply else [],
-        "model": body.model,
+        "content": content_blocks(reply) if reply else [],
+        "model": model,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": usage(reply),
@@ -134,26 +188,45 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 
 
 async def _events(
-    body: MessagesRequest, turn: TurnStream, state: ServerState
+    model: str, turn: TurnStream, state: ServerState, tools: bool
 ) -> AsyncIterator[str]:
     msg_id = f"msg_{uuid.uuid4().hex}"
-    yield _sse("message_start", {"message": message(body, msg_id, None, state)})
+    yield _sse("message_start", {"message": message(model, msg_id, None, state)})
     yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {})
-    reply = None
+
+    def text_delta(text: str) -> str:
+        delta = {"type": "text_delta", "text": text}
+        return _sse("content_block_delta", {"index": 0, "delta": delta})
+
+    # With tools, text from a tool call's start marker on is held back: it is the call.
+    tool_format = state.runtime.tool_format if tools else None
+    reply, text, shown = None, "", 0
     try:
         async for event in turn.events():
             if isinstance(event, TextDelta):
-                delta = {"type": "text_delta", "text": event.text}
-                yield _sse("content_block_delta", {"index": 0, "delta": delta})
+                text += event.text
+                upto = tool_format.streaming_split(text) if tool_format else len(text)
+                if upto > shown:
+                    yield text_delta(text[shown:upto])
+                    shown = upto
             else:
                 reply = event
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         yield _sse("error", {"error": api_error(exc).body(Dialect.ANTHROPIC)["error"]})
         return
     assert reply is not None
+    parsed = reply.content
+    if len(parsed.text) > shown:
+        yield text_delta(parsed.text[shown:])
     yield _sse("content_block_stop", {"index": 0})
-    final = message(body, msg_id, reply, state)
+    for index, call in enumerate(parsed.tool_calls, start=1):
+        block = tool_use_block(call) | {"input": {}}
+        yield _sse("content_block_start", {"index": index, "content_block": block})
+        delta = {"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}
+        yield _sse("content_block_delta", {"index": index, "delta": delta})
+        yield _sse("content_block_stop", {"index": index})
+    final = message(model, msg_id, reply, state)
     delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
     yield _sse("message_delta", {"delta": delta, "usage": final["usage"]})
     yield _sse("message_stop", {})
@@ -165,18 +238,21 @@ async def create_message(
     body: MessagesRequest,
     state: State,
     x_agent_id: AgentHeader = None,
+    x_claude_code_session_id: SessionHeader = None,
+    anthropic_beta: Annotated[str | None, Header()] = None,
 ) -> Response:
-    request = body.turn(x_agent_id)
+    model = echoed_model(body.model, anthropic_beta)
+    request = body.turn(x_agent_id, x_claude_code_session_id)
     if body.stream:
         turn = await TurnStream(state, request).start()
-        return TurnStreamingResponse(_events(body, turn, state), turn)
+        return TurnStreamingResponse(_events(model, turn, state, bool(request.tools)), turn)
     reply = await run_turn(state, request, http)
-    msg = message(body, f"msg_{uuid.uuid4().hex}", reply, state)
+    msg = message(model, f"msg_{uuid.uuid4().hex}", reply, state)
     return JSONResponse(msg, headers={AGENT_HEADER: reply.agent_id})
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, state: State) -> dict[str, int]:
-    system, messages = body.conversation()
-    count = await state.runtime.count_tokens([m.as_dict() for m in messages], system or None)
+    system, messages, tools = body.conversation()
+    count = await state.runtime.count_tokens(messages, system or None, tools)
     return {"input_tokens": count}

@@ -2,6 +2,7 @@
 
 Routes::
 
+    HEAD   /                            200 (clients' connectivity check)
     POST   /v1/messages                 Anthropic Messages (stream: SSE)
     POST   /v1/messages/count_tokens    Anthropic token counting
     POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
@@ -110,8 +111,8 @@ def create_app(
             await runtime.close()  # flushes pending cache writes
 
     async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
+        if api_key is None or (request.method == "HEAD" and request.url.path == "/"):
+            return  # the preflight carries no key
         given = _given_key(request)
         if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError(
@@ -133,6 +134,11 @@ def create_app(
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
     app.include_router(agents_api.router)
+
+    @app.head("/", include_in_schema=False)
+    async def preflight() -> Response:
+        # Claude Code checks that its base URL answers before the first request.
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def list_models(state: State) -> dict[str, Any]:

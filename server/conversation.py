@@ -7,6 +7,7 @@ from typing import Any
 
 from agents import InvalidMessageError, SamplingParams
 from agents.errors import check_text
+from agents.prompt import Message
 from server.errors import APIError
 
 TEXT_JOINER = "\n"
@@ -32,11 +33,17 @@ class TurnRequest:
         agent_id: the agent named by the request (header, ``metadata.user_id`` or ``user``), or
             None to find the agent by the conversation itself (see :mod:`server.identity`).
         system: the system prompt, "" when there is none.
-        history: every message before the new turn.
-        message: the new user turn.
+        history: every message before the new turn (for a whole-conversation turn: every
+            message but the last, as transcripts store them).
+        message: the new user turn (for a whole-conversation turn: the last message as stored).
         max_tokens: None means the runtime's default.
         sampling: None means the agent's own defaults.
         stop: stop strings.
+        session: a client session (Claude Code's session id): it has an agent of its own.
+        document: set for a whole-conversation turn (tools, tool calls and results, system
+            messages anywhere): the conversation in chat-template shape, system prompt first,
+            answered by ``AgentRuntime.respond``.
+        tools: tool definitions for the chat template (OpenAI shape).
     """
 
     agent_id: str | None
@@ -46,6 +53,9 @@ class TurnRequest:
     max_tokens: int | None = None
     sampling: SamplingParams | None = None
     stop: list[str] = field(default_factory=list)
+    session: str | None = None
+    document: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -62,7 +72,7 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     if content is None:
         raise APIError.invalid(f"{where}: content is required", param=where)
     if isinstance(content, str):
-        return _checked(content, where)
+        return checked_text(content, where)
     texts = []
     for i, block in enumerate(content):
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -71,11 +81,12 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
                 f"{block.get('type')!r}",
                 param=f"{where}.content",
             )
-        texts.append(_checked(block["text"], f"{where}.content.{i}.text"))
+        texts.append(checked_text(block["text"], f"{where}.content.{i}.text"))
     return TEXT_JOINER.join(texts)
 
 
-def _checked(text: str, where: str) -> str:
+def checked_text(text: str, where: str) -> str:
+    """``text``, or a 400 naming ``where`` when UTF-8 cannot encode it (lone surrogates)."""
     try:
         return check_text(text, where)
     except InvalidMessageError as exc:

@@ -1,20 +1,33 @@
 """Which agent answers a request.
 
-A request names its agent with the ``x-agent-id`` header, or else Anthropic's
-``metadata.user_id`` / OpenAI's ``user`` field. Then:
+A Claude Code session has an agent of its own, ``claude-code-<session id>-<tool set>``: the
+session is named by the ``x-claude-code-session-id`` header or by the ``session_id`` inside the
+JSON that Claude Code sends as ``metadata.user_id``; side requests of the session (a title, a
+summary: another prompt, no tools) get a sibling agent, so they do not evict the main
+conversation's cache. Its requests are whole conversations (see ``AgentRuntime.respond``):
+each one is the document, and the agent's cache is reused up to the longest common token
+prefix.
+
+Otherwise a request names its agent with the ``x-agent-id`` header, or else Anthropic's
+``metadata.user_id`` / OpenAI's ``user`` field when that is a valid agent id (any other
+``user_id`` is not an agent id and is ignored). Then:
 
 - the agent is created on first use, with that id and the request's system prompt (later
   requests' system prompts are ignored: the agent keeps its own);
 - its transcript is the document: the request's last message (a user message) is the new turn
   and the earlier request messages are ignored, except when the agent's transcript is still
-  empty, in which case they are imported with the turn (stored together with it, or not at all).
+  empty, in which case they are imported with the turn (stored together with it, or not at
+  all). A request with tools, tool calls or results, or system messages among its messages is a
+  whole conversation instead: it replaces the agent's transcript.
 
 A request without an id is treated as a stateless client resending the whole conversation each
-call. Its agent is the idle agent whose system prompt equals the request's and whose transcript
-is a prefix of the request's history (``messages[:-1]``), comparing role and exact text, with
-the longest such transcript (ties: the most recently used). The history the agent lacks is
-imported with the turn. When no agent matches, a new agent is created and the whole history
-imported with the turn.
+call. Its agent is the idle stateless agent (id ``stateless-...``, created by this resolver;
+never an agent created by name) whose system prompt (and tools) equal the request's and whose
+transcript the request's history (``messages[:-1]``) extends by at least one message,
+comparing role and exact text, with the longest such transcript (ties: the most recently
+used). The history the agent lacks is imported with the turn (a whole conversation is
+answered as it is). When no agent matches, a new stateless agent is created (with the server's
+idle TTL) and the whole history imported with the turn.
 
 Nothing of a turn that fails or is refused is stored: not its history, and not an agent the
 request created (that agent is deleted again).
@@ -37,14 +50,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import logging
+import re
+import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from agents import AgentNotFoundError, AgentRecord, AgentRuntime, MessageRecord
+from agents import AgentNotFoundError, AgentRecord, AgentRuntime, MessageRecord, Reply
 from server.conversation import ChatMessage, TurnRequest
+from store import is_valid_agent_id
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +114,67 @@ class ConversationIndex:
         return sorted(at, key=at.__getitem__, reverse=True)
 
 
+STATELESS_PREFIX = "stateless-"
+SESSION_PREFIX = "claude-code-"
+_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
+
+
+def session_of(user_id: str | None) -> str | None:
+    """The Claude Code session in a ``metadata.user_id``: JSON with a ``session_id`` (current
+    Claude Code), or ``user_<hash>_account_<uuid>_session_<uuid>`` (older versions)."""
+    if not user_id:
+        return None
+    try:
+        data = json.loads(user_id)
+    except ValueError:
+        match = _LEGACY_SESSION.search(user_id)
+        return match.group(1) if match else None
+    session = data.get("session_id") if isinstance(data, dict) else None
+    return session if isinstance(session, str) and session else None
+
+
+def named_agent(user_id: str | None) -> str | None:
+    """``user_id`` when it can be an agent id (other ids just identify a user: ignored)."""
+    return user_id if user_id is not None and is_valid_agent_id(user_id) else None
+
+
+def session_agent_id(session: str, tools: list[dict[str, Any]] | None) -> str:
+    """``claude-code-<session>-<tool set>``: a session's main conversation and its side requests
+    (titles, summaries: other prompts, no tools) each keep their own agent and cache."""
+    names = sorted(t.get("function", t).get("name", "") for t in tools or [])
+    tool_set = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:8]
+    if not is_valid_agent_id(f"{SESSION_PREFIX}{session}-{tool_set}"):
+        session = hashlib.sha256(session.encode()).hexdigest()[:40]
+    return f"{SESSION_PREFIX}{session}-{tool_set}"
+
+
+def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
+    """What a stateless agent's system prompt is matched on: the prompt and the tools."""
+    if not tools:
+        return system
+    return f"{system}\0tools\0{json.dumps(tools, sort_keys=True)}"
+
+
 @dataclass(slots=True)
 class Claim:
     """An agent reserved for one turn.
 
     Attributes:
         agent_id: the agent.
-        digest: its state before the turn.
-        index: where to record the state after it.
+        digest: its state before the turn's ``pending`` messages, which the turn adds.
+        pending: the messages the turn adds before its reply (imported history included).
+        index: where to record the state after the turn; None: the agent is not tracked.
+        stored: the reply's text as the transcript stores it.
         history: messages the turn imports before its own (``chat(..., history=...)``).
         created: the agent was created for this request (deleted again if the turn fails).
         committed: the turn was stored.
     """
 
     agent_id: str
-    digest: bytes
-    index: ConversationIndex
+    digest: bytes = b""
+    pending: list[ChatMessage] = field(default_factory=list)
+    index: ConversationIndex | None = None
+    stored: Callable[[Reply], str] = field(default=lambda reply: reply.text)
     history: list[ChatMessage] = field(default_factory=list)
     created: bool = False
     committed: bool = False
@@ -120,14 +183,15 @@ class Claim:
     def history_dicts(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.history]
 
-    def commit(self, message: str, reply_text: str) -> None:
-        """Record the turn (its history, the user message and the reply the runtime stored)."""
-        digest = self.digest
-        for m in self.history:
-            digest = _extend(digest, m.role, m.content)
-        self.digest = _extend(_extend(digest, "user", message), "assistant", reply_text)
-        self.index.put(self.agent_id, self.digest)
+    def commit(self, reply: Reply) -> None:
+        """Record the turn (its messages and the reply as the runtime stored it)."""
         self.committed = True
+        if self.index is None:
+            return
+        for m in [*self.pending, ChatMessage("assistant", self.stored(reply))]:
+            self.digest = _extend(self.digest, m.role, m.content)
+        self.pending = []
+        self.index.put(self.agent_id, self.digest)
 
 
 class Identity:
@@ -143,13 +207,17 @@ class Identity:
         self._users: Counter[str] = Counter()  # requests holding or waiting for an agent
 
     async def load(self) -> None:
-        """Index every agent in the registry (once, at startup)."""
+        """Index every stateless agent in the registry (once, at startup; two queries)."""
+        transcripts = await self._runtime.transcripts(STATELESS_PREFIX)
         for agent in await self._runtime.list_agents():
-            await self._reindex(agent)
+            if agent.id.startswith(STATELESS_PREFIX):
+                chat = [
+                    ChatMessage(str(role), text) for role, text in transcripts.get(agent.id, [])
+                ]
+                self._index.put(agent.id, prefix_digests(agent.system_prompt or "", chat)[-1])
 
     def created(self, agent: AgentRecord) -> None:
-        """An agent created outside a turn (the agents REST API)."""
-        self._index.put(agent.id, prefix_digests(agent.system_prompt or "", [])[0])
+        """An agent created outside a turn (the agents REST API): named, so never matched."""
 
     def deleted(self, agent_id: str) -> None:
         self._index.drop(agent_id)
@@ -160,12 +228,15 @@ class Identity:
     async def claim(self, request: TurnRequest) -> AsyncIterator[Claim]:
         """Find or create the request's agent, bring its transcript up to the new turn, and
         hold it until the block ends."""
-        if request.agent_id is not None:
-            await self._enter(request.agent_id)
+        named = request.agent_id
+        if named is None and request.session is not None:
+            named = session_agent_id(request.session, request.tools)
+        if named is not None:
+            await self._enter(named)
             try:
-                claim = await self._named(request)
+                claim = await self._named(named, request)
             except BaseException:
-                self._leave(request.agent_id)
+                self._leave(named)
                 raise
         else:
             claim = await self._match(request)
@@ -186,54 +257,86 @@ class Identity:
         except Exception:
             log.exception("could not delete agent %r after its first turn failed", agent_id)
 
-    async def _named(self, request: TurnRequest) -> Claim:
-        agent_id, runtime = request.agent_id, self._runtime
-        assert agent_id is not None
+    def _conversation(self, request: TurnRequest) -> tuple[str, list[ChatMessage]]:
+        """(system key, messages as transcripts store them) of a request, new turn included."""
+        if request.document is None:
+            return request.system, [*request.history, ChatMessage("user", request.message)]
+        document, system = request.document, ""
+        if document[0]["role"] == "system":  # the runtime keeps it as the system prompt
+            system, document = document[0]["content"], document[1:]
+        stored = [ChatMessage(m["role"], self._runtime.stored_text(m)) for m in document]
+        return _system_key(system, request.tools), stored
+
+    def _stored_reply(self, reply: Reply) -> str:
+        return self._runtime.stored_text(reply.content.as_message())
+
+    async def _named(self, agent_id: str, request: TurnRequest) -> Claim:
+        runtime = self._runtime
         created = False
         try:
-            agent = await runtime.get_agent(agent_id)
+            await runtime.get_agent(agent_id)
             transcript = _as_chat(await runtime.transcript(agent_id))
         except AgentNotFoundError:
-            agent = await runtime.create_agent(agent_id, system_prompt=request.system or None)
+            await runtime.create_agent(agent_id, system_prompt=request.system or None)
             transcript, created = [], True
-        digest = prefix_digests(agent.system_prompt or "", transcript)[-1]
-        self._index.put(agent_id, digest)
-        history = request.history if not transcript else []
-        return Claim(agent_id, digest, self._index, list(history), created)
+        imported = request.history if request.document is None and not transcript else []
+        return Claim(agent_id, history=list(imported), created=created)
 
     async def _match(self, request: TurnRequest) -> Claim:
         """Take the idle agent with the longest matching transcript, or a new one (entered)."""
-        history = request.history
-        digests = prefix_digests(request.system, history)
+        system, conversation = self._conversation(request)
+        history = conversation[:-1]
+        digests = prefix_digests(system, history)
         while True:
             async with self._match_lock:
                 found = self._longest_idle(digests)
                 fresh = found is None
                 if found is None:
                     agent = await self._runtime.create_agent(
-                        system_prompt=request.system or None, idle_ttl_s=self._stateless_ttl_s
+                        f"{STATELESS_PREFIX}{uuid.uuid4().hex[:24]}",
+                        system_prompt=request.system or None,
+                        idle_ttl_s=self._stateless_ttl_s,
                     )
-                    self.created(agent)
+                    self._index.put(agent.id, digests[0])
                     found = (agent.id, 0)
                 agent_id, matched = found
                 await self._enter(agent_id)  # idle: returns at once, before anyone can match it
             try:
-                if fresh or await self._verified(agent_id, request.system, history[:matched]):
-                    missing = list(history[matched:])
-                    return Claim(agent_id, digests[matched], self._index, missing, fresh)
+                if fresh or await self._verified(agent_id, request, digests[matched]):
+                    return self._claimed(agent_id, request, digests, matched, conversation, fresh)
             except BaseException:
                 self._leave(agent_id)
                 raise
             self._leave(agent_id)
 
+    def _claimed(
+        self,
+        agent_id: str,
+        request: TurnRequest,
+        digests: list[bytes],
+        matched: int,
+        conversation: list[ChatMessage],
+        created: bool,
+    ) -> Claim:
+        """The claim on a matched (or new) agent: the turn adds ``conversation[matched:]``, the
+        history the agent lacks imported with it (a whole conversation is answered as it is)."""
+        pending = conversation[matched:]
+        imported = [] if request.document is not None else pending[:-1]
+        claim = Claim(agent_id, digests[matched], pending, self._index)
+        if request.document is not None:
+            claim.stored = self._stored_reply
+        claim.history, claim.created = imported, created
+        return claim
+
     def _longest_idle(self, digests: list[bytes]) -> tuple[str, int] | None:
-        for matched in range(len(digests) - 1, -1, -1):
+        # At least one message: an agent with an empty transcript is nobody's conversation yet.
+        for matched in range(len(digests) - 1, 0, -1):
             for agent_id in self._index.agents_at(digests[matched]):
                 if not self._users[agent_id]:
                     return agent_id, matched
         return None
 
-    async def _verified(self, agent_id: str, system: str, expected: list[ChatMessage]) -> bool:
+    async def _verified(self, agent_id: str, request: TurnRequest, expected: bytes) -> bool:
         """Whether the agent is in the state the index says; if not, fix its entry."""
         try:
             agent = await self._runtime.get_agent(agent_id)
@@ -242,7 +345,8 @@ class Identity:
             self._index.drop(agent_id)
             return False
         transcript = await self._runtime.transcript(agent_id)
-        if (agent.system_prompt or "") == system and _as_chat(transcript) == expected:
+        system = _system_key(agent.system_prompt or "", request.tools)
+        if prefix_digests(system, _as_chat(transcript))[-1] == expected:
             return True
         log.info("agent %r changed outside this server; re-indexed it", agent_id)
         await self._reindex(agent, transcript)

@@ -1,8 +1,11 @@
 """OpenAI Chat Completions: ``POST /v1/chat/completions``, plain and streamed.
 
 ``usage.prompt_tokens`` counts every prompt token, ``prompt_tokens_details.cached_tokens``
-those resumed from the agent's KV cache. System (and developer) messages must come first; they
-are joined into the agent's system prompt. Sampling: a request with none of ``temperature``,
+those resumed from the agent's KV cache. Leading system (and developer) messages are joined
+into the system prompt; later ones are rendered where they are. ``tools`` (function tools),
+assistant ``tool_calls`` and role ``tool`` messages make the request a whole conversation
+(``AgentRuntime.respond``); tool calls the model makes come back as ``tool_calls`` with
+``finish_reason: "tool_calls"``. Sampling: a request with none of ``temperature``,
 ``top_p``, ``seed`` uses the agent's defaults (greedy unless the agent was created otherwise);
 one with any of them gets temperature 1.0 (OpenAI's default) for an unset temperature.
 """
@@ -20,6 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents import Reply, TextDelta
+from agents.prompt import Message
+from agents.tool_calls import ToolFormat
+from server.anthropic_content import is_plain
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -29,6 +35,7 @@ from server.conversation import (
     text_of,
 )
 from server.errors import APIError, Dialect, api_error
+from server.identity import named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
 
@@ -38,8 +45,44 @@ router = APIRouter()
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self, where: str) -> Message:
+        """This message in chat-template shape (tool call arguments decoded)."""
+        role = "system" if self.role == "developer" else self.role
+        if role == "assistant" and self.content is None:
+            message: Message = {"role": role, "content": ""}
+        else:
+            message = {"role": role, "content": text_of(self.content, where)}
+        if role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        if self.tool_calls and role == "assistant":
+            message["tool_calls"] = [
+                _template_call(call, f"{where}.tool_calls.{i}")
+                for i, call in enumerate(self.tool_calls)
+            ]
+        return message
+
+
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise APIError.invalid(f"{where}.function.arguments: not valid JSON", where) from None
+    if not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
+        raise APIError.invalid(
+            f"{where}: a tool call needs a name and JSON-object arguments", where
+        )
+    return {
+        "id": str(call.get("id", "")),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 class StreamOptions(BaseModel):
@@ -63,34 +106,38 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def turn(self, agent_header: str | None) -> TurnRequest:
-        if self.tools:
-            raise APIError.invalid("tools are not supported", param="tools")
         systems: list[str] = []
-        messages: list[ChatMessage] = []
+        messages: list[Message] = []
         for i, m in enumerate(self.messages):
-            text = text_of(m.content, f"messages.{i}")
-            if m.role in ("system", "developer"):
-                if messages:
-                    raise APIError.invalid(
-                        f"messages.{i}: system messages must come before the conversation",
-                        param="messages",
-                    )
-                systems.append(text)
+            message = m.template_message(f"messages.{i}")
+            if message["role"] == "system" and not messages:
+                systems.append(message["content"])
             else:
-                messages.append(ChatMessage(m.role, text))
-        history, message = split_turn(messages)
-        return TurnRequest(
-            agent_id=agent_header or self.user,
+                messages.append(message)
+        tools = self.tools if self.tools and self.tool_choice != "none" else None
+        request = TurnRequest(
+            agent_id=agent_header or named_agent(self.user),
             system=TEXT_JOINER.join(systems),
-            history=history,
-            message=message,
+            history=[],
+            message="",
             max_tokens=self.max_completion_tokens or self.max_tokens,
             sampling=sampling_from(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            tools=tools,
         )
+        if tools is None and is_plain(messages):
+            chat = [ChatMessage(m["role"], m["content"]) for m in messages]
+            request.history, request.message = split_turn(chat)
+        else:
+            if not messages or messages[-1]["role"] == "assistant":
+                split_turn([ChatMessage(m["role"], "") for m in messages])  # the plain path's 400
+            system = [{"role": "system", "content": request.system}] if systems else []
+            request.document = [*system, *messages]
+        return request
 
     @property
     def include_usage(self) -> bool:
@@ -107,7 +154,29 @@ def usage(reply: Reply) -> dict[str, Any]:
     }
 
 
+def finish_reason(reply: Reply) -> str:
+    if reply.finish_reason == "stop" and reply.content.tool_calls:
+        return "tool_calls"
+    return reply.finish_reason
+
+
+def tool_calls(reply: Reply, streaming: bool = False) -> list[dict[str, Any]]:
+    return [
+        {
+            **({"index": i} if streaming else {}),
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+        }
+        for i, call in enumerate(reply.content.tool_calls)
+    ]
+
+
 def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
+    parsed = reply.content
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.text, "refusal": None}
+    if parsed.tool_calls:
+        message |= {"content": parsed.text or None, "tool_calls": tool_calls(reply)}
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -116,9 +185,9 @@ def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": reply.text, "refusal": None},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": reply.finish_reason,
+                "finish_reason": finish_reason(reply),
             }
         ],
         "usage": usage(reply),
@@ -126,7 +195,9 @@ def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
     }
 
 
-async def _chunks(body: ChatCompletionRequest, turn: TurnStream) -> AsyncIterator[str]:
+async def _chunks(
+    body: ChatCompletionRequest, turn: TurnStream, tool_format: ToolFormat | None
+) -> AsyncIterator[str]:
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion.chunk",
@@ -141,18 +212,27 @@ async def _chunks(body: ChatCompletionRequest, turn: TurnStream) -> AsyncIterato
         return f"data: {json.dumps({**head, 'choices': [choice], **tail})}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    reply = None
+    # With tools, text from a tool call's start marker on is held back: it is the call.
+    reply, text, shown = None, "", 0
     try:
         async for event in turn.events():
             if isinstance(event, TextDelta):
-                yield chunk({"content": event.text})
+                text += event.text
+                upto = tool_format.streaming_split(text) if tool_format else len(text)
+                if upto > shown:
+                    yield chunk({"content": text[shown:upto]})
+                    shown = upto
             else:
                 reply = event
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         yield f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"
         return
     assert reply is not None
-    yield chunk({}, reply.finish_reason)
+    if len(reply.content.text) > shown:
+        yield chunk({"content": reply.content.text[shown:]})
+    if reply.content.tool_calls:
+        yield chunk({"tool_calls": tool_calls(reply, streaming=True)})
+    yield chunk({}, finish_reason(reply))
     if body.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"
     yield "data: [DONE]\n\n"
@@ -168,6 +248,7 @@ async def create_chat_completion(
     request = body.turn(x_agent_id)
     if body.stream:
         turn = await TurnStream(state, request).start()
-        return TurnStreamingResponse(_chunks(body, turn), turn)
+        tool_format = state.runtime.tool_format if request.tools else None
+        return TurnStreamingResponse(_chunks(body, turn, tool_format), turn)
     reply = await run_turn(state, request, http)
     return JSONResponse(completion(body, reply), headers={AGENT_HEADER: reply.agent_id})

@@ -29,6 +29,8 @@ class ModelInfo:
         """Anthropic's (stop_reason, stop_sequence) of a reply."""
         if reply.finish_reason == "length":
             return "max_tokens", None
+        if reply.content.tool_calls:
+            return "tool_use", None
         if reply.stop_sequence is not None:
             return "stop_sequence", reply.stop_sequence
         return "end_turn", None

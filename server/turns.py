@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Header, Request
 from starlette.responses import StreamingResponse
@@ -28,6 +28,20 @@ from server.state import ServerState
 AGENT_HEADER = "x-agent-id"
 AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
 """Route parameter type: the agent id a request names in its header."""
+SESSION_HEADER = "x-claude-code-session-id"
+SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER)]
+"""Route parameter type: the Claude Code session a request belongs to."""
+
+
+def _events(state: ServerState, claim: Claim, request: TurnRequest) -> AsyncIterator[Any]:
+    """The runtime's stream for the request: a whole-conversation turn or a next user turn."""
+    if request.document is not None:
+        return state.runtime.respond(
+            claim.agent_id, request.document, tools=request.tools, **request.options
+        )
+    return state.runtime.stream(
+        claim.agent_id, request.message, history=claim.history_dicts, **request.options
+    )
 
 
 async def run_turn(state: ServerState, request: TurnRequest, http: Request) -> Reply:
@@ -59,10 +73,13 @@ async def _disconnected(http: Request) -> None:
 
 async def _whole_turn(state: ServerState, request: TurnRequest) -> Reply:
     async with state.identity.claim(request) as claim:
-        reply = await state.runtime.chat(
-            claim.agent_id, request.message, history=claim.history_dicts, **request.options
-        )
-        claim.commit(request.message, reply.text)
+        reply = None
+        async with contextlib.aclosing(_events(state, claim, request)) as events:
+            async for event in events:
+                if isinstance(event, Reply):
+                    reply = event
+                    claim.commit(reply)
+        assert reply is not None
     state.metrics.observe_turn(reply)
     return reply
 
@@ -89,12 +106,7 @@ class TurnStream:
             self._claim = await self._stack.enter_async_context(
                 self._state.identity.claim(self._request)
             )
-            events = self._state.runtime.stream(
-                self._claim.agent_id,
-                self._request.message,
-                history=self._claim.history_dicts,
-                **self._request.options,
-            )
+            events = _events(self._state, self._claim, self._request)
             self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
             self._events = events
             self._first = await self._next()
@@ -120,7 +132,7 @@ class TurnStream:
         assert self._events is not None and self._claim is not None
         event = await anext(self._events, None)
         if isinstance(event, Reply):
-            self._claim.commit(self._request.message, event.text)
+            self._claim.commit(event)
             self._state.metrics.observe_turn(event)
         return event
 

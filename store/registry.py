@@ -12,8 +12,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import datetime
+from enum import Enum
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
@@ -33,6 +34,14 @@ from store.records import (
 )
 
 _INSERT_CHUNK = 1000
+
+
+class _Keep(Enum):
+    KEEP = "KEEP"
+
+
+KEEP = _Keep.KEEP
+"""Default of ``append_messages(system_prompt=)``: leave the system prompt as it is."""
 
 
 class Registry:
@@ -181,13 +190,22 @@ class Registry:
     # -- messages -------------------------------------------------------------------------
 
     async def append_messages(
-        self, agent_id: str, messages: Sequence[NewMessage]
+        self,
+        agent_id: str,
+        messages: Sequence[NewMessage],
+        *,
+        replace_from: int | None = None,
+        system_prompt: str | Literal[_Keep.KEEP] | None = KEEP,
     ) -> list[MessageRecord]:
         """Append messages at the end of the transcript, all or none; bumps ``updated_at``.
 
         Args:
             agent_id: The agent.
             messages: One or more messages; they get consecutive positions after the last one.
+            replace_from: first delete the messages at positions ``>= replace_from`` (in the
+                same transaction): the new messages replace the transcript's tail.
+            system_prompt: also set the agent's system prompt (None clears it), in the same
+                transaction; by default it is kept.
 
         Returns:
             The stored messages, in order.
@@ -198,8 +216,18 @@ class Registry:
         """
         validate_agent_id(agent_id)
         batch = validation.new_messages(messages)
+        if replace_from is not None:
+            validation.check_count("replace_from", replace_from)
+        changes = {} if system_prompt is KEEP else {"system_prompt": system_prompt}
+        validation.agent_fields(**changes)
         async with self._db.write() as session:
-            now = await _touch(session, agent_id)
+            now = await _touch(session, agent_id, **changes)
+            if replace_from is not None:
+                await session.execute(
+                    delete(Message).where(
+                        Message.agent_id == agent_id, Message.position >= replace_from
+                    )
+                )
             last = await session.scalar(
                 select(func.max(Message.position)).where(Message.agent_id == agent_id)
             )
@@ -253,6 +281,20 @@ class Registry:
             await _require_agent(session, agent_id)
             rows = await session.execute(query)
             return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
+
+    async def transcripts(self, id_prefix: str = "") -> dict[str, list[tuple[Role, str]]]:
+        """(role, content) of every message of every agent whose id starts with ``id_prefix``,
+        by agent, in order: one query, whatever the number of agents."""
+        query = (
+            select(Message.agent_id, Message.role, Message.content)
+            .where(Message.agent_id.startswith(id_prefix, autoescape=True))
+            .order_by(Message.agent_id, Message.position)
+        )
+        out: dict[str, list[tuple[Role, str]]] = {}
+        async with self._db.read() as session:
+            for agent_id, role, content in await session.execute(query):
+                out.setdefault(agent_id, []).append((Role(role), content))
+        return out
 
     async def message_count(self, agent_id: str) -> int:
         """Number of messages in the agent's transcript. Raises ``AgentNotFoundError``."""
@@ -366,11 +408,15 @@ async def _require_agent(session: AsyncSession, agent_id: str) -> None:
         raise AgentNotFoundError(agent_id)
 
 
-async def _touch(session: AsyncSession, agent_id: str) -> datetime:
-    """Set the agent's ``updated_at`` to now and return it; ``AgentNotFoundError`` if absent."""
+async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> datetime:
+    """Set the agent's ``updated_at`` to now (and ``changes``) and return it;
+    ``AgentNotFoundError`` if absent."""
     now = utcnow()
     touched = await session.scalar(
-        update(Agent).where(Agent.id == agent_id).values(updated_at=now).returning(Agent.id)
+        update(Agent)
+        .where(Agent.id == agent_id)
+        .values(updated_at=now, **changes)
+        .returning(Agent.id)
     )
     if touched is None:
         raise AgentNotFoundError(agent_id)

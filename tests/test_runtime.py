@@ -243,9 +243,26 @@ async def test_bad_input_errors(tmp_path):
                 await rt.create_agent(bad)
             with pytest.raises(InvalidAgentIdError):
                 await rt.chat(bad, "hi")
-        with pytest.raises(ContextLengthError, match="context"):
-            await rt.chat("ok", "hi", max_tokens=100_000)
+        with pytest.raises(ContextLengthError, match=r"^prompt is too long: \d+ tokens > 8191 max"):
+            await rt.chat("ok", "hi " * 9000)
         assert await rt.transcript("ok") == []
+
+
+async def test_max_tokens_is_clamped_to_the_context_left(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("full")
+
+        async def count(n: int) -> int:
+            return await rt.count_tokens([{"role": "user", "content": "hi " * n}])
+
+        low, high = 1, 9000  # the longest prompt that leaves a few tokens of context
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if await count(mid) <= 8190 else (low, mid - 1)
+        prompt = await count(low)
+        reply = await rt.chat("full", "hi " * low, max_tokens=100_000)
+        assert reply.usage.prompt_tokens == prompt
+        assert reply.usage.completion_tokens <= 8192 - prompt
 
 
 @pytest.mark.parametrize(
@@ -404,8 +421,8 @@ async def test_history_given_with_a_turn_is_stored_with_it_or_not_at_all(tmp_pat
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         await rt.create_agent("imp", system_prompt="S")
         # Refused (too long for the context): neither the history nor the turn is stored.
-        with pytest.raises(ContextLengthError):
-            await rt.chat("imp", "u2", history=history, max_tokens=10**6)
+        with pytest.raises(ContextLengthError, match="prompt is too long"):
+            await rt.chat("imp", "word " * 9000, history=history)
         assert await rt.transcript("imp") == []
         # A turn abandoned after its first piece of text stores nothing either.
         stream = rt.stream("imp", "u2", history=history, max_tokens=50)
@@ -486,9 +503,9 @@ async def test_count_tokens_renders_off_the_event_loop(tmp_path):
         threads = []
         real = type(renderer).full_prompt
 
-        def recording(self, messages):
+        def recording(self, messages, tools=None):
             threads.append(threading.current_thread())
-            return real(self, messages)
+            return real(self, messages, tools)
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(type(renderer), "full_prompt", recording)

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -497,6 +498,91 @@ def test_concurrent_stateless_requests_never_share_an_agent(srv, claude, http):
         ]
 
 
+def test_stateless_requests_never_match_agents_created_by_name(claude, http):
+    system = unique("Named")
+    named = http.post("/v1/agents", json={"id": unique("named"), "system_prompt": system}).json()
+    raw = claude.messages.with_raw_response.create(
+        model="m", max_tokens=4, system=system, messages=[user("Hi")]
+    )
+    assert raw.headers["x-agent-id"] != named["id"]
+    assert raw.headers["x-agent-id"].startswith("stateless-")
+    assert transcript(http, named["id"]) == []
+
+
+# ---- Claude Code shapes (the model without tools; tool calls: tests/test_claude_code.py) -------
+
+
+def test_claude_code_session_is_one_agent_resumed_from_cache(claude, http):
+    session = f"0d5c1a7e-{next(_names):04d}-4c1e-9d7a-3b2f8e6a1c90"
+    user_id = json.dumps({"device_id": "ab12", "account_uuid": "", "session_id": session})
+    late_system = {"role": "system", "content": "Reminder: be brief."}  # may come last
+    messages = [user("Hi"), late_system]
+    raw = claude.messages.with_raw_response.create(
+        model="m", max_tokens=8, system="Sys", messages=messages, metadata={"user_id": user_id}
+    )
+    first = raw.parse()
+    agent_id = raw.headers["x-agent-id"]
+    assert agent_id.startswith(f"claude-code-{session}-")
+    thinking = {"type": "thinking", "thinking": "Let me see.", "signature": "c2ln"}
+    messages += [
+        {"role": "assistant", "content": [thinking, *[b.model_dump() for b in first.content]]},
+        user("Next"),
+    ]
+    raw = claude.messages.with_raw_response.create(
+        model="m",
+        max_tokens=8,
+        system="Sys",
+        messages=messages,
+        extra_headers={"x-claude-code-session-id": session},
+        extra_body={"thinking": {"type": "adaptive"}, "context_management": {"edits": []}},
+    )
+    second = raw.parse()
+    assert raw.headers["x-agent-id"] == agent_id
+    assert second.usage.cache_read_input_tokens == (
+        first.usage.input_tokens + first.usage.output_tokens
+    )
+    assert transcript(http, agent_id) == [
+        ("user", "Hi"),
+        ("system", "Reminder: be brief."),
+        ("assistant", first.content[0].text),
+        ("user", "Next"),
+        ("assistant", second.content[0].text),
+    ]
+
+
+def test_a_user_id_that_is_not_an_agent_id_is_ignored(claude):
+    raw = claude.messages.with_raw_response.create(
+        model="m", max_tokens=4, messages=[user("Hi")], metadata={"user_id": "someone@example.com"}
+    )
+    assert raw.headers["x-agent-id"].startswith("stateless-")
+
+
+def test_tools_need_a_model_that_can_call_them(claude, gpt):
+    tool = {"name": "t", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError, match="cannot call tools"):
+        claude.messages.create(model="m", max_tokens=4, messages=[user("x")], tools=[tool])
+    function = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot call tools"):
+        gpt.chat.completions.create(model="m", messages=[user("x")], tools=[function])
+
+
+def test_prompt_too_long_has_anthropics_wording(claude, gpt):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(model="m", max_tokens=16_000, messages=[user("hi " * 9000)])
+    assert re.match(
+        r"prompt is too long: \d+ tokens > 8191 maximum", info.value.body["error"]["message"]
+    )
+    with pytest.raises(openai.BadRequestError, match="prompt is too long") as oinfo:
+        gpt.chat.completions.create(model="m", messages=[user("hi " * 9000)])
+    assert oinfo.value.code == "context_length_exceeded"
+
+
+def test_head_preflight_needs_no_key(keyed):
+    with httpx.Client(base_url=keyed.url) as bare:
+        assert bare.head("/").status_code == 200
+        assert bare.get("/v1/models").status_code == 401
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 
@@ -513,7 +599,7 @@ def test_bad_requests_are_400_in_each_api_shape(claude, gpt, http):
     with pytest.raises(anthropic.BadRequestError, match="last message must be a user"):
         claude.messages.create(model="m", max_tokens=4, messages=[user("x"), assistant("y")])
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    with pytest.raises(anthropic.BadRequestError, match="only text blocks"):
+    with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
         claude.messages.create(
             model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
@@ -528,9 +614,9 @@ def test_bad_requests_are_400_in_each_api_shape(claude, gpt, http):
     assert oinfo.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         gpt.chat.completions.create(model="m", max_tokens=0, messages=[user("x")])
-    with pytest.raises(openai.BadRequestError, match="must come before"):
+    with pytest.raises(openai.BadRequestError, match="last message must be a user"):
         gpt.chat.completions.create(
-            model="m", messages=[user("x"), {"role": "system", "content": "late"}, user("y")]
+            model="m", messages=[user("x"), {"role": "system", "content": "late"}, assistant("y")]
         )
 
     response = http.post(

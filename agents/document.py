@@ -1,0 +1,165 @@
+"""Prompts of conversations a client resends whole (Claude Code, stateless SDK clients).
+
+Such a request is the document: its system prompt, tools and messages are rendered with the
+chat template and compared, token by token, with what the agent's cache holds; the longest
+common prefix is reused and only the rest is prefilled. An edited system prompt or a dropped
+message thus re-prefills from the first changed token on.
+
+Rendering and re-tokenizing does not reproduce the tokens a reply was generated as (see
+:mod:`agents.prompt`), so replies the model generated are spliced in as their generated
+tokens: each assistant message the client sends back that says what a cached reply said is
+rendered as a placeholder, and the placeholder is replaced by that reply's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.prompt import ChatRenderer, Message
+from agents.tool_calls import ParsedReply, ToolCall
+
+_REPLY = "\u27e6agentkv-reply-{}\u27e7"
+
+
+@dataclass(slots=True, frozen=True)
+class CachedReply:
+    """A generated reply: where its tokens start in the agent's cache, and what it said."""
+
+    start: int
+    tokens: tuple[int, ...]
+    parsed: ParsedReply
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def is_in(self, cache_tokens: Sequence[int]) -> bool:
+        return tuple(cache_tokens[self.start : self.end]) == self.tokens
+
+
+@dataclass(slots=True)
+class DocumentPrompt:
+    """The tokens of a whole conversation, and the generated replies spliced into them."""
+
+    tokens: list[int]
+    replies: list[CachedReply]
+    spliced: dict[int, CachedReply] = field(default_factory=dict)
+    """Index of each message that was replaced by a reply's tokens -> that reply."""
+
+
+def tool_calls_of(message: Message) -> list[ToolCall]:
+    """The tool calls of a template message (``tool_calls`` in the OpenAI shape)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        calls.append(ToolCall(function["name"], function.get("arguments") or {}))
+    return calls
+
+
+def render_document(
+    renderer: ChatRenderer,
+    messages: Sequence[Message],
+    tools: list[dict[str, Any]] | None,
+    replies: Sequence[CachedReply],
+) -> DocumentPrompt:
+    """Tokens of ``messages`` ready for the assistant's answer, with ``replies`` spliced in.
+
+    Args:
+        renderer: the model's chat template.
+        messages: the whole conversation, system messages included.
+        tools: tool definitions for the template (None: no tools).
+        replies: replies the agent's cache holds, in conversation order.
+    """
+    probe, spliced, at, j = [], [], [], 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            calls = tool_calls_of(message)
+            for k in range(j, len(replies)):
+                if replies[k].parsed.same_as(message.get("content") or "", calls):
+                    message = {"role": "assistant", "content": _REPLY.format(len(spliced))}
+                    spliced.append(replies[k])
+                    at.append(i)
+                    j = k + 1
+                    break
+        probe.append(message)
+    rendered = renderer.render(probe, add_generation_prompt=True, tools=tools)
+    markers = [_REPLY.format(i) for i in range(len(spliced))]
+    if any(rendered.count(marker) != 1 for marker in markers):
+        # The template moved or dropped a reply's content: no splicing, plain tokens.
+        return DocumentPrompt(renderer.full_prompt(messages, tools), [])
+    tokens: list[int] = []
+    placed: list[CachedReply] = []
+    rest = rendered
+    for marker, reply in zip(markers, spliced, strict=True):
+        head, rest = rest.split(marker)
+        tokens += renderer.encode(head)
+        placed.append(CachedReply(len(tokens), reply.tokens, reply.parsed))
+        tokens += reply.tokens
+        # A reply that ended on an end-of-turn token already holds what the template closes with.
+        last = reply.tokens[-1] if reply.tokens else None
+        if last in renderer.eos_token_ids:
+            eos_text = renderer.tokenizer.decode([last])
+            if rest.startswith(eos_text):
+                rest = rest[len(eos_text) :]
+    tokens += renderer.encode(rest)
+    return DocumentPrompt(tokens, placed, dict(zip(at, placed, strict=True)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def recover_replies(
+    renderer: ChatRenderer,
+    parse: Callable[[str], ParsedReply],
+    stored: Callable[[ParsedReply], str],
+    cache_tokens: Sequence[int],
+    transcript: Sequence[tuple[str, str, int | None]],
+) -> list[CachedReply]:
+    """Find a transcript's generated replies in its cache's tokens (after a restart, when the
+    spans kept in memory are gone).
+
+    A reply starts right after the template's generation prompt and is as many tokens long as
+    the transcript recorded; a candidate counts only if its decoded text is the stored reply.
+
+    Args:
+        renderer: the model's chat template.
+        parse: splits a reply's text into text and tool calls.
+        stored: a parsed reply as transcripts store it.
+        cache_tokens: the tokens the agent's cache holds.
+        transcript: (role, stored content, token count) of each message.
+    """
+    probe = [{"role": "user", "content": "x"}]
+    opened = renderer.render(probe, add_generation_prompt=True)
+    closed = renderer.render(probe, add_generation_prompt=False)
+    if not opened.startswith(closed) or opened == closed:
+        return []
+    marker = renderer.encode(opened[len(closed) :])
+    starts = [
+        i + len(marker)
+        for i in range(len(cache_tokens) - len(marker) + 1)
+        if list(cache_tokens[i : i + len(marker)]) == marker
+    ]
+    replies: list[CachedReply] = []
+    at = 0
+    for role, content, count in transcript:
+        if role != "assistant" or not count:
+            continue
+        for k in range(at, len(starts)):
+            tokens = tuple(cache_tokens[starts[k] : starts[k] + count])
+            if len(tokens) < count:
+                break
+            body = tokens[:-1] if tokens[-1] in renderer.eos_token_ids else tokens
+            parsed = parse(renderer.tokenizer.decode(list(body)))
+            if stored(parsed).strip() == content.strip():
+                replies.append(CachedReply(starts[k], tokens, parsed))
+                at = k + 1
+                break
+    return replies

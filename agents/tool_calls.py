@@ -1,0 +1,125 @@
+"""Tool calls in model output, through mlx-lm's own tool-call support.
+
+mlx-lm's tokenizer wrapper knows, per model family, the markers around a tool call
+(``tool_call_start`` / ``tool_call_end``, e.g. ``<tool_call>`` … ``</tool_call>``) and a parser
+for the text between them (``mlx_lm.tool_parsers``). A model without them cannot call tools.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}", compare=False)
+
+    def as_template(self) -> dict[str, Any]:
+        """The OpenAI/Hugging Face shape chat templates read (``message["tool_calls"]``)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedReply:
+    """A reply split into its plain text and its tool calls."""
+
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def as_message(self) -> dict[str, Any]:
+        """The reply as a chat-template assistant message."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template() for call in self.tool_calls]
+        return message
+
+    def same_as(self, text: str, tool_calls: list[ToolCall]) -> bool:
+        """Whether a client's copy of this reply says the same (ids and outer spaces aside)."""
+        return self.text.strip() == text.strip() and list(self.tool_calls) == tool_calls
+
+
+@dataclass(slots=True)
+class ToolFormat:
+    """A model's tool-call markers and parser."""
+
+    start: str
+    end: str
+    parser: Callable[[str, Any], Any]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolFormat | None:
+        """The format of an mlx-lm TokenizerWrapper, or None when the model has none."""
+        if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
+            return None
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
+        """Split generated text into plain text and tool calls.
+
+        A call the parser cannot read (say, cut off by max_tokens) stays in the text.
+        """
+        plain, calls, rest = [], [], text
+        while (start := rest.find(self.start)) >= 0:
+            end = rest.find(self.end, start + len(self.start))
+            if end < 0:
+                break
+            body = rest[start + len(self.start) : end]
+            parsed = self._parse_one(body, tools)
+            if parsed is None:
+                plain.append(rest[: end + len(self.end)])
+            else:
+                plain.append(rest[:start])
+                calls.extend(parsed)
+            rest = rest[end + len(self.end) :]
+        plain.append(rest)
+        return ParsedReply("".join(plain), tuple(calls))
+
+    def _parse_one(self, body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+        try:
+            parsed = self.parser(body, tools)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return None
+        calls = []
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            arguments = item.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return None
+            if not isinstance(arguments, dict):
+                return None
+            calls.append(ToolCall(item["name"], arguments))
+        return calls
+
+    def markup(self, calls: list[ToolCall]) -> str:
+        """Calls written out as JSON between the markers (how transcripts store them)."""
+        return "".join(
+            f"{self.start}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{self.end}"
+            for c in calls
+        )
+
+    def streaming_split(self, text: str) -> int:
+        """How much of ``text`` (a growing reply) can be shown as plain text now: everything
+        before a tool call's start marker, or before a partial marker at the very end."""
+        found = text.find(self.start)
+        if found >= 0:
+            return found
+        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)

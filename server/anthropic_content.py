@@ -1,0 +1,132 @@
+"""Anthropic request content → chat-template messages and tools.
+
+Blocks: ``text`` is rendered; ``tool_use`` (assistant) becomes a tool call and ``tool_result``
+(user) a ``tool`` message, in the order they come; ``thinking`` / ``redacted_thinking`` are
+dropped (a local model does not read Anthropic's thinking); ``cache_control`` and other block
+fields are ignored. ``image`` and ``document`` blocks are refused: the models served read text.
+``role: "system"`` messages may appear anywhere, the last place included.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agents.prompt import Message
+from server.conversation import TEXT_JOINER, checked_text
+from server.errors import APIError
+
+UNREADABLE_BLOCKS = ("image", "document", "search_result", "container_upload")
+DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+
+
+def _refuse(where: str, block_type: object) -> APIError:
+    if block_type in UNREADABLE_BLOCKS:
+        return APIError.invalid(
+            f"{where}: {block_type} blocks are not supported: this server's models read text "
+            "only; send the content as text",
+            param=where,
+        )
+    return APIError.invalid(f"{where}: unsupported content block type {block_type!r}", where)
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise APIError.invalid(f"{where}.text: a text block needs a string 'text'", where)
+    return checked_text(text, f"{where}.text")
+
+
+def _result_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            raise _refuse(f"{where}.content.{i}", kind)
+        texts.append(_text(block, f"{where}.content.{i}"))
+    return TEXT_JOINER.join(texts)
+
+
+def template_messages(role: str, content: str | list[dict[str, Any]], where: str) -> list[Message]:
+    """One Anthropic message as chat-template messages (a user message with tool results
+    becomes ``tool`` messages and a user message)."""
+    if isinstance(content, str):
+        return [{"role": role, "content": checked_text(content, where)}]
+    out: list[Message] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+
+    def flush_text() -> None:
+        if texts:
+            out.append({"role": role, "content": TEXT_JOINER.join(texts)})
+            texts.clear()
+
+    for i, block in enumerate(content):
+        at = f"{where}.content.{i}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind in DROPPED_BLOCKS:
+            continue
+        elif kind == "tool_use" and role == "assistant":
+            arguments = block.get("input")
+            if not isinstance(block.get("name"), str) or not isinstance(arguments, dict):
+                raise APIError.invalid(f"{at}: tool_use needs a 'name' and an 'input' object", at)
+            calls.append(
+                {
+                    "id": str(block.get("id", "")),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": arguments},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            flush_text()
+            out.append(
+                {
+                    "role": "tool",
+                    "content": _result_text(block.get("content"), at),
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                }
+            )
+        else:
+            raise _refuse(at, kind)
+    if role == "assistant":
+        message: Message = {"role": "assistant", "content": TEXT_JOINER.join(texts)}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+    flush_text()
+    return out
+
+
+def is_plain(messages: list[Message]) -> bool:
+    """Whether a conversation is only user and assistant text (the transcript-document path)."""
+    return all(m["role"] in ("user", "assistant") and "tool_calls" not in m for m in messages)
+
+
+def template_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict] | None:
+    """Anthropic tool definitions in the OpenAI shape chat templates render.
+
+    ``tool_choice: {"type": "none"}`` renders no tools; other choices cannot be enforced on
+    the model's output and render all of them.
+    """
+    if not tools or (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"):
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise APIError.invalid(f"tools.{i}: a tool needs a 'name'", param=f"tools.{i}")
+        function = {"name": tool["name"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema") or {"type": "object"}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_input_json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)

@@ -1,0 +1,109 @@
+"""Whole-conversation turns (AgentRuntime.respond): the longest common token prefix is reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_lm.utils import load_tokenizer
+
+from agents import AgentRuntime, Reply, RuntimeConfig
+from agents.document import common_prefix
+from engine.tiny import tiny_model_dir
+
+
+def config(data_dir: Path, model: str) -> RuntimeConfig:
+    return RuntimeConfig(model=model, data_dir=data_dir)
+
+
+async def respond(rt: AgentRuntime, agent_id: str, messages: list[dict], **kw) -> Reply:
+    reply = None
+    async for event in rt.respond(agent_id, messages, max_tokens=8, **kw):
+        reply = event
+    assert isinstance(reply, Reply)
+    return reply
+
+
+def tokens(model: str, messages: list[dict]) -> list[int]:
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def system(text: str) -> dict:
+    return {"role": "system", "content": text}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+async def test_edited_system_prompt_reprefills_only_what_changed(tmp_path):
+    model = "tiny:llama"  # global attention only: any prefix of a cache can be kept
+    base = "You are a careful assistant who checks every answer twice. "
+    first = [system(base + "Answer briefly."), user("Hello")]
+    edited = [system(base + "Answer at length."), user("Hello")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", first)
+        two = await respond(rt, "doc", edited)
+        transcript = [(str(m.role), m.content) for m in await rt.transcript("doc")]
+        agent = await rt.get_agent("doc")
+    shared = common_prefix([*tokens(model, first), *one.token_ids], tokens(model, edited))
+    assert one.usage.cached_tokens == 0 and one.cache_source == "none"
+    assert 0 < shared < len(tokens(model, edited))
+    assert two.usage.cached_tokens == shared and two.cache_source == "hot"
+    assert two.usage.prompt_tokens == len(tokens(model, edited))
+    # The conversation replaced the transcript; its system message is the system prompt.
+    assert transcript == [("user", "Hello"), ("assistant", two.text)]
+    assert agent.system_prompt == base + "Answer at length."
+
+
+async def test_follow_up_resumes_the_whole_cache_with_the_reply_spliced_in(tmp_path):
+    model = "tiny:llama"
+    conversation = [system("Be brief."), user("Hi"), system("The user is in a hurry.")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", conversation)
+        conversation += [{"role": "assistant", "content": one.text}, user("More")]
+        two = await respond(rt, "doc", conversation)
+    assert two.usage.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens
+
+
+async def test_dropped_messages_reprefill_from_the_first_change(tmp_path):
+    model = "tiny:llama"
+    conversation = [system("Be brief."), user("First question")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", conversation)
+        conversation += [{"role": "assistant", "content": one.text}, user("Second question")]
+        await respond(rt, "doc", conversation)
+        compacted = [system("Be brief."), user("Second question")]  # the first exchange dropped
+        three = await respond(rt, "doc", compacted)
+    shared = common_prefix(tokens(model, conversation[:2]), tokens(model, compacted))
+    assert three.usage.cached_tokens == shared > 0
+
+
+async def test_after_a_restart_replies_are_found_in_the_cache_on_disk(tmp_path):
+    model = "tiny:tools"
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    conversation = [system("Be brief."), user("Hi")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        one = await respond(rt, "doc", conversation, tools=[weather])
+        conversation += [{"role": "assistant", "content": one.text}, user("More")]
+        two = await respond(rt, "doc", conversation, tools=[weather])
+    conversation += [{"role": "assistant", "content": two.text}, user("Again")]
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        three = await respond(rt, "doc", conversation, tools=[weather])
+    assert three.cache_source == "disk"
+    assert three.usage.cached_tokens == two.usage.prompt_tokens + two.usage.completion_tokens
+
+
+async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path):
+    model = "tiny:gemma3"  # sliding-window layers (window 32): an old prefix is gone
+    long = "You are a careful assistant who checks every answer twice and thrice. " * 3
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        await respond(rt, "doc", [system(long + "A."), user("Hello")])
+        edited = await respond(rt, "doc", [system(long + "B."), user("Hello")])
+    assert edited.cache_source == "rebuilt" and edited.usage.cached_tokens == 0
