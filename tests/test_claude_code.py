@@ -384,7 +384,7 @@ def test_claude_cli_runs_the_tool_the_model_calls(server, http, tmp_path, force_
     )
     assert done.returncode == 0, done.stderr
     # Claude Code ran the tool and sent its result back; that turn resumed from the cache.
-    sessions = [a["id"] for a in http.get("/v1/agents").json()["data"]]
+    sessions = [a["id"] for a in http.get("/v1/agents", params={"limit": 1000}).json()["data"]]
     results = [
         m["content"]
         for agent_id in sessions
