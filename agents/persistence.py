@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import re
 import shutil
 import uuid
@@ -208,6 +210,30 @@ class DiskCaches:
                 return
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def fork(self, source_id: str, agent_id: str) -> bool:
+        """Give ``agent_id`` the source's current cache file: hard-linked, so no byte is copied
+        (copied only where the filesystem cannot link). Returns whether there was one."""
+        await self.wait(source_id)  # the newest cache of the source has landed
+        record = await self._registry.get_cache(source_id)
+        if record is None:
+            return False
+        source = self.root / record.path
+        rel = Path(agent_id) / Path(record.path).name
+        try:
+            await asyncio.to_thread(_link_or_copy, source, self.root / rel)
+        except FileNotFoundError:  # evicted or replaced meanwhile: the fork rebuilds instead
+            return False
+        fields_ = {f.name: getattr(record, f.name) for f in dataclasses.fields(NewCacheEntry)}
+        try:
+            await self._registry.set_cache(
+                agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()})
+            )
+        except BaseException:
+            remove_cache_file(self.root / rel)
+            raise
+        self.usage = await self._registry.cache_usage()
+        return True
+
     async def remove_agent(self, agent_id: str) -> None:
         """Delete every file of an agent (after its saves finished)."""
         await self.wait(agent_id)
@@ -250,3 +276,13 @@ class DiskCaches:
     async def close(self) -> None:
         await self.wait()
         await asyncio.to_thread(self._writer.close)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        shutil.copy2(source, target)  # another filesystem, or links not supported

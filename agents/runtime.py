@@ -202,6 +202,28 @@ class AgentRuntime(WholeConversations):
             self._replies.pop(agent_id, None)
             await self._disk.remove_agent(agent_id)
 
+    async def fork(
+        self, agent_id: str, new_id: str | None = None, *, name: str | None = None
+    ) -> AgentRecord:
+        """A new agent that continues ``agent_id``'s conversation: the same system prompt,
+        sampling and transcript, resuming from the same cache (shared in memory, hard-linked
+        on disk: nothing is prefilled or copied again). The two then go their own ways.
+
+        Raises:
+            AgentNotFoundError: no agent ``agent_id``.
+            AgentExistsError: ``new_id`` is taken.
+        """
+        self._check_open()
+        async with self._lock(agent_id):
+            forked = await self._registry.fork_agent(agent_id, new_id, name=name)
+            hot = self._hot.get(agent_id)
+            if hot is not None:  # caches are merged into the batch by copy: safe to share
+                self._hot.put(forked.id, hot.cache, hot.message_count)
+            if agent_id in self._replies:
+                self._replies[forked.id] = list(self._replies[agent_id])
+            await self._disk.fork(agent_id, forked.id)
+        return forked
+
     async def expire_agents(self) -> list[str]:
         """Delete the agents whose ``idle_ttl_s`` has passed since their last turn (transcript
         and cache files); agents with a turn in flight are left for the next call.

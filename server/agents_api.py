@@ -6,6 +6,8 @@ GET    /v1/agents?limit=&after_id=    one page, oldest first: {"object": "list",
 POST   /v1/agents                  {id?, name?, system_prompt?} -> 201 agent (409: id taken)
 GET    /v1/agents/{id}             agent, with "message_count" (404: no such agent)
 DELETE /v1/agents/{id}             {"id", "object": "agent.deleted", "deleted": true}
+POST   /v1/agents/{id}/fork        {id?, name?} -> 201 a new agent continuing this one's
+                                   conversation from the same cache (404, 409)
 GET    /v1/agents/{id}/messages?limit=&after_position=
                                    one page of the transcript, in order, same list shape
 """
@@ -88,6 +90,21 @@ async def create_agent(body: NewAgent, state: State) -> JSONResponse:
     )
     state.identity.created(agent)
     return JSONResponse(agent_body(agent, message_count=0), status_code=201)
+
+
+class Fork(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(default=None, min_length=1)
+    name: str | None = None
+
+
+@router.post("/{agent_id}/fork", status_code=201)
+async def fork_agent(agent_id: str, body: Fork, state: State) -> JSONResponse:
+    agent = await state.runtime.fork(agent_id, body.id, name=body.name)
+    state.identity.created(agent)
+    count = await state.runtime.message_count(agent.id)
+    return JSONResponse(agent_body(agent, message_count=count), status_code=201)
 
 
 @router.get("/{agent_id}")

@@ -17,13 +17,14 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 from sqlalchemy import delete, func, insert, select, tuple_, update
+from sqlalchemy import literal as sa_literal
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
 from store.errors import AgentExistsError, AgentNotFoundError
 from store.ids import new_agent_id, validate_agent_id
-from store.models import Agent, KVCache, Message, utcnow
+from store.models import Agent, KVCache, Message, UTCDateTime, utcnow
 from store.records import (
     AgentRecord,
     CacheRecord,
@@ -186,6 +187,49 @@ class Registry:
             if deleted is None:
                 raise AgentNotFoundError(agent_id)
             return None if cache is None else CacheRecord.from_row(cache)
+
+    async def fork_agent(
+        self, source_id: str, agent_id: str | None = None, *, name: str | None = None
+    ) -> AgentRecord:
+        """A new agent with the source's system prompt, sampling, model and a copy of its
+        transcript (one transaction; the cache entry is the caller's to set).
+
+        Raises:
+            AgentNotFoundError: No source agent.
+            AgentExistsError: ``agent_id`` is taken.
+        """
+        validate_agent_id(source_id)
+        agent_id = new_agent_id() if agent_id is None else validate_agent_id(agent_id)
+        now = utcnow()
+        try:
+            async with self._db.write() as session:
+                source = await session.get(Agent, source_id)
+                if source is None:
+                    raise AgentNotFoundError(source_id)
+                columns = validation.agent_fields(name=agent_id if name is None else name)
+                row = Agent(
+                    id=agent_id,
+                    system_prompt=source.system_prompt,
+                    model_fingerprint=source.model_fingerprint,
+                    sampling=dict(source.sampling),
+                    created_at=now,
+                    updated_at=now,
+                    **columns,
+                )
+                session.add(row)
+                await session.flush()
+                copied = [Message.position, Message.role, Message.content, Message.token_count]
+                await session.execute(
+                    insert(Message.__table__).from_select(
+                        ["agent_id", "position", "role", "content", "token_count", "created_at"],
+                        select(sa_literal(agent_id), *copied, sa_literal(now, UTCDateTime)).where(
+                            Message.agent_id == source_id
+                        ),
+                    )
+                )
+        except IntegrityError as exc:
+            raise AgentExistsError(agent_id) from exc
+        return AgentRecord.from_row(row)
 
     # -- messages -------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import agents.errors
 import engine.errors
 import store.errors
 from agents import (
+    AgentExistsError,
     AgentKVError,
     AgentNotFoundError,
     AgentRuntime,
@@ -607,3 +608,35 @@ async def test_agents_with_an_idle_ttl_expire_and_others_stay(tmp_path):
         assert (await rt.get_agent("keeps")).idle_ttl_s is None
     with pytest.raises(ValidationError):
         RuntimeConfig(model="tiny:gemma3", disk_budget_bytes=-1)
+
+
+async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        await rt.create_agent("src", system_prompt="You are a guide.")
+        await run_turns(rt, "src", TURNS[:2])
+        forked = await rt.fork("src", "copy", name="Copy")
+        assert (forked.name, forked.system_prompt) == ("Copy", "You are a guide.")
+        assert [(m.role, m.content) for m in await rt.transcript("copy")] == [
+            (m.role, m.content) for m in await rt.transcript("src")
+        ]
+        a, b = await asyncio.gather(rt.chat("src", TURNS[2]), rt.chat("copy", TURNS[2]))
+        assert b.cache_source == "hot" and b.usage.cached_tokens == a.usage.cached_tokens > 0
+        assert a.token_ids == b.token_ids  # the same history, the same exact cache
+        with pytest.raises(AgentExistsError):
+            await rt.fork("src", "copy")
+        with pytest.raises(AgentNotFoundError):
+            await rt.fork("nobody")
+        await rt.flush()
+        before = {p.parent.name: p for p in (tmp_path / "caches").glob("*/*.safetensors")}
+        assert set(before) == {"src", "copy"}
+        late = await rt.fork("src", "late")  # after the saves: the file is linked, not copied
+    files = {p.parent.name: p for p in (tmp_path / "caches").glob("*/*.safetensors")}
+    assert files["late"].stat().st_ino == files["src"].stat().st_ino
+    assert files["copy"].stat().st_ino != files["src"].stat().st_ino  # each turn wrote its own
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        y = await rt.chat("src", TURNS[3])  # replaces (unlinks) its old file
+        await rt.delete_agent("src")
+        assert not (tmp_path / "caches" / "src").exists()
+        x = await rt.chat(late.id, TURNS[3])  # its link outlived the source's files
+        assert (x.cache_source, y.cache_source) == ("disk", "disk")
+        assert x.token_ids == y.token_ids

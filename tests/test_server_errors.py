@@ -285,3 +285,23 @@ def disk_metrics(http: httpx.Client) -> dict[str, float]:
         for s in family.samples
         if s.name.startswith("agentkv_cache_")
     }
+
+
+def test_fork_over_http(http):
+    headers = {"x-agent-id": "fork-src"}
+    first = http.post("/v1/messages", json=anthropic_body([user("Hello there")]), headers=headers)
+    assert first.status_code == 200
+    forked = http.post("/v1/agents/fork-src/fork", json={"id": "fork-dst", "name": "Dst"})
+    assert forked.status_code == 201
+    assert (forked.json()["id"], forked.json()["name"], forked.json()["message_count"]) == (
+        "fork-dst",
+        "Dst",
+        2,
+    )
+    assert transcript(http, "fork-dst") == transcript(http, "fork-src")
+    again = http.post(
+        "/v1/messages", json=anthropic_body([user("Go on")]), headers={"x-agent-id": "fork-dst"}
+    )
+    assert again.json()["usage"]["cache_read_input_tokens"] > 0
+    assert http.post("/v1/agents/fork-src/fork", json={"id": "fork-dst"}).status_code == 409
+    assert http.post("/v1/agents/nope/fork", json={}).status_code == 404
