@@ -227,15 +227,15 @@ def _checksum(
     return digest.hexdigest() if legacy else _XXH3_PREFIX + digest.hexdigest()
 
 
-def _read_whole(path: Path) -> bytearray:
-    """The file's bytes in a writable buffer, read once."""
+def _read_whole(path: Path) -> memoryview:
+    """The file's bytes in a writable buffer, read once (``np.empty``: no zero-filling pass)."""
     with open(path, "rb") as file:
-        data = bytearray(os.fstat(file.fileno()).st_size)
-        read = file.readinto(data)
-    return data[:read] if read != len(data) else data
+        buffer = np.empty(os.fstat(file.fileno()).st_size, np.uint8)
+        read = file.readinto(buffer)
+    return memoryview(buffer)[:read]
 
 
-def _tensor_views(path: Path, header: dict[str, Any], data: bytearray) -> dict[str, np.ndarray]:
+def _tensor_views(path: Path, header: dict[str, Any], data: memoryview) -> dict[str, np.ndarray]:
     """Each tensor as a view of ``data``, its dtype, shape and byte range checked."""
     start = _HEADER_LENGTH.size + _HEADER_LENGTH.unpack_from(data)[0]
     tensors = {}
@@ -265,7 +265,7 @@ def _json_line(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
 
 
-def _parse_header(path: Path, data: bytes) -> dict[str, Any]:
+def _parse_header(path: Path, data: bytes | memoryview) -> dict[str, Any]:
     """The header JSON, after checking the file is long enough for it and for its data."""
     if len(data) < _HEADER_LENGTH.size:
         raise CacheFileCorruptError(
@@ -275,13 +275,13 @@ def _parse_header(path: Path, data: bytes) -> dict[str, Any]:
     end = _HEADER_LENGTH.size + length
     if end > len(data):
         # A file cut inside its header still starts like one; random bytes rarely do.
-        looks_cut = b'{"'.startswith(data[8:10])
+        looks_cut = b'{"'.startswith(bytes(data[8:10]))
         kind = Corruption.TRUNCATED if looks_cut else Corruption.NOT_SAFETENSORS
         raise CacheFileCorruptError(
             path, kind, f"header of {length} bytes announced, file has {len(data)}"
         )
     try:
-        header = json.loads(data[_HEADER_LENGTH.size : end])
+        header = json.loads(bytes(data[_HEADER_LENGTH.size : end]))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise CacheFileCorruptError(path, Corruption.NOT_SAFETENSORS, f"header: {exc}") from exc
     if not isinstance(header, dict):
