@@ -4,7 +4,8 @@ A Claude Code session has an agent of its own, ``claude-code-<session id>-<tool 
 session is named by the ``x-claude-code-session-id`` header or by the ``session_id`` inside the
 JSON that Claude Code sends as ``metadata.user_id``; side requests of the session (a title, a
 summary: another prompt, no tools) get a sibling agent, so they do not evict the main
-conversation's cache. Its requests are whole conversations (see ``AgentRuntime.respond``):
+conversation's cache. Like agents made for requests without an id, these expire after the
+server's idle TTL. Its requests are whole conversations (see ``AgentRuntime.respond``):
 each one is the document, and the agent's cache is reused up to the longest common token
 prefix.
 
@@ -234,7 +235,9 @@ class Identity:
         if named is not None:
             await self._enter(named)
             try:
-                claim = await self._named(named, request)
+                # A Claude Code session is a stateless client too: its agents expire when idle.
+                ttl = self._stateless_ttl_s if request.agent_id is None else None
+                claim = await self._named(named, request, ttl)
             except BaseException:
                 self._leave(named)
                 raise
@@ -270,14 +273,16 @@ class Identity:
     def _stored_reply(self, reply: Reply) -> str:
         return self._runtime.stored_text(reply.content.as_message())
 
-    async def _named(self, agent_id: str, request: TurnRequest) -> Claim:
+    async def _named(self, agent_id: str, request: TurnRequest, idle_ttl_s: int | None) -> Claim:
         runtime = self._runtime
         created = False
         try:
             await runtime.get_agent(agent_id)
             transcript = _as_chat(await runtime.transcript(agent_id))
         except AgentNotFoundError:
-            await runtime.create_agent(agent_id, system_prompt=request.system or None)
+            await runtime.create_agent(
+                agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
+            )
             transcript, created = [], True
         imported = request.history if request.document is None and not transcript else []
         return Claim(agent_id, history=list(imported), created=created)

@@ -28,6 +28,7 @@ from agents import RuntimeConfig
 from engine.sampling import SamplingParams
 from engine.tiny import tiny_model_dir
 from server import turns
+from server.app import DEFAULT_STATELESS_TTL_S
 from server.background import serve_in_thread
 
 MODEL = "tiny:tools"
@@ -175,6 +176,8 @@ def test_replayed_claude_code_session_resumes_from_cache(http):
     agent_id = headers["x-agent-id"]
     session = first["headers"]["x-claude-code-session-id"]
     assert agent_id.startswith(f"claude-code-{session}-")
+    # Session agents, like those of other stateless clients, expire when idle.
+    assert http.get(f"/v1/agents/{agent_id}").json()["idle_ttl_s"] == DEFAULT_STATELESS_TTL_S
 
     # A side request of the same session (a title: another prompt, no tools) gets its own agent.
     _, title_headers = post_stream(http, title)
