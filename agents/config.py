@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
+from engine.kv_codec import DEFAULT_GROUP_SIZE
 
 
 class RuntimeConfig(BaseModel):
@@ -36,7 +37,7 @@ class RuntimeConfig(BaseModel):
     db_url: str | None = None
     cache_dir: Path | None = None
     kv_bits: Literal[8, 4] | None = 8
-    kv_group_size: Literal[32, 64, 128] = 64
+    kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
     hot_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
     disk_budget_bytes: int | None = Field(default=None, ge=0)
     default_max_tokens: int = Field(default=512, ge=1)

@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.plots import save_plot, write_report
 from engine.engine import Engine
-from engine.kv_codec import EncodedCache, decode_cache, encode_cache
+from engine.kv_codec import DEFAULT_GROUP_SIZE, EncodedCache, decode_cache, encode_cache
 from engine.request import PromptCache
 from store.cache_files import read_cache_file, write_cache_file
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens")
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward pass")
-    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=(32, 64, 128))
     parser.add_argument("--cache-dir", type=Path, help="where to write files (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="histories 64 and 600, 32 tokens")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")

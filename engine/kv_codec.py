@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+# 32 rather than mlx-lm's 64: on a trained model (gemma3-270m, 4K history) q8 keeps 99.2% of
+# teacher-forced top-1 tokens against 98.4% at 64, for 6% more bytes (q8 0.5625x of float16).
+DEFAULT_GROUP_SIZE = 32
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
 _warned_head_dims: set[int] = set()
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -98,7 +101,9 @@ def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
     return None
 
 
-def encode_cache(cache: PromptCache, kv_bits: int | None, group_size: int = 64) -> EncodedCache:
+def encode_cache(
+    cache: PromptCache, kv_bits: int | None, group_size: int = DEFAULT_GROUP_SIZE
+) -> EncodedCache:
     """Copy a prompt cache into host memory, quantizing keys and values if asked.
 
     Args:

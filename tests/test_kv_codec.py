@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from engine.engine import Engine
 from engine.kv_codec import (
+    DEFAULT_GROUP_SIZE,
     FORMAT_VERSION,
     CacheFormatError,
     EncodedCache,
@@ -140,7 +141,7 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
     worst = {}
     for kv_bits in (8, 4):
         encoded = await engine.run(encode_cache, original, kv_bits)
-        assert (encoded.kv_bits, encoded.group_size) == (kv_bits, 64)
+        assert (encoded.kv_bits, encoded.group_size) == (kv_bits, DEFAULT_GROUP_SIZE)
         decoded = await engine.run(decode_cache, encoded)
         assert [layout(d) for d in decoded.layers] == [layout(o) for o in original.layers]
         assert all(d.keys.dtype == mx.float32 for d in decoded.layers)
@@ -149,7 +150,7 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
         for i, ((ok, ov), (dk, dv)) in enumerate(pairs):
             for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
                 scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
-                step = np.repeat(np.abs(scales), 64, axis=-1)
+                step = np.repeat(np.abs(scales), DEFAULT_GROUP_SIZE, axis=-1)
                 err = np.abs(exact - approx)
                 # Affine rounding plus MLX's zero-point nudge, plus float16 casts in and out.
                 assert np.all(err <= 1.25 * step + 2**-10 * np.abs(exact))
@@ -188,9 +189,15 @@ async def test_quantized_sizes_against_float16(engine):
     assert token_bytes == 130 * 4
     fp16_kv = (encoded[None].nbytes - token_bytes) // 2  # the tiny models are float32
     ratios = {b: (encoded[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)}
-    assert ratios == {8: 0.53125, 4: 0.28125}  # (d + 4d/64) / 2d and (d/2 + 4d/64) / 2d
-    assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.56
-    assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.31
+    # The default group size 32: (d + 4d/32) / 2d and (d/2 + 4d/32) / 2d.
+    assert ratios == {8: 0.5625, 4: 0.3125}
+    assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.57
+    assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.32
+    at_64 = {b: await engine.run(encode_cache, cache, b, 64) for b in (8, 4)}
+    assert {b: (at_64[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)} == {
+        8: 0.53125,
+        4: 0.28125,
+    }
 
 
 async def test_tensor_names_and_metadata(gemma):
@@ -493,7 +500,7 @@ def test_head_dim_96_quantizes_with_group_32_and_resumes_like_the_original():
     layers = [KVCache() for _ in model.layers]
     model(mx.array([prompt]), cache=layers)
     cache = PromptCache(layers, prompt)
-    encoded = encode_cache(cache, 8)  # preferred 64 does not divide 96
+    encoded = encode_cache(cache, 8, 64)  # preferred 64 does not divide 96
     assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [32, 32]
     assert encoded.tensors["layers.0.keys.scales"].shape == (1, 2, 40, 3)
     decoded = decode_cache(encoded)
@@ -515,7 +522,7 @@ def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(c
         layers.append(layer)
     cache = PromptCache(layers, list(range(10)))
     with caplog.at_level(logging.WARNING, logger="engine.kv_codec"):
-        encoded = encode_cache(cache, 4)
+        encoded = encode_cache(cache, 4, 64)
     assert "KV head size 72 is not divisible by any quantization group size" in caplog.text
     assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [64, None]
     assert {"layers.0.keys.q", "layers.1.keys", "layers.1.values"} <= set(encoded.tensors)

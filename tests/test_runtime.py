@@ -137,7 +137,7 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             await rt.chat("q", "Hello there", max_tokens=20)
         async with await AgentRuntime.open(config(data, kv_bits=bits)) as rt:
             entry = await rt._registry.get_cache("q")
-            assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, 64, 2)
+            assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, 32, 2)
             reply = await rt.chat("q", "Again", max_tokens=8)
             assert reply.cache_source == "disk"
             assert len(await rt.transcript("q")) == 4
