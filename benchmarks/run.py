@@ -17,6 +17,7 @@ from benchmarks import (
     bench_peer,
     bench_resume,
     bench_roundtrip,
+    bench_stall,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -26,6 +27,7 @@ SUITE = {
     "load": bench_load,
     "resume": bench_resume,
     "peer": bench_peer,
+    "stall": bench_stall,
     "fidelity": bench_fidelity,
 }
 

@@ -67,6 +67,16 @@ def test_load_quick(tmp_path):
     assert all(v["ms"] > 0 for v in row.values() if isinstance(v, dict))
 
 
+def test_stall_quick(tmp_path):
+    report = run_quick("bench_stall", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["import.messages"] == 2_000 and report["import.wall_s"] > 0
+    assert report["import.worst_stall_s"] >= 0
+    assert report["count_tokens.input_tokens"] > 10_000 and report["count_tokens.pings"] > 0
+    assert report["count_tokens.ping_max_ms"] >= report["count_tokens.ping_median_ms"] > 0
+
+
 def test_resume_quick(tmp_path):
     report = run_quick("bench_resume", tmp_path)
 
