@@ -28,7 +28,7 @@ from agents.errors import EmptyMessageError
 from agents.prompt import Message, checked_texts
 from agents.tool_calls import ParsedReply
 from agents.types import CacheSource, Reply, TextDelta, TurnPlan
-from engine.request import GenerationRequest, GenerationResult
+from engine.request import GenerationResult
 from engine.sampling import SamplingParams
 from store import AgentRecord, MessageRecord, NewMessage
 
@@ -92,15 +92,7 @@ class WholeConversations:
             agent = await self._registry.get_agent(agent_id)
             history = await self._registry.transcript(agent_id)
             plan, document = await self._plan_document(agent_id, messages, tools, history)
-            request = GenerationRequest(
-                plan.prompt_tokens,
-                max_tokens=options["max_tokens"] or self.config.default_max_tokens,
-                sampling=options["sampling"] or SamplingParams(**agent.sampling),
-                stop=list(options["stop"] or []),
-                priority=priority,
-                cache=plan.cache,
-            )
-            async for event in self._generate(agent_id, request):
+            async for event in self._generate(agent, plan, priority=priority, **options):
                 if isinstance(event, TextDelta):
                     yield event
                 else:

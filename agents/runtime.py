@@ -337,15 +337,8 @@ class AgentRuntime(WholeConversations):
                 {"role": "user", "content": message},
             ]
             plan = await self._plan(agent_id, messages, len(stored) + len(history), bool(stored))
-            request = GenerationRequest(
-                plan.prompt_tokens,
-                max_tokens=max_tokens or self.config.default_max_tokens,
-                sampling=sampling or SamplingParams(**agent.sampling),
-                stop=list(stop or []),
-                priority=priority,
-                cache=plan.cache,
-            )
-            async for event in self._generate(agent_id, request):
+            options = {"max_tokens": max_tokens, "sampling": sampling, "stop": stop}
+            async for event in self._generate(agent, plan, priority=priority, **options):
                 if isinstance(event, TextDelta):
                     yield event
                 else:
@@ -355,10 +348,27 @@ class AgentRuntime(WholeConversations):
             yield self._reply(agent_id, plan, result, started)
 
     async def _generate(
-        self, agent_id: str, request: GenerationRequest
+        self,
+        agent: AgentRecord,
+        plan: TurnPlan,
+        *,
+        max_tokens: int | None,
+        sampling: SamplingParams | None,
+        stop: list[str] | None,
+        priority: float,
     ) -> AsyncIterator[TextDelta | GenerationResult]:
-        """Run ``request`` (max_tokens clamped to the context): TextDelta pieces, then the
-        GenerationResult. Raises ContextLengthError, or TurnFailedError when it fails."""
+        """Run the plan's prompt on its cache (max_tokens clamped to the context; the agent's
+        sampling by default): TextDelta pieces, then the GenerationResult. Raises
+        ContextLengthError, or TurnFailedError when generation fails."""
+        agent_id = agent.id
+        request = GenerationRequest(
+            plan.prompt_tokens,
+            max_tokens=max_tokens or self.config.default_max_tokens,
+            sampling=sampling or SamplingParams(**agent.sampling),
+            stop=list(stop or []),
+            priority=priority,
+            cache=plan.cache,
+        )
         self._check_context(request)
         async with self._engine.submit(request) as handle:
             async for event in handle:

@@ -338,6 +338,7 @@ def test_claude_cli_print_and_continue(server, http, tmp_path):
         "HOME": str(tmp_path / "home"),
         "ANTHROPIC_BASE_URL": server,
         "ANTHROPIC_API_KEY": "sk-local",
+        "TMPDIR": str(tmp_path),  # nothing shared with another claude process on the machine
     }
     (tmp_path / "home").mkdir()
     (tmp_path / "project").mkdir()
@@ -374,6 +375,7 @@ def test_claude_cli_runs_the_tool_the_model_calls(server, http, tmp_path, force_
         "HOME": str(tmp_path / "home"),
         "ANTHROPIC_BASE_URL": server,
         "ANTHROPIC_API_KEY": "sk-local",
+        "TMPDIR": str(tmp_path),  # nothing shared with another claude process on the machine
     }
     force_tool_call("Read", {"file_path": str(project / "notes.txt")})
     cached = metric(http, "agentkv_input_tokens_total", kind="cached")
