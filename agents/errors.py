@@ -30,6 +30,7 @@ __all__ = [
     "EmptyMessageError",
     "InvalidMessageError",
     "RuntimeClosedError",
+    "ToolsUnsupportedError",
     "TurnFailedError",
 ]
 
