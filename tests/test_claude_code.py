@@ -331,16 +331,22 @@ def test_openai_sdk_tool_call_round_trip(server, force_tool_call):
         )
 
 
-@pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
-def test_claude_cli_print_and_continue(server, http, tmp_path):
-    env = {
+def claude_env(server: str, tmp_path) -> dict[str, str]:
+    """What a user sets to point the claude CLI at agentkv: the base URL and a key (plus a
+    fresh HOME and TMPDIR, so nothing is shared with another claude process or the user's)."""
+    (tmp_path / "home").mkdir()
+    return {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path / "home"),
+        "TMPDIR": str(tmp_path),
         "ANTHROPIC_BASE_URL": server,
         "ANTHROPIC_API_KEY": "sk-local",
-        "TMPDIR": str(tmp_path),  # nothing shared with another claude process on the machine
     }
-    (tmp_path / "home").mkdir()
+
+
+@pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
+def test_claude_cli_print_and_continue(server, http, tmp_path):
+    env = claude_env(server, tmp_path)
     (tmp_path / "project").mkdir()
 
     def claude(*args: str) -> subprocess.CompletedProcess:
@@ -369,14 +375,7 @@ def test_claude_cli_runs_the_tool_the_model_calls(server, http, tmp_path, force_
     project = tmp_path / "project"
     project.mkdir()
     (project / "notes.txt").write_text("the answer is 42\n")
-    (tmp_path / "home").mkdir()
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path / "home"),
-        "ANTHROPIC_BASE_URL": server,
-        "ANTHROPIC_API_KEY": "sk-local",
-        "TMPDIR": str(tmp_path),  # nothing shared with another claude process on the machine
-    }
+    env = claude_env(server, tmp_path)
     force_tool_call("Read", {"file_path": str(project / "notes.txt")})
     cached = metric(http, "agentkv_input_tokens_total", kind="cached")
     done = subprocess.run(
