@@ -214,10 +214,12 @@ async def main(argv: list[str] | None = None) -> int:
         await rt.close()
         closed = time.perf_counter() - t0
         rt = await AgentRuntime.open(config)
-        files = sorted(
-            p.relative_to(config.caches_path) for p in config.caches_path.rglob("*.safetensors")
+        disk = rt.stats()["disk"]
+        say(
+            f"  closed in {closed:.2f}s, reopened; {disk['files']} cache files on disk "
+            f"({disk['bytes'] / 1e6:.1f} MB, kv_bits=8): one tail per agent and "
+            f"{disk['blocks']} blocks of {config.kv_block_tokens} tokens they share"
         )
-        say(f"  closed in {closed:.2f}s, reopened; {len(files)} cache files on disk (kv_bits=8)")
 
         say("\n[4/5] resume every agent from disk vs re-prefilling the same history")
         resume_rows = await resume_vs_reprefill(rt, args.max_tokens)

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
-from engine.kv_codec import DEFAULT_GROUP_SIZE
+from engine.kv_codec import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
 
 
 class RuntimeConfig(BaseModel):
@@ -26,6 +26,12 @@ class RuntimeConfig(BaseModel):
         disk_budget_bytes: when the cache files exceed it, the caches of the agents idle
             longest are evicted (their transcripts stay; they are rebuilt when they speak).
             None: no budget.
+        kv_block_tokens: tokens per stored block. Caches are saved as blocks shared by every
+            agent whose tokens start alike, plus a small per-agent tail; a turn writes only its
+            new blocks and the tail.
+        share_prefixes: a new agent (or one rebuilding) whose prompt starts with stored blocks
+            resumes from them; when its system prompt (and tools) span a block and are not
+            stored yet, it prefills them first and stores them for the agents that follow.
         default_max_tokens: max_tokens of a turn when the call does not say.
         engine: continuous-batching limits.
     """
@@ -40,6 +46,8 @@ class RuntimeConfig(BaseModel):
     kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
     hot_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
     disk_budget_bytes: int | None = Field(default=None, ge=0)
+    kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
+    share_prefixes: bool = True
     default_max_tokens: int = Field(default=512, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -91,19 +92,24 @@ class WholeConversations:
         async with self._lock(agent_id):
             agent = await self._registry.get_agent(agent_id)
             history = await self._registry.transcript(agent_id)
-            plan, document = await self._plan_document(agent_id, messages, tools, history)
-            async for event in self._generate(agent, plan, priority=priority, **options):
-                if isinstance(event, TextDelta):
-                    yield event
-                else:
-                    result = event
+            plan, document = await self._plan_document(agent_id, messages, tools, history, priority)
+            try:
+                async for event in self._generate(agent, plan, priority=priority, **options):
+                    if isinstance(event, TextDelta):
+                        yield event
+                    else:
+                        result = event
+            except BaseException:
+                if plan.release:
+                    plan.release()
+                raise
             reply = CachedReply(
                 len(document.tokens),
                 tuple(result.token_ids),
                 self._parse(result.text, tools),
             )
             await self._shielded(
-                self._commit_document(agent, history, messages, result, document, reply)
+                self._commit_document(agent, history, messages, result, document, reply, plan)
             )
             self._sources[plan.source] += 1
             yield dataclasses.replace(
@@ -116,8 +122,11 @@ class WholeConversations:
         messages: list[Message],
         tools: list[dict[str, Any]] | None,
         history: list[MessageRecord],
+        priority: float = 0.0,
     ) -> tuple[TurnPlan, DocumentPrompt]:
-        """Render the conversation and resume from the longest prefix the cache shares."""
+        """Render the conversation and resume from the longest prefix the cache shares; with
+        no usable cache of its own, from a stored prefix (another conversation's system prompt
+        and tools)."""
         start = time.perf_counter()
         source: CacheSource = "hot"
         hot = self._hot.get(agent_id)
@@ -146,6 +155,12 @@ class WholeConversations:
         resumed = cache.prefix(shared) if cache else None
         if resumed is None and cache is not None:
             source = "rebuilt"
+        if resumed is None or resumed.num_tokens < self._disk.block_tokens:
+            # A stored prefix (at least a block) beats less than a block of the agent's own.
+            head = functools.partial(self._renderer.shared_head, messages, document.tokens, tools)
+            plan = await self._plan_from_prefix(document.tokens, head, source, start, priority)
+            if plan.cache is not None or resumed is None:
+                return plan, document
         kept = resumed.num_tokens if resumed else 0
         plan = TurnPlan(document.tokens[kept:], resumed, source, time.perf_counter() - start)
         return plan, document
@@ -158,6 +173,7 @@ class WholeConversations:
         result: GenerationResult,
         document: DocumentPrompt,
         reply: CachedReply,
+        plan: TurnPlan,
     ) -> None:
         system, first = None, 0
         if messages[0]["role"] == "system":
@@ -182,7 +198,7 @@ class WholeConversations:
             agent.id, stored[keep:], replace_from=keep, system_prompt=system
         )
         self._hot.put(agent.id, result.cache, len(stored))
-        self._disk.save(agent.id, result.cache, len(stored))
+        self._disk.save(agent.id, result.cache, len(stored), then=plan.release)
         self._replies[agent.id] = [*document.replies, reply]
 
     def _parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:

@@ -1,48 +1,97 @@
-"""Per-agent caches on disk: quantized on the generation thread, written by a writer thread.
+"""Agents' KV caches on disk: paged into content-addressed blocks shared between agents.
 
-Save path: finished cache -> ``encode_cache`` on the generation thread (quantize, copy to host)
--> writer thread writes safetensors atomically -> registry points at the new file -> the old
-file is removed. Neither the event loop nor the decode loop waits on disk. If a newer cache of
-the same agent is queued before an older one is written, the older write is skipped.
+Layout under ``root``::
 
-Load path: registry entry -> read and verify the file in a worker thread -> on a CPU, dequantize
-there too (numpy), so the generation thread only copies arrays in; on a GPU, ``decode_cache``
-dequantizes on the device (far cheaper than host float16 math) -> a PromptCache ready to merge
-into the batch.
-Any problem (missing, truncated, corrupt, other model, old format) is logged and reported as
-"no cache".
+    <agent id>/<messages>-<hex>.safetensors     the agent's tail (format 2; format 1: a whole
+                                                cache, still read, replaced at the next save)
+    _blocks/<key[:2]>/<key>.safetensors         one block: the global-attention layers' keys and
+                                                values of ``block_tokens`` tokens
+    _blocks/<key[:2]>/<key>.window.safetensors  optional: the sliding-window layers' state at
+                                                the block's end (a new cache can start there)
+
+A block's key is a hash chain (XXH3-128) over the model, the storage settings and every token
+up to the block's end, so caches whose tokens start alike list the same keys and share the
+files. The registry lists each agent's blocks (``kv_cache_blocks``); a block no agent lists is
+garbage and is collected after saves and deletions, except while a turn that stored it as a
+shared prefix still runs (it is pinned).
+
+Save path: finished cache -> the registry says which of its blocks are stored -> the
+generation thread encodes only the new blocks and the tail (quantizing them) -> the writer
+thread writes the files, records them and points the agent at the tail in one registry
+transaction, removes the agent's previous tail, and collects garbage. A turn therefore writes
+its new tokens and one tail (a partial block plus the sliding layers' windows), whatever the
+length of the history. Writer jobs run one at a time, so a block is written at most once and
+never removed while a save that counts on it is between its check and its commit; if one was
+collected before the check, the commit fails and the save starts again.
+
+Load path: registry entry -> a worker thread reads the tail and blocks, verifies them (each file
+carries its checksum) and assembles the layers (dequantizing on a CPU; a GPU engine dequantizes
+on the device) -> a PromptCache ready to merge into the batch. Any problem is logged and
+reported as "no cache": the transcript is the source of truth.
+
+Prefix reuse: a cache that starts with stored blocks whose last one has a window file can be
+built from them, so a new agent with a stored system prompt prefills only the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
 
 from engine.engine import Engine
 from engine.kv_codec import (
+    DEFAULT_BLOCK_TOKENS,
     FORMAT_VERSION,
+    PAGED_FORMAT_VERSION,
     CacheFormatError,
     EncodedCache,
+    PagedCache,
+    assemble_paged,
     decode_cache,
     dequantize_on_host,
-    encode_cache,
+    encode_paged,
 )
 from engine.request import PromptCache
-from store import AgentNotFoundError, NewCacheEntry, Registry
+from store import (
+    AgentNotFoundError,
+    BlocksMissingError,
+    CacheRecord,
+    DiskUsage,
+    NewBlock,
+    NewCacheEntry,
+    Registry,
+)
 from store.cache_files import read_cache_file, remove_cache_file, write_cache_file
-from store.errors import CacheFileError
+from store.errors import CacheFileCorruptError, CacheFileError
 from store.writer import CacheWriter
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BLOCKS_DIR = "_blocks"  # agent ids start with a letter or digit: no agent has this directory
+
+# What ``_save`` names tails (``<message count>-<hex>.safetensors``) and the writer's temp files.
+_WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
+# Block and window files, and their temp files.
+_BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(\.window)?\.safetensors(\.tmp-\w+)?")
+_EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
+_SAVE_ATTEMPTS = 3
+_GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
+_PREFIX_TASKS = "\x00prefixes"  # key of shared-prefix writes in ``_pending``
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,19 +100,25 @@ class LoadedCache:
     message_count: int
 
 
-# What ``_save`` names files (``<message count>-<hex>.safetensors``) and the writer's temp files.
-_WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
-
-
-_EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
-
-
 class StaleCacheError(ValueError):
     """A cache file that does not belong to this model, format or registry entry."""
 
 
+def chain_keys(seed: bytes, tokens: Sequence[int], block_tokens: int) -> list[str]:
+    """The key of each full block of ``tokens``: XXH3-128 of the previous key (``seed`` for
+    the first) and the block's tokens as little-endian int32, in hex."""
+    array = np.asarray(tokens, dtype="<i4")
+    keys, previous = [], seed
+    for start in range(0, len(array) - block_tokens + 1, block_tokens):
+        digest = xxhash.xxh3_128(previous)
+        digest.update(array[start : start + block_tokens].tobytes())
+        previous = digest.digest()
+        keys.append(digest.hexdigest())
+    return keys
+
+
 class DiskCaches:
-    """Saves and loads agents' caches under ``root/<agent_id>/``."""
+    """Saves and loads agents' caches under ``root`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -73,17 +128,20 @@ class DiskCaches:
         kv_bits: int | None,
         group_size: int,
         *,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         budget_bytes: int | None = None,
         lock_of: Callable[[str], asyncio.Lock] | None = None,
     ):
         """
         Args:
+            block_tokens: tokens per block.
             budget_bytes: evict the caches of the agents idle longest when the files exceed it
                 (None: no budget). Transcripts stay; an evicted agent is rebuilt when it speaks.
             lock_of: the per-agent turn lock; eviction skips agents whose lock is held and
                 holds it while it evicts.
         """
         self.root = root
+        self.block_tokens = block_tokens
         self._registry = registry
         self._engine = engine
         self._kv_bits = kv_bits
@@ -93,41 +151,355 @@ class DiskCaches:
         self._evicting = asyncio.Lock()
         self._writer = CacheWriter()
         self._pending: dict[str, set[asyncio.Task]] = {}
+        self._pins: Counter[str] = Counter()
         self._loop = asyncio.get_running_loop()
+        self._seed = "|".join(
+            (
+                "agentkv-blocks-v2",
+                self.fingerprint,
+                str(kv_bits),
+                str(group_size),
+                str(block_tokens),
+            )
+        ).encode()
         self.saved = 0
         self.load_failures = 0
         self.evictions = 0
-        self.usage = (0, 0)  # (bytes, files) of the current cache files, as last counted
+        self.blocks_written = 0
+        self.blocks_shared = 0  # blocks a save found already stored
+        self.bytes_written = 0
+        self.prefix_hits = 0
+        self.prefix_tokens = 0  # tokens taken from stored prefixes instead of prefilled
+        self.usage = DiskUsage(0, 0, 0)  # as last counted
 
     @property
     def fingerprint(self) -> str:
         return self._engine.model.fingerprint
 
-    def save(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
-        """Schedule a save; returns at once. ``wait`` or ``close`` waits for it."""
+    def keys(self, tokens: Sequence[int]) -> list[str]:
+        """The block keys of ``tokens`` (one per full block) under this model and settings."""
+        return chain_keys(self._seed, tokens, self.block_tokens)
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def save(
+        self,
+        agent_id: str,
+        cache: PromptCache,
+        message_count: int,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Schedule a save; returns at once. ``wait`` or ``close`` waits for it. ``then`` is
+        called when it is over (saved or not)."""
         task = asyncio.create_task(self._save(agent_id, cache, message_count))
         tasks = self._pending.setdefault(agent_id, set())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
 
     async def _save(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
         try:
-            encoded = await self._engine.run(encode_cache, cache, self._kv_bits, self._group_size)
-            name = f"{message_count:06d}-{uuid.uuid4().hex[:8]}.safetensors"
-            job = self._writer.submit(
-                agent_id,
-                lambda: self._write(agent_id, Path(agent_id) / name, encoded, message_count),
-            )
-            await asyncio.wrap_future(job)
+            keys = self.keys(cache.tokens)
+            for attempt in range(_SAVE_ATTEMPTS):
+                missing = await self._missing(keys)
+                paged = await self._engine.run(
+                    encode_paged, cache, self._kv_bits, self._group_size, self.block_tokens, missing
+                )
+                name = f"{message_count:06d}-{uuid.uuid4().hex[:8]}.safetensors"
+                keep = self._pinned()
+                job = self._writer.submit(
+                    agent_id,
+                    functools.partial(
+                        self._write, agent_id, name, paged, keys, message_count, keep
+                    ),
+                )
+                try:
+                    await asyncio.wrap_future(job)
+                    break
+                except BlocksMissingError:
+                    if attempt == _SAVE_ATTEMPTS - 1:
+                        raise
+                    log.info("blocks of agent %r were collected meanwhile; saving again", agent_id)
             await self._keep_budget()
         except Exception:
             log.exception("saving the cache of agent %r failed; its transcript is intact", agent_id)
 
+    async def _missing(self, keys: Sequence[str]) -> set[int]:
+        """Indexes of the blocks to write: not recorded, or recorded but their file is gone
+        (removed as corrupt by a load)."""
+        known = await self._registry.known_blocks(keys)
+        return await asyncio.to_thread(
+            lambda: {j for j, key in enumerate(keys) if not self._stored(key, known)}
+        )
+
+    def _stored(self, key: str, known: dict[str, bool], window: bool = False) -> bool:
+        if key not in known or (window and not known[key]):
+            return False
+        return self._block_path(key, window).exists()
+
+    def _write(
+        self,
+        agent_id: str,
+        name: str,
+        paged: PagedCache,
+        keys: list[str],
+        message_count: int,
+        keep: frozenset[str],
+    ) -> None:
+        """On the writer thread: write new blocks and the tail, record them, drop the old tail,
+        collect garbage."""
+        fresh = [keys[j] for j in paged.blocks]
+        known = self._call(self._registry.known_blocks(fresh)) if fresh else {}
+        new_blocks, written = [], []
+        try:
+            for j, block in paged.blocks.items():
+                key = keys[j]
+                if self._stored(key, known):  # stored by another save since this one looked
+                    continue
+                info = self._write_file(self._block_path(key), block, {"key": key})
+                written.append(info.path)
+                new_blocks.append(NewBlock(key, info.nbytes, info.checksum))
+            rel = Path(agent_id) / name
+            meta = {"message_count": str(message_count), "blocks": str(len(keys))}
+            info = self._write_file(self.root / rel, paged.tail, meta)
+            written.append(info.path)
+            entry = NewCacheEntry(
+                path=rel.as_posix(),
+                token_count=len(keys) * self.block_tokens + paged.tail.num_tokens,
+                model_fingerprint=self.fingerprint,
+                nbytes=info.nbytes,
+                checksum=info.checksum,
+                format_version=PAGED_FORMAT_VERSION,
+                kv_bits=self._kv_bits,
+                group_size=self._group_size if self._kv_bits else None,
+                message_count=message_count,
+            )
+            previous = self._call(
+                self._registry.set_cache(agent_id, entry, blocks=keys, new_blocks=new_blocks)
+            )
+        except AgentNotFoundError:  # deleted while this was queued
+            _remove_all(written)
+            return
+        except BaseException:
+            _remove_all(written)  # nothing of it was recorded
+            raise
+        self.saved += 1
+        self.blocks_written += len(new_blocks)
+        self.blocks_shared += len(keys) - len(new_blocks)
+        self.bytes_written += sum(b.nbytes or 0 for b in new_blocks) + info.nbytes
+        if previous is not None and previous.path != entry.path:
+            remove_cache_file(self.root / previous.path)
+        self._collect(keep)
+
+    def _write_file(self, path: Path, encoded: EncodedCache, extra: dict[str, str]) -> Any:
+        metadata = encoded.metadata | {"model_fingerprint": self.fingerprint} | extra
+        return write_cache_file(path, encoded.tensors, metadata)
+
+    def _block_path(self, key: str, window: bool = False) -> Path:
+        suffix = ".window.safetensors" if window else ".safetensors"
+        return self.root / BLOCKS_DIR / key[:2] / f"{key}{suffix}"
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a registry call on the event loop from the writer thread."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _collect(self, keep: frozenset[str]) -> int:
+        """On the writer thread: delete blocks no cache lists (but ``keep``) and their files."""
+        removed = self._call(self._registry.collect_garbage(sorted(keep)))
+        for key, window in removed:
+            remove_cache_file(self._block_path(key))
+            if window:
+                remove_cache_file(self._block_path(key, window=True))
+        if removed:
+            log.debug("collected %d blocks no cache lists", len(removed))
+        return len(removed)
+
+    async def collect(self) -> int:
+        """Collect garbage blocks now (after the writer's queued jobs); returns how many."""
+        keep = self._pinned()
+        removed = await asyncio.wrap_future(
+            self._writer.submit(_GC_JOB, lambda: self._collect(keep))
+        )
+        self.usage = await self._registry.cache_usage()
+        return removed or 0
+
+    # ---- shared prefixes ---------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[str]) -> Callable[[], None]:
+        """Keep these blocks through garbage collection until the returned release is called
+        (idempotent): a prefix stored for a turn that has not saved its own cache yet."""
+        self._pins.update(keys)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._pins.subtract(keys)
+                for key in keys:
+                    if self._pins[key] <= 0:
+                        del self._pins[key]
+
+        return release
+
+    def _pinned(self) -> frozenset[str]:
+        return frozenset(self._pins)
+
+    async def stored_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` (a chain) can be resumed from: the longest run of stored blocks
+        from the first that ends at a block with a window file."""
+        known = await self._registry.known_blocks(keys)
+        run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
+        windows = [j for j in range(run) if known[keys[j]]]
+        for j in reversed(windows):  # a window removed as corrupt does not count
+            if await asyncio.to_thread(self._stored, keys[j], known, True):
+                return j + 1
+        return 0
+
+    def store_prefix(self, cache: PromptCache, keys: Sequence[str]) -> None:
+        """Schedule storing a cache that ends at a block boundary as blocks plus a window, for
+        caches that start the same way (:meth:`pin` ``keys`` first). ``wait()`` waits for it."""
+        task = asyncio.create_task(self._store_prefix(cache, keys))
+        tasks = self._pending.setdefault(_PREFIX_TASKS, set())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _store_prefix(self, cache: PromptCache, keys: Sequence[str]) -> None:
+        try:
+            await self._store_prefix_now(cache, keys)
+        except Exception:
+            log.exception("storing a shared prefix of %d blocks failed", len(keys))
+
+    async def _store_prefix_now(self, cache: PromptCache, keys: Sequence[str]) -> None:
+        missing = await self._missing(keys)
+        paged = await self._engine.run(
+            encode_paged, cache, self._kv_bits, self._group_size, self.block_tokens, missing
+        )
+        job = self._writer.submit(f"\x00prefix-{keys[-1]}", lambda: self._write_prefix(paged, keys))
+        await asyncio.wrap_future(job)
+
+    def _write_prefix(self, paged: PagedCache, keys: Sequence[str]) -> None:
+        known = self._call(self._registry.known_blocks(keys))
+        new_blocks, written = [], []
+        try:
+            for j, block in paged.blocks.items():
+                if not self._stored(keys[j], known):
+                    info = self._write_file(self._block_path(keys[j]), block, {"key": keys[j]})
+                    written.append(info.path)
+                    new_blocks.append(NewBlock(keys[j], info.nbytes, info.checksum))
+            last = keys[-1]
+            if not self._stored(last, known, window=True):
+                info = self._write_file(
+                    self._block_path(last, window=True), paged.tail, {"key": last}
+                )
+                written.append(info.path)
+                if any(b.key == last for b in new_blocks):
+                    block = next(b for b in new_blocks if b.key == last)
+                    new_blocks.remove(block)
+                    new_blocks.append(
+                        NewBlock(last, block.nbytes, block.checksum, info.nbytes, info.checksum)
+                    )
+                else:
+                    new_blocks.append(NewBlock(last, None, None, info.nbytes, info.checksum))
+            self._call(self._registry.add_blocks(new_blocks))
+        except BaseException:
+            _remove_all(written)
+            raise
+        self.blocks_written += sum(1 for b in new_blocks if b.nbytes is not None)
+        self.bytes_written += sum((b.nbytes or 0) + (b.window_nbytes or 0) for b in new_blocks)
+
+    async def load_prefix(self, tokens: Sequence[int], keys: Sequence[str]) -> PromptCache | None:
+        """The cache of ``tokens`` (``len(keys)`` full blocks) from stored blocks and the last
+        one's window, or None (logged) when they cannot be read."""
+        release = self.pin(keys)  # kept through collection while they are read
+        try:
+            encoded = await asyncio.to_thread(self._read_prefix, list(keys))
+            cache = await self._decode(encoded)
+        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
+            log.warning("stored prefix of %d blocks unusable (%s); prefilling it", len(keys), exc)
+            return None
+        finally:
+            release()
+        if cache.tokens != list(tokens):
+            log.warning("stored prefix holds other tokens than its keys say; prefilling it")
+            return None
+        self.prefix_hits += 1
+        self.prefix_tokens += cache.num_tokens
+        return cache
+
+    def _read_prefix(self, keys: list[str]) -> EncodedCache:
+        tail = self._read_verified(self._block_path(keys[-1], window=True), keys[-1])
+        return self._assemble(tail, keys)
+
+    # ---- loading -----------------------------------------------------------------------------
+
+    async def load(self, agent_id: str) -> LoadedCache | None:
+        """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
+        record = await self._registry.get_cache(agent_id)
+        if record is None:
+            return None
+        try:
+            if record.model_fingerprint != self.fingerprint:
+                raise StaleCacheError("saved for another model")
+            if record.format_version not in (FORMAT_VERSION, PAGED_FORMAT_VERSION):
+                raise StaleCacheError(f"format version {record.format_version}")
+            encoded = await asyncio.to_thread(self._read_entry, record)
+            cache = await self._decode(encoded)
+        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
+            self.load_failures += 1
+            log.warning(
+                "cache of agent %r unusable (%s); rebuilding from its transcript", agent_id, exc
+            )
+            return None
+        return LoadedCache(cache, record.message_count)
+
+    def _read_entry(self, record: CacheRecord) -> EncodedCache:
+        """On a worker thread: the entry's files, verified, as one format-1 cache."""
+        file = read_cache_file(self.root / record.path, expected_checksum=record.checksum)
+        meta = file.metadata
+        if meta.get("model_fingerprint") != self.fingerprint:
+            raise StaleCacheError("file was written for another model")
+        if meta.get("message_count") != str(record.message_count):
+            raise StaleCacheError("file does not match its registry entry")
+        encoded = EncodedCache(file.tensors, meta)
+        if record.format_version == FORMAT_VERSION:
+            return encoded
+        if meta.get("blocks") != str(len(record.blocks)):
+            raise StaleCacheError(
+                f"tail lists {meta.get('blocks')} blocks, the registry {len(record.blocks)}"
+            )
+        return self._assemble(encoded, list(record.blocks))
+
+    def _assemble(self, tail: EncodedCache, keys: list[str]) -> EncodedCache:
+        blocks = [self._read_verified(self._block_path(key), key) for key in keys]
+        return assemble_paged(tail, blocks)
+
+    def _read_verified(self, path: Path, key: str) -> EncodedCache:
+        try:
+            file = read_cache_file(path)
+        except CacheFileCorruptError:
+            # Gone, the next save that lists this block (or stores this window) writes it anew.
+            remove_cache_file(path)
+            raise
+        meta = file.metadata
+        if meta.get("model_fingerprint") != self.fingerprint or meta.get("key") != key:
+            raise StaleCacheError(f"{path.name} is not block {key} of this model")
+        return EncodedCache(file.tensors, meta)
+
+    async def _decode(self, encoded: EncodedCache) -> PromptCache:
+        if not self._engine.model.on_gpu:  # host math off the generation thread
+            encoded = await asyncio.to_thread(dequantize_on_host, encoded)
+        return await self._engine.run(decode_cache, encoded)
+
+    # ---- budget, fork, removal ---------------------------------------------------------------
+
     async def _keep_budget(self) -> None:
-        """Count the files; over the budget, evict the caches of the agents idle longest."""
+        """Count the files; over the budget, evict the caches of the agents idle longest
+        (their blocks go when no other cache lists them)."""
         async with self._evicting:  # one pass at a time; later saves find it done
             self.usage = await self._registry.cache_usage()
-            if self._budget_bytes is None or self.usage[0] <= self._budget_bytes:
+            if self._budget_bytes is None or self.usage.bytes <= self._budget_bytes:
                 return
             for entry in await self._registry.coldest_caches(_EVICTION_SCAN):
                 lock = self._lock_of(entry.agent_id)
@@ -138,68 +510,9 @@ class DiskCaches:
                         await asyncio.to_thread(remove_cache_file, self.root / entry.path)
                         self.evictions += 1
                         log.info("evicted the cache of agent %r (disk budget)", entry.agent_id)
-                self.usage = await self._registry.cache_usage()
-                if self.usage[0] <= self._budget_bytes:
+                await self.collect()
+                if self.usage.bytes <= self._budget_bytes:
                     return
-
-    def _write(self, agent_id: str, rel: Path, encoded: EncodedCache, message_count: int) -> None:
-        """On the writer thread: write the file, point the registry at it, drop the old one."""
-        metadata = encoded.metadata | {
-            "model_fingerprint": self.fingerprint,
-            "message_count": str(message_count),
-        }
-        info = write_cache_file(self.root / rel, encoded.tensors, metadata)
-        entry = NewCacheEntry(
-            path=rel.as_posix(),
-            token_count=encoded.num_tokens,
-            model_fingerprint=self.fingerprint,
-            nbytes=info.nbytes,
-            checksum=info.checksum,
-            format_version=FORMAT_VERSION,
-            kv_bits=self._kv_bits,
-            group_size=self._group_size if self._kv_bits else None,
-            message_count=message_count,
-        )
-        try:
-            previous = asyncio.run_coroutine_threadsafe(
-                self._registry.set_cache(agent_id, entry), self._loop
-            ).result()
-        except AgentNotFoundError:
-            remove_cache_file(info.path)  # deleted while this was queued
-            return
-        self.saved += 1
-        if previous is not None and previous.path != entry.path:
-            remove_cache_file(self.root / previous.path)
-
-    async def load(self, agent_id: str) -> LoadedCache | None:
-        """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
-        record = await self._registry.get_cache(agent_id)
-        if record is None:
-            return None
-        try:
-            if record.model_fingerprint != self.fingerprint:
-                raise StaleCacheError("saved for another model")
-            if record.format_version != FORMAT_VERSION:
-                raise StaleCacheError(f"format version {record.format_version}")
-            file = await asyncio.to_thread(
-                read_cache_file, self.root / record.path, expected_checksum=record.checksum
-            )
-            meta = file.metadata
-            if meta.get("model_fingerprint") != self.fingerprint:
-                raise StaleCacheError("file was written for another model")
-            if meta.get("message_count") != str(record.message_count):
-                raise StaleCacheError("file does not match its registry entry")
-            encoded = EncodedCache(file.tensors, meta)
-            if not self._engine.model.on_gpu:  # host math off the generation thread
-                encoded = await asyncio.to_thread(dequantize_on_host, encoded)
-            cache = await self._engine.run(decode_cache, encoded)
-        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
-            self.load_failures += 1
-            log.warning(
-                "cache of agent %r unusable (%s); rebuilding from its transcript", agent_id, exc
-            )
-            return None
-        return LoadedCache(cache, record.message_count)
 
     async def wait(self, agent_id: str | None = None) -> None:
         """Wait for scheduled saves (of one agent, or all) to finish."""
@@ -211,8 +524,9 @@ class DiskCaches:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def fork(self, source_id: str, agent_id: str) -> bool:
-        """Give ``agent_id`` the source's current cache file: hard-linked, so no byte is copied
-        (copied only where the filesystem cannot link). Returns whether there was one."""
+        """Give ``agent_id`` the source's current cache: the same blocks, and its tail
+        hard-linked (copied only where the filesystem cannot link). Returns whether there was
+        one."""
         await self.wait(source_id)  # the newest cache of the source has landed
         record = await self._registry.get_cache(source_id)
         if record is None:
@@ -223,10 +537,13 @@ class DiskCaches:
             await asyncio.to_thread(_link_or_copy, source, self.root / rel)
         except FileNotFoundError:  # evicted or replaced meanwhile: the fork rebuilds instead
             return False
-        fields_ = {f.name: getattr(record, f.name) for f in dataclasses.fields(NewCacheEntry)}
+        fields_ = {
+            name: getattr(record, name)
+            for name in NewCacheEntry.__dataclass_fields__  # type: ignore[attr-defined]
+        }
         try:
             await self._registry.set_cache(
-                agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()})
+                agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()}), blocks=record.blocks
             )
         except BaseException:
             remove_cache_file(self.root / rel)
@@ -235,40 +552,50 @@ class DiskCaches:
         return True
 
     async def remove_agent(self, agent_id: str) -> None:
-        """Delete every file of an agent (after its saves finished)."""
+        """Delete the files of a deleted agent (after its saves) and blocks no one lists."""
         await self.wait(agent_id)
         self._pending.pop(agent_id, None)
         await asyncio.to_thread(shutil.rmtree, self.root / agent_id, ignore_errors=True)
-        self.usage = await self._registry.cache_usage()
+        await self.collect()
 
     async def sweep(self) -> int:
-        """Remove cache files no registry entry points at (left by a crash mid-save, or by agents
-        deleted behind the runtime's back). Call before any save starts. Returns the count.
+        """Remove files no registry entry points at (left by a crash mid-save, or by agents
+        deleted behind the runtime's back) and collect unlisted blocks. Call before any save
+        starts. Returns the count of files removed.
 
-        One registry query, whatever the number of agents. Only names this module writes are
+        Two registry queries, whatever the number of agents. Only names this module writes are
         touched, and a file that cannot be removed is logged and left: opening never fails here.
         """
-        removed = await asyncio.to_thread(self._sweep_files, await self._registry.cache_paths())
+        removed = await self.collect()
+        current = await self._registry.cache_paths()
+        blocks = await self._registry.block_keys()
+        removed += await asyncio.to_thread(self._sweep_files, current, blocks)
         await self._keep_budget()  # also counts what is on disk
         return removed
 
-    def _sweep_files(self, current: dict[str, str | None]) -> int:
+    def _sweep_files(self, current: dict[str, str | None], blocks: dict[str, bool]) -> int:
         ours = [f for f in self.root.glob("*/*") if _WRITTEN_NAME.fullmatch(f.name)]
-        removed = 0
-        for file in ours:
-            rel = file.relative_to(self.root)
-            if current.get(rel.parts[0], "") == rel.as_posix():
+        stale = [f for f in ours if current.get(f.parent.name, "") != f"{f.parent.name}/{f.name}"]
+        for file in (self.root / BLOCKS_DIR).glob("*/*"):
+            match = _BLOCK_NAME.fullmatch(file.name)
+            if match is None:
                 continue
+            key, window, temp = match.groups()
+            if temp or key not in blocks or (window and not blocks[key]):
+                stale.append(file)
+        removed = 0
+        for file in stale:
             try:
                 remove_cache_file(file)
             except OSError as exc:
                 log.warning("could not remove stale cache file %s: %s", file, exc)
             else:
                 removed += 1
-        for directory in {f.parent for f in ours}:
-            if directory.name not in current:
-                with contextlib.suppress(OSError):  # not empty: something else lives there
-                    directory.rmdir()
+        for directory in {f.parent for f in stale}:
+            if directory.parent == self.root and directory.name in current:
+                continue
+            with contextlib.suppress(OSError):  # not empty: something else lives there
+                directory.rmdir()
         if removed:
             log.info("removed %d cache files no agent points at", removed)
         return removed
@@ -276,6 +603,12 @@ class DiskCaches:
     async def close(self) -> None:
         await self.wait()
         await asyncio.to_thread(self._writer.close)
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            remove_cache_file(path)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -57,6 +57,29 @@ class ChatRenderer:
         """Tokens of the whole conversation, ready for the assistant to answer."""
         return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
+    def shared_head(
+        self,
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> int:
+        """How many leading ``tokens`` (the conversation's full prompt) depend only on its
+        system message and tools: what every conversation with the same ones starts with.
+        0 when there is neither, or the template refuses the probe conversations."""
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        if not first and not tools:
+            return 0
+        shared = len(tokens)
+        for probe in ("0", "1"):  # two probes: a conversation may start with either text
+            try:
+                other = self.full_prompt(
+                    [*messages[:first], {"role": "user", "content": probe}], tools
+                )
+            except ChatTemplateError:
+                return 0
+            shared = min(shared, _common_prefix(tokens, other))
+        return shared
+
     def delta(
         self, messages: Sequence[Message], covered: int, last_cached_token: int
     ) -> list[int] | None:
@@ -81,6 +104,11 @@ class ChatRenderer:
                 tail = tail[len(eos_text) :]
         tokens = self.encode(tail)
         return tokens or None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def checked_texts(messages: Sequence[Message]) -> list[Message]:

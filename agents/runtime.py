@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from agents.config import RuntimeConfig
@@ -26,9 +27,9 @@ from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message, checked_texts
 from agents.tool_calls import ToolFormat
-from agents.types import Reply, TextDelta, Timings, TurnPlan, Usage
+from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
-from engine.request import FinishReason, GenerationRequest, GenerationResult
+from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
 from store import (
     AgentNotFoundError,
@@ -66,9 +67,13 @@ class AgentRuntime(WholeConversations):
             engine,
             config.kv_bits,
             config.kv_group_size,
+            block_tokens=config.kv_block_tokens,
             budget_bytes=config.disk_budget_bytes,
             lock_of=self._lock,
         )
+        # Shared heads being prefilled now, by the key of their last block: turns that start
+        # the same way wait for them instead of prefilling the same tokens again.
+        self._heads: dict[str, asyncio.Future[PromptCache | None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sources: Counter[str] = Counter()
         self._closed = False
@@ -336,13 +341,20 @@ class AgentRuntime(WholeConversations):
                 *history,
                 {"role": "user", "content": message},
             ]
-            plan = await self._plan(agent_id, messages, len(stored) + len(history), bool(stored))
+            plan = await self._plan(
+                agent_id, messages, len(stored) + len(history), bool(stored), priority
+            )
             options = {"max_tokens": max_tokens, "sampling": sampling, "stop": stop}
-            async for event in self._generate(agent, plan, priority=priority, **options):
-                if isinstance(event, TextDelta):
-                    yield event
-                else:
-                    result = event
+            try:
+                async for event in self._generate(agent, plan, priority=priority, **options):
+                    if isinstance(event, TextDelta):
+                        yield event
+                    else:
+                        result = event
+            except BaseException:
+                if plan.release:
+                    plan.release()
+                raise
             await self._shielded(self._commit(agent_id, history, message, plan, result))
             self._sources[plan.source] += 1
             yield self._reply(agent_id, plan, result, started)
@@ -411,16 +423,22 @@ class AgentRuntime(WholeConversations):
         )
         covered = stored[-1].position + 1
         self._hot.put(agent_id, result.cache, covered)
-        self._disk.save(agent_id, result.cache, covered)
+        self._disk.save(agent_id, result.cache, covered, then=plan.release)
 
     def _messages(self, agent: AgentRecord, history: list[MessageRecord]) -> list[Message]:
         system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
         return system + [{"role": str(m.role), "content": m.content} for m in history]
 
     async def _plan(
-        self, agent_id: str, messages: list[Message], n_history: int, has_stored: bool
+        self,
+        agent_id: str,
+        messages: list[Message],
+        n_history: int,
+        has_stored: bool,
+        priority: float = 0.0,
     ) -> TurnPlan:
-        """Pick the cache to resume from (hot, then disk) and the tokens still to prefill.
+        """Pick the cache to resume from (hot, then disk, then a stored prefix) and the tokens
+        still to prefill.
 
         ``n_history`` counts the messages before the new one (stored and imported);
         ``has_stored``: the agent had a transcript, so prefilling all of it is a rebuild.
@@ -446,7 +464,91 @@ class AgentRuntime(WholeConversations):
             log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
         tokens = await asyncio.to_thread(self._renderer.full_prompt, messages)
         source = "rebuilt" if has_stored else "none"
-        return TurnPlan(tokens, None, source, time.perf_counter() - start)
+        head = functools.partial(self._renderer.shared_head, messages, tokens)
+        return await self._plan_from_prefix(tokens, head, source, start, priority)
+
+    async def _plan_from_prefix(
+        self,
+        tokens: list[int],
+        head: Callable[[], int],
+        source: CacheSource,
+        start: float,
+        priority: float,
+    ) -> TurnPlan:
+        """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
+        stored prefix or a shared head when there is one (see :meth:`_prefixed`)."""
+        cache, fresh, release = await self._prefixed(tokens, head, priority)
+        if cache is None:
+            return TurnPlan(tokens, None, source, time.perf_counter() - start)
+        return TurnPlan(
+            tokens[cache.num_tokens :],
+            cache,
+            source if fresh else "prefix",
+            time.perf_counter() - start,
+            fresh=fresh,
+            release=release,
+        )
+
+    async def _prefixed(
+        self, tokens: list[int], head: Callable[[], int], priority: float
+    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
+        """A cache for the start of ``tokens``: stored blocks, or a shared head another turn
+        is prefilling now. Failing both, when the head (``head()`` tokens: the system prompt
+        and tools) spans a block, this turn prefills the head alone first and stores it.
+
+        Returns:
+            The cache (None: prefill everything), how many of its tokens this turn prefilled,
+            and the release of the pin that keeps a stored head until the turn has saved.
+        """
+        disk = self._disk
+        size = disk.block_tokens
+        usable = (len(tokens) - 1) // size  # at least one token is left to prefill
+        if not self.config.share_prefixes or usable == 0:
+            return None, 0, None
+        keys = disk.keys(tokens[: usable * size])
+        stored = await disk.stored_prefix(keys)
+        for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
+            pending = self._heads.get(keys[n - 1])
+            if pending is not None and (cache := await asyncio.shield(pending)) is not None:
+                disk.prefix_hits += 1
+                disk.prefix_tokens += cache.num_tokens
+                return cache, 0, None
+        if stored:
+            cache = await disk.load_prefix(tokens[: stored * size], keys[:stored])
+            if cache is not None:
+                return cache, 0, None
+        n = min(await asyncio.to_thread(head) // size, usable)
+        if n <= stored or keys[n - 1] in self._heads:
+            return None, 0, None
+        return await self._store_head(tokens[: n * size], keys[:n], priority)
+
+    async def _store_head(
+        self, tokens: list[int], keys: list[str], priority: float
+    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
+        """Prefill a shared head alone (its last token forced, so the cache ends exactly at
+        its last block) and store it as blocks plus a window, for the turns that follow."""
+        future: asyncio.Future[PromptCache | None] = asyncio.get_running_loop().create_future()
+        self._heads[keys[-1]] = future
+        release = self._disk.pin(keys)
+        cache = None
+        try:
+            request = GenerationRequest(
+                tokens[:-1], max_tokens=1, forced_token=tokens[-1], priority=priority
+            )
+            result = await self._engine.generate(request)
+            if result.is_error or result.cache is None or result.cache.tokens != tokens:
+                log.warning("prefilling a shared head failed (%s); prefilling whole", result.error)
+                release()
+                return None, 0, None
+            cache = result.cache
+            self._disk.store_prefix(cache, keys)
+            return cache, cache.num_tokens, release
+        except BaseException:
+            release()
+            raise
+        finally:
+            del self._heads[keys[-1]]
+            future.set_result(cache)
 
     def _check_context(self, request: GenerationRequest) -> None:
         """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
@@ -472,13 +574,14 @@ class AgentRuntime(WholeConversations):
         self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
     ) -> Reply:
         s = result.stats
-        cached = plan.cache.num_tokens if plan.cache else 0
+        resumed = plan.cache.num_tokens if plan.cache else 0
+        cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
         return Reply(
             agent_id=agent_id,
             text=result.text,
             token_ids=list(result.token_ids),
             finish_reason=str(result.finish_reason),
-            usage=Usage(cached + len(plan.prompt_tokens), cached, len(result.token_ids)),
+            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids)),
             cache_source=plan.source,
             timings=Timings(
                 cache_load_s=plan.load_s,
@@ -508,10 +611,16 @@ class AgentRuntime(WholeConversations):
             "caches_saved": self._disk.saved,
             "cache_load_failures": self._disk.load_failures,
             "disk": {
-                "bytes": self._disk.usage[0],
-                "files": self._disk.usage[1],
+                "bytes": self._disk.usage.bytes,
+                "files": self._disk.usage.files,
+                "blocks": self._disk.usage.blocks,
                 "budget_bytes": self.config.disk_budget_bytes,
                 "evictions": self._disk.evictions,
+                "blocks_written": self._disk.blocks_written,
+                "blocks_shared": self._disk.blocks_shared,
+                "bytes_written": self._disk.bytes_written,
+                "prefix_hits": self._disk.prefix_hits,
+                "prefix_tokens": self._disk.prefix_tokens,
             },
         }
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from agents.tool_calls import ParsedReply
 from engine.request import PromptCache
 
-CacheSource = Literal["hot", "disk", "none", "rebuilt"]
+CacheSource = Literal["hot", "disk", "prefix", "none", "rebuilt"]
+"""Where a turn's cache came from: the agent's own (hot tier, disk), stored blocks another
+agent's prompt began with ("prefix"), or nothing (a new agent; "rebuilt": its cache was lost)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,3 +91,5 @@ class TurnPlan:
     cache: PromptCache | None
     source: CacheSource
     load_s: float
+    fresh: int = 0  # tokens of ``cache`` this turn prefilled itself (a shared head it stored)
+    release: Callable[[], None] | None = None  # unpins the head's blocks once the turn saved

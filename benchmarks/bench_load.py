@@ -1,13 +1,15 @@
-"""Cache file load speed: agentkv's load path against the previous one and raw mlx-lm.
+"""Cache load speed: agentkv's paged load path against the previous ones and raw mlx-lm.
 
 For a cache shaped like ``tiny:gemma3-bench``'s (12 layers: 10 sliding-window layers of 512
-positions and 2 global ones, 1 KV head x 128, float32) at each history length, one file per
-storage variant (exact, q8, q4) is written, then loaded repeatedly, the variants interleaved:
+positions and 2 global ones, 1 KV head x 128, float32) at each history length, each storage
+variant (exact, q8, q4) is written, then loaded repeatedly, the variants interleaved:
 
-- ``agentkv``: what a resume does: ``read_cache_file`` (one read into a buffer, XXH3-128
-  verification, zero-copy views), dequantization in numpy (CPU engines) and ``decode_cache``
+- ``agentkv``: what a resume does: the tail and blocks of 256 tokens (``encode_paged``), each
+  read with ``read_cache_file`` (one read into a buffer, XXH3-128 verification, zero-copy
+  views), ``assemble_paged``, dequantization in numpy (CPU engines) and ``decode_cache``
   (arrays into MLX, evaluated);
-- ``previous``: the same with the load path this replaced (read, ``safetensors.numpy.load``
+- ``single``: the same cache as one file (format 1, before paging);
+- ``previous``: one file through the load path before XXH3 (read, ``safetensors.numpy.load``
   copy, SHA-256 verification);
 - ``raw mlx-lm``: ``save_prompt_cache`` / ``load_prompt_cache`` of the same layers, evaluated
   (unquantized only: mlx-lm cannot store rotating layers quantized).
@@ -32,7 +34,14 @@ import safetensors.numpy
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.kv_codec import EncodedCache, decode_cache, dequantize_on_host, encode_cache
+from engine.kv_codec import (
+    EncodedCache,
+    assemble_paged,
+    decode_cache,
+    dequantize_on_host,
+    encode_cache,
+    encode_paged,
+)
 from engine.request import PromptCache
 from store import cache_files
 from store.cache_files import read_cache_file, write_cache_file
@@ -60,7 +69,33 @@ def synthetic_cache(history: int, layers: int, window: int, head_dim: int) -> Pr
     return PromptCache(out, rng.integers(0, 32768, history).tolist())
 
 
-def agentkv_load(path: Path) -> PromptCache:
+BLOCK_TOKENS = 256
+
+
+def write_paged(root: Path, cache: PromptCache, bits: int | None) -> list[Path]:
+    """The cache as block files and a tail (the tail last), as agentkv stores it."""
+    paged = encode_paged(cache, bits, 64, BLOCK_TOKENS)
+    paths = []
+    for j, block in sorted(paged.blocks.items()):
+        paths.append(
+            write_cache_file(root / f"block-{j}.safetensors", block.tensors, block.metadata).path
+        )
+    paths.append(
+        write_cache_file(root / "tail.safetensors", paged.tail.tensors, paged.tail.metadata).path
+    )
+    return paths
+
+
+def agentkv_load(paths: list[Path]) -> PromptCache:
+    *blocks, tail = (read_cache_file(p) for p in paths)
+    encoded = assemble_paged(
+        EncodedCache(tail.tensors, tail.metadata),
+        [EncodedCache(b.tensors, b.metadata) for b in blocks],
+    )
+    return decode_cache(dequantize_on_host(encoded))
+
+
+def single_load(path: Path) -> PromptCache:
     file = read_cache_file(path)
     return decode_cache(dequantize_on_host(EncodedCache(file.tensors, file.metadata)))
 
@@ -104,18 +139,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         for history in args.histories:
             cache = synthetic_cache(history, args.layers, args.window, args.head_dim)
-            files = {}
+            files, paged = {}, {}
             for name, bits in VARIANTS.items():
                 encoded = encode_cache(cache, bits, 64)
                 files[name] = write_cache_file(
                     root / f"{history}-{name}.safetensors", encoded.tensors, encoded.metadata
                 )
+                (root / f"{history}-{name}").mkdir()
+                paged[name] = write_paged(root / f"{history}-{name}", cache, bits)
             raw_path = root / f"{history}-raw.safetensors"
             save_prompt_cache(str(raw_path), cache.layers)
             samples: dict[str, list[float]] = {}
             for _ in range(args.repeats):  # interleaved, so drift hits every path alike
                 for name, info in files.items():
-                    samples.setdefault(f"agentkv.{name}", []).append(timed(agentkv_load, info.path))
+                    samples.setdefault(f"agentkv.{name}", []).append(
+                        timed(agentkv_load, paged[name])
+                    )
+                    samples.setdefault(f"single.{name}", []).append(timed(single_load, info.path))
                     samples.setdefault(f"previous.{name}", []).append(
                         timed(previous_load, info.path)
                     )
@@ -123,13 +163,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {
                 "history": history,
                 "same_cache": all(
-                    same_cache(agentkv_load(info.path), previous_load(info.path))
-                    for info in files.values()
+                    same_cache(agentkv_load(paged[name]), previous_load(info.path))
+                    and same_cache(single_load(info.path), previous_load(info.path))
+                    for name, info in files.items()
                 ),
             }
             for key, values in samples.items():
                 path, variant = key.split(".")
-                nbytes = (raw_path if path == "raw" else files[variant].path).stat().st_size
+                if path == "agentkv":
+                    nbytes = sum(p.stat().st_size for p in paged[variant])
+                else:
+                    nbytes = (raw_path if path == "raw" else files[variant].path).stat().st_size
                 ms = statistics.median(values) * 1e3
                 row[key] = {
                     "ms": round(ms, 2),

@@ -30,6 +30,18 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
         loop.call_soon_threadsafe(fn, *args)
 
 
+def _forcing(token: int) -> Callable[[object, object], object]:
+    """A logits processor under which greedy decoding picks ``token`` (generation thread)."""
+    import mlx.core as mx
+
+    def force(tokens: object, logits: mx.array) -> mx.array:
+        hit = mx.arange(logits.shape[-1]) == token
+        forced = mx.where(hit, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
+        return mx.broadcast_to(forced, logits.shape)
+
+    return force
+
+
 class RequestHandle:
     """A submitted request: iterate it for TokenEvents, then ``await result()``.
 
@@ -115,6 +127,11 @@ class Engine:
     def tokenizer(self):
         return self.model.tokenizer
 
+    @property
+    def has_window_layers(self) -> bool:
+        """Whether some layers keep only a sliding window (``RotatingKVCache``)."""
+        return any(t.__name__ != "KVCache" for t in self._thread._layer_types)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request. Raises EngineOverloadedError at once if the queue is full."""
         if self._closed:
@@ -122,6 +139,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         vocab_size = self.model.vocab_size
+        forced = [] if request.forced_token is None else [_forcing(request.forced_token)]
         seq = Sequence(
             request=request,
             loop=loop,
@@ -130,8 +148,8 @@ class Engine:
                 prompt_tokens=len(request.prompt_tokens),
                 cached_tokens=request.cache.num_tokens if request.cache else 0,
             ),
-            sampler=request.sampling.make_sampler(vocab_size),
-            logits_processors=request.sampling.make_logits_processors(),
+            sampler=None if forced else request.sampling.make_sampler(vocab_size),
+            logits_processors=forced or request.sampling.make_logits_processors(),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.stop),
         )
@@ -139,6 +157,8 @@ class Engine:
             raise ValueError(
                 f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
             )
+        if request.forced_token is not None and request.forced_token >= vocab_size:
+            raise ValueError(f"forced_token is outside the vocabulary (size {vocab_size})")
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 

@@ -401,3 +401,282 @@ def _layout_problem(layout: Any) -> str | None:
     ):
         return f"a RotatingKVCache at offset {offset} cannot store {length} positions"
     return None
+
+
+# ---- paged caches (format 2) ---------------------------------------------------------------
+#
+# A cache is stored as fixed-size blocks of its global-attention (``KVCache``) layers plus a
+# small per-save "tail". Block ``j`` holds positions ``[j*B, (j+1)*B)`` of every global layer
+# and those tokens; the tail holds the tokens after the last full block, the global layers'
+# positions there, and each sliding-window layer's whole state (at most its window). Blocks are
+# keyed by the caller (a hash chain of the tokens) and shared between caches; a turn writes
+# only the blocks that are new plus a tail. ``assemble_paged`` turns a tail and its blocks back
+# into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
+#
+# Block tensors: ``tokens`` (int32, B) and ``layers.{i}.keys|values`` (or ``.q|.scales|.biases``)
+# of shape (1, heads, B, dim) for each global layer i. Block metadata: ``format_version`` "2",
+# ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON list of ``index``,
+# ``dtype``, ``group_size``). Tail tensors: the same names for every layer (global layers only
+# when the tail holds some of their positions); its ``layers`` layout adds ``start``, the first
+# position the tail holds of that layer. A *window* is the tail of a cache that ends exactly at
+# a block boundary: what a new cache needs, with the blocks before it, to start there.
+
+PAGED_FORMAT_VERSION = 2
+DEFAULT_BLOCK_TOKENS = 256
+
+
+@dataclass(slots=True, frozen=True)
+class PagedCache:
+    """A cache encoded for paged storage: new blocks by index, and the tail."""
+
+    blocks: dict[int, EncodedCache]
+    tail: EncodedCache
+    block_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tail.nbytes + sum(b.nbytes for b in self.blocks.values())
+
+
+def is_global(layer: Any) -> bool:
+    """Whether a layer keeps every position (paged into blocks) rather than a window."""
+    return type(layer) is KVCache
+
+
+def encode_paged(
+    cache: PromptCache,
+    kv_bits: int | None,
+    group_size: int,
+    block_tokens: int,
+    blocks: set[int] | None = None,
+) -> PagedCache:
+    """Encode the blocks ``blocks`` (indexes of full blocks; None: all) and the tail.
+
+    Runs on the generation thread; only the positions of the requested blocks and of the tail
+    are quantized and copied to host memory.
+
+    Raises:
+        ValueError: as :func:`encode_cache`, or a block size below 1.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if kv_bits not in (None, 4, 8):
+        raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
+    if cache.num_tokens == 0 or not cache.layers:
+        raise ValueError("cannot encode an empty cache (no tokens or no layers)")
+    total = cache.num_tokens
+    full = total // block_tokens
+    wanted = sorted(range(full) if blocks is None else (j for j in blocks if 0 <= j < full))
+    # One quantize per layer over [first wanted block, end): rows quantize independently, so
+    # slicing afterwards gives exactly what quantizing each block would.
+    low = wanted[0] * block_tokens if wanted else full * block_tokens
+    pending: dict[str, mx.array] = {}
+    layouts, block_layers = [], []
+    for i, layer in enumerate(cache.layers):
+        keys, values, layout = _temporal_layer(layer, i, total)
+        layer_group = None if kv_bits is None else _layer_group_size(keys, values, group_size)
+        if is_global(layer):
+            keys, values = keys[..., low:, :], values[..., low:, :]
+            block_layers.append({"index": i, "dtype": layout["dtype"], "group_size": layer_group})
+            start = full * block_tokens
+        else:
+            start = total - keys.shape[2]
+        layouts.append(layout | {"group_size": layer_group, "start": start})
+        for kind, x in (("keys", keys), ("values", values)):
+            name = f"layers.{i}.{kind}"
+            if layer_group is None:
+                pending[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+                continue
+            q, scales, biases = mx.quantize(
+                x.astype(mx.float16), group_size=layer_group, bits=kv_bits
+            )
+            pending.update({f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases})
+    mx.eval(*pending.values())
+    # Views of MLX memory, read here on the generation thread only: every array handed out
+    # below is a numpy copy that owns its memory.
+    host = {name: np.asarray(x) for name, x in pending.items()}
+    tokens = np.array(cache.tokens, dtype=np.int32)
+    common = {
+        "format_version": str(PAGED_FORMAT_VERSION),
+        "kv_bits": "none" if kv_bits is None else str(kv_bits),
+        "group_size": "none" if kv_bits is None else str(group_size),
+    }
+    globals_ = {entry["index"] for entry in block_layers}
+
+    def positions(name: str, begin: int, end: int) -> np.ndarray:
+        layer = int(name.split(".")[1])
+        if layer in globals_:  # global arrays start at ``low``
+            begin, end = begin - low, end - low
+        return np.array(host[name][:, :, begin:end], order="C")
+
+    encoded_blocks = {}
+    block_meta = common | {
+        "kind": "block",
+        "layers": json.dumps(block_layers, separators=(",", ":")),
+    }
+    global_names = [n for n in host if int(n.split(".")[1]) in globals_]
+    for j in wanted:
+        begin, end = j * block_tokens, (j + 1) * block_tokens
+        tensors = {name: positions(name, begin, end) for name in global_names}
+        tensors["tokens"] = tokens[begin:end].copy()
+        encoded_blocks[j] = EncodedCache(tensors, dict(block_meta))
+    tail_tensors = {"tokens": tokens[full * block_tokens :].copy()}
+    for name, array in host.items():
+        if int(name.split(".")[1]) in globals_:
+            if total > full * block_tokens:
+                tail_tensors[name] = positions(name, full * block_tokens, total)
+        else:
+            tail_tensors[name] = np.array(array, order="C")
+    for layout in layouts:
+        if layout["type"] == "KVCache":
+            length = total - full * block_tokens
+            for kv in ("keys_shape", "values_shape"):
+                shape = layout[kv]
+                layout[kv] = (shape[0], shape[1], length, shape[3])
+    tail_meta = common | {
+        "kind": "tail",
+        "block_tokens": str(block_tokens),
+        "layers": json.dumps(layouts, separators=(",", ":")),
+    }
+    return PagedCache(encoded_blocks, EncodedCache(tail_tensors, tail_meta), block_tokens)
+
+
+def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCache:
+    """The format-1 cache a tail and its blocks (in order) make up: numpy only, any thread.
+
+    Raises:
+        CacheFormatError: a malformed or mismatched tail or block (format, kind, storage
+            settings, layer set, shapes, token counts).
+    """
+    meta = tail.metadata
+    if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
+        raise CacheFormatError(
+            f"not a format-{PAGED_FORMAT_VERSION} tail (format_version "
+            f"{meta.get('format_version')!r}, kind {meta.get('kind')!r})"
+        )
+    kv_bits, group_size = tail.kv_bits, tail.group_size
+    try:
+        block_tokens = int(meta["block_tokens"])
+    except (KeyError, ValueError) as exc:
+        raise CacheFormatError(f"tail metadata 'block_tokens': {exc}") from exc
+    layouts = _parse_paged_layouts(meta)
+    globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
+    start = len(blocks) * block_tokens
+    for j, block in enumerate(blocks):
+        _check_block(block, j, kv_bits, group_size, block_tokens, {i: layouts[i] for i in globals_})
+    tail_tokens = _tensor(tail, "tokens", None, np.int32)
+    total = start + tail_tokens.shape[0]
+    tensors = {"tokens": np.concatenate([*(b.tensors["tokens"] for b in blocks), tail_tokens])}
+    whole = []
+    for i, layout in enumerate(layouts):
+        if layout["offset"] != total:
+            raise CacheFormatError(
+                f"layer {i} holds {layout['offset']} positions, blocks and tail {total}"
+            )
+        names = [n for n in tail.tensors if n.startswith(f"layers.{i}.")]
+        if layout["type"] == "KVCache":
+            if layout["start"] != start:
+                raise CacheFormatError(
+                    f"layer {i}: the tail starts at {layout['start']}, its blocks end at {start}"
+                )
+            parts = _part_names(i, layout.get("group_size") if kv_bits else None)
+            for name in parts:
+                pieces = [b.tensors[name] for b in blocks]
+                if total > start:
+                    if name not in tail.tensors:
+                        raise CacheFormatError(f"tensor {name!r} is missing from the tail")
+                    pieces.append(tail.tensors[name])
+                if pieces:
+                    tensors[name] = np.concatenate(pieces, axis=2)
+        else:
+            for name in names:
+                tensors[name] = tail.tensors[name]
+        shapes = {kv: layout[kv] for kv in ("keys_shape", "values_shape")}
+        if layout["type"] == "KVCache":
+            shapes = {kv: (s[0], s[1], total, s[3]) for kv, s in shapes.items()}
+        whole.append({k: v for k, v in layout.items() if k != "start"} | shapes)
+    if total == 0:
+        raise CacheFormatError("the tail and its blocks hold no tokens")
+    metadata = {
+        "format_version": str(FORMAT_VERSION),
+        "kv_bits": meta["kv_bits"],
+        "group_size": meta["group_size"],
+        "layers": json.dumps(whole, separators=(",", ":")),
+    }
+    return EncodedCache(tensors, metadata)
+
+
+def _part_names(i: int, group_size: int | None) -> list[str]:
+    parts = [""] if group_size is None else [".q", ".scales", ".biases"]
+    return [f"layers.{i}.{kv}{p}" for kv in ("keys", "values") for p in parts]
+
+
+def _check_block(
+    block: EncodedCache,
+    j: int,
+    kv_bits: int | None,
+    group_size: int | None,
+    block_tokens: int,
+    globals_: dict[int, dict[str, Any]],
+) -> None:
+    meta = block.metadata
+    if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "block":
+        raise CacheFormatError(f"block {j} is not a format-{PAGED_FORMAT_VERSION} block")
+    if block.kv_bits != kv_bits or block.group_size != group_size:
+        raise CacheFormatError(
+            f"block {j} is stored as kv_bits {block.kv_bits}/group {block.group_size}, "
+            f"the tail as {kv_bits}/{group_size}"
+        )
+    try:
+        entries = {e["index"]: e for e in json.loads(meta["layers"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"block {j} metadata 'layers': {exc}") from exc
+    if set(entries) != set(globals_):
+        raise CacheFormatError(f"block {j} holds layers {sorted(entries)}, not {sorted(globals_)}")
+    tokens = _tensor(block, "tokens", (block_tokens,), np.int32)
+    del tokens
+    expected = {"tokens"}
+    for i, layout in globals_.items():
+        entry = entries[i]
+        layer_group = layout.get("group_size") if kv_bits else None
+        if entry.get("dtype") != layout["dtype"] or entry.get("group_size") != layout.get(
+            "group_size"
+        ):
+            raise CacheFormatError(f"block {j} layer {i}: dtype or group size differs from tail")
+        for kv in ("keys", "values"):
+            s = layout[f"{kv}_shape"]
+            shape = (s[0], s[1], block_tokens, s[3])
+            name = f"layers.{i}.{kv}"
+            if layer_group is None:
+                _tensor(block, name, shape, _STORED[layout["dtype"]])
+                expected.add(name)
+            else:
+                _quantized(block, name, shape, layer_group)
+                expected |= {f"{name}.q", f"{name}.scales", f"{name}.biases"}
+    if extra := sorted(set(block.tensors) - expected):
+        raise CacheFormatError(f"block {j} has unexpected tensors {extra}")
+
+
+def _parse_paged_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+    """Tail layouts: format-1 layouts plus ``start``; a global layer may hold 0 positions."""
+    try:
+        layouts = json.loads(metadata["layers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"metadata 'layers' is missing or not JSON: {exc}") from exc
+    if not isinstance(layouts, list) or not layouts:
+        raise CacheFormatError("metadata 'layers' must be a non-empty JSON list")
+    for i, layout in enumerate(layouts):
+        if not isinstance(layout, dict) or type(layout.get("start")) is not int:
+            raise CacheFormatError(f"layer {i} layout needs an integer 'start'")
+        # Validate as the whole layer it stands for (global: all positions).
+        probe = dict(layout)
+        if probe.get("type") == "KVCache" and isinstance(probe.get("keys_shape"), list):
+            offset = probe.get("offset")
+            probe["keys_shape"] = [*probe["keys_shape"][:2], offset, probe["keys_shape"][3]]
+            probe["values_shape"] = [*probe["values_shape"][:2], offset, *probe["values_shape"][3:]]
+        if problem := _layout_problem(probe):
+            raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+        layout["keys_shape"], layout["values_shape"] = map(
+            tuple, (layout["keys_shape"], layout["values_shape"])
+        )
+    return layouts

@@ -82,6 +82,8 @@ class GenerationRequest:
         return_cache: hand back the per-sequence cache when the request finishes.
         keep_cache_on_cancel: also hand back the partial cache when it is cancelled.
         ignore_eos: keep generating past end-of-sequence tokens (benchmarks, fixed lengths).
+        forced_token: generate this token (whatever the model predicts) instead of sampling:
+            with ``max_tokens=1`` the returned cache holds exactly ``prompt + [forced_token]``.
     """
 
     prompt_tokens: list[int]
@@ -93,12 +95,17 @@ class GenerationRequest:
     return_cache: bool = True
     keep_cache_on_cancel: bool = False
     ignore_eos: bool = False
+    forced_token: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise ValueError("prompt_tokens is empty: a request needs at least one new token")
         if not all(isinstance(t, int) and t >= 0 for t in self.prompt_tokens):
             raise ValueError("prompt_tokens must be non-negative integers")
+        if self.forced_token is not None and (
+            not isinstance(self.forced_token, int) or self.forced_token < 0
+        ):
+            raise ValueError(f"forced_token must be a token id, got {self.forced_token!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.sampling, SamplingParams):

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agents import Reply
 
-CACHE_SOURCES = ("hot", "disk", "rebuilt", "none")
+CACHE_SOURCES = ("hot", "disk", "prefix", "rebuilt", "none")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -45,7 +45,7 @@ class ServerMetrics:
         )
         self.turns = Counter(
             "agentkv_turns",
-            "Finished turns by where the agent's cache came from (hot, disk, rebuilt, none).",
+            "Finished turns by where the cache came from (hot, disk, prefix, rebuilt, none).",
             ["cache_source"],
             registry=r,
         )
@@ -70,7 +70,37 @@ class ServerMetrics:
             "agentkv_cache_disk_bytes", "Bytes of the agents' current cache files.", registry=r
         )
         self.disk_files = Gauge(
-            "agentkv_cache_disk_files", "Agents with a cache file on disk.", registry=r
+            "agentkv_cache_disk_files",
+            "Cache files on disk: agents' tails, shared blocks and their window files.",
+            registry=r,
+        )
+        self.disk_blocks = Gauge(
+            "agentkv_cache_disk_blocks", "Blocks stored once and shared by caches.", registry=r
+        )
+        self.blocks_written = Gauge(
+            "agentkv_cache_blocks_written",
+            "Blocks written since the server started (a block is written once).",
+            registry=r,
+        )
+        self.blocks_shared = Gauge(
+            "agentkv_cache_blocks_shared",
+            "Blocks saves found already stored (not written again) since the server started.",
+            registry=r,
+        )
+        self.bytes_written = Gauge(
+            "agentkv_cache_bytes_written",
+            "Bytes of cache files written since the server started.",
+            registry=r,
+        )
+        self.prefix_hits = Gauge(
+            "agentkv_cache_prefix_hits",
+            "Turns that started from another agent's stored or in-flight prefix.",
+            registry=r,
+        )
+        self.prefix_tokens = Gauge(
+            "agentkv_cache_prefix_tokens",
+            "Prompt tokens taken from shared prefixes instead of prefilled.",
+            registry=r,
         )
         self.disk_budget = Gauge(
             "agentkv_cache_disk_budget_bytes",
@@ -102,6 +132,12 @@ class ServerMetrics:
         engine, disk = runtime_stats["engine"], runtime_stats["disk"]
         self.disk_bytes.set(disk["bytes"])
         self.disk_files.set(disk["files"])
+        self.disk_blocks.set(disk["blocks"])
+        self.blocks_written.set(disk["blocks_written"])
+        self.blocks_shared.set(disk["blocks_shared"])
+        self.bytes_written.set(disk["bytes_written"])
+        self.prefix_hits.set(disk["prefix_hits"])
+        self.prefix_tokens.set(disk["prefix_tokens"])
         self.disk_budget.set(disk["budget_bytes"] or 0)
         self.evictions.set(disk["evictions"])
         self.hot_bytes.set(runtime_stats["hot_tier"]["bytes"])

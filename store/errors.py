@@ -116,6 +116,14 @@ class RegistryStorageError(StoreError):
         return self.code.startswith("SQLITE_FULL")
 
 
+class BlocksMissingError(StoreError, LookupError):
+    """A cache entry lists blocks the registry does not hold (collected meanwhile)."""
+
+    def __init__(self, keys: list[str]):
+        self.keys = keys
+        super().__init__(f"{len(keys)} listed blocks are not recorded, e.g. {keys[0]!r}")
+
+
 class MigrationError(StoreError):
     """The database could not be migrated to the schema this code expects."""
 

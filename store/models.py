@@ -1,4 +1,5 @@
-"""ORM tables of the agent registry: ``agents``, ``messages`` and ``kv_caches``.
+"""ORM tables of the agent registry: ``agents``, ``messages``, ``kv_caches``, ``kv_blocks`` and
+``kv_cache_blocks``.
 
 The schema changes only through Alembic revisions under ``migrations/versions``; edit these
 classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
@@ -15,6 +16,7 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -148,3 +150,40 @@ class KVCache(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
 
     agent: Mapped[Agent] = relationship(back_populates="kv_cache", lazy="raise")
+
+
+class KVBlock(Base):
+    """One block of paged KV caches, stored once and shared (added by 0004).
+
+    ``key`` is the hash chain of every token up to the block's end, the model and the storage
+    settings, so two caches whose tokens start the same way list the same keys. The file
+    ``blocks/<key[:2]>/<key>.safetensors`` holds the global-attention layers' keys and values
+    for the block's tokens; ``window_*`` describe an optional second file with the
+    sliding-window layers' state at the block's end (what lets a new cache start there).
+    A block no ``kv_cache_blocks`` row lists is garbage.
+    """
+
+    __tablename__ = "kv_blocks"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    checksum: Mapped[str] = mapped_column(String(64), nullable=False)
+    window_nbytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    window_checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+
+class KVCacheBlock(Base):
+    """The blocks an agent's current cache is made of, in order (added by 0004).
+
+    Deleting the agent deletes these rows; a block stays while any row lists it.
+    """
+
+    __tablename__ = "kv_cache_blocks"
+    __table_args__ = (Index("ix_kv_cache_blocks_block_key", "block_key"),)
+
+    agent_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    block_key: Mapped[str] = mapped_column(String(64), ForeignKey("kv_blocks.key"), nullable=False)

@@ -168,13 +168,15 @@ class CacheRecord:
     checksum: str
     format_version: int
     created_at: datetime
+    blocks: tuple[str, ...] = ()
+    """Keys of the blocks the cache is made of, in order (format 2); empty for format 1."""
 
     @property
     def is_quantized(self) -> bool:
         return self.kv_bits is not None
 
     @classmethod
-    def from_row(cls, row: KVCache) -> CacheRecord:
+    def from_row(cls, row: KVCache, blocks: tuple[str, ...] = ()) -> CacheRecord:
         return cls(
             id=row.id,
             agent_id=row.agent_id,
@@ -188,7 +190,53 @@ class CacheRecord:
             checksum=row.checksum,
             format_version=row.format_version,
             created_at=row.created_at,
+            blocks=blocks,
         )
+
+
+@dataclass(slots=True, frozen=True)
+class NewBlock:
+    """A block file (and optionally its window file) to record in ``kv_blocks``.
+
+    Attributes:
+        key: The block's key (hash chain; 1-64 characters, also its file name).
+        nbytes: Size of the block file; None when only a window is added to a known block.
+        checksum: Its checksum.
+        window_nbytes, window_checksum: The window file's, when one was written.
+    """
+
+    key: str
+    nbytes: int | None
+    checksum: str | None
+    window_nbytes: int | None = None
+    window_checksum: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_text("key", self.key, MAX_FINGERPRINT_CHARS)
+        if not self.key.isalnum():
+            raise InvalidRecordError(f"key={self.key!r}: expected letters and digits only")
+        if (self.nbytes is None) != (self.checksum is None):
+            raise InvalidRecordError("nbytes and checksum must both be set or both None")
+        if (self.window_nbytes is None) != (self.window_checksum is None):
+            raise InvalidRecordError("window_nbytes and window_checksum go together")
+        if self.nbytes is None and self.window_nbytes is None:
+            raise InvalidRecordError(f"block {self.key}: neither a block nor a window file")
+        for name in ("nbytes", "window_nbytes"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+        for name in ("checksum", "window_checksum"):
+            if getattr(self, name) is not None:
+                _check_text(name, getattr(self, name), MAX_CHECKSUM_CHARS)
+
+
+@dataclass(slots=True, frozen=True)
+class DiskUsage:
+    """What the current cache files take: ``bytes`` and ``files`` over agents' own files and
+    blocks (window files included), ``blocks`` the number of blocks."""
+
+    bytes: int
+    files: int
+    blocks: int
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

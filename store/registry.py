@@ -18,23 +18,27 @@ from typing import Any, Literal, Self
 
 from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy import literal as sa_literal
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
-from store.errors import AgentExistsError, AgentNotFoundError
+from store.errors import AgentExistsError, AgentNotFoundError, BlocksMissingError
 from store.ids import new_agent_id, validate_agent_id
-from store.models import Agent, KVCache, Message, UTCDateTime, utcnow
+from store.models import Agent, KVBlock, KVCache, KVCacheBlock, Message, UTCDateTime, utcnow
 from store.records import (
     AgentRecord,
     CacheRecord,
+    DiskUsage,
     MessageRecord,
+    NewBlock,
     NewCacheEntry,
     NewMessage,
     Role,
 )
 
 _INSERT_CHUNK = 1000
+_IN_CHUNK = 500  # keys per IN (...) list, well under SQLite's bound-parameter limit
 
 
 class _Keep(Enum):
@@ -352,8 +356,18 @@ class Registry:
 
     # -- KV cache entries -----------------------------------------------------------------
 
-    async def set_cache(self, agent_id: str, entry: NewCacheEntry) -> CacheRecord | None:
-        """Make ``entry`` the agent's current cache entry.
+    async def set_cache(
+        self,
+        agent_id: str,
+        entry: NewCacheEntry,
+        *,
+        blocks: Sequence[str] = (),
+        new_blocks: Sequence[NewBlock] = (),
+    ) -> CacheRecord | None:
+        """Make ``entry`` the agent's current cache entry, made of ``blocks`` (in order).
+
+        ``new_blocks`` (files just written) are recorded first, in the same transaction; a
+        block already known keeps its row. Every key in ``blocks`` must then be known.
 
         Returns:
             The entry it replaced, so the caller can delete that file; else ``None``.
@@ -361,12 +375,19 @@ class Registry:
         Raises:
             TypeError: ``entry`` is not a ``NewCacheEntry``.
             AgentNotFoundError: No such agent.
+            BlocksMissingError: A listed block is not recorded (collected meanwhile); nothing
+                changed, so the caller can write it and try again.
         """
         validate_agent_id(agent_id)
         if not isinstance(entry, NewCacheEntry):
             raise TypeError(f"entry must be a NewCacheEntry, got {type(entry).__name__}")
         async with self._db.write() as session:
             await _require_agent(session, agent_id)
+            await _record_blocks(session, new_blocks)
+            if blocks:
+                known = await _known_blocks(session, blocks)
+                if missing := [key for key in blocks if key not in known]:
+                    raise BlocksMissingError(missing)
             row = await _current_cache(session, agent_id)
             previous = None if row is None else CacheRecord.from_row(row)
             if row is None:
@@ -375,7 +396,50 @@ class Registry:
             for column in fields(entry):
                 setattr(row, column.name, getattr(entry, column.name))
             row.created_at = utcnow()
+            await session.execute(delete(KVCacheBlock).where(KVCacheBlock.agent_id == agent_id))
+            rows = [
+                {"agent_id": agent_id, "position": i, "block_key": key}
+                for i, key in enumerate(blocks)
+            ]
+            for start in range(0, len(rows), _INSERT_CHUNK):
+                await session.execute(
+                    insert(KVCacheBlock.__table__), rows[start : start + _INSERT_CHUNK]
+                )
             return previous
+
+    async def add_blocks(self, new_blocks: Sequence[NewBlock]) -> None:
+        """Record block (and window) files no cache lists yet: a prefix stored for later
+        caches. Unlisted blocks are garbage to :meth:`collect_garbage` unless it is told to
+        keep them."""
+        async with self._db.write() as session:
+            await _record_blocks(session, new_blocks)
+
+    async def known_blocks(self, keys: Sequence[str]) -> dict[str, bool]:
+        """Which of ``keys`` are recorded, each mapped to whether its window file is too."""
+        async with self._db.read() as session:
+            return await _known_blocks(session, keys)
+
+    async def collect_garbage(self, keep: Sequence[str] = ()) -> list[tuple[str, bool]]:
+        """Delete the rows of blocks no cache lists (except those in ``keep``).
+
+        Returns:
+            (key, has window file) of each deleted block: the caller deletes the files.
+        """
+        async with self._db.write() as session:
+            listed = select(KVCacheBlock.block_key)
+            query = delete(KVBlock).where(KVBlock.key.not_in(listed))
+            if keep:
+                query = query.where(KVBlock.key.not_in(list(keep)))
+            rows = await session.execute(
+                query.returning(KVBlock.key, KVBlock.window_nbytes.is_not(None))
+            )
+            return [(key, bool(window)) for key, window in rows]
+
+    async def block_keys(self) -> dict[str, bool]:
+        """Every recorded block, mapped to whether it has a window file (one query)."""
+        async with self._db.read() as session:
+            rows = await session.execute(select(KVBlock.key, KVBlock.window_nbytes.is_not(None)))
+            return {key: bool(window) for key, window in rows}
 
     async def get_cache(self, agent_id: str) -> CacheRecord | None:
         """The agent's current cache entry, or ``None``. Raises ``AgentNotFoundError``."""
@@ -383,7 +447,14 @@ class Registry:
         async with self._db.read() as session:
             await _require_agent(session, agent_id)
             row = await _current_cache(session, agent_id)
-            return None if row is None else CacheRecord.from_row(row)
+            if row is None:
+                return None
+            keys = await session.scalars(
+                select(KVCacheBlock.block_key)
+                .where(KVCacheBlock.agent_id == agent_id)
+                .order_by(KVCacheBlock.position)
+            )
+            return CacheRecord.from_row(row, tuple(keys))
 
     async def expired_agents(self, now: datetime | None = None) -> list[str]:
         """Ids of agents with an ``idle_ttl_s`` whose last change is older than that, oldest
@@ -401,15 +472,29 @@ class Registry:
                 if (now - updated_at).total_seconds() > ttl
             ]
 
-    async def cache_usage(self) -> tuple[int, int]:
-        """(bytes, files) of every current cache entry."""
+    async def cache_usage(self) -> DiskUsage:
+        """Bytes and files of every current cache entry and recorded block."""
         async with self._db.read() as session:
-            row = (
+            own = (
                 await session.execute(
                     select(func.coalesce(func.sum(KVCache.nbytes), 0), func.count(KVCache.id))
                 )
             ).one()
-            return int(row[0]), int(row[1])
+            blocks = (
+                await session.execute(
+                    select(
+                        func.coalesce(func.sum(KVBlock.nbytes), 0),
+                        func.coalesce(func.sum(KVBlock.window_nbytes), 0),
+                        func.count(KVBlock.key),
+                        func.count(KVBlock.window_nbytes),
+                    )
+                )
+            ).one()
+            return DiskUsage(
+                bytes=int(own[0] + blocks[0] + blocks[1]),
+                files=int(own[1] + blocks[2] + blocks[3]),
+                blocks=int(blocks[2]),
+            )
 
     async def coldest_caches(self, limit: int) -> list[CacheRecord]:
         """Current cache entries, those of the agents with the oldest last change first."""
@@ -436,6 +521,8 @@ class Registry:
                 .where(KVCache.agent_id == agent_id, KVCache.path == path)
                 .returning(KVCache.id)
             )
+            if deleted is not None:
+                await session.execute(delete(KVCacheBlock).where(KVCacheBlock.agent_id == agent_id))
             return deleted is not None
 
     async def cache_paths(self) -> dict[str, str | None]:
@@ -465,6 +552,44 @@ async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> dateti
     if touched is None:
         raise AgentNotFoundError(agent_id)
     return now
+
+
+async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) -> None:
+    """Insert block rows; a known block's row takes the new file's size and checksum (it was
+    written again because its file was gone), and gains a window file it lacked."""
+    for block in new_blocks:
+        if not isinstance(block, NewBlock):
+            raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
+        window = {"window_nbytes": block.window_nbytes, "window_checksum": block.window_checksum}
+        if block.nbytes is None:  # a window for a known block
+            await session.execute(update(KVBlock).where(KVBlock.key == block.key).values(window))
+            continue
+        statement = sqlite_insert(KVBlock).values(
+            key=block.key,
+            nbytes=block.nbytes,
+            checksum=block.checksum,
+            created_at=utcnow(),
+            **window,
+        )
+        changes = {"nbytes": block.nbytes, "checksum": block.checksum}
+        if block.window_nbytes is not None:
+            changes |= window
+        await session.execute(
+            statement.on_conflict_do_update(index_elements=[KVBlock.key], set_=changes)
+        )
+
+
+async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str, bool]:
+    keys = list(dict.fromkeys(keys))
+    known: dict[str, bool] = {}
+    for start in range(0, len(keys), _IN_CHUNK):
+        rows = await session.execute(
+            select(KVBlock.key, KVBlock.window_nbytes.is_not(None)).where(
+                KVBlock.key.in_(keys[start : start + _IN_CHUNK])
+            )
+        )
+        known.update((key, bool(window)) for key, window in rows)
+    return known
 
 
 async def _current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:

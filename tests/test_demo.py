@@ -34,4 +34,5 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "round 2: 4 agents concurrently" in out
     cached = int(out.split("HTTP turn: cached input tokens")[1].split()[0])
     assert cached > 0
-    assert len(list((tmp_path / "caches").rglob("*.safetensors"))) == 4
+    # One tail per agent; the blocks they list are shared under caches/_blocks.
+    assert len(list((tmp_path / "caches").glob("*/*.safetensors"))) == 4

@@ -50,6 +50,9 @@ SCHEMA = {
         "created_at",
         "message_count",  # added by 0002, so last in the table
     ],
+    # added by 0004
+    "kv_blocks": ["key", "nbytes", "checksum", "window_nbytes", "window_checksum", "created_at"],
+    "kv_cache_blocks": ["agent_id", "position", "block_key"],
 }
 # A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
 # NEXT_REVISION and HEAD_REVISION are filled in by with_revision().
@@ -113,7 +116,7 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-HEAD = "0003"
+HEAD = "0004"
 NEXT = "9000"
 
 

@@ -1,0 +1,248 @@
+"""Paged, content-addressed cache storage and shared prefixes, through the real AgentRuntime:
+real SQLite files, real tiny models, real block files."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from agents import AgentRuntime, RuntimeConfig
+from agents.persistence import BLOCKS_DIR, chain_keys
+from store.models import KVBlock, KVCacheBlock
+
+BLOCK = 16
+# About 120 tokens on the tiny models: seven full blocks of 16.
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer questions about parcels, "
+    "routes and delivery times in short plain sentences, and say when you do not know. "
+    "Never invent tracking numbers; ask for them instead."
+)
+
+
+def config(data_dir: Path, model: str = "tiny:gemma3", **kw) -> RuntimeConfig:
+    return RuntimeConfig(model=model, data_dir=data_dir, kv_block_tokens=BLOCK, **kw)
+
+
+def block_files(rt: AgentRuntime) -> set[str]:
+    return {p.name for p in (rt.config.caches_path / BLOCKS_DIR).glob("*/*")}
+
+
+async def rows(rt: AgentRuntime, model) -> int:
+    async with rt._registry._db.read() as session:
+        return await session.scalar(select(func.count()).select_from(model))
+
+
+async def listed_blocks(rt: AgentRuntime, agent_id: str) -> tuple[str, ...]:
+    record = await rt._registry.get_cache(agent_id)
+    return record.blocks if record else ()
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])
+async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
+    # (No shared head is stored for others: this counts the bytes of the agent's own saves.)
+    settings = config(tmp_path, model, kv_bits=None, share_prefixes=False)
+    async with await AgentRuntime.open(settings) as rt:
+        agent = await rt.create_agent(system_prompt="You are terse.")
+        disk = rt._disk
+        for i in range(4):
+            written = disk.bytes_written
+            before = set(await listed_blocks(rt, agent.id))
+            await rt.chat(agent.id, f"Question number {i}: where is my parcel today?", max_tokens=20)
+            await rt.flush()
+            cache = rt._hot.get(agent.id).cache
+            keys = chain_keys(disk._seed, cache.tokens, BLOCK)
+            assert await listed_blocks(rt, agent.id) == tuple(keys)
+            assert len(keys) == cache.num_tokens // BLOCK
+            new = [k for k in keys if k not in before]
+            record = await rt._registry.get_cache(agent.id)
+            block_bytes = sum(
+                (rt.config.caches_path / BLOCKS_DIR / k[:2] / f"{k}.safetensors").stat().st_size
+                for k in new
+            )
+            # Only the new blocks and the tail were written: nothing of the older history.
+            assert disk.bytes_written - written == block_bytes + record.nbytes
+        # Every block file on disk is recorded and listed; nothing else is there.
+        assert block_files(rt) == {f"{k}.safetensors" for k in keys}
+        assert await rows(rt, KVBlock) == len(keys)
+
+
+async def test_resume_from_blocks_equals_uninterrupted_after_restart(tmp_path):
+    turns = ["Tell me about the sea.", "And the mountains?", "Compare them.", "Which first?"]
+
+    async def run(rt, agent_id, texts):
+        return [(await rt.chat(agent_id, t, max_tokens=24)).token_ids for t in texts]
+
+    async with await AgentRuntime.open(config(tmp_path / "one", kv_bits=None)) as rt:
+        await rt.create_agent("a", system_prompt=SYSTEM)
+        straight = await run(rt, "a", turns)
+    async with await AgentRuntime.open(config(tmp_path / "two", kv_bits=None)) as rt:
+        await rt.create_agent("a", system_prompt=SYSTEM)
+        first = await run(rt, "a", turns[:2])
+    async with await AgentRuntime.open(config(tmp_path / "two", kv_bits=None)) as rt:
+        reply = await rt.chat("a", turns[2], max_tokens=24)
+        assert reply.cache_source == "disk"
+        rest = [reply.token_ids, *await run(rt, "a", turns[3:])]
+    assert first + rest == straight
+
+
+async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path / "alone", share_prefixes=False)) as rt:
+        alone = []
+        for i in range(4):
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            alone.append(await rt.chat(agent.id, f"Parcel {i} is late.", max_tokens=12))
+
+    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+        agents_ = [await rt.create_agent(system_prompt=SYSTEM) for _ in range(4)]
+        replies = await asyncio.gather(
+            *(rt.chat(a.id, f"Parcel {i} is late.", max_tokens=12) for i, a in enumerate(agents_))
+        )
+        await rt.flush()
+        head = replies[1].usage.cached_tokens
+        assert head >= 6 * BLOCK and head % BLOCK == 0
+        # One turn prefilled the shared head; the others started from it.
+        assert sorted(r.cache_source for r in replies) == ["none", "prefix", "prefix", "prefix"]
+        assert sum(r.usage.prefilled_tokens for r in replies) == (
+            sum(r.usage.prompt_tokens for r in replies) - 3 * head
+        )
+        assert [r.token_ids for r in replies] == [r.token_ids for r in alone]
+        # Stored once: every agent lists the head's blocks, each is one row and one file.
+        lists = [await listed_blocks(rt, a.id) for a in agents_]
+        shared = lists[0][: head // BLOCK]
+        assert all(ls[: len(shared)] == shared for ls in lists)
+        assert await rows(rt, KVBlock) == len(set().union(*lists))
+        names = block_files(rt)
+        assert {f"{k}.safetensors" for k in shared} <= names
+        assert f"{shared[-1]}.window.safetensors" in names
+        assert rt.stats()["disk"]["prefix_hits"] == 3
+
+    # After a restart a new agent starts from the stored head, read from disk.
+    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        reply = await rt.chat(agent.id, "Parcel 0 is late.", max_tokens=12)
+        assert reply.cache_source == "prefix"
+        assert reply.usage.cached_tokens == head
+        assert reply.token_ids == alone[0].token_ids
+
+
+async def test_whole_conversations_share_a_stored_system_prompt(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, "tiny:tools", kv_bits=None)) as rt:
+        seen = []
+        for i in range(3):
+            agent = await rt.create_agent()
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Where is parcel {i}?"},
+            ]
+            reply = None
+            async for event in rt.respond(agent.id, messages, max_tokens=8):
+                reply = event
+            await rt.flush()
+            seen.append((reply.cache_source, reply.usage.cached_tokens))
+        assert seen[0] == ("none", 0)
+        assert seen[1][0] == seen[2][0] == "prefix"
+        assert seen[1][1] == seen[2][1] >= 6 * BLOCK
+
+
+async def test_blocks_are_collected_when_no_cache_lists_them(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=8)) as rt:
+        a = await rt.create_agent(system_prompt=SYSTEM)
+        b = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(a.id, "First parcel?", max_tokens=8)
+        await rt.chat(b.id, "Second parcel?", max_tokens=8)
+        await rt.flush()
+        only_a = set(await listed_blocks(rt, a.id)) - set(await listed_blocks(rt, b.id))
+        shared = set(await listed_blocks(rt, a.id)) & set(await listed_blocks(rt, b.id))
+        assert shared and only_a
+
+        await rt.delete_agent(a.id)
+        names = block_files(rt)
+        assert {f"{k}.safetensors" for k in shared} <= names
+        assert not {f"{k}.safetensors" for k in only_a} & names
+        assert await rows(rt, KVBlock) == len(await listed_blocks(rt, b.id))
+
+        await rt.delete_agent(b.id)
+        assert block_files(rt) == set()
+        assert await rows(rt, KVBlock) == await rows(rt, KVCacheBlock) == 0
+        assert rt.stats()["disk"] == rt.stats()["disk"] | {"bytes": 0, "files": 0, "blocks": 0}
+
+
+async def test_a_corrupt_block_is_rebuilt_and_written_again(tmp_path, caplog):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        first = await rt.chat(agent.id, "Where is it?", max_tokens=8)
+        await rt.flush()
+        keys = await listed_blocks(rt, agent.id)
+    path = tmp_path / "caches" / BLOCKS_DIR / keys[2][:2] / f"{keys[2]}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        reply = await rt.chat(agent.id, "And now?", max_tokens=8)
+        assert reply.cache_source == "rebuilt"
+        assert "unusable" in caplog.text
+        await rt.flush()
+        assert path.exists()  # written anew by the save that lists it
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        again = await rt.chat(agent.id, "Once more?", max_tokens=8)
+        assert again.cache_source == "disk"
+        assert again.usage.cached_tokens == reply.usage.prompt_tokens + len(reply.token_ids)
+    assert first.usage.prompt_tokens < reply.usage.prompt_tokens
+
+
+async def test_sweep_removes_unrecorded_block_files_only(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(agent.id, "Hello?", max_tokens=8)
+        await rt.flush()
+        kept = block_files(rt)
+    root = tmp_path / "caches" / BLOCKS_DIR
+    stray = root / "ab" / ("ab" + "0" * 30 + ".safetensors")
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"left by a crash")
+    temp = root / "ab" / (".ab" + "1" * 30 + ".safetensors.tmp-x1y2")
+    temp.write_bytes(b"half written")
+    foreign = root / "ab" / "notes.txt"
+    foreign.write_text("not ours")
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        assert block_files(rt) == kept | {"notes.txt"}
+    assert foreign.exists() and not stray.exists() and not temp.exists()
+
+
+async def test_fork_lists_the_same_blocks_without_copying(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(agent.id, "Hello?", max_tokens=8)
+        await rt.flush()
+        before = block_files(rt)
+        fork = await rt.fork(agent.id)
+        assert await listed_blocks(rt, fork.id) == await listed_blocks(rt, agent.id)
+        assert block_files(rt) == before
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        a = await rt.chat(agent.id, "Go on.", max_tokens=8)
+        b = await rt.chat(fork.id, "Go on.", max_tokens=8)
+        assert a.cache_source == b.cache_source == "disk"
+        assert a.token_ids == b.token_ids
+
+
+async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        cold = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(cold.id, "First?", max_tokens=8)
+        await rt.flush()
+        shared = set(await listed_blocks(rt, cold.id))
+    budget = rt.stats()["disk"]["bytes"] * 5 // 4  # one agent's cache fits, two do not
+    async with await AgentRuntime.open(config(tmp_path, disk_budget_bytes=budget)) as rt:
+        warm = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(warm.id, "Second?", max_tokens=8)
+        await rt.flush()
+        assert rt.stats()["disk"]["evictions"] == 1
+        assert await rt._registry.get_cache(cold.id) is None
+        assert shared & set(await listed_blocks(rt, warm.id))
+        assert {f"{k}.safetensors" for k in await listed_blocks(rt, warm.id)} <= block_files(rt)
+        assert rt.stats()["disk"]["bytes"] <= budget
+        reply = await rt.chat(cold.id, "Back again?", max_tokens=8)
+        assert reply.cache_source in ("prefix", "rebuilt")
