@@ -50,7 +50,7 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
         for i in range(4):
             written = disk.bytes_written
             before = set(await listed_blocks(rt, agent.id))
-            await rt.chat(agent.id, f"Question number {i}: where is my parcel today?", max_tokens=20)
+            await rt.chat(agent.id, f"Question {i}: where is my parcel today?", max_tokens=20)
             await rt.flush()
             cache = rt._hot.get(agent.id).cache
             keys = chain_keys(disk._seed, cache.tokens, BLOCK)
