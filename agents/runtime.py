@@ -510,17 +510,28 @@ class AgentRuntime(WholeConversations):
         for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
             pending = self._heads.get(keys[n - 1])
             if pending is not None and (cache := await asyncio.shield(pending)) is not None:
-                disk.prefix_hits += 1
-                disk.prefix_tokens += cache.num_tokens
-                return cache, 0, None
+                return self._shared(cache)
         if stored:
             cache = await disk.load_prefix(tokens[: stored * size], keys[:stored])
             if cache is not None:
                 return cache, 0, None
         n = min(await asyncio.to_thread(head) // size, usable)
-        if n <= stored or keys[n - 1] in self._heads:
+        if n <= stored:
             return None, 0, None
-        return await self._store_head(tokens[: n * size], keys[:n], priority)
+        pending = self._heads.get(keys[n - 1])  # another turn began storing it meanwhile
+        if pending is None:
+            return await self._store_head(tokens[: n * size], keys[:n], priority)
+        if (cache := await asyncio.shield(pending)) is None:
+            return None, 0, None  # it failed: prefill everything
+        return self._shared(cache)
+
+    def _shared(
+        self, cache: PromptCache
+    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
+        """A head another turn prefilled, as this turn's start (counted as a prefix hit)."""
+        self._disk.prefix_hits += 1
+        self._disk.prefix_tokens += cache.num_tokens
+        return cache, 0, None
 
     async def _store_head(
         self, tokens: list[int], keys: list[str], priority: float

@@ -218,8 +218,9 @@ class Bench:
                 self.samples[f"load_{name}"][h].append(reply.timings.cache_load_s)
                 self.samples["raw"][h].append(raw)
                 self.samples[f"pair_{name}"][h].append(reply.timings.ttft_s / raw)
-                files = list((rt.config.caches_path / agent_id).glob("*.safetensors"))
-                self.file_bytes[name][h] = sum(f.stat().st_size for f in files)
+                record = await rt._registry.get_cache(agent_id)  # its tail and blocks
+                blocks = (rt._disk._block_path(key) for key in record.blocks)
+                self.file_bytes[name][h] = record.nbytes + sum(b.stat().st_size for b in blocks)
                 await self.save_raw(rt, name, agent_id, str(h))  # what the next reopen loads
                 print(
                     f"[{name}] H={h}: disk resume {reply.timings.ttft_s * 1e3:.1f} ms "

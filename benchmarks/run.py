@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks import (
     bench_batching,
+    bench_blocks,
     bench_fidelity,
     bench_load,
     bench_peer,
@@ -26,6 +27,7 @@ SUITE = {
     "roundtrip": bench_roundtrip,
     "load": bench_load,
     "resume": bench_resume,
+    "blocks": bench_blocks,
     "peer": bench_peer,
     "stall": bench_stall,
     "fidelity": bench_fidelity,

@@ -60,11 +60,30 @@ def test_load_quick(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
     (row,) = report["rows"]
     assert row["same_cache"] is True  # the new load path rebuilds exactly what the old one did
-    paths = {"agentkv", "previous"}
+    paths = {"agentkv", "single", "previous"}
     expected = {f"{p}.{v}" for p in paths for v in ("none", "q8", "q4")} | {"raw.none"}
     assert {k for k, v in row.items() if isinstance(v, dict)} == expected
     assert row["agentkv.q4"]["mb"] < row["agentkv.q8"]["mb"] < row["agentkv.none"]["mb"]
     assert all(v["ms"] > 0 for v in row.values() if isinstance(v, dict))
+
+
+def test_blocks_quick(tmp_path):
+    report = run_quick("bench_blocks", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert {(r["kv_bits"], r["history"]) for r in report["rows"]} == {("none", 600), ("q8", 600)}
+    for row in report["rows"]:
+        assert row["ttft_ms"] > 0 and row["raw_ttft_ms"] > 0 and row["load_ms"] < row["ttft_ms"]
+        # The longer turn wrote whole new blocks (about its new tokens' worth) and a tail.
+        assert row["block_bytes_written"] > 0 and row["tail_bytes"] > 0
+        assert 0.5 < row["blocks_vs_new_tokens"] <= 1.2
+    shared = report["shared_prompt"]
+    assert shared["on"]["cache_sources"] == ["none", "prefix"]
+    assert shared["off"]["cache_sources"] == ["none"]
+    assert shared["on"]["prefilled_tokens"] < shared["off"]["prefilled_tokens"]
+    assert shared["on"]["prompt_tokens"] == shared["off"]["prompt_tokens"]
+    assert report["targets_met"]["shared_prefilled_once"] is True
+    assert report["open"]["agents"] == 201 and report["open"]["open_many_s"] > 0
 
 
 def test_stall_quick(tmp_path):

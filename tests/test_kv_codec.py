@@ -437,17 +437,35 @@ def test_check_group_size_agrees_with_mx_quantize(head_dim, group_size):
 
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
-async def test_host_dequantization_is_bit_exact_with_mlx(engine, kv_bits):
+async def test_host_dequantization_is_exact_in_float32_and_near_mlx(engine, kv_bits):
     for n in (10, 130):
         encoded = await engine.run(encode_cache, await history(engine, n), kv_bits)
         on_mlx = await engine.run(decode_cache, encoded)
         host = dequantize_on_host(encoded)
         assert host.kv_bits is None and host.group_size is None
         on_host = await engine.run(decode_cache, host)
-        for a, b in zip(on_mlx.layers, on_host.layers, strict=True):
+        layouts = json.loads(encoded.metadata["layers"])
+        for i, (a, b) in enumerate(zip(on_mlx.layers, on_host.layers, strict=True)):
             assert (type(a), a.offset) == (type(b), b.offset)
-            assert mx.array_equal(a.keys, b.keys).item()
-            assert mx.array_equal(a.values, b.values).item()
+            group = layouts[i]["group_size"]
+            for kv, got, theirs in (("keys", b.keys, a.keys), ("values", b.values, a.values)):
+                # Exactly q * scale + bias in float32 (the cache's dtype here) ...
+                words, scales, biases = (
+                    mx.array(encoded.tensors[f"layers.{i}.{kv}.{p}"])
+                    for p in ("q", "scales", "biases")
+                )
+                exact = mx.dequantize(
+                    words,
+                    scales.astype(mx.float32),
+                    biases.astype(mx.float32),
+                    group_size=group,
+                    bits=kv_bits,
+                )
+                assert mx.array_equal(got, exact).item()
+                # ... and within mx.dequantize's float16 rounding of q * scale, then of the sum.
+                scaled = got - mx.repeat(biases.astype(mx.float32), group, axis=-1)
+                rounding = (mx.abs(scaled) + mx.abs(got)) * 2.0**-11 + 2.0**-24
+                assert mx.all(mx.abs(got - theirs) <= rounding).item()
         assert on_host.tokens == on_mlx.tokens
 
 
