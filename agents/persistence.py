@@ -45,6 +45,7 @@ import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -90,6 +91,7 @@ _WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
 _BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(\.window)?\.safetensors(\.tmp-\w+)?")
 _EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
 _SAVE_ATTEMPTS = 3
+_READ_THREADS = 8
 _GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
 _PREFIX_TASKS = "\x00prefixes"  # key of shared-prefix writes in ``_pending``
 
@@ -150,6 +152,9 @@ class DiskCaches:
         self._lock_of = lock_of or (lambda agent_id: asyncio.Lock())
         self._evicting = asyncio.Lock()
         self._writer = CacheWriter()
+        self._readers = ThreadPoolExecutor(
+            max_workers=min(_READ_THREADS, os.cpu_count() or 1), thread_name_prefix="agentkv-read"
+        )
         self._pending: dict[str, set[asyncio.Task]] = {}
         self._pins: Counter[str] = Counter()
         self._loop = asyncio.get_running_loop()
@@ -472,7 +477,10 @@ class DiskCaches:
         return self._assemble(encoded, list(record.blocks))
 
     def _assemble(self, tail: EncodedCache, keys: list[str]) -> EncodedCache:
-        blocks = [self._read_verified(self._block_path(key), key) for key in keys]
+        # Reads release the GIL: a few threads overlap them (and the page-cache copies).
+        blocks = list(
+            self._readers.map(lambda k: self._read_verified(self._block_path(k), k), keys)
+        )
         return assemble_paged(tail, blocks)
 
     def _read_verified(self, path: Path, key: str) -> EncodedCache:
@@ -603,6 +611,7 @@ class DiskCaches:
     async def close(self) -> None:
         await self.wait()
         await asyncio.to_thread(self._writer.close)
+        self._readers.shutdown(wait=False)
 
 
 def _remove_all(paths: list[Path]) -> None:
