@@ -24,10 +24,12 @@ length of the history. Writer jobs run one at a time, so a block is written at m
 never removed while a save that counts on it is between its check and its commit; if one was
 collected before the check, the commit fails and the save starts again.
 
-Load path: registry entry -> a worker thread reads the tail and blocks, verifies them (each file
-carries its checksum) and assembles the layers (dequantizing on a CPU; a GPU engine dequantizes
-on the device) -> a PromptCache ready to merge into the batch. Any problem is logged and
-reported as "no cache": the transcript is the source of truth.
+Load path: registry entry -> on the generation thread, ``decode_paged`` reads the tail and
+blocks straight into MLX (``mx.load``), verifies every file from that memory (checksums,
+fingerprints, the registry entry, shapes: numpy and hashing only) before anything uses it, then
+joins the blocks per layer and dequantizes in float32 -> a PromptCache ready to merge into the
+batch. Any problem is logged and reported as "no cache": the transcript is the source of truth;
+a corrupt block or window file is removed, so the next save that lists it writes it again.
 
 Prefix reuse: a cache that starts with stored blocks whose last one has a window file can be
 built from them, so a new agent with a stored system prompt prefills only the rest.
@@ -45,7 +47,6 @@ import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,9 +61,11 @@ from engine.kv_codec import (
     PAGED_FORMAT_VERSION,
     CacheFormatError,
     EncodedCache,
+    LoadedFile,
     PagedCache,
     assemble_paged,
     decode_cache,
+    decode_paged,
     dequantize_on_host,
     encode_paged,
 )
@@ -76,7 +79,12 @@ from store import (
     NewCacheEntry,
     Registry,
 )
-from store.cache_files import read_cache_file, remove_cache_file, write_cache_file
+from store.cache_files import (
+    read_cache_file,
+    remove_cache_file,
+    verify_checksum,
+    write_cache_file,
+)
 from store.errors import CacheFileCorruptError, CacheFileError
 from store.writer import CacheWriter
 
@@ -91,7 +99,6 @@ _WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
 _BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(\.window)?\.safetensors(\.tmp-\w+)?")
 _EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
 _SAVE_ATTEMPTS = 3
-_READ_THREADS = 8
 _GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
 _PREFIX_TASKS = "\x00prefixes"  # key of shared-prefix writes in ``_pending``
 
@@ -152,9 +159,6 @@ class DiskCaches:
         self._lock_of = lock_of or (lambda agent_id: asyncio.Lock())
         self._evicting = asyncio.Lock()
         self._writer = CacheWriter()
-        self._readers = ThreadPoolExecutor(
-            max_workers=min(_READ_THREADS, os.cpu_count() or 1), thread_name_prefix="agentkv-read"
-        )
         self._pending: dict[str, set[asyncio.Task]] = {}
         self._pins: Counter[str] = Counter()
         self._loop = asyncio.get_running_loop()
@@ -418,9 +422,9 @@ class DiskCaches:
         """The cache of ``tokens`` (``len(keys)`` full blocks) from stored blocks and the last
         one's window, or None (logged) when they cannot be read."""
         release = self.pin(keys)  # kept through collection while they are read
+        window = self._block_path(keys[-1], window=True)
         try:
-            encoded = await asyncio.to_thread(self._read_prefix, list(keys))
-            cache = await self._decode(encoded)
+            cache = await self._load_paged(window, list(keys), keys[-1], lambda meta: None)
         except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
             log.warning("stored prefix of %d blocks unusable (%s); prefilling it", len(keys), exc)
             return None
@@ -433,10 +437,6 @@ class DiskCaches:
         self.prefix_tokens += cache.num_tokens
         return cache
 
-    def _read_prefix(self, keys: list[str]) -> EncodedCache:
-        tail = self._read_verified(self._block_path(keys[-1], window=True), keys[-1])
-        return self._assemble(tail, keys)
-
     # ---- loading -----------------------------------------------------------------------------
 
     async def load(self, agent_id: str) -> LoadedCache | None:
@@ -447,10 +447,15 @@ class DiskCaches:
         try:
             if record.model_fingerprint != self.fingerprint:
                 raise StaleCacheError("saved for another model")
-            if record.format_version not in (FORMAT_VERSION, PAGED_FORMAT_VERSION):
+            if record.format_version == PAGED_FORMAT_VERSION:
+                tail = self.root / record.path
+                check = functools.partial(self._check_tail, record)
+                cache = await self._load_paged(tail, list(record.blocks), record.checksum, check)
+            elif record.format_version == FORMAT_VERSION:
+                encoded = await asyncio.to_thread(self._read_whole, record)
+                cache = await self._decode(encoded)
+            else:
                 raise StaleCacheError(f"format version {record.format_version}")
-            encoded = await asyncio.to_thread(self._read_entry, record)
-            cache = await self._decode(encoded)
         except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
             self.load_failures += 1
             log.warning(
@@ -459,40 +464,83 @@ class DiskCaches:
             return None
         return LoadedCache(cache, record.message_count)
 
-    def _read_entry(self, record: CacheRecord) -> EncodedCache:
-        """On a worker thread: the entry's files, verified, as one format-1 cache."""
+    async def _load_paged(
+        self,
+        tail: Path,
+        keys: list[str],
+        tail_checksum_or_key: str,
+        check_tail: Callable[[dict[str, str]], None],
+    ) -> PromptCache:
+        """Read a tail (an agent's, or a window: then ``tail_checksum_or_key`` is its block's
+        key, else the registry's checksum of it) and its blocks into MLX on the generation
+        thread, verifying every file there before it is used (``decode_paged``)."""
+        window = tail.name.endswith(".window.safetensors")
+
+        def check(files: list[LoadedFile]) -> None:  # generation thread; numpy and hashing only
+            *blocks, (_, tensors, meta) = files
+            block_files = [
+                self._verified(Path(path), t, m, key=key)
+                for (path, t, m), key in zip(blocks, keys, strict=True)
+            ]
+            if window:
+                tail_file = self._verified(tail, tensors, meta, key=tail_checksum_or_key)
+            else:
+                verify_checksum(tail, tensors, meta, expected_checksum=tail_checksum_or_key)
+                tail_file = EncodedCache(tensors, meta)
+            if meta.get("model_fingerprint") != self.fingerprint:
+                raise StaleCacheError("file was written for another model")
+            check_tail(meta)
+            assemble_paged(tail_file, block_files, join=False)
+
+        paths = [str(self._block_path(key)) for key in keys]
+        try:
+            return await self._engine.run(
+                decode_paged, str(tail), paths, self._engine.model.on_gpu, check
+            )
+        except CacheFileCorruptError as exc:
+            if Path(exc.path).parent.parent.name == BLOCKS_DIR:
+                # Gone, the next save that lists this block (or stores this window) writes it.
+                await asyncio.to_thread(remove_cache_file, Path(exc.path))
+            raise
+        except (ValueError, RuntimeError) as exc:  # MLX could not read a file: find which
+            await asyncio.to_thread(self._find_damage, [tail, *map(Path, paths)])
+            raise CacheFormatError(f"reading {tail.name} and its blocks: {exc}") from exc
+
+    def _find_damage(self, paths: list[Path]) -> None:
+        """On a worker thread: raise the error of the first file that cannot be read (removing
+        it when it is a corrupt block or window)."""
+        for path in paths:
+            try:
+                read_cache_file(path)
+            except CacheFileCorruptError:
+                if path.parent.parent.name == BLOCKS_DIR:
+                    remove_cache_file(path)
+                raise
+
+    def _verified(
+        self, path: Path, tensors: dict[str, Any], meta: dict[str, str], *, key: str
+    ) -> EncodedCache:
+        verify_checksum(path, tensors, meta)
+        if meta.get("model_fingerprint") != self.fingerprint or meta.get("key") != key:
+            raise StaleCacheError(f"{path.name} is not block {key} of this model")
+        return EncodedCache(tensors, meta)
+
+    def _check_tail(self, record: CacheRecord, meta: dict[str, str]) -> None:
+        if meta.get("message_count") != str(record.message_count):
+            raise StaleCacheError("file does not match its registry entry")
+        if meta.get("blocks") != str(len(record.blocks)):
+            raise StaleCacheError(
+                f"tail lists {meta.get('blocks')} blocks, the registry {len(record.blocks)}"
+            )
+
+    def _read_whole(self, record: CacheRecord) -> EncodedCache:
+        """On a worker thread: a format-1 file (a whole cache), verified."""
         file = read_cache_file(self.root / record.path, expected_checksum=record.checksum)
         meta = file.metadata
         if meta.get("model_fingerprint") != self.fingerprint:
             raise StaleCacheError("file was written for another model")
         if meta.get("message_count") != str(record.message_count):
             raise StaleCacheError("file does not match its registry entry")
-        encoded = EncodedCache(file.tensors, meta)
-        if record.format_version == FORMAT_VERSION:
-            return encoded
-        if meta.get("blocks") != str(len(record.blocks)):
-            raise StaleCacheError(
-                f"tail lists {meta.get('blocks')} blocks, the registry {len(record.blocks)}"
-            )
-        return self._assemble(encoded, list(record.blocks))
-
-    def _assemble(self, tail: EncodedCache, keys: list[str]) -> EncodedCache:
-        # Reads release the GIL: a few threads overlap them (and the page-cache copies).
-        blocks = list(
-            self._readers.map(lambda k: self._read_verified(self._block_path(k), k), keys)
-        )
-        return assemble_paged(tail, blocks)
-
-    def _read_verified(self, path: Path, key: str) -> EncodedCache:
-        try:
-            file = read_cache_file(path)
-        except CacheFileCorruptError:
-            # Gone, the next save that lists this block (or stores this window) writes it anew.
-            remove_cache_file(path)
-            raise
-        meta = file.metadata
-        if meta.get("model_fingerprint") != self.fingerprint or meta.get("key") != key:
-            raise StaleCacheError(f"{path.name} is not block {key} of this model")
         return EncodedCache(file.tensors, meta)
 
     async def _decode(self, encoded: EncodedCache) -> PromptCache:
@@ -611,7 +659,6 @@ class DiskCaches:
     async def close(self) -> None:
         await self.wait()
         await asyncio.to_thread(self._writer.close)
-        self._readers.shutdown(wait=False)
 
 
 def _remove_all(paths: list[Path]) -> None:

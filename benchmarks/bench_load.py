@@ -4,11 +4,11 @@ For a cache shaped like ``tiny:gemma3-bench``'s (12 layers: 10 sliding-window la
 positions and 2 global ones, 1 KV head x 128, float32) at each history length, each storage
 variant (exact, q8, q4) is written, then loaded repeatedly, the variants interleaved:
 
-- ``agentkv``: what a resume does: the tail and blocks of 256 tokens (``encode_paged``), each
-  read with ``read_cache_file`` (one read into a buffer, XXH3-128 verification, zero-copy
-  views), ``assemble_paged``, dequantization in numpy (CPU engines) and ``decode_cache``
-  (arrays into MLX, evaluated);
-- ``single``: the same cache as one file (format 1, before paging);
+- ``agentkv``: what a resume does: the tail and blocks of 256 tokens (``encode_paged``) read
+  straight into MLX with ``decode_paged`` (``mx.load``; XXH3-128 checksums and shapes verified
+  from that memory; join per layer; float32 dequantization);
+- ``single``: the same cache as one file (format 1, before paging): ``read_cache_file``,
+  dequantization in numpy, ``decode_cache``;
 - ``previous``: one file through the load path before XXH3 (read, ``safetensors.numpy.load``
   copy, SHA-256 verification);
 - ``raw mlx-lm``: ``save_prompt_cache`` / ``load_prompt_cache`` of the same layers, evaluated
@@ -38,13 +38,14 @@ from engine.kv_codec import (
     EncodedCache,
     assemble_paged,
     decode_cache,
+    decode_paged,
     dequantize_on_host,
     encode_cache,
     encode_paged,
 )
 from engine.request import PromptCache
 from store import cache_files
-from store.cache_files import read_cache_file, write_cache_file
+from store.cache_files import read_cache_file, verify_checksum, write_cache_file
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"none": None, "q8": 8, "q4": 4}
@@ -86,13 +87,20 @@ def write_paged(root: Path, cache: PromptCache, bits: int | None) -> list[Path]:
     return paths
 
 
+def verify_loaded(files: list) -> None:
+    """What a resume checks before it uses the files: checksums and that they fit together."""
+    encoded = []
+    for path, tensors, meta in files:
+        verify_checksum(Path(path), tensors, meta)
+        encoded.append(EncodedCache(tensors, meta))
+    *blocks, tail = encoded
+    assemble_paged(tail, blocks, join=False)
+
+
 def agentkv_load(paths: list[Path]) -> PromptCache:
-    *blocks, tail = (read_cache_file(p) for p in paths)
-    encoded = assemble_paged(
-        EncodedCache(tail.tensors, tail.metadata),
-        [EncodedCache(b.tensors, b.metadata) for b in blocks],
-    )
-    return decode_cache(dequantize_on_host(encoded))
+    *blocks, tail = paths
+    on_gpu = mx.default_device() == mx.gpu
+    return decode_paged(str(tail), [str(b) for b in blocks], on_gpu, verify_loaded)
 
 
 def single_load(path: Path) -> PromptCache:

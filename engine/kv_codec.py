@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -501,31 +502,46 @@ def encode_paged(
         "kv_bits": "none" if kv_bits is None else str(kv_bits),
         "group_size": "none" if kv_bits is None else str(group_size),
     }
-    globals_ = {entry["index"] for entry in block_layers}
+    globals_ = [entry["index"] for entry in block_layers]
+    global_set = set(globals_)
+    # Global layers alike (dtype, group size, heads, head sizes) are stacked into one tensor per
+    # part, so a block holds a handful of tensors however many layers the model has.
+    stacked = bool(globals_) and len({_signature(host, i) for i in globals_}) == 1
+    parts = sorted({n.split(".", 2)[2] for n in host if int(n.split(".")[1]) in global_set})
 
     def positions(name: str, begin: int, end: int) -> np.ndarray:
         layer = int(name.split(".")[1])
-        if layer in globals_:  # global arrays start at ``low``
+        if layer in global_set:  # global arrays start at ``low``
             begin, end = begin - low, end - low
         return np.array(host[name][:, :, begin:end], order="C")
+
+    def global_tensors(begin: int, end: int, prefix: str) -> dict[str, np.ndarray]:
+        if not stacked:
+            return {n: positions(n, begin, end) for n in host if int(n.split(".")[1]) in global_set}
+        return {
+            f"{prefix}{part}": np.concatenate(
+                [host[f"layers.{i}.{part}"][:, :, begin - low : end - low] for i in globals_],
+                axis=0,
+            )
+            for part in parts
+        }
 
     encoded_blocks = {}
     block_meta = common | {
         "kind": "block",
+        "stacked": "true" if stacked else "false",
         "layers": json.dumps(block_layers, separators=(",", ":")),
     }
-    global_names = [n for n in host if int(n.split(".")[1]) in globals_]
     for j in wanted:
         begin, end = j * block_tokens, (j + 1) * block_tokens
-        tensors = {name: positions(name, begin, end) for name in global_names}
+        tensors = global_tensors(begin, end, "")
         tensors["tokens"] = tokens[begin:end].copy()
         encoded_blocks[j] = EncodedCache(tensors, dict(block_meta))
     tail_tensors = {"tokens": tokens[full * block_tokens :].copy()}
+    if total > full * block_tokens:
+        tail_tensors |= global_tensors(full * block_tokens, total, "globals.")
     for name, array in host.items():
-        if int(name.split(".")[1]) in globals_:
-            if total > full * block_tokens:
-                tail_tensors[name] = positions(name, full * block_tokens, total)
-        else:
+        if int(name.split(".")[1]) not in global_set:
             tail_tensors[name] = np.array(array, order="C")
     for layout in layouts:
         if layout["type"] == "KVCache":
@@ -535,14 +551,28 @@ def encode_paged(
                 layout[kv] = (shape[0], shape[1], length, shape[3])
     tail_meta = common | {
         "kind": "tail",
+        "stacked": "true" if stacked else "false",
         "block_tokens": str(block_tokens),
         "layers": json.dumps(layouts, separators=(",", ":")),
     }
     return PagedCache(encoded_blocks, EncodedCache(tail_tensors, tail_meta), block_tokens)
 
 
-def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCache:
+def _signature(host: dict[str, np.ndarray], i: int) -> tuple:
+    """What must agree for global layers to be stacked: each part's dtype and shape but the
+    number of positions."""
+    return tuple(
+        (name.split(".", 2)[2], x.dtype.str, x.shape[:2], x.shape[3:])
+        for name, x in sorted(host.items())
+        if name.startswith(f"layers.{i}.")
+    )
+
+
+def assemble_paged(
+    tail: EncodedCache, blocks: list[EncodedCache], *, join: bool = True
+) -> EncodedCache | None:
     """The format-1 cache a tail and its blocks (in order) make up: numpy only, any thread.
+    ``join=False`` only checks them (as :func:`decode_paged` will read them) and returns None.
 
     Raises:
         CacheFormatError: a malformed or mismatched tail or block (format, kind, storage
@@ -562,11 +592,14 @@ def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCac
     layouts = _parse_paged_layouts(meta)
     globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
     start = len(blocks) * block_tokens
+    tail = _unstack(tail, globals_, "globals.")
+    blocks = [_unstack(block, globals_, "") for block in blocks]
     for j, block in enumerate(blocks):
         _check_block(block, j, kv_bits, group_size, block_tokens, {i: layouts[i] for i in globals_})
     tail_tokens = _tensor(tail, "tokens", None, np.int32)
     total = start + tail_tokens.shape[0]
-    tensors = {"tokens": np.concatenate([*(b.tensors["tokens"] for b in blocks), tail_tokens])}
+    concatenate = np.concatenate if join else lambda pieces, axis=0: None
+    tensors = {"tokens": concatenate([*(b.tensors["tokens"] for b in blocks), tail_tokens])}
     whole = []
     for i, layout in enumerate(layouts):
         if layout["offset"] != total:
@@ -587,7 +620,7 @@ def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCac
                         raise CacheFormatError(f"tensor {name!r} is missing from the tail")
                     pieces.append(tail.tensors[name])
                 if pieces:
-                    tensors[name] = np.concatenate(pieces, axis=2)
+                    tensors[name] = concatenate(pieces, axis=2)
         else:
             for name in names:
                 tensors[name] = tail.tensors[name]
@@ -597,6 +630,8 @@ def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCac
         whole.append({k: v for k, v in layout.items() if k != "start"} | shapes)
     if total == 0:
         raise CacheFormatError("the tail and its blocks hold no tokens")
+    if not join:
+        return None
     metadata = {
         "format_version": str(FORMAT_VERSION),
         "kv_bits": meta["kv_bits"],
@@ -604,6 +639,26 @@ def assemble_paged(tail: EncodedCache, blocks: list[EncodedCache]) -> EncodedCac
         "layers": json.dumps(whole, separators=(",", ":")),
     }
     return EncodedCache(tensors, metadata)
+
+
+def _unstack(encoded: EncodedCache, globals_: list[int], prefix: str) -> EncodedCache:
+    """A block or tail whose global layers are stacked (metadata ``stacked``), as per-layer
+    views ``layers.{i}.*``; any other as it is."""
+    if encoded.metadata.get("stacked") != "true":
+        return encoded
+    tensors = {}
+    for name, x in encoded.tensors.items():
+        if name == "tokens" or name.startswith("layers."):
+            tensors[name] = x
+            continue
+        if not name.startswith(prefix) or x.ndim != 4 or x.shape[0] != len(globals_):
+            raise CacheFormatError(
+                f"stacked tensor {name!r} has shape {list(x.shape)}; expected "
+                f"{len(globals_)} global layers first"
+            )
+        for g, i in enumerate(globals_):
+            tensors[f"layers.{i}.{name[len(prefix) :]}"] = x[g : g + 1]
+    return EncodedCache(tensors, encoded.metadata)
 
 
 def _part_names(i: int, group_size: int | None) -> list[str]:
@@ -680,3 +735,106 @@ def _parse_paged_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
             tuple, (layout["keys_shape"], layout["values_shape"])
         )
     return layouts
+
+
+LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
+"""A file ``decode_paged`` read: its path, its tensors (views of MLX memory) and metadata."""
+
+
+def decode_paged(
+    tail_path: str,
+    block_paths: list[str],
+    on_gpu: bool,
+    check: Callable[[list[LoadedFile]], None] | None = None,
+) -> PromptCache:
+    """Load a tail and its blocks (in order) straight into MLX and rebuild the prompt cache, on
+    the generation thread: ``mx.load`` reads each file into MLX memory (as mlx-lm's own
+    ``load_prompt_cache`` does); then ``check`` sees every file's tensors (zero-copy numpy
+    views, before any GPU work touches them) and metadata and raises to refuse them; then the
+    blocks are joined per layer and quantized layers are dequantized, in float32:
+    ``mx.dequantize`` on a GPU, ``q * scale + bias`` as plain array math on a CPU (~15x faster
+    than ``mx.dequantize`` there). Both compute exactly what :func:`dequantize_on_host` does.
+
+    ``check`` is pure numpy (it may hash): nothing in it touches MLX.
+
+    Raises:
+        CacheFormatError: malformed tail metadata. Whatever ``check`` raises. ValueError /
+            RuntimeError from MLX for a file it cannot read.
+    """
+    paths = [*block_paths, tail_path]
+    loaded = [mx.load(path, return_metadata=True) for path in paths]
+    mx.eval([x for arrays, _ in loaded for x in arrays.values()])
+    if check is not None:
+        check(
+            [
+                (path, {k: np.asarray(x) for k, x in arrays.items()}, dict(meta))
+                for path, (arrays, meta) in zip(paths, loaded, strict=True)
+            ]
+        )
+    *blocks, (tail, meta) = loaded
+    blocks = [arrays for arrays, _ in blocks]
+    if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
+        raise CacheFormatError(f"{tail_path} is not a format-{PAGED_FORMAT_VERSION} tail")
+    kv_bits = _parse_int(meta, "kv_bits", (4, 8))
+    layouts = _parse_paged_layouts(meta)
+    tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]
+    token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
+
+    def joined(name: str, tail_name: str) -> mx.array:
+        pieces = [b[name] for b in blocks] + ([tail[tail_name]] if tail_name in tail else [])
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+    def expand(got: dict[str, mx.array], group: int | None, dtype: str) -> mx.array:
+        if group is None:
+            return got[""].view(mx.bfloat16) if dtype == "bfloat16" else got[""]
+        x = _dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, kv_bits, on_gpu)
+        return x.astype(_DTYPES[dtype])
+
+    globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
+    stacked = {}  # kv -> every global layer's keys or values, joined and expanded at once
+    if meta.get("stacked") == "true" and globals_:
+        first = layouts[globals_[0]]
+        group = first.get("group_size") if kv_bits else None
+        parts = [""] if group is None else [".q", ".scales", ".biases"]
+        for kv in ("keys", "values"):
+            got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
+            stacked[kv] = expand(got, group, first["dtype"])
+    layers = []
+    for i, layout in enumerate(layouts):
+        group = layout.get("group_size") if kv_bits else None
+        parts = [""] if group is None else [".q", ".scales", ".biases"]
+        arrays = []
+        for kv in ("keys", "values"):
+            if stacked and layout["type"] == "KVCache":
+                g = globals_.index(i)
+                arrays.append(stacked[kv][g : g + 1])
+                continue
+            got = {}
+            for part in parts:
+                name = f"layers.{i}.{kv}{part}"
+                got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
+            arrays.append(expand(got, group, layout["dtype"]))
+        if layout["type"] == "KVCache":
+            layer = KVCache()
+        else:
+            layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
+            layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+        layer.keys, layer.values = arrays
+        layer.offset = layout["offset"]
+        layers.append(layer)
+    mx.eval(*(x for layer in layers for x in (layer.keys, layer.values)))
+    return PromptCache(layers, token_list)
+
+
+def _dequantize_f32(
+    words: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int, fused: bool
+) -> mx.array:
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    if fused:
+        return mx.dequantize(words, scales, biases, group_size=group, bits=bits)
+    packed = words.view(mx.uint8)
+    if bits == 4:  # each byte: low nibble first
+        packed = mx.stack([packed & 0xF, packed >> 4], axis=-1)
+    rows = words.shape[:-1]
+    q = packed.reshape(*rows, scales.shape[-1], group).astype(mx.float32)
+    return (q * scales[..., None] + biases[..., None]).reshape(*rows, -1)

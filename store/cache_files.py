@@ -152,6 +152,24 @@ def read_cache_file(path: Path, *, expected_checksum: str | None = None) -> Cach
     header = _parse_header(path, data)
     tensors = _tensor_views(path, header, data)
     metadata = dict(header.get("__metadata__") or {})
+    stored = verify_checksum(path, tensors, metadata, expected_checksum=expected_checksum)
+    return CacheFile(tensors=tensors, metadata=metadata, checksum=stored, nbytes=len(data))
+
+
+def verify_checksum(
+    path: Path,
+    tensors: Mapping[str, np.ndarray],
+    metadata: dict[str, str],
+    *,
+    expected_checksum: str | None = None,
+) -> str:
+    """Check tensors and metadata read from ``path`` (by any reader) against the checksum in
+    the metadata, which is popped from ``metadata``. Returns it.
+
+    Raises:
+        CacheFileCorruptError: no checksum, or the content or ``expected_checksum`` does not
+            match it.
+    """
     stored = metadata.pop(CHECKSUM_KEY, None)
     if not isinstance(stored, str):
         raise CacheFileCorruptError(
@@ -169,7 +187,7 @@ def read_cache_file(path: Path, *, expected_checksum: str | None = None) -> Cach
             Corruption.CHECKSUM_MISMATCH,
             f"the registry expects {expected_checksum}, the file has {stored}",
         )
-    return CacheFile(tensors=tensors, metadata=metadata, checksum=stored, nbytes=len(data))
+    return stored
 
 
 def remove_cache_file(path: Path) -> None:
