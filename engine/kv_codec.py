@@ -749,9 +749,10 @@ def decode_paged(
 ) -> PromptCache:
     """Load a tail and its blocks (in order) straight into MLX and rebuild the prompt cache, on
     the generation thread: ``mx.load`` reads each file into MLX memory (as mlx-lm's own
-    ``load_prompt_cache`` does); then ``check`` sees every file's tensors (zero-copy numpy
-    views, before any GPU work touches them) and metadata and raises to refuse them; then the
-    blocks are joined per layer and quantized layers are dequantized, in float32:
+    ``load_prompt_cache`` does); the blocks are joined per layer and quantized layers are
+    dequantized, and while MLX computes that, ``check`` sees every file's tensors (zero-copy
+    numpy views of host memory) and metadata and raises to refuse them. Dequantization is in
+    float32:
     ``mx.dequantize`` on a GPU, ``q * scale + bias`` as plain array math on a CPU (~15x faster
     than ``mx.dequantize`` there). Both compute exactly what :func:`dequantize_on_host` does.
 
@@ -762,15 +763,9 @@ def decode_paged(
             RuntimeError from MLX for a file it cannot read.
     """
     paths = [*block_paths, tail_path]
-    loaded = [mx.load(path, return_metadata=True) for path in paths]
+    # Read on the CPU stream: host memory, which ``check`` reads without moving it off a GPU.
+    loaded = [mx.load(path, return_metadata=True, stream=mx.cpu) for path in paths]
     mx.eval([x for arrays, _ in loaded for x in arrays.values()])
-    if check is not None:
-        check(
-            [
-                (path, {k: np.asarray(x) for k, x in arrays.items()}, dict(meta))
-                for path, (arrays, meta) in zip(paths, loaded, strict=True)
-            ]
-        )
     *blocks, (tail, meta) = loaded
     blocks = [arrays for arrays, _ in blocks]
     if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
@@ -778,7 +773,6 @@ def decode_paged(
     kv_bits = _parse_int(meta, "kv_bits", (4, 8))
     layouts = _parse_paged_layouts(meta)
     tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]
-    token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
 
     def joined(name: str, tail_name: str) -> mx.array:
         pieces = [b[name] for b in blocks] + ([tail[tail_name]] if tail_name in tail else [])
@@ -822,7 +816,19 @@ def decode_paged(
         layer.keys, layer.values = arrays
         layer.offset = layout["offset"]
         layers.append(layer)
-    mx.eval(*(x for layer in layers for x in (layer.keys, layer.values)))
+    # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
+    # hashes the files' memory here; nothing is returned unless it passes.
+    arrays = [x for layer in layers for x in (layer.keys, layer.values)]
+    mx.async_eval(*arrays)
+    if check is not None:
+        check(
+            [
+                (path, {k: np.asarray(x) for k, x in arrays_.items()}, dict(meta_))
+                for path, (arrays_, meta_) in zip(paths, loaded, strict=True)
+            ]
+        )
+    token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
+    mx.eval(*arrays)
     return PromptCache(layers, token_list)
 
 
