@@ -246,3 +246,41 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
         assert rt.stats()["disk"]["bytes"] <= budget
         reply = await rt.chat(cold.id, "Back again?", max_tokens=8)
         assert reply.cache_source in ("prefix", "rebuilt")
+
+
+async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_path):
+    from engine.kv_codec import FORMAT_VERSION, encode_cache
+    from store import NewCacheEntry
+    from store.cache_files import write_cache_file
+
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        first = await rt.chat(agent.id, "Where is it?", max_tokens=8)
+        await rt.flush()
+        # Replace its cache entry with the same cache stored whole, as versions before paging.
+        cache = rt._hot.get(agent.id).cache
+        encoded = await rt._engine.run(encode_cache, cache, None)
+        rel = f"{agent.id}/000002-0a1d0f11.safetensors"
+        meta = encoded.metadata | {
+            "model_fingerprint": rt._disk.fingerprint,
+            "message_count": "2",
+        }
+        info = write_cache_file(rt.config.caches_path / rel, encoded.tensors, meta)
+        entry = NewCacheEntry(
+            path=rel,
+            token_count=cache.num_tokens,
+            message_count=2,
+            model_fingerprint=rt._disk.fingerprint,
+            nbytes=info.nbytes,
+            checksum=info.checksum,
+            format_version=FORMAT_VERSION,
+        )
+        await rt._registry.set_cache(agent.id, entry)
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        reply = await rt.chat(agent.id, "And now?", max_tokens=8)
+        assert reply.cache_source == "disk"
+        assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
+        await rt.flush()
+        record = await rt._registry.get_cache(agent.id)
+        assert record.format_version == 2 and record.blocks
+        assert not (rt.config.caches_path / rel).exists()

@@ -387,3 +387,32 @@ async def test_cancel_after_finish_is_a_no_op(gemma):
     after = gemma.stats()
     assert (after.cancelled, after.completed) == (before.cancelled, before.completed + 1)
     assert result.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+async def test_a_forced_token_is_generated_and_held_by_the_cache(engine):
+    tokens = prompt(engine, 20, salt=3)
+    natural = (await engine.generate(GenerationRequest(tokens, max_tokens=1))).token_ids[0]
+    forced = (natural + 1) % engine.model.vocab_size
+    # Alone (solo fast path) and next to another request (in the batch).
+    other = asyncio.ensure_future(
+        engine.generate(GenerationRequest(prompt(engine, 30, salt=4), max_tokens=8))
+    )
+    for _ in range(2):
+        result = await engine.generate(
+            GenerationRequest(tokens, max_tokens=1, forced_token=forced, ignore_eos=True)
+        )
+        assert result.token_ids == [forced]
+        assert result.cache.tokens == [*tokens, forced]
+    await other
+    # Resuming from that cache equals prefilling prompt + the forced token.
+    follow = prompt(engine, 5, salt=5)
+    resumed = await engine.generate(GenerationRequest(follow, max_tokens=6, cache=result.cache))
+    whole = await engine.generate(GenerationRequest([*tokens, forced, *follow], max_tokens=6))
+    assert resumed.token_ids == whole.token_ids
+
+
+async def test_a_forced_token_must_be_a_token_id(gemma):
+    with pytest.raises(ValueError, match="forced_token must be a token id"):
+        GenerationRequest([1, 2], forced_token=-1)
+    with pytest.raises(ValueError, match="forced_token is outside the vocabulary"):
+        gemma.submit(GenerationRequest([1, 2], forced_token=gemma.model.vocab_size))

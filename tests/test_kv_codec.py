@@ -26,11 +26,14 @@ from engine.kv_codec import (
     FORMAT_VERSION,
     CacheFormatError,
     EncodedCache,
+    assemble_paged,
     check_group_size,
     choose_group_size,
     decode_cache,
+    decode_paged,
     dequantize_on_host,
     encode_cache,
+    encode_paged,
 )
 from engine.request import GenerationRequest, PromptCache
 
@@ -551,3 +554,111 @@ def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(c
         assert mx.array_equal(decoded.layers[1].values, used[1][1]).item()
         assert not mx.array_equal(decoded.layers[0].keys, used[0][0]).item()  # 4-bit
         assert mx.allclose(decoded.layers[0].keys, used[0][0], atol=0.5).item()
+
+
+# ---- paged storage (format 2) ------------------------------------------------------------
+
+BLOCK = 16
+
+
+def write_paged(tmp_path, paged) -> tuple[str, list[str]]:
+    """The tail and blocks of a PagedCache as files (safetensors with a checksum)."""
+    from store.cache_files import write_cache_file
+
+    blocks = [
+        str(write_cache_file(tmp_path / f"b{j}.safetensors", b.tensors, b.metadata).path)
+        for j, b in sorted(paged.blocks.items())
+    ]
+    tail = write_cache_file(tmp_path / "tail.safetensors", paged.tail.tensors, paged.tail.metadata)
+    return str(tail.path), blocks
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+@pytest.mark.parametrize("n", [10, 2 * BLOCK, 130])
+async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits, n):
+    cache = await history(engine, n)
+    paged = await engine.run(encode_paged, cache, kv_bits, 32, BLOCK)
+    assert sorted(paged.blocks) == list(range(n // BLOCK))
+    assert paged.tail.num_tokens == n % BLOCK
+    whole = await engine.run(encode_cache, cache, kv_bits, 32)
+    expected = await engine.run(decode_cache, dequantize_on_host(whole))
+    # The numpy path (format 1 from tail and blocks) and the MLX path, CPU and GPU arithmetic.
+    blocks = [paged.blocks[j] for j in sorted(paged.blocks)]
+    assembled = await engine.run(
+        decode_cache, dequantize_on_host(assemble_paged(paged.tail, blocks))
+    )
+    tail, block_paths = write_paged(tmp_path, paged)
+    seen = []
+    for on_gpu in (False, True):
+        decoded = await engine.run(decode_paged, tail, block_paths, on_gpu, seen.append)
+        for got in (assembled, decoded):
+            assert got.tokens == cache.tokens
+            assert [layout(x) for x in got.layers] == [layout(x) for x in cache.layers]
+            for (a, b), (c, d) in await temporal_pairs(engine, expected, got):
+                np.testing.assert_array_equal(a, c)
+                np.testing.assert_array_equal(b, d)
+    assert [path for path, _, _ in seen[0]] == [*block_paths, tail]  # check saw every file
+    if kv_bits is None:  # exact: resumes token for token like the original
+        assert await resume(engine, decoded) == await resume(engine, cache)
+
+
+async def test_encode_paged_writes_only_the_blocks_asked_for(gemma):
+    cache = await history(gemma, 5 * BLOCK + 3)
+    every = await gemma.run(encode_paged, cache, 8, 32, BLOCK)
+    some = await gemma.run(encode_paged, cache, 8, 32, BLOCK, {1, 4})
+    assert sorted(some.blocks) == [1, 4]
+    for j in (1, 4):
+        assert some.blocks[j].metadata == every.blocks[j].metadata
+        for name, x in every.blocks[j].tensors.items():
+            np.testing.assert_array_equal(some.blocks[j].tensors[name], x)
+    assert some.tail.metadata == every.tail.metadata
+    # Global layers alike are stacked: a handful of tensors per block, whatever the depth.
+    assert every.blocks[0].metadata["stacked"] == "true"
+    assert sorted(every.blocks[0].tensors) == [
+        "keys.biases",
+        "keys.q",
+        "keys.scales",
+        "tokens",
+        "values.biases",
+        "values.q",
+        "values.scales",
+    ]
+
+
+def test_global_layers_that_differ_are_stored_per_layer(tmp_path):
+    layers = []
+    for head_dim in (64, 128):  # two global layers with different head sizes
+        layer = KVCache()
+        x = mx.random.normal((1, 2, 40, head_dim))
+        layer.update_and_fetch(x, x + 1)
+        layers.append(layer)
+    cache = PromptCache(layers, list(range(40)))
+    paged = encode_paged(cache, None, 32, BLOCK)
+    assert paged.blocks[0].metadata["stacked"] == "false"
+    assert "layers.1.keys" in paged.blocks[0].tensors
+    tail, block_paths = write_paged(tmp_path, paged)
+    decoded = decode_paged(tail, block_paths, False)
+    for a, b in zip(cache.layers, decoded.layers, strict=True):
+        assert mx.array_equal(a.keys[..., :40, :], b.keys).item()
+        assert mx.array_equal(a.values[..., :40, :], b.values).item()
+
+
+async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_path):
+    cache = await history(gemma, 3 * BLOCK + 5)
+    exact = await gemma.run(encode_paged, cache, None, 32, BLOCK)
+    q8 = await gemma.run(encode_paged, cache, 8, 32, BLOCK)
+    blocks = [exact.blocks[j] for j in range(3)]
+    with pytest.raises(CacheFormatError, match="kv_bits"):
+        assemble_paged(exact.tail, [q8.blocks[0], *blocks[1:]], join=False)
+    with pytest.raises(CacheFormatError, match="holds 53 positions, blocks and tail 37"):
+        assemble_paged(exact.tail, blocks[:2], join=False)
+    with pytest.raises(CacheFormatError, match="not a format-2 tail"):
+        assemble_paged(blocks[0], blocks, join=False)
+    assert assemble_paged(exact.tail, blocks, join=False) is None
+
+    def refuse(files):
+        raise CacheFormatError("refused by the check")
+
+    tail, block_paths = write_paged(tmp_path, exact)
+    with pytest.raises(CacheFormatError, match="refused by the check"):
+        await gemma.run(decode_paged, tail, block_paths, False, refuse)
