@@ -7,11 +7,11 @@ chapters I-II, public domain). For each history length H, one engine prefills th
 (``make_prompt_cache``: ``KVCache`` for global layers, ``RotatingKVCache`` for Gemma's sliding
 ones, so a 4K history is well past the 512-token window) and teacher-forces the next
 ``--continuation`` tokens of the text on a copy of that cache: the uninterrupted reference. It
-saves the cache three ways (``none``: exact, ``q8``, ``q4``) through ``encode_cache`` and
-``write_cache_file``, exactly as the runtime does, and closes. A fresh engine (the restart)
-reads each file, decodes it and teacher-forces the same tokens. Reported per variant: argmax
-agreement with the reference, mean and max KL(reference || resumed), perplexity of the
-continuation, file size. ``none`` must be token-identical (every log-probability equal).
+saves the cache three ways (``none``: exact, ``q8``, ``q4``) as the runtime stores caches
+(blocks and a tail: ``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
+them back as a resume does (``decode_paged``) and teacher-forces the same tokens. Reported per
+variant: argmax agreement with the reference, mean and max KL(reference || resumed), perplexity
+of the continuation, bytes on disk. ``none`` must be token-identical (every log-probability equal).
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
 generation thread. Writes benchmarks/results/fidelity.json and fidelity.png.
 """
@@ -30,11 +30,11 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
+from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
 from engine.engine import Engine
-from engine.kv_codec import DEFAULT_GROUP_SIZE, EncodedCache, decode_cache, encode_cache
+from engine.kv_codec import DEFAULT_GROUP_SIZE
 from engine.request import PromptCache
-from store.cache_files import read_cache_file, write_cache_file
 
 RESULTS = Path(__file__).parent / "results"
 TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
@@ -77,15 +77,13 @@ def flip_gaps(reference: mx.array, other: mx.array) -> list[float]:
     return [round(float(g), 4) for g in np.array(gaps[:, 0])[flipped]]
 
 
-def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -> tuple[str, int]:
-    encoded = encode_cache(cache, kv_bits, group_size)
-    info = write_cache_file(path, encoded.tensors, encoded.metadata)
-    return info.checksum, info.nbytes
+def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -> tuple[list, int]:
+    paths = save_paged(path, cache, kv_bits, group_size)
+    return paths, nbytes(paths)
 
 
-def load(path: Path, checksum: str) -> PromptCache:
-    file = read_cache_file(path, expected_checksum=checksum)
-    return decode_cache(EncodedCache(file.tensors, file.metadata))
+def load(path: Path, paths: list[Path]) -> PromptCache:
+    return load_paged(paths)
 
 
 async def before_restart(args: argparse.Namespace, cache_dir: Path) -> tuple[dict, dict]:
@@ -107,7 +105,7 @@ async def before_restart(args: argparse.Namespace, cache_dir: Path) -> tuple[dic
             reference = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
             files = {}
             for name, bits in VARIANTS.items():
-                path = cache_dir / f"h{h}-{name}.safetensors"
+                path = cache_dir / f"h{h}-{name}"
                 files[name] = (path, *await eng.run(save, cache, bits, args.group_size, path))
             runs[h] = {
                 "fed": fed,
@@ -139,15 +137,15 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 "prefill_s": run["prefill_s"],
                 "variants": {},
             }
-            for name, (path, checksum, nbytes) in run["files"].items():
+            for name, (path, paths, file_bytes) in run["files"].items():
                 start = time.perf_counter()
-                cache = await eng.run(load, path, checksum)
+                cache = await eng.run(load, path, paths)
                 load_s = time.perf_counter() - start
                 logprobs = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
                 stats = await eng.run(compare, reference, logprobs)
                 stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
                 stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
-                row["variants"][name] = stats | {"file_bytes": nbytes, "load_s": load_s}
+                row["variants"][name] = stats | {"file_bytes": file_bytes, "load_s": load_s}
                 del cache, logprobs
             rows.append(row)
             del reference

@@ -33,19 +33,17 @@ import numpy as np
 import safetensors.numpy
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
+from benchmarks.paged_io import load_paged, save_paged
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.kv_codec import (
     EncodedCache,
-    assemble_paged,
     decode_cache,
-    decode_paged,
     dequantize_on_host,
     encode_cache,
-    encode_paged,
 )
 from engine.request import PromptCache
 from store import cache_files
-from store.cache_files import read_cache_file, verify_checksum, write_cache_file
+from store.cache_files import read_cache_file, write_cache_file
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"none": None, "q8": 8, "q4": 4}
@@ -70,37 +68,13 @@ def synthetic_cache(history: int, layers: int, window: int, head_dim: int) -> Pr
     return PromptCache(out, rng.integers(0, 32768, history).tolist())
 
 
-BLOCK_TOKENS = 256
-
-
 def write_paged(root: Path, cache: PromptCache, bits: int | None) -> list[Path]:
     """The cache as block files and a tail (the tail last), as agentkv stores it."""
-    paged = encode_paged(cache, bits, 64, BLOCK_TOKENS)
-    paths = []
-    for j, block in sorted(paged.blocks.items()):
-        paths.append(
-            write_cache_file(root / f"block-{j}.safetensors", block.tensors, block.metadata).path
-        )
-    paths.append(
-        write_cache_file(root / "tail.safetensors", paged.tail.tensors, paged.tail.metadata).path
-    )
-    return paths
-
-
-def verify_loaded(files: list) -> None:
-    """What a resume checks before it uses the files: checksums and that they fit together."""
-    encoded = []
-    for path, tensors, meta in files:
-        verify_checksum(Path(path), tensors, meta)
-        encoded.append(EncodedCache(tensors, meta))
-    *blocks, tail = encoded
-    assemble_paged(tail, blocks, join=False)
+    return save_paged(root, cache, bits, 64)
 
 
 def agentkv_load(paths: list[Path]) -> PromptCache:
-    *blocks, tail = paths
-    on_gpu = mx.default_device() == mx.gpu
-    return decode_paged(str(tail), [str(b) for b in blocks], on_gpu, verify_loaded)
+    return load_paged(paths)
 
 
 def single_load(path: Path) -> PromptCache:

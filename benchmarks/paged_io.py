@@ -1,0 +1,61 @@
+"""Save and load a prompt cache as the runtime stores it (format 2): blocks of 256 tokens and a
+tail, each a checksummed safetensors file, read back with ``decode_paged`` (``mx.load``, every
+file verified from that memory, blocks joined, float32 dequantization). Generation thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.kv_codec import (
+    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_GROUP_SIZE,
+    EncodedCache,
+    LoadedFile,
+    assemble_paged,
+    decode_paged,
+    encode_paged,
+)
+from engine.request import PromptCache
+from store.cache_files import verify_checksum, write_cache_file
+
+
+def save_paged(
+    directory: Path,
+    cache: PromptCache,
+    kv_bits: int | None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[Path]:
+    """Write the cache's blocks and tail under ``directory``: their paths, the tail last."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paged = encode_paged(cache, kv_bits, group_size, block_tokens)
+    paths = [
+        write_cache_file(directory / f"block-{j}.safetensors", b.tensors, b.metadata).path
+        for j, b in sorted(paged.blocks.items())
+    ]
+    tail = paged.tail
+    paths.append(write_cache_file(directory / "tail.safetensors", tail.tensors, tail.metadata).path)
+    return paths
+
+
+def verify_loaded(files: list[LoadedFile]) -> None:
+    """What a resume checks before it uses the files: checksums, and that they fit together."""
+    encoded = []
+    for path, tensors, meta in files:
+        verify_checksum(Path(path), tensors, meta)
+        encoded.append(EncodedCache(tensors, meta))
+    *blocks, tail = encoded
+    assemble_paged(tail, blocks, join=False)
+
+
+def load_paged(paths: list[Path]) -> PromptCache:
+    """Read back what :func:`save_paged` wrote, as a resume does."""
+    *blocks, tail = paths
+    on_gpu = mx.default_device() == mx.gpu
+    return decode_paged(str(tail), [str(b) for b in blocks], on_gpu, verify_loaded)
+
+
+def nbytes(paths: list[Path]) -> int:
+    return sum(p.stat().st_size for p in paths)
