@@ -161,6 +161,7 @@ class DiskCaches:
         self._writer = CacheWriter()
         self._pending: dict[str, set[asyncio.Task]] = {}
         self._pins: Counter[str] = Counter()
+        self._storing: dict[str, asyncio.Task] = {}  # prefix writes in flight, by last key
         self._loop = asyncio.get_running_loop()
         self._seed = "|".join(
             (
@@ -177,6 +178,7 @@ class DiskCaches:
         self.blocks_written = 0
         self.blocks_shared = 0  # blocks a save found already stored
         self.bytes_written = 0
+        self.prefix_lookups = 0  # turns without a cache of their own that looked for a prefix
         self.prefix_hits = 0
         self.prefix_tokens = 0  # tokens taken from stored prefixes instead of prefilled
         self.usage = DiskUsage(0, 0, 0)  # as last counted
@@ -358,6 +360,9 @@ class DiskCaches:
     async def stored_prefix(self, keys: Sequence[str]) -> int:
         """How many of ``keys`` (a chain) can be resumed from: the longest run of stored blocks
         from the first that ends at a block with a window file."""
+        # A prefix being written now counts: wait for it rather than prefill it again.
+        if writing := [task for key in keys if (task := self._storing.get(key))]:
+            await asyncio.gather(*writing, return_exceptions=True)
         known = await self._registry.known_blocks(keys)
         run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
         windows = [j for j in range(run) if known[keys[j]]]
@@ -373,6 +378,8 @@ class DiskCaches:
         tasks = self._pending.setdefault(_PREFIX_TASKS, set())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        self._storing[keys[-1]] = task
+        task.add_done_callback(lambda _: self._storing.pop(keys[-1], None))
 
     async def _store_prefix(self, cache: PromptCache, keys: Sequence[str]) -> None:
         try:

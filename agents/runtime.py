@@ -506,6 +506,7 @@ class AgentRuntime(WholeConversations):
         if not self.config.share_prefixes or usable == 0:
             return None, 0, None
         keys = disk.keys(tokens[: usable * size])
+        disk.prefix_lookups += 1
         stored = await disk.stored_prefix(keys)
         for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
             pending = self._heads.get(keys[n - 1])
@@ -630,6 +631,7 @@ class AgentRuntime(WholeConversations):
                 "blocks_written": self._disk.blocks_written,
                 "blocks_shared": self._disk.blocks_shared,
                 "bytes_written": self._disk.bytes_written,
+                "prefix_lookups": self._disk.prefix_lookups,
                 "prefix_hits": self._disk.prefix_hits,
                 "prefix_tokens": self._disk.prefix_tokens,
             },

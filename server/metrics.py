@@ -92,6 +92,11 @@ class ServerMetrics:
             "Bytes of cache files written since the server started.",
             registry=r,
         )
+        self.prefix_lookups = Gauge(
+            "agentkv_cache_prefix_lookups",
+            "Turns without a cache of their own that looked for a shared prefix.",
+            registry=r,
+        )
         self.prefix_hits = Gauge(
             "agentkv_cache_prefix_hits",
             "Turns that started from another agent's stored or in-flight prefix.",
@@ -136,6 +141,7 @@ class ServerMetrics:
         self.blocks_written.set(disk["blocks_written"])
         self.blocks_shared.set(disk["blocks_shared"])
         self.bytes_written.set(disk["bytes_written"])
+        self.prefix_lookups.set(disk["prefix_lookups"])
         self.prefix_hits.set(disk["prefix_hits"])
         self.prefix_tokens.set(disk["prefix_tokens"])
         self.disk_budget.set(disk["budget_bytes"] or 0)

@@ -118,6 +118,7 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert {f"{k}.safetensors" for k in shared} <= names
         assert f"{shared[-1]}.window.safetensors" in names
         assert rt.stats()["disk"]["prefix_hits"] == 3
+        assert rt.stats()["disk"]["prefix_lookups"] == 4  # the first one stored the head
 
     # After a restart a new agent starts from the stored head, read from disk.
     async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:

@@ -821,3 +821,21 @@ def test_cli_serve_arguments(tmp_path, capsys):
     assert main(["serve", "--model", "tiny:nope", "--data-dir", str(tmp_path)]) == 2
     assert "unknown tiny model" in capsys.readouterr().err
     assert not Path(tmp_path, "agentkv.sqlite").exists()
+
+
+def test_conversations_with_one_long_system_prompt_share_it(claude, http):
+    system = " ".join(f"Rule {i}: answer politely and briefly about parcels." for i in range(40))
+    prefix = metric(http, "agentkv_turns_total", cache_source="prefix")
+    hits = metric(http, "agentkv_cache_prefix_hits")
+    first = claude.messages.create(
+        model="m", max_tokens=4, system=system, messages=[user("Where is parcel one?")]
+    )
+    second = claude.messages.create(
+        model="m", max_tokens=4, system=system, messages=[user("And parcel two?")]
+    )
+    assert first.usage.cache_read_input_tokens == 0
+    # No agent named, a new conversation: it starts from the first one's stored system prompt.
+    assert second.usage.cache_read_input_tokens >= 256
+    assert second.usage.cache_read_input_tokens % 256 == 0
+    assert metric(http, "agentkv_turns_total", cache_source="prefix") == prefix + 1
+    assert metric(http, "agentkv_cache_prefix_hits") == hits + 1
