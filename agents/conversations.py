@@ -99,18 +99,18 @@ class WholeConversations:
                         yield event
                     else:
                         result = event
+                reply = CachedReply(
+                    len(document.tokens),
+                    tuple(result.token_ids),
+                    self._parse(result.text, tools),
+                )
+                await self._shielded(
+                    self._commit_document(agent, history, messages, result, document, reply, plan)
+                )
             except BaseException:
-                if plan.release:
+                if plan.release:  # idempotent: a save already scheduled calls it again, harmless
                     plan.release()
                 raise
-            reply = CachedReply(
-                len(document.tokens),
-                tuple(result.token_ids),
-                self._parse(result.text, tools),
-            )
-            await self._shielded(
-                self._commit_document(agent, history, messages, result, document, reply, plan)
-            )
             self._sources[plan.source] += 1
             yield dataclasses.replace(
                 self._reply(agent_id, plan, result, started), parsed=reply.parsed

@@ -319,9 +319,9 @@ class DiskCaches:
         """On the writer thread: delete blocks no cache lists (but ``keep``) and their files."""
         removed = self._call(self._registry.collect_garbage(sorted(keep)))
         for key, window in removed:
-            remove_cache_file(self._block_path(key))
+            _remove_quietly(self._block_path(key))
             if window:
-                remove_cache_file(self._block_path(key, window=True))
+                _remove_quietly(self._block_path(key, window=True))
         if removed:
             log.debug("collected %d blocks no cache lists", len(removed))
         return len(removed)
@@ -362,7 +362,7 @@ class DiskCaches:
         from the first that ends at a block with a window file."""
         # A prefix being written now counts: wait for it rather than prefill it again.
         if writing := [task for key in keys if (task := self._storing.get(key))]:
-            await asyncio.gather(*writing, return_exceptions=True)
+            await asyncio.wait(writing)  # (unlike gather, a cancelled caller cancels nothing)
         known = await self._registry.known_blocks(keys)
         run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
         windows = [j for j in range(run) if known[keys[j]]]
@@ -507,9 +507,11 @@ class DiskCaches:
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:
                 # Gone, the next save that lists this block (or stores this window) writes it.
-                await asyncio.to_thread(remove_cache_file, Path(exc.path))
+                await asyncio.to_thread(_remove_quietly, Path(exc.path))
             raise
-        except (ValueError, RuntimeError) as exc:  # MLX could not read a file: find which
+        except (CacheFileError, CacheFormatError, StaleCacheError):
+            raise
+        except Exception as exc:  # MLX could not read a file (missing, truncated): find which
             await asyncio.to_thread(self._find_damage, [tail, *map(Path, paths)])
             raise CacheFormatError(f"reading {tail.name} and its blocks: {exc}") from exc
 
@@ -521,7 +523,7 @@ class DiskCaches:
                 read_cache_file(path)
             except CacheFileCorruptError:
                 if path.parent.parent.name == BLOCKS_DIR:
-                    remove_cache_file(path)
+                    _remove_quietly(path)
                 raise
 
     def _verified(
@@ -584,7 +586,7 @@ class DiskCaches:
             tasks = [t for a in ids for t in self._pending.get(a, ())]
             if not tasks:
                 return
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks)  # a cancelled caller does not cancel the saves
 
     async def fork(self, source_id: str, agent_id: str) -> bool:
         """Give ``agent_id`` the source's current cache: the same blocks, and its tail
@@ -626,7 +628,7 @@ class DiskCaches:
         deleted behind the runtime's back) and collect unlisted blocks. Call before any save
         starts. Returns the count of files removed.
 
-        Two registry queries, whatever the number of agents. Only names this module writes are
+        A few registry queries, whatever the number of agents. Only names this module writes are
         touched, and a file that cannot be removed is logged and left: opening never fails here.
         """
         removed = await self.collect()
@@ -666,6 +668,14 @@ class DiskCaches:
     async def close(self) -> None:
         await self.wait()
         await asyncio.to_thread(self._writer.close)
+
+
+def _remove_quietly(path: Path) -> None:
+    """Remove a file; one that cannot be removed is logged (the sweep retries it at open)."""
+    try:
+        remove_cache_file(path)
+    except OSError as exc:
+        log.warning("could not remove cache file %s: %s", path, exc)
 
 
 def _remove_all(paths: list[Path]) -> None:

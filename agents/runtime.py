@@ -351,11 +351,11 @@ class AgentRuntime(WholeConversations):
                         yield event
                     else:
                         result = event
+                await self._shielded(self._commit(agent_id, history, message, plan, result))
             except BaseException:
-                if plan.release:
+                if plan.release:  # idempotent: a save already scheduled calls it again, harmless
                     plan.release()
                 raise
-            await self._shielded(self._commit(agent_id, history, message, plan, result))
             self._sources[plan.source] += 1
             yield self._reply(agent_id, plan, result, started)
 

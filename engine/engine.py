@@ -127,11 +127,6 @@ class Engine:
     def tokenizer(self):
         return self.model.tokenizer
 
-    @property
-    def has_window_layers(self) -> bool:
-        """Whether some layers keep only a sliding window (``RotatingKVCache``)."""
-        return any(t.__name__ != "KVCache" for t in self._thread._layer_types)
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request. Raises EngineOverloadedError at once if the queue is full."""
         if self._closed:

@@ -157,7 +157,7 @@ class KVBlock(Base):
 
     ``key`` is the hash chain of every token up to the block's end, the model and the storage
     settings, so two caches whose tokens start the same way list the same keys. The file
-    ``blocks/<key[:2]>/<key>.safetensors`` holds the global-attention layers' keys and values
+    ``_blocks/<key[:2]>/<key>.safetensors`` holds the global-attention layers' keys and values
     for the block's tokens; ``window_*`` describe an optional second file with the
     sliding-window layers' state at the block's end (what lets a new cache start there).
     A block no ``kv_cache_blocks`` row lists is garbage.

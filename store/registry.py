@@ -430,10 +430,8 @@ class Registry:
             query = delete(KVBlock).where(KVBlock.key.not_in(listed))
             if keep:
                 query = query.where(KVBlock.key.not_in(list(keep)))
-            rows = await session.execute(
-                query.returning(KVBlock.key, KVBlock.window_nbytes.is_not(None))
-            )
-            return [(key, bool(window)) for key, window in rows]
+            rows = await session.execute(query.returning(KVBlock.key, KVBlock.window_nbytes))
+            return [(key, window is not None) for key, window in rows]
 
     async def block_keys(self) -> dict[str, bool]:
         """Every recorded block, mapped to whether it has a window file (one query)."""
@@ -562,7 +560,14 @@ async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) 
             raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
         window = {"window_nbytes": block.window_nbytes, "window_checksum": block.window_checksum}
         if block.nbytes is None:  # a window for a known block
-            await session.execute(update(KVBlock).where(KVBlock.key == block.key).values(window))
+            updated = await session.execute(
+                update(KVBlock)
+                .where(KVBlock.key == block.key)
+                .values(window)
+                .returning(KVBlock.key)
+            )
+            if updated.first() is None:
+                raise BlocksMissingError([block.key])
             continue
         statement = sqlite_insert(KVBlock).values(
             key=block.key,

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from agents import AgentRuntime, RuntimeConfig
 from agents.persistence import BLOCKS_DIR, chain_keys
+from store.cache_files import read_cache_file
 from store.models import KVBlock, KVCacheBlock
 
 BLOCK = 16
@@ -186,7 +187,7 @@ async def test_a_corrupt_block_is_rebuilt_and_written_again(tmp_path, caplog):
         assert reply.cache_source == "rebuilt"
         assert "unusable" in caplog.text
         await rt.flush()
-        assert path.exists()  # written anew by the save that lists it
+        assert read_cache_file(path).metadata["key"] == keys[2]  # written anew, intact
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         again = await rt.chat(agent.id, "Once more?", max_tokens=8)
         assert again.cache_source == "disk"
@@ -222,6 +223,9 @@ async def test_fork_lists_the_same_blocks_without_copying(tmp_path):
         fork = await rt.fork(agent.id)
         assert await listed_blocks(rt, fork.id) == await listed_blocks(rt, agent.id)
         assert block_files(rt) == before
+        tails = [await rt._registry.get_cache(a) for a in (agent.id, fork.id)]
+        inodes = {(rt.config.caches_path / t.path).stat().st_ino for t in tails}
+        assert len(inodes) == 1  # the tail is hard-linked, not copied
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         a = await rt.chat(agent.id, "Go on.", max_tokens=8)
         b = await rt.chat(fork.id, "Go on.", max_tokens=8)
@@ -246,7 +250,8 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
         assert {f"{k}.safetensors" for k in await listed_blocks(rt, warm.id)} <= block_files(rt)
         assert rt.stats()["disk"]["bytes"] <= budget
         reply = await rt.chat(cold.id, "Back again?", max_tokens=8)
-        assert reply.cache_source in ("prefix", "rebuilt")
+        # Its own cache is gone; its system prompt's head is still stored (warm lists it).
+        assert reply.cache_source == "prefix"
 
 
 async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_path):
@@ -285,3 +290,36 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
         record = await rt._registry.get_cache(agent.id)
         assert record.format_version == 2 and record.blocks
         assert not (rt.config.caches_path / rel).exists()
+
+
+async def test_a_damaged_tail_header_means_no_cache_not_a_failed_turn(tmp_path, caplog):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(agent.id, "Where is it?", max_tokens=8)
+        await rt.flush()
+        tail = rt.config.caches_path / (await rt._registry.get_cache(agent.id)).path
+    data = tail.read_bytes()
+    assert data.count(b'"tokens"') == 1  # still valid JSON, but a tensor is missing by name
+    tail.write_bytes(data.replace(b'"tokens"', b'"tokenz"'))
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        reply = await rt.chat(agent.id, "And now?", max_tokens=8)
+        assert reply.cache_source in ("prefix", "rebuilt")  # not an exception
+        assert "unusable" in caplog.text and "checksum" in caplog.text
+
+
+async def test_a_cancelled_turn_waiting_for_a_shared_head_leaves_it_stored(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        a, b, c = [await rt.create_agent(system_prompt=SYSTEM) for _ in range(3)]
+        first = asyncio.ensure_future(rt.chat(a.id, "Parcel one?", max_tokens=8))
+        waiting = asyncio.ensure_future(rt.chat(b.id, "Parcel two?", max_tokens=8))
+        while not rt._heads:  # a is prefilling the head; b waits for it
+            await asyncio.sleep(0.001)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (await first).cache_source == "none"
+        await rt.flush()
+        later = await rt.chat(c.id, "Parcel three?", max_tokens=8)
+        assert later.cache_source == "prefix"
+        assert rt._disk._pins == {}  # every pin released
+        assert await rt.transcript(b.id) == []  # the cancelled turn stored nothing

@@ -57,7 +57,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     # Format-2 cache entries point at files that need their blocks: drop them, so agents
-    # rebuild from their transcripts (the files are swept as unreferenced on the next open).
+    # rebuild from their transcripts. Their tails are swept as unreferenced on the next open;
+    # nothing before 0004 reads caches/_blocks, which can then be deleted by hand.
     op.execute("DELETE FROM kv_caches WHERE format_version >= 2")
     op.drop_index("ix_kv_cache_blocks_block_key", table_name="kv_cache_blocks")
     op.drop_table("kv_cache_blocks")
