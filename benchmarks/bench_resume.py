@@ -14,9 +14,11 @@ to about H tokens). Then, per agent:
   same kv_bits, and the agent chats again (cache_source "disk"; TTFT includes the cache load);
   repeated ``--repeats`` times, one reopen each;
 - raw mlx-lm: after every phase the agent's current cache (the one the runtime just saved) is
-  also written with ``mlx_lm.models.cache.save_prompt_cache``; after the next disk resume, on the
-  same engine's generation thread, ``load_prompt_cache`` + ``BatchGenerator.insert`` (as many
-  new tokens as the runtime prefilled) + steps until the first token are timed.
+  also written with ``mlx_lm.models.cache.save_prompt_cache``; next to the next disk resume, on
+  the same engine's generation thread, ``load_prompt_cache`` + ``BatchGenerator.insert`` (as
+  many new tokens as the runtime prefilled) + steps until the first token are timed. Raw goes
+  after the disk resume on even reopens and before it on odd ones: the first after a reopen
+  pays for cold allocations.
 
 Every reopen starts with a warm-up turn (and a raw warm-up) on a small extra agent, so no
 measured turn pays first-call costs. The runtime/raw ratio compares like with like for kv_bits
@@ -136,6 +138,8 @@ class Bench:
         self.file_bytes: dict[str, dict[int, int]] = defaultdict(dict)
         self.turn = 0
         self.count_tokens = chat_token_counter(args.model)
+        self.reopens: dict[str, int] = defaultdict(int)
+        self.prefilled: dict[int, int] = {}
 
     def config(
         self, name: str, data_dir: str | None = None, engine: EngineConfig | None = None
@@ -210,10 +214,17 @@ class Bench:
         """Reopen on the same data dir: one disk resume and one raw resume per agent."""
         async with await AgentRuntime.open(self.config(name)) as rt:
             await self.warm_up(rt, name)
+            # Whichever goes first after a reopen pays for cold allocations: alternate.
+            raw_first = self.reopens[name] % 2 == 1
+            self.reopens[name] += 1
             for h in self.args.histories:
                 agent_id = self.agents[(name, h)]
+                if raw_first:
+                    raw = await self.time_raw(rt, name, str(h), self.prefilled.get(h, 16))
                 reply = await self.chat(rt, agent_id, "disk")
-                raw = await self.time_raw(rt, name, str(h), reply.usage.prefilled_tokens)
+                self.prefilled[h] = reply.usage.prefilled_tokens
+                if not raw_first:
+                    raw = await self.time_raw(rt, name, str(h), reply.usage.prefilled_tokens)
                 self.samples[f"disk_{name}"][h].append(reply.timings.ttft_s)
                 self.samples[f"load_{name}"][h].append(reply.timings.cache_load_s)
                 self.samples["raw"][h].append(raw)
