@@ -503,8 +503,9 @@ class AgentRuntime(WholeConversations):
         disk = self._disk
         size = disk.block_tokens
         usable = (len(tokens) - 1) // size  # at least one token is left to prefill
-        if not self.config.share_prefixes or usable == 0:
-            return None, 0, None
+        limit = self._engine.model.max_context
+        if not self.config.share_prefixes or usable == 0 or (limit and len(tokens) >= limit):
+            return None, 0, None  # (a prompt over the context is refused: prefill nothing)
         keys = disk.keys(tokens[: usable * size])
         disk.prefix_lookups += 1
         stored = await disk.stored_prefix(keys)

@@ -323,3 +323,17 @@ async def test_a_cancelled_turn_waiting_for_a_shared_head_leaves_it_stored(tmp_p
         assert later.cache_source == "prefix"
         assert rt._disk._pins == {}  # every pin released
         assert await rt.transcript(b.id) == []  # the cancelled turn stored nothing
+
+
+async def test_a_prompt_over_the_context_stores_no_shared_head(tmp_path):
+    from agents import ContextLengthError
+
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        limit = rt._engine.model.max_context
+        with pytest.raises(ContextLengthError, match="prompt is too long"):
+            await rt.chat(agent.id, "word " * limit, max_tokens=4)
+        await rt.flush()
+        assert block_files(rt) == set()  # its head was not prefilled nor stored
+        stats = rt._engine.stats()
+        assert stats.completed == stats.failed == stats.tokens_generated == 0  # nothing ran
