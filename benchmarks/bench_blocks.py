@@ -68,7 +68,10 @@ class Resume:
 
     def config(self, name: str) -> RuntimeConfig:
         return RuntimeConfig(
-            model=self.args.model, data_dir=self.root / name, kv_bits=KV_BITS[name]
+            model=self.args.model,
+            data_dir=self.root / name,
+            kv_bits=KV_BITS[name],
+            kv_block_tokens=self.args.block_tokens,
         )
 
     def message(self) -> str:
@@ -136,6 +139,8 @@ class Resume:
                 await rt.flush()
                 await self.save_raw(rt, agent_id)  # what the next round loads
                 record = await rt._registry.get_cache(agent_id)
+                if not record.blocks:
+                    raise SystemExit(f"H={h}: no full block of {self.args.block_tokens} tokens")
                 block = rt._disk._block_path(record.blocks[0])
                 new_tokens = long.usage.prefilled_tokens + long.usage.completion_tokens
                 s = self.samples.setdefault((name, h), {})
@@ -317,7 +322,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
         "repeats": args.repeats,
-        "block_tokens": 256,
+        "block_tokens": args.block_tokens,
         "rows": rows,
         "shared_prompt": shared,
         "open": opened,
@@ -402,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system-tokens", type=int, default=4096)
     parser.add_argument("--open-agents", type=int, default=10_000)
     parser.add_argument("--turn-words", type=int, default=300, help="words of the longer turn")
+    parser.add_argument("--block-tokens", type=int, default=256, help="kv_block_tokens (resume)")
     parser.add_argument("--shared-rounds", type=int, default=1, help="shared-prompt rounds")
     parser.add_argument(
         "--parts",
