@@ -3,7 +3,8 @@ prompt shared by many agents, and opening a registry of many agents. All through
 AgentRuntime.
 
     python -m benchmarks.bench_blocks [--model tiny:gemma3-bench] [--histories 4096 16384]
-                                      [--agents 20] [--system-tokens 4096] [--quick]
+                                      [--agents 20] [--system-tokens 4096] [--block-tokens 256]
+                                      [--parts resume shared open] [--shared-rounds 1] [--quick]
 
 1. **Resume** (per kv_bits None and 8, per history H): an agent's history (about H tokens) is
    imported and prefilled once. Then ``--repeats`` times: the runtime is reopened (a warm-up turn
