@@ -133,15 +133,7 @@ def encode_cache(
         keys, values, layout = _temporal_layer(layer, i, cache.num_tokens)
         layer_group = None if kv_bits is None else _layer_group_size(keys, values, group_size)
         layouts.append(layout | {"group_size": layer_group})
-        for kind, x in (("keys", keys), ("values", values)):
-            name = f"layers.{i}.{kind}"
-            if layer_group is None:
-                pending[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
-                continue
-            q, scales, biases = mx.quantize(
-                x.astype(mx.float16), group_size=layer_group, bits=kv_bits
-            )
-            pending.update({f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases})
+        pending |= _stored_kv(i, keys, values, kv_bits, layer_group)
     mx.eval(*pending.values())
     # np.array copies (C order): the result owns its memory, so no MLX buffer is freed elsewhere.
     tensors = {name: np.array(x, order="C") for name, x in pending.items()}
@@ -153,6 +145,22 @@ def encode_cache(
         "layers": json.dumps(layouts, separators=(",", ":")),
     }
     return EncodedCache(tensors, metadata)
+
+
+def _stored_kv(
+    i: int, keys: mx.array, values: mx.array, kv_bits: int | None, group_size: int | None
+) -> dict[str, mx.array]:
+    """Layer ``i``'s keys and values as stored: as they are (bfloat16 as its uint16 bits), or
+    ``mx.quantize``d words, scales and biases (lazy)."""
+    out = {}
+    for kind, x in (("keys", keys), ("values", values)):
+        name = f"layers.{i}.{kind}"
+        if group_size is None:
+            out[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+            continue
+        q, scales, biases = mx.quantize(x.astype(mx.float16), group_size=group_size, bits=kv_bits)
+        out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
+    return out
 
 
 def _layer_group_size(keys: mx.array, values: mx.array, preferred: int) -> int | None:
@@ -483,15 +491,7 @@ def encode_paged(
         else:
             start = total - keys.shape[2]
         layouts.append(layout | {"group_size": layer_group, "start": start})
-        for kind, x in (("keys", keys), ("values", values)):
-            name = f"layers.{i}.{kind}"
-            if layer_group is None:
-                pending[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
-                continue
-            q, scales, biases = mx.quantize(
-                x.astype(mx.float16), group_size=layer_group, bits=kv_bits
-            )
-            pending.update({f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases})
+        pending |= _stored_kv(i, keys, values, kv_bits, layer_group)
     mx.eval(*pending.values())
     # Views of MLX memory, read here on the generation thread only: every array handed out
     # below is a numpy copy that owns its memory.
