@@ -4,32 +4,40 @@ Layout under ``root``::
 
     <agent id>/<messages>-<hex>.safetensors     the agent's tail (format 2; format 1: a whole
                                                 cache, still read, replaced at the next save)
-    _blocks/<key[:2]>/<key>.safetensors         one block: the global-attention layers' keys and
-                                                values of ``block_tokens`` tokens
+    _blocks/<key[:2]>/<key>-<n>.safetensors     a segment: n consecutive blocks, the last one
+                                                ``key``, written by one save (a block is the
+                                                global-attention layers' keys and values of
+                                                ``block_tokens`` tokens)
     _blocks/<key[:2]>/<key>.window.safetensors  optional: the sliding-window layers' state at
-                                                the block's end (a new cache can start there)
+                                                block ``key``'s end (a new cache can start there)
+    _blocks/<key[:2]>/<key>.safetensors         one block (written before segments; still read)
 
 A block's key is a hash chain (XXH3-128) over the model, the storage settings and every token
 up to the block's end, so caches whose tokens start alike list the same keys and share the
-files. The registry lists each agent's blocks (``kv_cache_blocks``); a block no agent lists is
-garbage and is collected after saves and deletions, except while a turn that stored it as a
-shared prefix still runs (it is pinned).
+files; a segment's name says its content (its last key fixes every token before it). The
+registry records where each block is (``kv_blocks``) and lists each agent's blocks
+(``kv_cache_blocks``). A segment none of whose blocks an agent lists is garbage and is
+collected after saves and deletions, except while a turn that stored it as a shared prefix
+still runs (it is pinned). Segments keep a resume to a few files (one per save that added
+blocks, plus the tail) however small the blocks.
 
 Save path: finished cache -> the registry says which of its blocks are stored -> the
-generation thread encodes only the new blocks and the tail (quantizing them) -> the writer
-thread writes the files, records them and points the agent at the tail in one registry
-transaction, removes the agent's previous tail, and collects garbage. A turn therefore writes
-its new tokens and one tail (a partial block plus the sliding layers' windows), whatever the
-length of the history. Writer jobs run one at a time, so a block is written at most once and
-never removed while a save that counts on it is between its check and its commit; if one was
-collected before the check, the commit fails and the save starts again.
+generation thread encodes only the new blocks (one segment per run of them) and the tail
+(quantizing them) -> the writer thread writes the files, records them and points the agent at
+the tail in one registry transaction, removes the agent's previous tail, and collects garbage.
+A turn therefore writes its new tokens and one tail (a partial block plus the sliding layers'
+windows), whatever the length of the history. Writer jobs run one at a time, so a block is
+written at most once and never removed while a save that counts on it is between its check
+and its commit; if one was collected before the check, the commit fails and the save starts
+again.
 
 Load path: registry entry -> on the generation thread, ``decode_paged`` reads the tail and
-blocks straight into MLX (``mx.load``), verifies every file from that memory (checksums,
-fingerprints, the registry entry, shapes: numpy and hashing only) before anything uses it, then
-joins the blocks per layer and dequantizes in float32 -> a PromptCache ready to merge into the
-batch. Any problem is logged and reported as "no cache": the transcript is the source of truth;
-a corrupt block or window file is removed, so the next save that lists it writes it again.
+segments straight into MLX (``mx.load``, each file once), verifies every file from that memory
+(checksums, fingerprints, block keys, the registry entry, shapes: numpy and hashing only)
+before anything uses it, then joins the runs of blocks per layer and dequantizes in float32 ->
+a PromptCache ready to merge into the batch. Any problem is logged and reported as "no cache":
+the transcript is the source of truth; a corrupt segment or window file is removed, so the
+next save that lists its blocks writes them again.
 
 Prefix reuse: a cache that starts with stored blocks whose last one has a window file can be
 built from them, so a new agent with a stored system prompt prefills only the rest.
@@ -39,7 +47,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -59,6 +69,7 @@ from engine.kv_codec import (
     DEFAULT_BLOCK_TOKENS,
     FORMAT_VERSION,
     PAGED_FORMAT_VERSION,
+    BlockRun,
     CacheFormatError,
     EncodedCache,
     LoadedFile,
@@ -68,6 +79,7 @@ from engine.kv_codec import (
     decode_paged,
     dequantize_on_host,
     encode_paged,
+    split_blocks,
 )
 from engine.request import PromptCache
 from store import (
@@ -78,6 +90,7 @@ from store import (
     NewBlock,
     NewCacheEntry,
     Registry,
+    StoredBlock,
 )
 from store.cache_files import (
     read_cache_file,
@@ -95,8 +108,8 @@ BLOCKS_DIR = "_blocks"  # agent ids start with a letter or digit: no agent has t
 
 # What ``_save`` names tails (``<message count>-<hex>.safetensors``) and the writer's temp files.
 _WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
-# Block and window files, and their temp files.
-_BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(\.window)?\.safetensors(\.tmp-\w+)?")
+# Segment, window and (older) block files, and their temp files.
+_BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(-\d+|\.window)?\.safetensors(\.tmp-\w+)?")
 _EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
 _SAVE_ATTEMPTS = 3
 _GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
@@ -244,10 +257,11 @@ class DiskCaches:
             lambda: {j for j, key in enumerate(keys) if not self._stored(key, known)}
         )
 
-    def _stored(self, key: str, known: dict[str, bool], window: bool = False) -> bool:
-        if key not in known or (window and not known[key]):
+    def _stored(self, key: str, known: dict[str, StoredBlock], window: bool = False) -> bool:
+        where = known.get(key)
+        if where is None or (window and not where.window):
             return False
-        return self._block_path(key, window).exists()
+        return (self._block_path(key, True) if window else self._file_of(key, where)).exists()
 
     def _write(
         self,
@@ -260,17 +274,9 @@ class DiskCaches:
     ) -> None:
         """On the writer thread: write new blocks and the tail, record them, drop the old tail,
         collect garbage."""
-        fresh = [keys[j] for j in paged.blocks]
-        known = self._call(self._registry.known_blocks(fresh)) if fresh else {}
         new_blocks, written = [], []
         try:
-            for j, block in paged.blocks.items():
-                key = keys[j]
-                if self._stored(key, known):  # stored by another save since this one looked
-                    continue
-                info = self._write_file(self._block_path(key), block, {"key": key})
-                written.append(info.path)
-                new_blocks.append(NewBlock(key, info.nbytes, info.checksum))
+            new_blocks = self._write_segments(paged, keys, written)
             rel = Path(agent_id) / name
             meta = {"message_count": str(message_count), "blocks": str(len(keys))}
             info = self._write_file(self.root / rel, paged.tail, meta)
@@ -303,13 +309,77 @@ class DiskCaches:
             remove_cache_file(self.root / previous.path)
         self._collect(keep)
 
+    def _write_segments(
+        self, paged: PagedCache, keys: Sequence[str], written: list[Path]
+    ) -> list[NewBlock]:
+        """On the writer thread: write the new blocks (one file per run of them no other save
+        stored since this one looked; their paths go to ``written``) and return their rows."""
+        fresh = [keys[j] for first in paged.segments for j in paged.blocks_in(first)]
+        known = self._call(self._registry.known_blocks(fresh)) if fresh else {}
+        new_blocks = []
+        for first, segment in paged.segments.items():
+            todo = [j for j in paged.blocks_in(first) if not self._stored(keys[j], known)]
+            runs: list[list[int]] = []
+            for j in todo:
+                if runs and runs[-1][-1] == j - 1:
+                    runs[-1].append(j)
+                else:
+                    runs.append([j])
+            for run in runs:
+                if len(run) < len(paged.blocks_in(first)):  # some were stored meanwhile
+                    begin, end = (
+                        (run[0] - first) * self.block_tokens,
+                        (run[-1] + 1 - first) * self.block_tokens,
+                    )
+                    part = EncodedCache(
+                        {
+                            n: x[begin:end] if n == "tokens" else x[:, :, begin:end]
+                            for n, x in segment.tensors.items()
+                        },
+                        segment.metadata,
+                    )
+                else:
+                    part = segment
+                run_keys = [keys[j] for j in run]
+                name = f"{run_keys[-1]}-{len(run)}"
+                info = self._write_file(
+                    self._segment_path(name), part, {"keys": json.dumps(run_keys)}
+                )
+                written.append(info.path)
+                share, extra = divmod(info.nbytes, len(run))  # the first block takes the rest
+                new_blocks += [
+                    NewBlock(
+                        key,
+                        share + (extra if k == 0 else 0),
+                        info.checksum,
+                        segment=name,
+                        segment_index=k,
+                    )
+                    for k, key in enumerate(run_keys)
+                ]
+        return new_blocks
+
     def _write_file(self, path: Path, encoded: EncodedCache, extra: dict[str, str]) -> Any:
         metadata = encoded.metadata | {"model_fingerprint": self.fingerprint} | extra
         return write_cache_file(path, encoded.tensors, metadata)
 
     def _block_path(self, key: str, window: bool = False) -> Path:
+        """A block's window file, or (``window`` False) the file of a block stored before
+        segments."""
         suffix = ".window.safetensors" if window else ".safetensors"
         return self.root / BLOCKS_DIR / key[:2] / f"{key}{suffix}"
+
+    def _segment_path(self, name: str) -> Path:
+        return self.root / BLOCKS_DIR / name[:2] / f"{name}.safetensors"
+
+    def _file_of(self, key: str, where: StoredBlock) -> Path:
+        """The file holding block ``key``."""
+        return self._block_path(key) if where.segment is None else self._segment_path(where.segment)
+
+    async def block_files(self, keys: Sequence[str]) -> list[Path]:
+        """The files holding these recorded blocks (each once, in order)."""
+        known = await self._registry.known_blocks(keys)
+        return list(dict.fromkeys(self._file_of(key, known[key]) for key in keys if key in known))
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a registry call on the event loop from the writer thread."""
@@ -318,9 +388,10 @@ class DiskCaches:
     def _collect(self, keep: frozenset[str]) -> int:
         """On the writer thread: delete blocks no cache lists (but ``keep``) and their files."""
         removed = self._call(self._registry.collect_garbage(sorted(keep)))
-        for key, window in removed:
-            _remove_quietly(self._block_path(key))
-            if window:
+        for file in dict.fromkeys(self._file_of(key, where) for key, where in removed):
+            _remove_quietly(file)
+        for key, where in removed:
+            if where.window:
                 _remove_quietly(self._block_path(key, window=True))
         if removed:
             log.debug("collected %d blocks no cache lists", len(removed))
@@ -365,7 +436,7 @@ class DiskCaches:
             await asyncio.wait(writing)  # (unlike gather, a cancelled caller cancels nothing)
         known = await self._registry.known_blocks(keys)
         run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
-        windows = [j for j in range(run) if known[keys[j]]]
+        windows = [j for j in range(run) if known[keys[j]].window]
         for j in reversed(windows):  # a window removed as corrupt does not count
             if await asyncio.to_thread(self._stored, keys[j], known, True):
                 return j + 1
@@ -396,14 +467,10 @@ class DiskCaches:
         await asyncio.wrap_future(job)
 
     def _write_prefix(self, paged: PagedCache, keys: Sequence[str]) -> None:
-        known = self._call(self._registry.known_blocks(keys))
+        known = self._call(self._registry.known_blocks(keys[-1:]))
         new_blocks, written = [], []
         try:
-            for j, block in paged.blocks.items():
-                if not self._stored(keys[j], known):
-                    info = self._write_file(self._block_path(keys[j]), block, {"key": keys[j]})
-                    written.append(info.path)
-                    new_blocks.append(NewBlock(keys[j], info.nbytes, info.checksum))
+            new_blocks = self._write_segments(paged, keys, written)
             last = keys[-1]
             if not self._stored(last, known, window=True):
                 info = self._write_file(
@@ -414,7 +481,9 @@ class DiskCaches:
                     block = next(b for b in new_blocks if b.key == last)
                     new_blocks.remove(block)
                     new_blocks.append(
-                        NewBlock(last, block.nbytes, block.checksum, info.nbytes, info.checksum)
+                        dataclasses.replace(
+                            block, window_nbytes=info.nbytes, window_checksum=info.checksum
+                        )
                     )
                 else:
                     new_blocks.append(NewBlock(last, None, None, info.nbytes, info.checksum))
@@ -482,38 +551,93 @@ class DiskCaches:
         key, else the registry's checksum of it) and its blocks into MLX on the generation
         thread, verifying every file there before it is used (``decode_paged``)."""
         window = tail.name.endswith(".window.safetensors")
+        known = await self._registry.known_blocks(keys)
+        if missing := [key for key in keys if key not in known]:
+            raise StaleCacheError(f"{len(missing)} of its blocks are not recorded")
+        runs = self._runs(keys, known)
 
         def check(files: list[LoadedFile]) -> None:  # generation thread; numpy and hashing only
-            *blocks, (_, tensors, meta) = files
-            block_files = [
-                self._verified(Path(path), t, m, key=key)
-                for (path, t, m), key in zip(blocks, keys, strict=True)
-            ]
+            *segments, (_, tensors, meta) = files
+            try:
+                block_tokens = int(meta["block_tokens"])
+            except (KeyError, ValueError) as exc:
+                raise CacheFormatError(f"{tail.name}: metadata 'block_tokens': {exc}") from exc
+            loaded = {path: self._segment(Path(path), t, m) for path, t, m in segments}
+            blocks = []
+            for run, run_keys in runs:
+                stored_keys, segment = loaded[run.path]
+                held = split_blocks(segment, block_tokens)
+                end = run.first + run.count
+                if len(held) != len(stored_keys) or stored_keys[run.first : end] != run_keys:
+                    raise StaleCacheError(
+                        f"{Path(run.path).name} does not hold blocks {run_keys[0]}.."
+                    )
+                blocks += held[run.first : end]
             if window:
-                tail_file = self._verified(tail, tensors, meta, key=tail_checksum_or_key)
+                window_keys, tail_file = self._segment(tail, tensors, meta)
+                if window_keys != [tail_checksum_or_key]:
+                    raise StaleCacheError(f"{tail.name} is not the window of its block")
             else:
                 verify_checksum(tail, tensors, meta, expected_checksum=tail_checksum_or_key)
                 tail_file = EncodedCache(tensors, meta)
             if meta.get("model_fingerprint") != self.fingerprint:
                 raise StaleCacheError("file was written for another model")
             check_tail(meta)
-            assemble_paged(tail_file, block_files, join=False)
+            assemble_paged(tail_file, blocks, join=False)
 
-        paths = [str(self._block_path(key)) for key in keys]
         try:
             return await self._engine.run(
-                decode_paged, str(tail), paths, self._engine.model.on_gpu, check
+                decode_paged, str(tail), [run for run, _ in runs], self._engine.model.on_gpu, check
             )
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:
-                # Gone, the next save that lists this block (or stores this window) writes it.
+                # Gone, the next save that lists these blocks (or stores this window) writes it.
                 await asyncio.to_thread(_remove_quietly, Path(exc.path))
             raise
         except (CacheFileError, CacheFormatError, StaleCacheError):
             raise
         except Exception as exc:  # MLX could not read a file (missing, truncated): find which
-            await asyncio.to_thread(self._find_damage, [tail, *map(Path, paths)])
+            files = [tail, *(Path(p) for p in dict.fromkeys(run.path for run, _ in runs))]
+            await asyncio.to_thread(self._find_damage, files)
             raise CacheFormatError(f"reading {tail.name} and its blocks: {exc}") from exc
+
+    def _runs(
+        self, keys: Sequence[str], known: dict[str, StoredBlock]
+    ) -> list[tuple[BlockRun, list[str]]]:
+        """``keys`` as runs of consecutive blocks of one file each, with their keys."""
+        runs: list[tuple[BlockRun, list[str]]] = []
+        for key in keys:
+            where = known[key]
+            path = str(self._file_of(key, where))
+            if runs and runs[-1][0].path == path and where.segment is not None:
+                run, run_keys = runs[-1]
+                if run.first + run.count == where.index:
+                    runs[-1] = (run._replace(count=run.count + 1), [*run_keys, key])
+                    continue
+            runs.append((BlockRun(path, where.index, 1), [key]))
+        return runs
+
+    def _segment(
+        self, path: Path, tensors: dict[str, Any], meta: dict[str, str]
+    ) -> tuple[list[str], EncodedCache]:
+        """A loaded segment, block or window file, verified: the keys it says it holds (a
+        window: its block's), and it."""
+        verify_checksum(path, tensors, meta)
+        if meta.get("model_fingerprint") != self.fingerprint:
+            raise StaleCacheError(f"{path.name} was written for another model")
+        try:
+            keys = json.loads(meta["keys"]) if "keys" in meta else [meta.get("key")]
+        except ValueError as exc:
+            raise CacheFormatError(f"{path.name}: metadata 'keys' is not JSON: {exc}") from exc
+        name = path.name.removesuffix(".safetensors").removesuffix(".window")
+        if (
+            not isinstance(keys, list)
+            or not keys
+            or not all(isinstance(k, str) for k in keys)
+            or name not in (keys[-1], f"{keys[-1]}-{len(keys)}")
+        ):
+            raise StaleCacheError(f"{path.name} does not hold the blocks its name says")
+        return keys, EncodedCache(tensors, meta)
 
     def _find_damage(self, paths: list[Path]) -> None:
         """On a worker thread: raise the error of the first file that cannot be read (removing
@@ -525,14 +649,6 @@ class DiskCaches:
                 if path.parent.parent.name == BLOCKS_DIR:
                     _remove_quietly(path)
                 raise
-
-    def _verified(
-        self, path: Path, tensors: dict[str, Any], meta: dict[str, str], *, key: str
-    ) -> EncodedCache:
-        verify_checksum(path, tensors, meta)
-        if meta.get("model_fingerprint") != self.fingerprint or meta.get("key") != key:
-            raise StaleCacheError(f"{path.name} is not block {key} of this model")
-        return EncodedCache(tensors, meta)
 
     def _check_tail(self, record: CacheRecord, meta: dict[str, str]) -> None:
         if meta.get("message_count") != str(record.message_count):
@@ -638,15 +754,22 @@ class DiskCaches:
         await self._keep_budget()  # also counts what is on disk
         return removed
 
-    def _sweep_files(self, current: dict[str, str | None], blocks: dict[str, bool]) -> int:
+    def _sweep_files(self, current: dict[str, str | None], blocks: dict[str, StoredBlock]) -> int:
         ours = [f for f in self.root.glob("*/*") if _WRITTEN_NAME.fullmatch(f.name)]
         stale = [f for f in ours if current.get(f.parent.name, "") != f"{f.parent.name}/{f.name}"]
+        segments = {where.segment for where in blocks.values()}
         for file in (self.root / BLOCKS_DIR).glob("*/*"):
             match = _BLOCK_NAME.fullmatch(file.name)
             if match is None:
                 continue
-            key, window, temp = match.groups()
-            if temp or key not in blocks or (window and not blocks[key]):
+            key, kind, temp = match.groups()
+            if kind == ".window":
+                wanted = key in blocks and blocks[key].window
+            elif kind:  # a segment
+                wanted = f"{key}{kind}" in segments
+            else:  # a block in its own file
+                wanted = key in blocks and blocks[key].segment is None
+            if temp or not wanted:
                 stale.append(file)
         removed = 0
         for file in stale:

@@ -142,7 +142,7 @@ class Resume:
                 record = await rt._registry.get_cache(agent_id)
                 if not record.blocks:
                     raise SystemExit(f"H={h}: no full block of {self.args.block_tokens} tokens")
-                block = rt._disk._block_path(record.blocks[0])
+                files = await rt._disk.block_files(record.blocks)  # only this agent's
                 new_tokens = long.usage.prefilled_tokens + long.usage.completion_tokens
                 s = self.samples.setdefault((name, h), {})
                 s.setdefault("ttft_s", []).append(reply.timings.ttft_s)
@@ -152,7 +152,10 @@ class Resume:
                 s.setdefault("written", []).append(rt._disk.bytes_written - written)
                 s.setdefault("tail", []).append(record.nbytes)
                 s.setdefault("new_tokens", []).append(new_tokens)
-                s.setdefault("token_bytes", []).append(block.stat().st_size / rt._disk.block_tokens)
+                s.setdefault("token_bytes", []).append(
+                    sum(f.stat().st_size for f in files)
+                    / (len(record.blocks) * rt._disk.block_tokens)
+                )
                 print(
                     f"[{name}] H={h}: disk resume {reply.timings.ttft_s * 1e3:.1f} ms "
                     f"(load {reply.timings.cache_load_s * 1e3:.1f}), "

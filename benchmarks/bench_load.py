@@ -6,7 +6,11 @@ variant (exact, q8, q4) is written, then loaded repeatedly, the variants interle
 
 - ``agentkv``: what a resume does: the tail and blocks of 256 tokens (``encode_paged``) read
   straight into MLX with ``decode_paged`` (``mx.load``; XXH3-128 checksums and shapes verified
-  from that memory; join per layer; float32 dequantization);
+  from that memory; join per layer; float32 dequantization), the blocks in one segment file
+  (a history saved at once);
+- ``turns``: the same with a segment per ``--blocks-per-turn`` blocks (a history built by
+  turns of about that many blocks each: more files);
+- ``perblock``: the same with one file per block (how blocks were stored before segments);
 - ``single``: the same cache as one file (format 1, before paging): ``read_cache_file``,
   dequantization in numpy, ``decode_cache``;
 - ``previous``: one file through the load path before XXH3 (read, ``safetensors.numpy.load``
@@ -68,9 +72,11 @@ def synthetic_cache(history: int, layers: int, window: int, head_dim: int) -> Pr
     return PromptCache(out, rng.integers(0, 32768, history).tolist())
 
 
-def write_paged(root: Path, cache: PromptCache, bits: int | None) -> list[Path]:
-    """The cache as block files and a tail (the tail last), as agentkv stores it."""
-    return save_paged(root, cache, bits, 64)
+def write_paged(
+    root: Path, cache: PromptCache, bits: int | None, blocks_per_file: int | None = None
+) -> list[Path]:
+    """The cache as segment files and a tail (the tail last), as agentkv stores it."""
+    return save_paged(root, cache, bits, 64, blocks_per_file=blocks_per_file)
 
 
 def agentkv_load(paths: list[Path]) -> PromptCache:
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         for history in args.histories:
             cache = synthetic_cache(history, args.layers, args.window, args.head_dim)
-            files, paged = {}, {}
+            files, paged, layouts = {}, {}, {}
             for name, bits in VARIANTS.items():
                 encoded = encode_cache(cache, bits, 64)
                 files[name] = write_cache_file(
@@ -129,6 +135,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 (root / f"{history}-{name}").mkdir()
                 paged[name] = write_paged(root / f"{history}-{name}", cache, bits)
+                for layout, per_file in (("turns", args.blocks_per_turn), ("perblock", 1)):
+                    layouts[layout, name] = write_paged(
+                        root / f"{history}-{name}-{layout}", cache, bits, per_file
+                    )
             raw_path = root / f"{history}-raw.safetensors"
             save_prompt_cache(str(raw_path), cache.layers)
             samples: dict[str, list[float]] = {}
@@ -137,6 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples.setdefault(f"agentkv.{name}", []).append(
                         timed(agentkv_load, paged[name])
                     )
+                    for layout in ("turns", "perblock"):
+                        samples.setdefault(f"{layout}.{name}", []).append(
+                            timed(agentkv_load, layouts[layout, name])
+                        )
                     samples.setdefault(f"single.{name}", []).append(timed(single_load, info.path))
                     samples.setdefault(f"previous.{name}", []).append(
                         timed(previous_load, info.path)
@@ -146,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "history": history,
                 "same_cache": all(
                     same_cache(agentkv_load(paged[name]), previous_load(info.path))
+                    and same_cache(agentkv_load(layouts["turns", name]), previous_load(info.path))
                     and same_cache(single_load(info.path), previous_load(info.path))
                     for name, info in files.items()
                 ),
@@ -154,6 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 path, variant = key.split(".")
                 if path == "agentkv":
                     nbytes = sum(p.stat().st_size for p in paged[variant])
+                elif path in ("turns", "perblock"):
+                    nbytes = sum(p.stat().st_size for p in layouts[path, variant])
                 else:
                     nbytes = (raw_path if path == "raw" else files[variant].path).stat().st_size
                 ms = statistics.median(values) * 1e3
@@ -163,12 +180,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "gb_per_s": round(nbytes / 1e9 / (ms / 1e3), 3),
                 }
             row["agentkv_vs_raw_none"] = round(row["agentkv.none"]["ms"] / row["raw.none"]["ms"], 3)
+            row["turns_vs_raw_none"] = round(row["turns.none"]["ms"] / row["raw.none"]["ms"], 3)
+            row["perblock_vs_raw_none"] = round(
+                row["perblock.none"]["ms"] / row["raw.none"]["ms"], 3
+            )
+            row["files"] = {
+                "agentkv": len(paged["none"]),
+                "turns": len(layouts["turns", "none"]),
+                "perblock": len(layouts["perblock", "none"]),
+            }
             row["previous_vs_agentkv_q8"] = round(
                 row["previous.q8"]["ms"] / row["agentkv.q8"]["ms"], 2
             )
             print(
                 f"H={history}: "
-                + ", ".join(f"{k} {v['ms']:.1f} ms" for k, v in row.items() if isinstance(v, dict)),
+                + ", ".join(
+                    f"{k} {v['ms']:.1f} ms"
+                    for k, v in row.items()
+                    if isinstance(v, dict) and "ms" in v
+                ),
                 flush=True,
             )
             rows.append(row)
@@ -184,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(report: dict, path: Path) -> Path:
     rows = report["rows"]
-    keys = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    keys = [k for k, v in rows[0].items() if isinstance(v, dict) and "ms" in v]
 
     def panel(ax: Any) -> None:
         width = 0.8 / len(keys)
@@ -207,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--blocks-per-turn", type=int, default=5, help="blocks per segment file for 'turns'"
+    )
     parser.add_argument("--data-dir", default=None, help="parent of the temp dir")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")

@@ -230,7 +230,7 @@ class Bench:
                 self.samples["raw"][h].append(raw)
                 self.samples[f"pair_{name}"][h].append(reply.timings.ttft_s / raw)
                 record = await rt._registry.get_cache(agent_id)  # its tail and blocks
-                blocks = (rt._disk._block_path(key) for key in record.blocks)
+                blocks = await rt._disk.block_files(record.blocks)
                 self.file_bytes[name][h] = record.nbytes + sum(b.stat().st_size for b in blocks)
                 await self.save_raw(rt, name, agent_id, str(h))  # what the next reopen loads
                 print(

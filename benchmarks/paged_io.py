@@ -1,12 +1,14 @@
-"""Save and load a prompt cache as the runtime stores it (format 2): blocks of 256 tokens and a
-tail, each a checksummed safetensors file, read back with ``decode_paged`` (``mx.load``, every
-file verified from that memory, blocks joined, float32 dequantization). Generation thread."""
+"""Save and load a prompt cache as the runtime stores it (format 2): blocks of 256 tokens in
+segment files (the blocks one save added) and a tail, each a checksummed safetensors file, read
+back with ``decode_paged`` (``mx.load``, every file verified from that memory, blocks joined,
+float32 dequantization). Generation thread."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from engine.kv_codec import (
     DEFAULT_BLOCK_TOKENS,
@@ -16,6 +18,7 @@ from engine.kv_codec import (
     assemble_paged,
     decode_paged,
     encode_paged,
+    split_blocks,
 )
 from engine.request import PromptCache
 from store.cache_files import verify_checksum, write_cache_file
@@ -27,14 +30,29 @@ def save_paged(
     kv_bits: int | None,
     group_size: int = DEFAULT_GROUP_SIZE,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    blocks_per_file: int | None = None,
 ) -> list[Path]:
-    """Write the cache's blocks and tail under ``directory``: their paths, the tail last."""
+    """Write the cache's blocks and tail under ``directory``: their paths, the tail last.
+
+    ``blocks_per_file`` None: all blocks in one segment, as a save of the whole history writes
+    them; N: segments of N blocks, as a history built by turns of about N blocks each leaves.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     paged = encode_paged(cache, kv_bits, group_size, block_tokens)
-    paths = [
-        write_cache_file(directory / f"block-{j}.safetensors", b.tensors, b.metadata).path
-        for j, b in sorted(paged.blocks.items())
-    ]
+    paths = []
+    for first, segment in paged.segments.items():
+        blocks = split_blocks(segment, block_tokens)
+        step = blocks_per_file or len(blocks)
+        for k in range(0, len(blocks), step):
+            part = blocks[k : k + step]
+            tensors = {
+                name: np.concatenate(
+                    [b.tensors[name] for b in part], axis=0 if name == "tokens" else 2
+                )
+                for name in segment.tensors
+            }
+            path = directory / f"segment-{first + k}.safetensors"
+            paths.append(write_cache_file(path, tensors, segment.metadata).path)
     tail = paged.tail
     paths.append(write_cache_file(directory / "tail.safetensors", tail.tensors, tail.metadata).path)
     return paths
@@ -46,15 +64,17 @@ def verify_loaded(files: list[LoadedFile]) -> None:
     for path, tensors, meta in files:
         verify_checksum(Path(path), tensors, meta)
         encoded.append(EncodedCache(tensors, meta))
-    *blocks, tail = encoded
+    *segments, tail = encoded
+    block_tokens = int(tail.metadata["block_tokens"])
+    blocks = [b for segment in segments for b in split_blocks(segment, block_tokens)]
     assemble_paged(tail, blocks, join=False)
 
 
 def load_paged(paths: list[Path]) -> PromptCache:
     """Read back what :func:`save_paged` wrote, as a resume does."""
-    *blocks, tail = paths
+    *segments, tail = paths
     on_gpu = mx.default_device() == mx.gpu
-    return decode_paged(str(tail), [str(b) for b in blocks], on_gpu, verify_loaded)
+    return decode_paged(str(tail), [str(b) for b in segments], on_gpu, verify_loaded)
 
 
 def nbytes(paths: list[Path]) -> int:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -419,16 +419,20 @@ def _layout_problem(layout: Any) -> str | None:
 # and those tokens; the tail holds the tokens after the last full block, the global layers'
 # positions there, and each sliding-window layer's whole state (at most its window). Blocks are
 # keyed by the caller (a hash chain of the tokens) and shared between caches; a turn writes
-# only the blocks that are new plus a tail. ``assemble_paged`` turns a tail and its blocks back
-# into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
+# only the blocks that are new plus a tail. The new blocks of a save are consecutive, and are
+# encoded together as one *segment* (one file): ``n*B`` positions, which
+# :func:`split_blocks` cuts back into blocks. ``assemble_paged`` turns a tail and its blocks
+# back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
 #
-# Block tensors: ``tokens`` (int32, B) and ``layers.{i}.keys|values`` (or ``.q|.scales|.biases``)
-# of shape (1, heads, B, dim) for each global layer i. Block metadata: ``format_version`` "2",
-# ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON list of ``index``,
-# ``dtype``, ``group_size``). Tail tensors: the same names for every layer (global layers only
-# when the tail holds some of their positions); its ``layers`` layout adds ``start``, the first
-# position the tail holds of that layer. A *window* is the tail of a cache that ends exactly at
-# a block boundary: what a new cache needs, with the blocks before it, to start there.
+# Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
+# ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the
+# global layers are alike, one tensor per part stacking them on the first axis. Metadata:
+# ``format_version`` "2", ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON
+# list of ``index``, ``dtype``, ``group_size``). Tail tensors: the same names for every layer
+# (global layers only when the tail holds some of their positions); its ``layers`` layout adds
+# ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
+# that ends exactly at a block boundary: what a new cache needs, with the blocks before it, to
+# start there.
 
 PAGED_FORMAT_VERSION = 2
 DEFAULT_BLOCK_TOKENS = 256
@@ -436,15 +440,20 @@ DEFAULT_BLOCK_TOKENS = 256
 
 @dataclass(slots=True, frozen=True)
 class PagedCache:
-    """A cache encoded for paged storage: new blocks by index, and the tail."""
+    """A cache encoded for paged storage: the new blocks as segments (runs of consecutive
+    blocks) by the index of their first block, and the tail."""
 
-    blocks: dict[int, EncodedCache]
+    segments: dict[int, EncodedCache]
     tail: EncodedCache
     block_tokens: int
 
     @property
     def nbytes(self) -> int:
-        return self.tail.nbytes + sum(b.nbytes for b in self.blocks.values())
+        return self.tail.nbytes + sum(b.nbytes for b in self.segments.values())
+
+    def blocks_in(self, first: int) -> range:
+        """The indexes of the blocks the segment starting at block ``first`` holds."""
+        return range(first, first + self.segments[first].num_tokens // self.block_tokens)
 
 
 def is_global(layer: Any) -> bool:
@@ -459,7 +468,8 @@ def encode_paged(
     block_tokens: int,
     blocks: set[int] | None = None,
 ) -> PagedCache:
-    """Encode the blocks ``blocks`` (indexes of full blocks; None: all) and the tail.
+    """Encode the blocks ``blocks`` (indexes of full blocks; None: all), one segment per run of
+    consecutive ones, and the tail.
 
     Runs on the generation thread; only the positions of the requested blocks and of the tail
     are quantized and copied to host memory.
@@ -526,17 +536,23 @@ def encode_paged(
             for part in parts
         }
 
-    encoded_blocks = {}
+    segments = {}
     block_meta = common | {
         "kind": "block",
         "stacked": "true" if stacked else "false",
         "layers": json.dumps(block_layers, separators=(",", ":")),
     }
+    runs: list[list[int]] = []  # [first, end) of each run of consecutive wanted blocks
     for j in wanted:
-        begin, end = j * block_tokens, (j + 1) * block_tokens
+        if runs and runs[-1][1] == j:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1])
+    for first, end in runs:
+        begin, end = first * block_tokens, end * block_tokens
         tensors = global_tensors(begin, end, "")
         tensors["tokens"] = tokens[begin:end].copy()
-        encoded_blocks[j] = EncodedCache(tensors, dict(block_meta))
+        segments[first] = EncodedCache(tensors, dict(block_meta))
     tail_tensors = {"tokens": tokens[full * block_tokens :].copy()}
     if total > full * block_tokens:
         tail_tensors |= global_tensors(full * block_tokens, total, "globals.")
@@ -555,7 +571,7 @@ def encode_paged(
         "block_tokens": str(block_tokens),
         "layers": json.dumps(layouts, separators=(",", ":")),
     }
-    return PagedCache(encoded_blocks, EncodedCache(tail_tensors, tail_meta), block_tokens)
+    return PagedCache(segments, EncodedCache(tail_tensors, tail_meta), block_tokens)
 
 
 def _signature(host: dict[str, np.ndarray], i: int) -> tuple:
@@ -566,6 +582,42 @@ def _signature(host: dict[str, np.ndarray], i: int) -> tuple:
         for name, x in sorted(host.items())
         if name.startswith(f"layers.{i}.")
     )
+
+
+def split_blocks(segment: EncodedCache, block_tokens: int) -> list[EncodedCache]:
+    """The blocks a segment holds, in order: views of its arrays, each with the segment's
+    metadata. Numpy only, any thread.
+
+    Raises:
+        CacheFormatError: its tokens are not a whole number of blocks, or a tensor is not
+            4-D with that many positions on its third axis.
+    """
+    tokens = _tensor(segment, "tokens", None, np.int32)
+    count, rest = divmod(tokens.shape[0], block_tokens)
+    if rest or not count:
+        raise CacheFormatError(
+            f"a segment of {tokens.shape[0]} tokens is not whole {block_tokens}-token blocks"
+        )
+    for name, x in segment.tensors.items():
+        if name != "tokens" and (x.ndim != 4 or x.shape[2] != tokens.shape[0]):
+            raise CacheFormatError(
+                f"segment tensor {name!r} has shape {list(x.shape)}, not 4-D with "
+                f"{tokens.shape[0]} positions"
+            )
+    if count == 1:
+        return [segment]
+    return [
+        EncodedCache(
+            {
+                name: x[b * block_tokens : (b + 1) * block_tokens]
+                if name == "tokens"
+                else x[:, :, b * block_tokens : (b + 1) * block_tokens]
+                for name, x in segment.tensors.items()
+            },
+            segment.metadata,
+        )
+        for b in range(count)
+    ]
 
 
 def assemble_paged(
@@ -741,28 +793,39 @@ LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
 """A file ``decode_paged`` read: its path, its tensors (views of MLX memory) and metadata."""
 
 
+class BlockRun(NamedTuple):
+    """Blocks ``first`` to ``first + count - 1`` of a segment (block) file; ``count`` None: to
+    its end."""
+
+    path: str
+    first: int = 0
+    count: int | None = None
+
+
 def decode_paged(
     tail_path: str,
-    block_paths: list[str],
+    blocks: Sequence[str | BlockRun],
     on_gpu: bool,
     check: Callable[[list[LoadedFile]], None] | None = None,
 ) -> PromptCache:
-    """Load a tail and its blocks (in order) straight into MLX and rebuild the prompt cache, on
-    the generation thread: ``mx.load`` reads each file into MLX memory (as mlx-lm's own
-    ``load_prompt_cache`` does); the blocks are joined per layer and quantized layers are
-    dequantized, and while MLX computes that, ``check`` sees every file's tensors (zero-copy
-    numpy views of host memory) and metadata and raises to refuse them. Dequantization is in
-    float32: ``mx.dequantize`` with float32 scales on a GPU, ``q * scale + bias`` as plain array
-    math on a CPU (~15x faster than ``mx.dequantize`` there, and exactly what
+    """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
+    straight into MLX and rebuild the prompt cache, on the generation thread: ``mx.load``
+    reads each file once into MLX memory (as mlx-lm's own ``load_prompt_cache`` does); the
+    runs are joined per layer and quantized layers are dequantized, and while MLX computes
+    that, ``check`` sees every file's tensors (zero-copy numpy views of host memory) and
+    metadata, the tail last, and raises to refuse them. Dequantization is in float32:
+    ``mx.dequantize`` with float32 scales on a GPU, ``q * scale + bias`` as plain array math
+    on a CPU (~15x faster than ``mx.dequantize`` there, and exactly what
     :func:`dequantize_on_host` computes). The cache is returned only if ``check`` passes.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
     Raises:
-        CacheFormatError: malformed tail metadata. Whatever ``check`` raises. ValueError /
-            RuntimeError from MLX for a file it cannot read.
+        CacheFormatError: malformed tail metadata, or a run past its file's end. Whatever
+            ``check`` raises. ValueError / RuntimeError from MLX for a file it cannot read.
     """
-    paths = [*block_paths, tail_path]
+    runs = [BlockRun(r) if isinstance(r, str) else r for r in blocks]
+    paths = [*dict.fromkeys(run.path for run in runs), tail_path]
     # Read on the CPU stream: host memory, which ``check`` reads without moving it off a GPU.
     loaded = [mx.load(path, return_metadata=True, stream=mx.cpu) for path in paths]
     mx.eval([x for arrays, _ in loaded for x in arrays.values()])
@@ -771,12 +834,14 @@ def decode_paged(
         for path, (arrays_, meta_) in zip(paths, loaded, strict=True)
     ]
     try:
-        *blocks, (tail, meta) = loaded
-        blocks = [arrays for arrays, _ in blocks]
+        tail, meta = loaded[-1]
         if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
             raise CacheFormatError(f"{tail_path} is not a format-{PAGED_FORMAT_VERSION} tail")
         kv_bits = _parse_int(meta, "kv_bits", (4, 8))
         layouts = _parse_paged_layouts(meta)
+        block_tokens = int(meta["block_tokens"])
+        segments = {path: arrays for path, (arrays, _) in zip(paths, loaded, strict=True)}
+        blocks = [_run_of(segments[run.path], run, block_tokens) for run in runs]
         tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]
 
         def joined(name: str, tail_name: str) -> mx.array:
@@ -838,6 +903,20 @@ def decode_paged(
     token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
     mx.eval(*arrays)
     return PromptCache(layers, token_list)
+
+
+def _run_of(arrays: dict[str, mx.array], run: BlockRun, block_tokens: int) -> dict[str, mx.array]:
+    """The arrays of a run of blocks of a loaded segment (lazy slices on the token axis)."""
+    if run.first == 0 and run.count is None:
+        return arrays
+    size = arrays["tokens"].shape[0]
+    begin = run.first * block_tokens
+    end = size if run.count is None else begin + run.count * block_tokens
+    if not 0 <= begin < end <= size:
+        raise CacheFormatError(
+            f"blocks {run.first}+{run.count} of {run.path}: it holds {size // block_tokens}"
+        )
+    return {n: x[begin:end] if n == "tokens" else x[:, :, begin:end] for n, x in arrays.items()}
 
 
 def _dequantize_f32(

@@ -53,6 +53,7 @@ from store.records import (
     NewCacheEntry,
     NewMessage,
     Role,
+    StoredBlock,
 )
 from store.registry import Registry
 from store.writer import CacheWriter, JobFuture
@@ -86,6 +87,7 @@ __all__ = [
     "RegistryStorageError",
     "Role",
     "StoreError",
+    "StoredBlock",
     "is_valid_agent_id",
     "new_agent_id",
     "read_cache_file",

@@ -156,11 +156,14 @@ class KVBlock(Base):
     """One block of paged KV caches, stored once and shared (added by 0004).
 
     ``key`` is the hash chain of every token up to the block's end, the model and the storage
-    settings, so two caches whose tokens start the same way list the same keys. The file
-    ``_blocks/<key[:2]>/<key>.safetensors`` holds the global-attention layers' keys and values
-    for the block's tokens; ``window_*`` describe an optional second file with the
-    sliding-window layers' state at the block's end (what lets a new cache start there).
-    A block no ``kv_cache_blocks`` row lists is garbage.
+    settings, so two caches whose tokens start the same way list the same keys. The
+    global-attention layers' keys and values for the block's tokens are in the *segment* file
+    ``_blocks/<segment[:2]>/<segment>.safetensors`` (the run of blocks one save wrote), at
+    ``segment_index`` within it; a block with ``segment`` NULL has its own file
+    ``_blocks/<key[:2]>/<key>.safetensors`` (written before 0005). ``nbytes`` is the block's
+    share of its file. ``window_*`` describe an optional second file with the sliding-window
+    layers' state at the block's end (what lets a new cache start there). The blocks of a
+    segment are garbage together, when no ``kv_cache_blocks`` row lists any of them.
     """
 
     __tablename__ = "kv_blocks"
@@ -171,6 +174,8 @@ class KVBlock(Base):
     window_nbytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
     window_checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    segment: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)  # 0005
+    segment_index: Mapped[int | None] = mapped_column(Integer, nullable=True)  # 0005
 
 
 class KVCacheBlock(Base):

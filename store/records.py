@@ -15,6 +15,7 @@ MAX_FINGERPRINT_CHARS = 64
 KV_BITS_CHOICES = (8, 4)
 """Quantized bit widths a cache entry may have; ``None`` means unquantized."""
 MAX_CHECKSUM_CHARS = 64
+MAX_SEGMENT_CHARS = 80
 
 
 class Role(StrEnum):
@@ -199,10 +200,13 @@ class NewBlock:
     """A block file (and optionally its window file) to record in ``kv_blocks``.
 
     Attributes:
-        key: The block's key (hash chain; 1-64 characters, also its file name).
-        nbytes: Size of the block file; None when only a window is added to a known block.
-        checksum: Its checksum.
+        key: The block's key (hash chain; 1-64 characters).
+        nbytes: The block's share of its file's size; None when only a window is added to a
+            known block.
+        checksum: Its file's checksum.
         window_nbytes, window_checksum: The window file's, when one was written.
+        segment: The name of the segment file holding the block (None: its own file named
+            after the key), and segment_index its place there.
     """
 
     key: str
@@ -210,6 +214,8 @@ class NewBlock:
     checksum: str | None
     window_nbytes: int | None = None
     window_checksum: str | None = None
+    segment: str | None = None
+    segment_index: int | None = None
 
     def __post_init__(self) -> None:
         _check_text("key", self.key, MAX_FINGERPRINT_CHARS)
@@ -227,6 +233,27 @@ class NewBlock:
         for name in ("checksum", "window_checksum"):
             if getattr(self, name) is not None:
                 _check_text(name, getattr(self, name), MAX_CHECKSUM_CHARS)
+        if (self.segment is None) != (self.segment_index is None):
+            raise InvalidRecordError("segment and segment_index go together")
+        if self.segment is not None:
+            _check_text("segment", self.segment, MAX_SEGMENT_CHARS)
+            if not self.segment.replace("-", "").isalnum():
+                raise InvalidRecordError(
+                    f"segment={self.segment!r}: expected letters, digits and '-' only"
+                )
+            _check_int("segment_index", self.segment_index, minimum=0)
+            if self.nbytes is None:
+                raise InvalidRecordError(f"block {self.key}: a segment without a block file")
+
+
+@dataclass(slots=True, frozen=True)
+class StoredBlock:
+    """Where a recorded block is: ``segment`` (its file's name; None: its own file named after
+    the key) and ``index`` there, and whether it has a window file."""
+
+    window: bool
+    segment: str | None = None
+    index: int = 0
 
 
 @dataclass(slots=True, frozen=True)

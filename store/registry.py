@@ -35,6 +35,7 @@ from store.records import (
     NewCacheEntry,
     NewMessage,
     Role,
+    StoredBlock,
 )
 
 _INSERT_CHUNK = 1000
@@ -414,30 +415,34 @@ class Registry:
         async with self._db.write() as session:
             await _record_blocks(session, new_blocks)
 
-    async def known_blocks(self, keys: Sequence[str]) -> dict[str, bool]:
-        """Which of ``keys`` are recorded, each mapped to whether its window file is too."""
+    async def known_blocks(self, keys: Sequence[str]) -> dict[str, StoredBlock]:
+        """Which of ``keys`` are recorded, each mapped to where its file is and whether it has a
+        window file."""
         async with self._db.read() as session:
             return await _known_blocks(session, keys)
 
-    async def collect_garbage(self, keep: Sequence[str] = ()) -> list[tuple[str, bool]]:
-        """Delete the rows of blocks no cache lists (except those in ``keep``).
+    async def collect_garbage(self, keep: Sequence[str] = ()) -> list[tuple[str, StoredBlock]]:
+        """Delete the rows of blocks whose file no cache needs: a segment's blocks go together,
+        when no cache lists any of them and none is in ``keep``.
 
         Returns:
-            (key, has window file) of each deleted block: the caller deletes the files.
+            (key, where it was) of each deleted block: the caller deletes the files.
         """
         async with self._db.write() as session:
-            listed = select(KVCacheBlock.block_key)
-            query = delete(KVBlock).where(KVBlock.key.not_in(listed))
+            file_of = func.coalesce(KVBlock.segment, KVBlock.key)
+            needed = select(file_of).join(KVCacheBlock, KVCacheBlock.block_key == KVBlock.key)
             if keep:
-                query = query.where(KVBlock.key.not_in(list(keep)))
-            rows = await session.execute(query.returning(KVBlock.key, KVBlock.window_nbytes))
-            return [(key, window is not None) for key, window in rows]
+                needed = needed.union(select(file_of).where(KVBlock.key.in_(list(keep))))
+            rows = await session.execute(
+                delete(KVBlock).where(file_of.not_in(needed)).returning(*_LOCATION)
+            )
+            return [(row[0], _stored_block(row)) for row in rows]
 
-    async def block_keys(self) -> dict[str, bool]:
-        """Every recorded block, mapped to whether it has a window file (one query)."""
+    async def block_keys(self) -> dict[str, StoredBlock]:
+        """Every recorded block, mapped to where its file is (one query)."""
         async with self._db.read() as session:
-            rows = await session.execute(select(KVBlock.key, KVBlock.window_nbytes.is_not(None)))
-            return {key: bool(window) for key, window in rows}
+            rows = await session.execute(select(*_LOCATION))
+            return {row[0]: _stored_block(row) for row in rows}
 
     async def get_cache(self, agent_id: str) -> CacheRecord | None:
         """The agent's current cache entry, or ``None``. Raises ``AgentNotFoundError``."""
@@ -485,12 +490,13 @@ class Registry:
                         func.coalesce(func.sum(KVBlock.window_nbytes), 0),
                         func.count(KVBlock.key),
                         func.count(KVBlock.window_nbytes),
+                        func.count(func.distinct(func.coalesce(KVBlock.segment, KVBlock.key))),
                     )
                 )
             ).one()
             return DiskUsage(
                 bytes=int(own[0] + blocks[0] + blocks[1]),
-                files=int(own[1] + blocks[2] + blocks[3]),
+                files=int(own[1] + blocks[4] + blocks[3]),
                 blocks=int(blocks[2]),
             )
 
@@ -553,8 +559,8 @@ async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> dateti
 
 
 async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) -> None:
-    """Insert block rows; a known block's row takes the new file's size and checksum (it was
-    written again because its file was gone), and gains a window file it lacked."""
+    """Insert block rows; a known block's row takes the new file (it was written again because
+    its file was gone), and gains a window file it lacked."""
     for block in new_blocks:
         if not isinstance(block, NewBlock):
             raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
@@ -569,14 +575,15 @@ async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) 
             if updated.first() is None:
                 raise BlocksMissingError([block.key])
             continue
+        changes = {
+            "nbytes": block.nbytes,
+            "checksum": block.checksum,
+            "segment": block.segment,
+            "segment_index": block.segment_index,
+        }
         statement = sqlite_insert(KVBlock).values(
-            key=block.key,
-            nbytes=block.nbytes,
-            checksum=block.checksum,
-            created_at=utcnow(),
-            **window,
+            key=block.key, created_at=utcnow(), **changes, **window
         )
-        changes = {"nbytes": block.nbytes, "checksum": block.checksum}
         if block.window_nbytes is not None:
             changes |= window
         await session.execute(
@@ -584,17 +591,28 @@ async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) 
         )
 
 
-async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str, bool]:
+async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str, StoredBlock]:
     keys = list(dict.fromkeys(keys))
-    known: dict[str, bool] = {}
+    known: dict[str, StoredBlock] = {}
     for start in range(0, len(keys), _IN_CHUNK):
         rows = await session.execute(
-            select(KVBlock.key, KVBlock.window_nbytes.is_not(None)).where(
-                KVBlock.key.in_(keys[start : start + _IN_CHUNK])
-            )
+            select(*_LOCATION).where(KVBlock.key.in_(keys[start : start + _IN_CHUNK]))
         )
-        known.update((key, bool(window)) for key, window in rows)
+        known.update((row[0], _stored_block(row)) for row in rows)
     return known
+
+
+_LOCATION = (
+    KVBlock.key,
+    KVBlock.window_nbytes.is_not(None),
+    KVBlock.segment,
+    KVBlock.segment_index,
+)
+
+
+def _stored_block(row: Any) -> StoredBlock:
+    _, window, segment, index = row
+    return StoredBlock(bool(window), segment, index or 0)
 
 
 async def _current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:

@@ -4,6 +4,7 @@ real SQLite files, real tiny models, real block files."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,11 @@ async def listed_blocks(rt: AgentRuntime, agent_id: str) -> tuple[str, ...]:
     return record.blocks if record else ()
 
 
+async def files_of(rt: AgentRuntime, keys) -> list[Path]:
+    """The segment (or block) files holding these blocks, each once, in order."""
+    return await rt._disk.block_files(list(keys))
+
+
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])
 async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
     # (No shared head is stored for others: this counts the bytes of the agent's own saves.)
@@ -48,6 +54,7 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
     async with await AgentRuntime.open(settings) as rt:
         agent = await rt.create_agent(system_prompt="You are terse.")
         disk = rt._disk
+        segments = []
         for i in range(4):
             written = disk.bytes_written
             before = set(await listed_blocks(rt, agent.id))
@@ -58,16 +65,21 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
             assert await listed_blocks(rt, agent.id) == tuple(keys)
             assert len(keys) == cache.num_tokens // BLOCK
             new = [k for k in keys if k not in before]
+            assert new == keys[len(before) :]
             record = await rt._registry.get_cache(agent.id)
-            block_bytes = sum(
-                (rt.config.caches_path / BLOCKS_DIR / k[:2] / f"{k}.safetensors").stat().st_size
-                for k in new
-            )
+            # The new blocks went to one segment file, named after its last block and count.
+            assert [f.name for f in await files_of(rt, new)] == [
+                f"{new[-1]}-{len(new)}.safetensors"
+            ]
+            segments.append(f"{new[-1]}-{len(new)}.safetensors")
+            block_bytes = sum(f.stat().st_size for f in await files_of(rt, new))
             # Only the new blocks and the tail were written: nothing of the older history.
             assert disk.bytes_written - written == block_bytes + record.nbytes
         # Every block file on disk is recorded and listed; nothing else is there.
-        assert block_files(rt) == {f"{k}.safetensors" for k in keys}
+        assert block_files(rt) == set(segments)
+        assert [f.name for f in await files_of(rt, keys)] == segments
         assert await rows(rt, KVBlock) == len(keys)
+        assert rt.stats()["disk"]["files"] == len(segments) + 1  # and the tail
 
 
 async def test_resume_from_blocks_equals_uninterrupted_after_restart(tmp_path):
@@ -102,7 +114,7 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
             *(rt.chat(a.id, f"Parcel {i} is late.", max_tokens=12) for i, a in enumerate(agents_))
         )
         await rt.flush()
-        head = replies[1].usage.cached_tokens
+        head = max(r.usage.cached_tokens for r in replies)  # (whichever turn came first)
         assert head >= 6 * BLOCK and head % BLOCK == 0
         # One turn prefilled the shared head; the others started from it.
         assert sorted(r.cache_source for r in replies) == ["none", "prefix", "prefix", "prefix"]
@@ -116,7 +128,9 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert all(ls[: len(shared)] == shared for ls in lists)
         assert await rows(rt, KVBlock) == len(set().union(*lists))
         names = block_files(rt)
-        assert {f"{k}.safetensors" for k in shared} <= names
+        head_files = [f.name for f in await files_of(rt, shared)]
+        assert head_files == [f"{shared[-1]}-{len(shared)}.safetensors"]  # one segment
+        assert set(head_files) <= names
         assert f"{shared[-1]}.window.safetensors" in names
         assert rt.stats()["disk"]["prefix_hits"] == 3
         assert rt.stats()["disk"]["prefix_lookups"] == 4  # the first one stored the head
@@ -159,11 +173,14 @@ async def test_blocks_are_collected_when_no_cache_lists_them(tmp_path):
         only_a = set(await listed_blocks(rt, a.id)) - set(await listed_blocks(rt, b.id))
         shared = set(await listed_blocks(rt, a.id)) & set(await listed_blocks(rt, b.id))
         assert shared and only_a
+        shared_files = {f.name for f in await files_of(rt, shared)}
+        only_a_files = {f.name for f in await files_of(rt, only_a)}
+        assert not shared_files & only_a_files
 
         await rt.delete_agent(a.id)
         names = block_files(rt)
-        assert {f"{k}.safetensors" for k in shared} <= names
-        assert not {f"{k}.safetensors" for k in only_a} & names
+        assert shared_files <= names
+        assert not only_a_files & names
         assert await rows(rt, KVBlock) == len(await listed_blocks(rt, b.id))
 
         await rt.delete_agent(b.id)
@@ -178,7 +195,7 @@ async def test_a_corrupt_block_is_rebuilt_and_written_again(tmp_path, caplog):
         first = await rt.chat(agent.id, "Where is it?", max_tokens=8)
         await rt.flush()
         keys = await listed_blocks(rt, agent.id)
-    path = tmp_path / "caches" / BLOCKS_DIR / keys[2][:2] / f"{keys[2]}.safetensors"
+        [path] = await files_of(rt, keys[2:3])
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -187,7 +204,8 @@ async def test_a_corrupt_block_is_rebuilt_and_written_again(tmp_path, caplog):
         assert reply.cache_source == "rebuilt"
         assert "unusable" in caplog.text
         await rt.flush()
-        assert read_cache_file(path).metadata["key"] == keys[2]  # written anew, intact
+        [again_path] = await files_of(rt, keys[2:3])  # written anew, intact
+        assert keys[2] in json.loads(read_cache_file(again_path).metadata["keys"])
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         again = await rt.chat(agent.id, "Once more?", max_tokens=8)
         assert again.cache_source == "disk"
@@ -205,6 +223,8 @@ async def test_sweep_removes_unrecorded_block_files_only(tmp_path):
     stray = root / "ab" / ("ab" + "0" * 30 + ".safetensors")
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"left by a crash")
+    stray_segment = root / "ab" / ("ab" + "2" * 30 + "-3.safetensors")
+    stray_segment.write_bytes(b"not recorded")
     temp = root / "ab" / (".ab" + "1" * 30 + ".safetensors.tmp-x1y2")
     temp.write_bytes(b"half written")
     foreign = root / "ab" / "notes.txt"
@@ -212,6 +232,7 @@ async def test_sweep_removes_unrecorded_block_files_only(tmp_path):
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         assert block_files(rt) == kept | {"notes.txt"}
     assert foreign.exists() and not stray.exists() and not temp.exists()
+    assert not stray_segment.exists()
 
 
 async def test_fork_lists_the_same_blocks_without_copying(tmp_path):
@@ -247,7 +268,8 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
         assert rt.stats()["disk"]["evictions"] == 1
         assert await rt._registry.get_cache(cold.id) is None
         assert shared & set(await listed_blocks(rt, warm.id))
-        assert {f"{k}.safetensors" for k in await listed_blocks(rt, warm.id)} <= block_files(rt)
+        warm_files = await files_of(rt, await listed_blocks(rt, warm.id))
+        assert {f.name for f in warm_files} <= block_files(rt)
         assert rt.stats()["disk"]["bytes"] <= budget
         reply = await rt.chat(cold.id, "Back again?", max_tokens=8)
         # Its own cache is gone; its system prompt's head is still stored (warm lists it).
@@ -337,3 +359,83 @@ async def test_a_prompt_over_the_context_stores_no_shared_head(tmp_path):
         assert block_files(rt) == set()  # its head was not prefilled nor stored
         stats = rt._engine.stats()
         assert stats.completed == stats.failed == stats.tokens_generated == 0  # nothing ran
+
+
+def disk_bytes(rt: AgentRuntime) -> int:
+    return sum(f.stat().st_size for f in rt.config.caches_path.rglob("*") if f.is_file())
+
+
+async def test_a_segment_stays_while_a_cache_lists_any_of_its_blocks(tmp_path):
+    turns = [("a", "First parcel?"), ("b", "Second parcel?"), ("b", "Go on.")]
+
+    async def run(data_dir: Path, restart: bool) -> list[list[int]]:
+        settings = config(data_dir, kv_bits=None, share_prefixes=False)
+        async with await AgentRuntime.open(settings) as rt:
+            for agent_id in ("a", "b"):
+                await rt.create_agent(agent_id, system_prompt=SYSTEM)
+            out = [(await rt.chat(a, t, max_tokens=8)).token_ids for a, t in turns[:2]]
+            await rt.flush()
+            if not restart:
+                return [*out, (await rt.chat("b", turns[2][1], max_tokens=8)).token_ids]
+            a_keys, b_keys = [await listed_blocks(rt, x) for x in ("a", "b")]
+            shared = [k for k in b_keys if k in a_keys]
+            assert shared and len(shared) < len(a_keys)
+            a_files, b_files = [await files_of(rt, keys) for keys in (a_keys, b_keys)]
+            assert len(a_files) == 1 and b_files[0] == a_files[0]  # b reads a part of a's
+
+            await rt.delete_agent("a")
+            # a's segment stays, with all its blocks, while b lists some of them.
+            assert a_files[0].exists()
+            assert await rows(rt, KVBlock) == len(set(a_keys) | set(b_keys))
+            assert rt.stats()["disk"]["bytes"] == disk_bytes(rt)
+            assert rt.stats()["disk"]["files"] == len(b_files) + 1
+        async with await AgentRuntime.open(settings) as rt:
+            reply = await rt.chat("b", turns[2][1], max_tokens=8)
+            assert reply.cache_source == "disk"
+            await rt.delete_agent("b")
+            assert block_files(rt) == set()
+            assert await rows(rt, KVBlock) == 0
+            assert rt.stats()["disk"]["bytes"] == disk_bytes(rt) == 0
+            return [*out, reply.token_ids]
+
+    assert await run(tmp_path / "restart", True) == await run(tmp_path / "straight", False)
+
+
+async def test_blocks_stored_one_per_file_still_resume(tmp_path):
+    """Caches written before segments (each block in ``<key>.safetensors``) still load, and
+    their files stay while listed."""
+    from sqlalchemy import update
+
+    from engine.kv_codec import EncodedCache, split_blocks
+    from store.cache_files import write_cache_file
+
+    settings = config(tmp_path, kv_bits=None, share_prefixes=False)
+    async with await AgentRuntime.open(settings) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        first = await rt.chat(agent.id, "Where is it?", max_tokens=8)
+        await rt.flush()
+        keys = await listed_blocks(rt, agent.id)
+        [segment] = await files_of(rt, keys)
+        file = read_cache_file(segment)
+        meta = {k: v for k, v in file.metadata.items() if k != "keys"}
+        for key, block in zip(
+            keys, split_blocks(EncodedCache(file.tensors, file.metadata), BLOCK), strict=True
+        ):
+            path = rt.config.caches_path / BLOCKS_DIR / key[:2] / f"{key}.safetensors"
+            write_cache_file(path, block.tensors, meta | {"key": key})
+        segment.unlink()
+        async with rt._registry._db.write() as session:
+            await session.execute(update(KVBlock).values(segment=None, segment_index=None))
+        legacy = block_files(rt)
+        assert legacy == {f"{k}.safetensors" for k in keys}
+    async with await AgentRuntime.open(settings) as rt:
+        assert block_files(rt) == legacy  # the sweep keeps recorded block files
+        reply = await rt.chat(agent.id, "And now?", max_tokens=8)
+        assert reply.cache_source == "disk"
+        assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
+        await rt.flush()
+        new = [k for k in await listed_blocks(rt, agent.id) if k not in keys]
+        assert block_files(rt) == legacy | {f"{new[-1]}-{len(new)}.safetensors"}
+    async with await AgentRuntime.open(settings) as rt:
+        again = await rt.chat(agent.id, "Once more?", max_tokens=8)
+        assert again.cache_source == "disk"  # old block files and a new segment, together

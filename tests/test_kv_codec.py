@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.kv_codec import (
     DEFAULT_GROUP_SIZE,
     FORMAT_VERSION,
+    BlockRun,
     CacheFormatError,
     EncodedCache,
     assemble_paged,
@@ -34,6 +35,7 @@ from engine.kv_codec import (
     dequantize_on_host,
     encode_cache,
     encode_paged,
+    split_blocks,
 )
 from engine.request import GenerationRequest, PromptCache
 
@@ -562,12 +564,12 @@ BLOCK = 16
 
 
 def write_paged(tmp_path, paged) -> tuple[str, list[str]]:
-    """The tail and blocks of a PagedCache as files (safetensors with a checksum)."""
+    """The tail and segments of a PagedCache as files (safetensors with a checksum)."""
     from store.cache_files import write_cache_file
 
     blocks = [
         str(write_cache_file(tmp_path / f"b{j}.safetensors", b.tensors, b.metadata).path)
-        for j, b in sorted(paged.blocks.items())
+        for j, b in sorted(paged.segments.items())
     ]
     tail = write_cache_file(tmp_path / "tail.safetensors", paged.tail.tensors, paged.tail.metadata)
     return str(tail.path), blocks
@@ -578,12 +580,16 @@ def write_paged(tmp_path, paged) -> tuple[str, list[str]]:
 async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits, n):
     cache = await history(engine, n)
     paged = await engine.run(encode_paged, cache, kv_bits, 32, BLOCK)
-    assert sorted(paged.blocks) == list(range(n // BLOCK))
+    assert sorted(paged.segments) == ([0] if n >= BLOCK else [])  # one run: one segment
+    assert [j for first in paged.segments for j in paged.blocks_in(first)] == list(
+        range(n // BLOCK)
+    )
     assert paged.tail.num_tokens == n % BLOCK
     whole = await engine.run(encode_cache, cache, kv_bits, 32)
     expected = await engine.run(decode_cache, dequantize_on_host(whole))
     # The numpy path (format 1 from tail and blocks) and the MLX path, CPU and GPU arithmetic.
-    blocks = [paged.blocks[j] for j in sorted(paged.blocks)]
+    blocks = [b for segment in paged.segments.values() for b in split_blocks(segment, BLOCK)]
+    assert len(blocks) == n // BLOCK
     assembled = await engine.run(
         decode_cache, dequantize_on_host(assemble_paged(paged.tail, blocks))
     )
@@ -598,6 +604,14 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
                 np.testing.assert_array_equal(a, c)
                 np.testing.assert_array_equal(b, d)
     assert [path for path, _, _ in seen[0]] == [*block_paths, tail]  # check saw every file
+    if len(blocks) > 2:  # runs of one file, read once and joined as the whole
+        runs = [BlockRun(block_paths[0], 0, 2), BlockRun(block_paths[0], 2)]
+        seen.clear()
+        decoded = await engine.run(decode_paged, tail, runs, False, seen.append)
+        assert [path for path, _, _ in seen[0]] == [block_paths[0], tail]
+        for (a, b), (c, d) in await temporal_pairs(engine, expected, decoded):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, d)
     if kv_bits is None:  # exact: resumes token for token like the original
         assert await resume(engine, decoded) == await resume(engine, cache)
 
@@ -605,16 +619,24 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
 async def test_encode_paged_writes_only_the_blocks_asked_for(gemma):
     cache = await history(gemma, 5 * BLOCK + 3)
     every = await gemma.run(encode_paged, cache, 8, 32, BLOCK)
-    some = await gemma.run(encode_paged, cache, 8, 32, BLOCK, {1, 4})
-    assert sorted(some.blocks) == [1, 4]
-    for j in (1, 4):
-        assert some.blocks[j].metadata == every.blocks[j].metadata
-        for name, x in every.blocks[j].tensors.items():
-            np.testing.assert_array_equal(some.blocks[j].tensors[name], x)
+    some = await gemma.run(encode_paged, cache, 8, 32, BLOCK, {1, 2, 4})
+    # One segment per run of consecutive blocks asked for.
+    assert {first: list(some.blocks_in(first)) for first in some.segments} == {1: [1, 2], 4: [4]}
+    assert list(every.segments) == [0] and list(every.blocks_in(0)) == [0, 1, 2, 3, 4]
+    all_blocks = split_blocks(every.segments[0], BLOCK)
+    some_blocks = {
+        1: split_blocks(some.segments[1], BLOCK)[0],
+        2: split_blocks(some.segments[1], BLOCK)[1],
+    }
+    some_blocks[4] = some.segments[4]
+    for j in (1, 2, 4):
+        assert some_blocks[j].metadata == all_blocks[j].metadata
+        for name, x in all_blocks[j].tensors.items():
+            np.testing.assert_array_equal(some_blocks[j].tensors[name], x)
     assert some.tail.metadata == every.tail.metadata
-    # Global layers alike are stacked: a handful of tensors per block, whatever the depth.
-    assert every.blocks[0].metadata["stacked"] == "true"
-    assert sorted(every.blocks[0].tensors) == [
+    # Global layers alike are stacked: a handful of tensors per segment, whatever the depth.
+    assert every.segments[0].metadata["stacked"] == "true"
+    assert sorted(every.segments[0].tensors) == [
         "keys.biases",
         "keys.q",
         "keys.scales",
@@ -634,8 +656,8 @@ def test_global_layers_that_differ_are_stored_per_layer(tmp_path):
         layers.append(layer)
     cache = PromptCache(layers, list(range(40)))
     paged = encode_paged(cache, None, 32, BLOCK)
-    assert paged.blocks[0].metadata["stacked"] == "false"
-    assert "layers.1.keys" in paged.blocks[0].tensors
+    assert paged.segments[0].metadata["stacked"] == "false"
+    assert "layers.1.keys" in paged.segments[0].tensors
     tail, block_paths = write_paged(tmp_path, paged)
     decoded = decode_paged(tail, block_paths, False)
     for a, b in zip(cache.layers, decoded.layers, strict=True):
@@ -647,9 +669,12 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
     cache = await history(gemma, 3 * BLOCK + 5)
     exact = await gemma.run(encode_paged, cache, None, 32, BLOCK)
     q8 = await gemma.run(encode_paged, cache, 8, 32, BLOCK)
-    blocks = [exact.blocks[j] for j in range(3)]
+    blocks = split_blocks(exact.segments[0], BLOCK)
+    assert len(blocks) == 3
     with pytest.raises(CacheFormatError, match="kv_bits"):
-        assemble_paged(exact.tail, [q8.blocks[0], *blocks[1:]], join=False)
+        assemble_paged(
+            exact.tail, [split_blocks(q8.segments[0], BLOCK)[0], *blocks[1:]], join=False
+        )
     with pytest.raises(CacheFormatError, match="holds 53 positions, blocks and tail 37"):
         assemble_paged(exact.tail, blocks[:2], join=False)
     with pytest.raises(CacheFormatError, match="not a format-2 tail"):
@@ -662,3 +687,13 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
     tail, block_paths = write_paged(tmp_path, exact)
     with pytest.raises(CacheFormatError, match="refused by the check"):
         await gemma.run(decode_paged, tail, block_paths, False, refuse)
+    # A run past the end of its segment is refused before anything is joined.
+    with pytest.raises(CacheFormatError, match="it holds 3"):
+        await gemma.run(decode_paged, tail, [BlockRun(block_paths[0], 2, 2)], False)
+    # A segment that is not whole blocks, or whose tensors disagree with its tokens.
+    segment = exact.segments[0]
+    with pytest.raises(CacheFormatError, match="not whole 20-token blocks"):
+        split_blocks(segment, 20)
+    broken = dict(segment.tensors, keys=segment.tensors["keys"][:, :, :-1])
+    with pytest.raises(CacheFormatError, match="segment tensor 'keys' has shape"):
+        split_blocks(EncodedCache(broken, segment.metadata), BLOCK)

@@ -19,7 +19,16 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, inspect
 
 import migrations
-from store import MigrationError, NewCacheEntry, NewMessage, Registry, database
+from store import (
+    InvalidRecordError,
+    MigrationError,
+    NewBlock,
+    NewCacheEntry,
+    NewMessage,
+    Registry,
+    StoredBlock,
+    database,
+)
 from store.models import Base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +60,16 @@ SCHEMA = {
         "message_count",  # added by 0002, so last in the table
     ],
     # added by 0004
-    "kv_blocks": ["key", "nbytes", "checksum", "window_nbytes", "window_checksum", "created_at"],
+    "kv_blocks": [
+        "key",
+        "nbytes",
+        "checksum",
+        "window_nbytes",
+        "window_checksum",
+        "created_at",
+        "segment",  # added by 0005
+        "segment_index",
+    ],
     "kv_cache_blocks": ["agent_id", "position", "block_key"],
 }
 # A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
@@ -116,7 +134,7 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-HEAD = "0004"
+HEAD = "0005"
 NEXT = "9000"
 
 
@@ -372,3 +390,61 @@ async def test_0003_adds_idle_ttl_and_downgrades_keeping_rows(tmp_path: Path) ->
     assert rows(path, "SELECT id FROM agents ORDER BY id") == [("a",), ("b",)]
     assert rows(path, "SELECT content FROM messages") == [("hi",)]
     assert "idle_ttl_s" not in [r[1] for r in rows(path, "PRAGMA table_info(agents)")]
+
+
+async def test_0005_records_segments_and_downgrades_dropping_only_their_caches(
+    tmp_path: Path,
+) -> None:
+    fresh = tmp_path / "fresh.sqlite"
+    await migrate(fresh, "0004")
+    path = tmp_path / "db.sqlite"
+    await migrate(path, "0004")
+    async with await Registry.open(path) as registry:  # (upgrades to head)
+        for agent in ("a", "b"):
+            await registry.create_agent(agent)
+        old = NewBlock("k0", 10, "c0")  # a block in its own file, as before 0005
+        await registry.set_cache(
+            "a",
+            NewCacheEntry("a/t.safetensors", 20, "m", 5, "t", 2, message_count=1),
+            blocks=["k0"],
+            new_blocks=[old],
+        )
+        seg = [
+            NewBlock(k, 6, "s", segment="k2-2", segment_index=i) for i, k in enumerate(["k1", "k2"])
+        ]
+        await registry.set_cache(
+            "b",
+            NewCacheEntry("b/t.safetensors", 40, "m", 5, "t", 2, message_count=1),
+            blocks=["k1", "k2"],
+            new_blocks=seg,
+        )
+        known = await registry.known_blocks(["k0", "k1", "k2", "k9"])
+        assert known == {
+            "k0": StoredBlock(False, None, 0),
+            "k1": StoredBlock(False, "k2-2", 0),
+            "k2": StoredBlock(False, "k2-2", 1),
+        }
+        usage = await registry.cache_usage()
+        assert (usage.bytes, usage.files, usage.blocks) == (5 + 5 + 10 + 12, 4, 3)
+
+    await migrate(path, "0004", down=True)
+    for pragma in (
+        "table_info(kv_blocks)",
+        "index_list(kv_blocks)",
+        "foreign_key_list(kv_cache_blocks)",
+    ):
+        sql = f"PRAGMA {pragma}"
+        assert rows(fresh, sql) and rows(path, sql) == rows(fresh, sql), pragma
+    # b's cache listed blocks in a segment, which 0004 cannot read: b rebuilds; a keeps its own.
+    assert rows(path, "SELECT agent_id FROM kv_caches") == [("a",)]
+    assert rows(path, "SELECT key FROM kv_blocks") == [("k0",)]
+    assert rows(path, "SELECT agent_id, block_key FROM kv_cache_blocks") == [("a", "k0")]
+
+
+def test_a_segment_block_needs_its_index_and_a_file() -> None:
+    with pytest.raises(InvalidRecordError, match="go together"):
+        NewBlock("k1", 6, "s", segment="k1-1")
+    with pytest.raises(InvalidRecordError, match="letters, digits and '-'"):
+        NewBlock("k1", 6, "s", segment="../k1", segment_index=0)
+    with pytest.raises(InvalidRecordError, match="segment without a block file"):
+        NewBlock("k1", None, None, 3, "w", segment="k1-1", segment_index=0)
