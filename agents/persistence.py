@@ -386,7 +386,8 @@ class DiskCaches:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def _collect(self, keep: frozenset[str]) -> int:
-        """On the writer thread: delete blocks no cache lists (but ``keep``) and their files."""
+        """On the writer thread: delete the segments none of whose blocks a cache lists (or
+        ``keep`` holds), their blocks' rows and window files."""
         removed = self._call(self._registry.collect_garbage(sorted(keep)))
         for file in dict.fromkeys(self._file_of(key, where) for key, where in removed):
             _remove_quietly(file)
@@ -394,7 +395,7 @@ class DiskCaches:
             if where.window:
                 _remove_quietly(self._block_path(key, window=True))
         if removed:
-            log.debug("collected %d blocks no cache lists", len(removed))
+            log.debug("collected %d blocks no cache needs", len(removed))
         return len(removed)
 
     async def collect(self) -> int:

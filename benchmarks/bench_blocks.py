@@ -122,6 +122,8 @@ class Resume:
                     args = (engine.model.model, engine.config, path, tokens)
                     return await engine.run(raw_resume, *args)
 
+                stored = await rt._registry.get_cache(agent_id)  # what the resume reads
+                files_read = len(await rt._disk.block_files(stored.blocks)) + 1  # + the tail
                 # Whichever goes first after a reopen pays for cold allocations: alternate.
                 first_raw = self.rounds.get((name, h), 0) % 2 == 1
                 if first_raw:
@@ -149,6 +151,7 @@ class Resume:
                 s.setdefault("raw_s", []).append(raw)
                 s.setdefault("ratio", []).append(reply.timings.ttft_s / raw)
                 s.setdefault("load_s", []).append(reply.timings.cache_load_s)
+                s.setdefault("files", []).append(files_read)
                 s.setdefault("written", []).append(rt._disk.bytes_written - written)
                 s.setdefault("tail", []).append(record.nbytes)
                 s.setdefault("new_tokens", []).append(new_tokens)
@@ -158,7 +161,7 @@ class Resume:
                 )
                 print(
                     f"[{name}] H={h}: disk resume {reply.timings.ttft_s * 1e3:.1f} ms "
-                    f"(load {reply.timings.cache_load_s * 1e3:.1f}), "
+                    f"(load {reply.timings.cache_load_s * 1e3:.1f}, {files_read} files), "
                     f"raw mlx-lm {raw * 1e3:.1f} ms; a {new_tokens}-token turn wrote "
                     f"{(rt._disk.bytes_written - written) / 1e3:.0f} kB",
                     flush=True,
@@ -177,6 +180,7 @@ class Resume:
                     "raw_ttft_ms": round(med["raw_s"] * 1e3, 1),
                     "vs_raw": round(med["ratio"], 3),
                     "load_ms": round(med["load_s"] * 1e3, 1),
+                    "files_read": med["files"],
                     "bytes_written": int(med["written"]),
                     "tail_bytes": int(med["tail"]),
                     "block_bytes_written": int(blocks),
@@ -226,6 +230,7 @@ async def shared_prompt(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 "disk_bytes": disk["bytes"],
                 "blocks": disk["blocks"],
                 "blocks_written": disk["blocks_written"],
+                "files": disk["files"],
             }
         print(
             f"shared system prompt, sharing {share}: {results['on' if share else 'off']}",

@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.histories, args.repeats, args.layers, args.window = [256], 2, 6, 64
+        args.histories, args.repeats, args.layers, args.window = [1024], 2, 6, 64
+        args.blocks_per_turn = 2
     report = run(args)
     write_report(report, args.out, plot, args.plot)
     return report

@@ -60,11 +60,13 @@ def test_load_quick(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
     (row,) = report["rows"]
     assert row["same_cache"] is True  # the new load path rebuilds exactly what the old one did
-    paths = {"agentkv", "single", "previous"}
+    paths = {"agentkv", "turns", "perblock", "single", "previous"}
     expected = {f"{p}.{v}" for p in paths for v in ("none", "q8", "q4")} | {"raw.none"}
-    assert {k for k, v in row.items() if isinstance(v, dict)} == expected
+    assert {k for k, v in row.items() if isinstance(v, dict) and "ms" in v} == expected
+    # 4 blocks: one segment, segments of 2 (--blocks-per-turn), a file each; and the tail.
+    assert row["files"] == {"agentkv": 2, "turns": 3, "perblock": 5}
     assert row["agentkv.q4"]["mb"] < row["agentkv.q8"]["mb"] < row["agentkv.none"]["mb"]
-    assert all(v["ms"] > 0 for v in row.values() if isinstance(v, dict))
+    assert all(v["ms"] > 0 for v in row.values() if isinstance(v, dict) and "ms" in v)
 
 
 def test_blocks_quick(tmp_path):
@@ -77,6 +79,7 @@ def test_blocks_quick(tmp_path):
         # The longer turn wrote whole new blocks (about its new tokens' worth) and a tail.
         assert row["block_bytes_written"] > 0 and row["tail_bytes"] > 0
         assert 0.5 < row["blocks_vs_new_tokens"] <= 1.2
+        assert row["files_read"] >= 2  # a segment per save that added blocks, and the tail
     shared = report["shared_prompt"]
     assert shared["on"]["cache_sources"] == ["none", "prefix"]
     assert shared["off"]["cache_sources"] == ["none"]

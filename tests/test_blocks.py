@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sqlalchemy import func, select
 
@@ -439,3 +440,39 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
     async with await AgentRuntime.open(settings) as rt:
         again = await rt.chat(agent.id, "Once more?", max_tokens=8)
         assert again.cache_source == "disk"  # old block files and a new segment, together
+
+
+async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
+    """A save whose segment holds blocks another save stored since it looked writes only the
+    rest, as a segment of its own: what a save of just those blocks writes."""
+    from engine.kv_codec import encode_paged
+
+    settings = config(tmp_path, kv_bits=None, share_prefixes=False)
+    async with await AgentRuntime.open(settings) as rt:
+        agent = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(agent.id, "Where is it?", max_tokens=8)
+        await rt.flush()
+        first = await listed_blocks(rt, agent.id)
+        await rt.chat(agent.id, "Tell me more about the route, the depots and the vans.")
+        await rt.flush()
+        keys = await listed_blocks(rt, agent.id)
+        [second] = await files_of(rt, keys[len(first) :])
+        before = read_cache_file(second)
+        second.unlink()  # its blocks are recorded but their file is gone (removed as corrupt)
+
+        cache = rt._hot.get(agent.id).cache
+        paged = await rt._engine.run(encode_paged, cache, None, 32, BLOCK)  # every block
+        assert list(paged.segments) == [0]
+        written: list[Path] = []
+        blocks = await asyncio.to_thread(rt._disk._write_segments, paged, keys, written)
+        assert written == [second]  # only the blocks whose file was gone, under the same name
+        assert [(b.key, b.segment_index) for b in blocks] == [
+            (k, i) for i, k in enumerate(keys[len(first) :])
+        ]
+        # The same tensors and metadata (the checksum covers both; the header's key order is
+        # not fixed by safetensors, so the bytes may differ).
+        again = read_cache_file(second)
+        assert again.checksum == before.checksum and again.metadata == before.metadata
+        assert again.tensors.keys() == before.tensors.keys()
+        for name, x in before.tensors.items():
+            assert np.array_equal(again.tensors[name], x)
