@@ -559,6 +559,16 @@ class DiskCaches:
 
         def check(files: list[LoadedFile]) -> None:  # generation thread; numpy and hashing only
             *segments, (_, tensors, meta) = files
+            if window:  # the tail first: what it says about the segments is verified
+                window_keys, tail_file = self._segment(tail, tensors, meta)
+                if window_keys != [tail_checksum_or_key]:
+                    raise StaleCacheError(f"{tail.name} is not the window of its block")
+            else:
+                verify_checksum(tail, tensors, meta, expected_checksum=tail_checksum_or_key)
+                tail_file = EncodedCache(tensors, meta)
+            if meta.get("model_fingerprint") != self.fingerprint:
+                raise StaleCacheError("file was written for another model")
+            check_tail(meta)
             try:
                 block_tokens = int(meta["block_tokens"])
             except (KeyError, ValueError) as exc:
@@ -574,16 +584,6 @@ class DiskCaches:
                         f"{Path(run.path).name} does not hold blocks {run_keys[0]}.."
                     )
                 blocks += held[run.first : end]
-            if window:
-                window_keys, tail_file = self._segment(tail, tensors, meta)
-                if window_keys != [tail_checksum_or_key]:
-                    raise StaleCacheError(f"{tail.name} is not the window of its block")
-            else:
-                verify_checksum(tail, tensors, meta, expected_checksum=tail_checksum_or_key)
-                tail_file = EncodedCache(tensors, meta)
-            if meta.get("model_fingerprint") != self.fingerprint:
-                raise StaleCacheError("file was written for another model")
-            check_tail(meta)
             assemble_paged(tail_file, blocks, join=False)
 
         try:

@@ -517,6 +517,7 @@ class AgentRuntime(WholeConversations):
             cache = await disk.load_prefix(tokens[: stored * size], keys[:stored])
             if cache is not None:
                 return cache, 0, None
+            stored = 0  # unusable (logged; a damaged file was removed): store the head anew
         n = min(await asyncio.to_thread(head) // size, usable)
         if n <= stored:
             return None, 0, None

@@ -592,7 +592,11 @@ def split_blocks(segment: EncodedCache, block_tokens: int) -> list[EncodedCache]
         CacheFormatError: its tokens are not a whole number of blocks, or a tensor is not
             4-D with that many positions on its third axis.
     """
+    if block_tokens < 1:
+        raise CacheFormatError(f"block_tokens must be >= 1, got {block_tokens}")
     tokens = _tensor(segment, "tokens", None, np.int32)
+    if tokens.ndim != 1:
+        raise CacheFormatError(f"segment tokens have shape {list(tokens.shape)}, not 1-D")
     count, rest = divmod(tokens.shape[0], block_tokens)
     if rest or not count:
         raise CacheFormatError(

@@ -410,8 +410,8 @@ class Registry:
 
     async def add_blocks(self, new_blocks: Sequence[NewBlock]) -> None:
         """Record block (and window) files no cache lists yet: a prefix stored for later
-        caches. Unlisted blocks are garbage to :meth:`collect_garbage` unless it is told to
-        keep them."""
+        caches. They are garbage to :meth:`collect_garbage` unless it is told to keep them (or
+        a cache lists another block of their segment)."""
         async with self._db.write() as session:
             await _record_blocks(session, new_blocks)
 

@@ -476,3 +476,23 @@ async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
         assert again.tensors.keys() == before.tensors.keys()
         for name, x in before.tensors.items():
             assert np.array_equal(again.tensors[name], x)
+
+
+async def test_a_damaged_window_is_removed_and_stored_again(tmp_path, caplog):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        first = await rt.create_agent(system_prompt=SYSTEM)
+        await rt.chat(first.id, "Parcel 1?", max_tokens=8)
+        await rt.flush()
+        [window] = [f for f in (rt.config.caches_path / BLOCKS_DIR).glob("*/*.window.*")]
+        # The header says something else than what was checksummed (same length, valid JSON).
+        data = window.read_bytes()
+        assert data.count(b'"block_tokens":"16"') == 1
+        window.write_bytes(data.replace(b'"block_tokens":"16"', b'"block_tokens":"61"'))
+
+        second = await rt.create_agent(system_prompt=SYSTEM)
+        reply = await rt.chat(second.id, "Parcel 2?", max_tokens=8)
+        assert reply.cache_source == "none" and "unusable" in caplog.text
+        await rt.flush()
+        assert read_cache_file(window).metadata["block_tokens"] == "16"  # stored again, intact
+        third = await rt.create_agent(system_prompt=SYSTEM)
+        assert (await rt.chat(third.id, "Parcel 3?", max_tokens=8)).cache_source == "prefix"

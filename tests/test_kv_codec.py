@@ -694,6 +694,11 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
     segment = exact.segments[0]
     with pytest.raises(CacheFormatError, match="not whole 20-token blocks"):
         split_blocks(segment, 20)
+    with pytest.raises(CacheFormatError, match="block_tokens must be >= 1"):
+        split_blocks(segment, 0)
+    flat = dict(segment.tensors, tokens=segment.tensors["tokens"].reshape(3, BLOCK))
+    with pytest.raises(CacheFormatError, match="not 1-D"):
+        split_blocks(EncodedCache(flat, segment.metadata), BLOCK)
     broken = dict(segment.tensors, keys=segment.tensors["keys"][:, :, :-1])
     with pytest.raises(CacheFormatError, match="segment tensor 'keys' has shape"):
         split_blocks(EncodedCache(broken, segment.metadata), BLOCK)

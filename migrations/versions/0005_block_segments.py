@@ -33,7 +33,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     # Blocks in segment files cannot be read before 0005: drop them and the caches that list
-    # them, so those agents rebuild from their transcripts (their files are swept at open).
+    # them, so those agents rebuild from their transcripts. Their tails are swept at the next
+    # open; the segment files (caches/_blocks/*/*-*.safetensors) are names the code before 0005
+    # does not know, so it leaves them: delete them by hand.
     op.execute(
         "DELETE FROM kv_caches WHERE agent_id IN (SELECT c.agent_id FROM kv_cache_blocks c "
         "JOIN kv_blocks b ON b.key = c.block_key WHERE b.segment IS NOT NULL)"
