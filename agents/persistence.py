@@ -80,6 +80,7 @@ from engine.kv_codec import (
     dequantize_on_host,
     encode_paged,
     split_blocks,
+    token_slice,
 )
 from engine.request import PromptCache
 from store import (
@@ -326,20 +327,12 @@ class DiskCaches:
                 else:
                     runs.append([j])
             for run in runs:
+                part = segment
                 if len(run) < len(paged.blocks_in(first)):  # some were stored meanwhile
-                    begin, end = (
-                        (run[0] - first) * self.block_tokens,
-                        (run[-1] + 1 - first) * self.block_tokens,
+                    size = self.block_tokens
+                    part = token_slice(
+                        segment, (run[0] - first) * size, (run[-1] + 1 - first) * size
                     )
-                    part = EncodedCache(
-                        {
-                            n: x[begin:end] if n == "tokens" else x[:, :, begin:end]
-                            for n, x in segment.tensors.items()
-                        },
-                        segment.metadata,
-                    )
-                else:
-                    part = segment
                 run_keys = [keys[j] for j in run]
                 name = f"{run_keys[-1]}-{len(run)}"
                 info = self._write_file(

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from engine.kv_codec import (
     DEFAULT_BLOCK_TOKENS,
@@ -19,6 +18,7 @@ from engine.kv_codec import (
     decode_paged,
     encode_paged,
     split_blocks,
+    token_slice,
 )
 from engine.request import PromptCache
 from store.cache_files import verify_checksum, write_cache_file
@@ -41,18 +41,12 @@ def save_paged(
     paged = encode_paged(cache, kv_bits, group_size, block_tokens)
     paths = []
     for first, segment in paged.segments.items():
-        blocks = split_blocks(segment, block_tokens)
-        step = blocks_per_file or len(blocks)
-        for k in range(0, len(blocks), step):
-            part = blocks[k : k + step]
-            tensors = {
-                name: np.concatenate(
-                    [b.tensors[name] for b in part], axis=0 if name == "tokens" else 2
-                )
-                for name in segment.tensors
-            }
+        count = segment.num_tokens // block_tokens
+        step = blocks_per_file or count
+        for k in range(0, count, step):
+            part = token_slice(segment, k * block_tokens, min(k + step, count) * block_tokens)
             path = directory / f"segment-{first + k}.safetensors"
-            paths.append(write_cache_file(path, tensors, segment.metadata).path)
+            paths.append(write_cache_file(path, part.tensors, part.metadata).path)
     tail = paged.tail
     paths.append(write_cache_file(directory / "tail.safetensors", tail.tensors, tail.metadata).path)
     return paths

@@ -361,13 +361,19 @@ def _parse_int(metadata: dict[str, str], key: str, allowed: tuple[int, ...]) -> 
     return int(raw)
 
 
-def _parse_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+def _layers_json(metadata: dict[str, str]) -> list[Any]:
+    """Metadata ``layers``: a non-empty JSON list (its entries unchecked)."""
     try:
         layouts = json.loads(metadata["layers"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CacheFormatError(f"metadata 'layers' is missing or not JSON: {exc}") from exc
     if not isinstance(layouts, list) or not layouts:
         raise CacheFormatError("metadata 'layers' must be a non-empty JSON list")
+    return layouts
+
+
+def _parse_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+    layouts = _layers_json(metadata)
     for i, layout in enumerate(layouts):
         if problem := _layout_problem(layout):
             raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
@@ -610,18 +616,19 @@ def split_blocks(segment: EncodedCache, block_tokens: int) -> list[EncodedCache]
             )
     if count == 1:
         return [segment]
-    return [
-        EncodedCache(
-            {
-                name: x[b * block_tokens : (b + 1) * block_tokens]
-                if name == "tokens"
-                else x[:, :, b * block_tokens : (b + 1) * block_tokens]
-                for name, x in segment.tensors.items()
-            },
-            segment.metadata,
-        )
-        for b in range(count)
-    ]
+    return [token_slice(segment, b * block_tokens, (b + 1) * block_tokens) for b in range(count)]
+
+
+def token_slice(segment: EncodedCache, begin: int, end: int) -> EncodedCache:
+    """Positions ``[begin, end)`` of a segment (or tail): views of its arrays on the token axis
+    (``tokens``: the first; keys and values: the third), with its metadata."""
+    return EncodedCache(
+        {
+            name: x[begin:end] if name == "tokens" else x[:, :, begin:end]
+            for name, x in segment.tensors.items()
+        },
+        segment.metadata,
+    )
 
 
 def assemble_paged(
@@ -770,12 +777,7 @@ def _check_block(
 
 def _parse_paged_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
     """Tail layouts: format-1 layouts plus ``start``; a global layer may hold 0 positions."""
-    try:
-        layouts = json.loads(metadata["layers"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CacheFormatError(f"metadata 'layers' is missing or not JSON: {exc}") from exc
-    if not isinstance(layouts, list) or not layouts:
-        raise CacheFormatError("metadata 'layers' must be a non-empty JSON list")
+    layouts = _layers_json(metadata)
     for i, layout in enumerate(layouts):
         if not isinstance(layout, dict) or type(layout.get("start")) is not int:
             raise CacheFormatError(f"layer {i} layout needs an integer 'start'")
