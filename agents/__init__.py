@@ -18,8 +18,8 @@ from agents.errors import (
 )
 from agents.runtime import AgentRuntime
 from agents.types import Reply, TextDelta, Timings, Usage
-from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError
+from engine.config import EngineConfig, Policy
+from engine.errors import EngineOverloadedError, KVBudgetError
 from engine.sampling import SamplingParams
 from store import (
     AgentExistsError,
@@ -44,7 +44,9 @@ __all__ = [
     "EngineOverloadedError",
     "InvalidAgentIdError",
     "InvalidMessageError",
+    "KVBudgetError",
     "MessageRecord",
+    "Policy",
     "RegistryStorageError",
     "Reply",
     "RuntimeClosedError",

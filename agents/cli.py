@@ -8,10 +8,12 @@ it imports what it needs when it runs, so ``agentkv --help`` stays instant. Erro
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 from engine.errors import (
+    KVBudgetError,
     ModelInstallError,
     ModelNotFoundError,
     OutputDirNotEmptyError,
@@ -21,6 +23,7 @@ from engine.errors import (
 
 PROG = "agentkv"
 BAD_INPUT = (
+    KVBudgetError,
     ModelInstallError,
     ModelNotFoundError,
     OutputDirNotEmptyError,
@@ -77,6 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agents.config import RuntimeConfig
+    from engine.config import EngineConfig
     from engine.models import resolve_model_path
     from server.app import create_app
 
@@ -85,17 +89,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"{PROG}: warning: serving on {args.host} without --api-key", file=sys.stderr)
     kv_bits = None if args.kv_bits == "none" else int(args.kv_bits)
+    engine = EngineConfig(
+        kv_budget_bytes=args.kv_budget_bytes,
+        policy=args.policy,
+        max_decode_stall=args.max_decode_stall,
+    )
     config = RuntimeConfig(
         model=args.model,
         data_dir=args.data_dir,
         kv_bits=kv_bits,
         disk_budget_bytes=args.disk_budget_bytes,
+        engine=engine,
     )
     options: dict = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
     if args.stateless_ttl is not None:
         options["stateless_ttl_s"] = args.stateless_ttl or None  # 0: never expire
     app = create_app(config, api_key, **options)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+    except SystemExit:  # uvicorn exits when the app fails to start
+        if getattr(app.state, "startup_error", None) is None:
+            raise
+    error = getattr(app.state, "startup_error", None)
+    if error is not None:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 0
 
 
@@ -103,6 +121,30 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def _byte_size(text: str) -> int:
+    """Bytes as an integer with an optional binary unit: 123456, 512M, 8G, 1.5GiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"must be a size in bytes like 8G or 512M, got {text!r}")
+    value = int(float(match[1]) * _UNITS[match[2].lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _stall_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 1.1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be between 1.1 and 100, got {text}")
     return value
 
 
@@ -193,6 +235,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep cache files under N bytes, evicting the caches of the agents idle longest "
         "(their transcripts stay); default: no budget",
+    )
+    serve.add_argument(
+        "--kv-budget-bytes",
+        type=_byte_size,
+        metavar="SIZE",
+        help="KV memory the running batch may hold (e.g. 8G); a turn joins when its history + "
+        "max_tokens fit, one that never can is refused (413). Default: 60%% of the device "
+        "memory left after the weights",
+    )
+    serve.add_argument(
+        "--policy",
+        choices=("fair", "latency_first", "throughput_first"),
+        default="fair",
+        help="how turns share the batch: fair (round robin, default), latency_first (new and "
+        "short turns first), throughput_first (fill the batch, large prefill chunks)",
+    )
+    serve.add_argument(
+        "--max-decode-stall",
+        type=_stall_factor,
+        default=2.0,
+        metavar="X",
+        help="while a prompt prefills beside decoding turns, keep their inter-token gap within X "
+        "times a decode-only step (default: 2)",
     )
     serve.add_argument(
         "--stateless-ttl",

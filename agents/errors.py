@@ -16,6 +16,8 @@ comes from::
     │                                           AgentExistsError, InvalidAgentIdError,
     │                                           RegistryStorageError (disk full, read-only), ...
     └── engine.errors.EngineError               EngineOverloadedError (queue full; retry later),
+                                                KVBudgetError (the turn's history + max_tokens
+                                                can never fit the batch's KV budget),
                                                 ModelNotFoundError, CacheFormatError, ...
 """
 

@@ -28,9 +28,7 @@ Decode under saving: ``--agents`` agents (history ``--concurrent-history``) chat
 ``--tokens`` tokens each. A round right after another round decodes while the previous round's
 saves are in flight (quantize on the generation thread, write on the writer thread); a round
 after ``flush`` decodes with nothing to save. Aggregate decode tok/s (first to last token of the
-round) of both are compared, pair by pair. ``--concurrent-solo off`` runs this part with
-``EngineConfig.solo_fast_path=False``: when a round's turns reach an idle engine one by one, the
-first starts on the solo fast path, and that changes the round's shape, not the cost of saving.
+round) of both are compared, pair by pair.
 
 Writes benchmarks/results/resume.json and resume.png (or --out and its .png).
 """
@@ -261,8 +259,7 @@ class Bench:
     async def decode_under_saving(self) -> dict[str, Any]:
         args = self.args
         name = {None: "none", 8: "q8", 4: "q4"}[args.concurrent_kv_bits]
-        engine = EngineConfig(solo_fast_path=args.concurrent_solo == "on")
-        config = self.config(name, data_dir="concurrent", engine=engine)
+        config = self.config(name, data_dir="concurrent")
         async with await AgentRuntime.open(config) as rt:
             agents = [(await rt.create_agent()).id for _ in range(args.agents)]
             for i, agent_id in enumerate(agents):
@@ -284,8 +281,7 @@ class Bench:
         ttft = {k: statistics.median(r["median_ttft_s"] for r in v) for k, v in rounds.items()}
         ratio = statistics.median(pairs)
         print(
-            f"decode, {args.agents} agents x {args.tokens} tokens ({name} saves, solo fast path "
-            f"{args.concurrent_solo}): after flush "
+            f"decode, {args.agents} agents x {args.tokens} tokens ({name} saves): after flush "
             f"{quiet:.1f} tok/s, saves in flight {saving:.1f} tok/s, paired ratio {ratio:.3f}; "
             f"TTFT {ttft['quiet'] * 1e3:.0f} vs {ttft['saving'] * 1e3:.0f} ms",
             flush=True,
@@ -295,7 +291,6 @@ class Bench:
             "tokens": args.tokens,
             "history": args.concurrent_history,
             "kv_bits": args.concurrent_kv_bits,
-            "solo_fast_path": engine.solo_fast_path,
             "quiet_decode_tps": quiet,
             "saving_decode_tps": saving,
             "ratio": ratio,
@@ -409,8 +404,7 @@ def plot(report: dict, path: Path) -> Path:
         )
         bar_labels(ax, bars, "{:.1f}")
         ax.set_ylabel("aggregate decode tok/s")
-        solo = "on" if c["solo_fast_path"] else "off"
-        ax.set_title(f"{c['agents']} agents x {c['tokens']} tokens, solo fast path {solo}")
+        ax.set_title(f"{c['agents']} agents x {c['tokens']} tokens")
 
     title = f"{report['model']}, {report['date']}"
     return save_plot(path, [ttft, decode], title)
@@ -441,12 +435,6 @@ def main(argv: list[str] | None = None) -> dict:
         choices=[0, 8, 4],
         default=8,
         help="kv_bits of the concurrent runtime (0: unquantized)",
-    )
-    parser.add_argument(
-        "--concurrent-solo",
-        choices=["on", "off"],
-        default="on",
-        help="EngineConfig.solo_fast_path of the concurrent runtime (default: on, as shipped)",
     )
     parser.add_argument("--data-dir", type=Path, help="parent of the temp data dir")
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")

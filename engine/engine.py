@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.config import EngineConfig
-from engine.errors import EngineClosedError
+from engine.errors import EngineClosedError, KVBudgetError
 from engine.loop import GenerationLoop
 from engine.models import LoadedModel
 from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
-from engine.sequence import EngineStats, Sequence
+from engine.sequence import EngineStats, Sequence, StepRecord
 from engine.stopping import StopStrings
 
 T = TypeVar("T")
@@ -127,8 +127,25 @@ class Engine:
     def tokenizer(self):
         return self.model.tokenizer
 
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The batch's KV memory budget (``EngineConfig.kv_budget_bytes`` or its default)."""
+        return self._thread.scheduler.budget_bytes
+
+    def kv_bytes_needed(self, request: GenerationRequest) -> int:
+        """The KV bytes ``request`` sets aside in the budget while it runs."""
+        cached = request.cache.num_tokens if request.cache else 0
+        tokens = cached + len(request.prompt_tokens) + request.max_tokens
+        return self._thread.scheduler.layout.reservation(tokens, self.config.prefill_step_size)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request. Raises EngineOverloadedError at once if the queue is full."""
+        """Queue a request.
+
+        Raises:
+            EngineOverloadedError: the queue is full (retry later).
+            KVBudgetError: its history + prompt + max_tokens can never fit the KV budget.
+            ValueError: token ids outside the vocabulary.
+        """
         if self._closed:
             raise EngineClosedError("the engine is closed")
         loop = asyncio.get_running_loop()
@@ -147,6 +164,9 @@ class Engine:
             logits_processors=forced or request.sampling.make_logits_processors(),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.stop),
+            tokens=list(request.cache.tokens) if request.cache else [],
+            prompt=list(request.prompt_tokens),
+            cache=request.cache.layers if request.cache else None,
         )
         if any(t >= vocab_size for t in request.prompt_tokens):
             raise ValueError(
@@ -154,8 +174,25 @@ class Engine:
             )
         if request.forced_token is not None and request.forced_token >= vocab_size:
             raise ValueError(f"forced_token is outside the vocabulary (size {vocab_size})")
+        self._check_budget(request)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
+
+    def _check_budget(self, request: GenerationRequest) -> None:
+        needed, budget = self.kv_bytes_needed(request), self.kv_budget_bytes
+        if needed <= budget:
+            return
+        cached = request.cache.num_tokens if request.cache else 0
+        mib = 1024 * 1024
+        raise KVBudgetError(
+            f"this turn needs {needed / mib:.1f} MiB of KV memory ({cached} cached + "
+            f"{len(request.prompt_tokens)} new + {request.max_tokens} max_tokens = "
+            f"{cached + len(request.prompt_tokens) + request.max_tokens} tokens) but the "
+            f"engine's whole KV budget is {budget / mib:.1f} MiB (kv_budget_bytes={budget}); "
+            "lower max_tokens, shorten the conversation, or raise kv_budget_bytes",
+            needed_bytes=needed,
+            budget_bytes=budget,
+        )
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Run a request to the end. Cancelling the awaiting task cancels the request."""
@@ -193,6 +230,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._thread.stats()
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Call ``listener`` with a StepRecord after every step, on the generation thread
+        (keep it short; it must not call MLX). Returns a function that removes it."""
+        listeners = self._thread.step_listeners
+        listeners.append(listener)
+        return lambda: listener in listeners and listeners.remove(listener)
 
     async def close(self, drain: bool = True) -> None:
         """Stop taking requests, finish (``drain``) or cancel those in flight, join the thread."""

@@ -7,11 +7,14 @@ store's ``StoreError`` and the runtime's errors derive from it too, see ``agents
     └── EngineError
         ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
         ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
-        ├── UnsupportedModelError(EngineError, ValueError)         unconvertible GGUF
+        ├── UnsupportedModelError(EngineError, ValueError)         unconvertible GGUF; a model
+        │                                                          the batch cannot drive
         ├── ModelInstallError(EngineError, RuntimeError)           package not installable
         ├── OutputDirNotEmptyError(EngineError, FileExistsError)   refusing to overwrite a directory
         ├── InvalidCacheError(EngineError, ValueError)             a KV cache that does not fit
         ├── CacheFormatError(EngineError, ValueError)              undecodable encoded cache data
+        ├── KVBudgetError(EngineError, ValueError)                 a turn whose KV can never fit
+        │                                                          the batch's memory budget
         ├── EngineClosedError(EngineError, RuntimeError)           no new work is accepted
         └── EngineOverloadedError(EngineError, RuntimeError)       admission queue full; retry later
 
@@ -39,7 +42,8 @@ class UnknownTinyModelError(EngineError, ValueError):
 
 
 class UnsupportedModelError(EngineError, ValueError):
-    """A GGUF file whose architecture, tokenizer or tensors import-gguf cannot convert."""
+    """A GGUF file whose architecture, tokenizer or tensors import-gguf cannot convert, or a
+    model whose layers the batch cannot drive."""
 
 
 class ModelInstallError(EngineError, RuntimeError):
@@ -56,6 +60,16 @@ class InvalidCacheError(EngineError, ValueError):
 
 class CacheFormatError(EngineError, ValueError):
     """Encoded cache data that cannot be decoded: missing or misshapen tensors, bad metadata."""
+
+
+class KVBudgetError(EngineError, ValueError):
+    """A turn that needs more KV memory than the batch's whole budget (``kv_budget_bytes``),
+    or a budget too small for any turn. The message gives the numbers."""
+
+    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
 
 
 class EngineClosedError(EngineError, RuntimeError):

@@ -1,9 +1,9 @@
 """The generation thread: the only thread that touches MLX.
 
-Each turn of the loop reads as a sentence: run commands (cancels, calls), admit waiting
-requests into mlx-lm's BatchGenerator, step the batch once, hand every sequence its token,
-and finish the ones that ended. New requests join at the next step boundary; nothing waits
-for the batch to drain.
+Each turn of the loop reads as a sentence: run commands (cancels, calls), let the scheduler
+plan a step (admit, preempt, group, pick prefill chunks), run it, report the tokens the step
+fed, and finish the sequences that ended. New requests join at the next step boundary; nothing
+waits for the batch to drain.
 """
 
 from __future__ import annotations
@@ -16,25 +16,25 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import generation_stream, wired_limit
 
 from engine.config import EngineConfig
-from engine.errors import EngineClosedError, InvalidCacheError
+from engine.errors import EngineClosedError, KVBudgetError
+from engine.kv_batch import default_budget_bytes
 from engine.models import LoadedModel, load_model
 from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent
-from engine.scheduler import AdmissionQueue
-from engine.sequence import EngineStats, SeqStatus, Sequence
-from engine.solo import SoloRun
+from engine.runner import ModelRunner, StepPlan
+from engine.scheduler import Scheduler
+from engine.sequence import EngineStats, SeqStatus, Sequence, StepRecord
 
 log = logging.getLogger(__name__)
-SOLO_UID = -1
 _COUNTER = {
     FinishReason.STOP: "completed",
     FinishReason.LENGTH: "completed",
     FinishReason.CANCELLED: "cancelled",
     FinishReason.ERROR: "failed",
 }
+CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)
 
 
 def _deliver(items: list[tuple[object, object]]) -> None:
@@ -43,28 +43,31 @@ def _deliver(items: list[tuple[object, object]]) -> None:
 
 
 class GenerationLoop(threading.Thread):
-    """Owns the model and a BatchGenerator; serves requests until stopped."""
+    """Owns the model and the batch; serves requests until stopped."""
 
     def __init__(self, model_spec: str, config: EngineConfig):
         super().__init__(name="agentkv-generation", daemon=True)
         self.config = config
         self._model_spec = model_spec
         self.model: LoadedModel | None = None
+        self.scheduler: Scheduler | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._queue: AdmissionQueue[Sequence] = AdmissionQueue(
-            config.max_queue_size, config.priority_aging_per_s
-        )
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
         self._stopping: str | None = None  # None, "drain" or "cancel"
-        self._running: dict[int, Sequence] = {}  # BatchGenerator uid (or SOLO_UID) -> sequence
-        self._solo: SoloRun | None = None
         self._outbox: dict[object, list[tuple[object, object]]] = {}
         self._decode_window: collections.deque[tuple[float, int]] = collections.deque()
         self._counts = collections.Counter()
         self._peak_memory = 0
         self._batch_size = 0
+        self._steps = 0
+        # The step queued last (its plan, the arrays to wait on) and when the tokens of the
+        # step before were reported.
+        self._in_flight: tuple[StepPlan, list] | None = None
+        self._done_at: float | None = None
+        self.runner: ModelRunner | None = None
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -78,7 +81,7 @@ class GenerationLoop(threading.Thread):
     def submit(self, seq: Sequence) -> None:
         if self._stopping or not self.is_alive():
             raise EngineClosedError("the engine is closing and takes no new requests")
-        seq.ticket = self._queue.push(seq, seq.request.priority)
+        self.scheduler.enqueue(seq)
         self._wake.set()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -101,10 +104,10 @@ class GenerationLoop(threading.Thread):
         window_s = self.config.stats_window_s
         window = [(t, n) for t, n in list(self._decode_window) if now - t <= window_s]
         span = min(window_s, now - window[0][0]) if window else 0.0
-        c = self._counts
+        c, s = self._counts, self.scheduler
         return EngineStats(
-            active=len(self._running),
-            queued=len(self._queue),
+            active=len(s.running),
+            queued=len(s.queue),
             batch_size=self._batch_size,
             completed=c["completed"],
             cancelled=c["cancelled"],
@@ -112,6 +115,16 @@ class GenerationLoop(threading.Thread):
             tokens_generated=c["tokens"],
             decode_tps=sum(n for _, n in window) / span if span > 0 else 0.0,
             peak_memory_bytes=self._peak_memory,
+            policy=str(s.policy),
+            kv_budget_bytes=s.budget_bytes,
+            kv_reserved_bytes=s.reserved_bytes,
+            kv_held_bytes=s.held_bytes,
+            kv_padding_bytes=s.padding_bytes,
+            kv_groups=len(s.groups),
+            waiting_for_memory=s.waiting_for_memory,
+            paused=s.paused,
+            preemptions=s.preemptions,
+            prefill_tokens_per_step=s.pacer.last_budget,
         )
 
     # ---- the generation thread -----------------------------------------------------------
@@ -119,17 +132,17 @@ class GenerationLoop(threading.Thread):
     def run(self) -> None:
         try:
             self.model = load_model(self._model_spec)
-            self._layer_types = [type(c) for c in make_prompt_cache(self.model.model)]
-            self._eos = StopSequences([(t,) for t in sorted(self.model.eos_token_ids)])
-            self._no_stop = StopSequences()
-            self._batch = self._new_batch()
+            self.runner = ModelRunner(self.model.model)
+            self.scheduler = Scheduler(self.config, self.runner.layout, self._budget())
         except BaseException as exc:  # surfaced to the opener by wait_ready()
             self._load_error = exc
             self._ready.set()
             return
         self._ready.set()
         try:
-            self._serve()
+            # mlx-lm's generation stream and wired memory limit (Apple), as BatchGenerator uses.
+            with wired_limit(self.model.model, [generation_stream]), mx.stream(generation_stream):
+                self._serve()
         except BaseException as exc:
             # A bug, not a request's fault: fail everything so no caller waits forever.
             log.exception("the generation loop failed; failing every request")
@@ -138,7 +151,20 @@ class GenerationLoop(threading.Thread):
             self._run_commands()  # pending run() calls and cancels still get their answer
         finally:
             self._flush_outbox()
-            self._batch.close()
+
+    def _budget(self) -> int:
+        layout = self.runner.layout
+        budget = self.config.kv_budget_bytes or default_budget_bytes()
+        smallest = layout.reservation(2, self.config.prefill_step_size)
+        if budget < smallest:
+            raise KVBudgetError(
+                f"kv_budget_bytes={budget} is smaller than the smallest turn of this model "
+                f"needs ({smallest} bytes for one prompt token and one generated token); "
+                "raise kv_budget_bytes",
+                needed_bytes=smallest,
+                budget_bytes=budget,
+            )
+        return budget
 
     def _serve(self) -> None:
         while True:
@@ -146,28 +172,22 @@ class GenerationLoop(threading.Thread):
             if self._stopping == "cancel" or (self._stopping and not self._has_work()):
                 self._cancel_everything()
                 return
-            self._admit()
-            if self._running:
-                self._step()
-            else:
-                self._batch_size = 0
-            self._flush_outbox()
-            if not self._running:
+            plan = self.scheduler.schedule()
+            for seq, exc in self.scheduler.rejected:
+                self._finish(seq, FinishReason.ERROR, error=exc)
+            self.scheduler.rejected.clear()
+            if plan.is_empty:
+                self._batch_size, self._in_flight, self._done_at = 0, None, None
+                self._flush_outbox()
                 self._wake.clear()
-                if not (self._commands or len(self._queue) or self._stopping):
+                if not (self._commands or len(self.scheduler.queue) or self._stopping):
                     self._wake.wait(timeout=1.0)
+                continue
+            self._step(plan)
+            self._flush_outbox()
 
     def _has_work(self) -> bool:
-        return bool(self._running or len(self._queue) or self._commands)
-
-    def _new_batch(self) -> BatchGenerator:
-        cfg = self.config
-        return BatchGenerator(
-            self.model.model,
-            completion_batch_size=cfg.completion_batch_size,
-            prefill_batch_size=cfg.prefill_batch_size,
-            prefill_step_size=cfg.prefill_step_size,
-        )
+        return bool(self.scheduler.running or len(self.scheduler.queue) or self._commands)
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -187,157 +207,103 @@ class GenerationLoop(threading.Thread):
             with contextlib.suppress(RuntimeError):  # a closed event loop has no listener
                 loop.call_soon_threadsafe(_deliver, items)
 
-    # ---- admission ---------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        if self._solo is not None:
-            if not len(self._queue):
-                return
-            self._join_batch()  # someone is waiting: the solo sequence moves into the batch
-        free = self.config.completion_batch_size - len(self._running)
-        while free > 0 and (seq := self._queue.pop()) is not None:
-            try:
-                if seq.request.cache is not None:
-                    self._check_cache(seq.request.cache)
-                if self.config.solo_fast_path and not self._running and not len(self._queue):
-                    self._start_solo(seq)
-                    return
-                req = seq.request
-                self._insert(seq, req.prompt_tokens, req.cache, req.max_tokens)
-            except Exception as exc:
-                self._finish(seq, FinishReason.ERROR, error=exc)
-                continue
-            free -= 1
-
-    def _check_cache(self, cache: PromptCache) -> None:
-        types = [type(layer) for layer in cache.layers]
-        if types != self._layer_types:
-            raise InvalidCacheError(
-                f"cache layers {[t.__name__ for t in types]} do not match the model's "
-                f"{[t.__name__ for t in self._layer_types]}"
-            )
-
-    def _mark_running(self, seq: Sequence, uid: int) -> None:
-        seq.uid = uid
-        seq.status = SeqStatus.RUNNING
-        if seq.stats.admitted_at is None:
-            seq.stats.admitted_at = time.perf_counter()
-        self._running[uid] = seq
-
-    def _insert(
-        self, seq: Sequence, prompt: list[int], cache: PromptCache | None, max_tokens: int
-    ) -> None:
-        (uid,) = self._batch.insert(
-            [prompt],
-            max_tokens=[max_tokens],
-            caches=[cache.layers if cache else None],
-            all_tokens=[list(cache.tokens) if cache else []],
-            samplers=[seq.sampler],
-            logits_processors=[seq.logits_processors],
-            stop_sequences=[self._no_stop if seq.request.ignore_eos else self._eos],
-        )
-        self._mark_running(seq, uid)
-
-    def _start_solo(self, seq: Sequence) -> None:
-        req = seq.request
-        eos = frozenset() if req.ignore_eos else self.model.eos_token_ids
-        self._mark_running(seq, SOLO_UID)
-        self._solo = SoloRun(
-            self.model.model,
-            req,
-            seq.sampler,
-            seq.logits_processors,
-            eos,
-            self.config.prefill_step_size,
-        )
-
-    def _join_batch(self) -> None:
-        """Move the solo sequence into the batch, continuing exactly where it was."""
-        solo, seq = self._solo, self._running.pop(SOLO_UID)
-        self._solo = None
-        try:
-            if not solo.is_prefilling:
-                token, reason = solo.take_pending()
-                hit = self._on_token(seq, token, reason, time.perf_counter())
-                if reason is not None or hit:
-                    if reason is None:
-                        solo.feed_prompt()
-                    self._finish(seq, FinishReason(reason or "stop"), solo.cache())
-                    return
-            h = solo.handover()
-            self._insert(seq, h.prompt, h.cache, h.max_tokens)
-        except Exception as exc:
-            self._finish(seq, FinishReason.ERROR, error=exc)
-
     # ---- stepping ----------------------------------------------------------------------------
 
-    def _step(self) -> None:
-        if self._solo is not None:
-            self._step_solo()
-        else:
-            self._step_batch()
+    def _step(self, plan: StepPlan) -> None:
+        """Queue ``plan``, wait for the step before it, then report the tokens ``plan`` fed
+        (sampled by that step): the host's work overlaps the next step's computation."""
+        try:
+            sampled = self.runner.run(plan)
+            marker = [] if sampled is None else [sampled]
+            marker += [layer.keys for seq, _ in plan.prefill for layer in seq.group.layers]
+            flight, self._in_flight = self._in_flight, (plan, marker)
+            if flight is not None:
+                mx.eval(flight[1])
+            tokens = _values([p for _, p in plan.fed])
+        except Exception as exc:
+            # The batch's state is unknown after a failed step: fail what was in it, start fresh.
+            log.exception("generation step failed; failing %d requests", plan.decode_rows)
+            self._in_flight = self._done_at = None
+            for seq in self.scheduler.drop_batch():
+                self._finish(seq, FinishReason.ERROR, error=exc)
+            return
+        now = time.perf_counter()
+        gap = 0.0
+        if flight is not None and self._done_at is not None:
+            gap = now - self._done_at  # what a decoding sequence waited for this token
+            self.scheduler.observe(flight[0], plan, gap)
+        self._done_at = now
+        if self.step_listeners:
+            self._tell_listeners(plan, gap)
+        self._steps += 1
+        self._batch_size = plan.decode_rows + len(plan.prefill)
+        if plan.prefill_tokens >= self.config.prefill_step_size or (
+            self._steps % CLEAR_CACHE_STEPS == 0
+        ):
+            mx.clear_cache()
+        if tokens:
+            self._count(len(tokens))
+        self._report(plan, tokens, now)
+
+    def _tell_listeners(self, plan: StepPlan, gap: float) -> None:
+        s = self.scheduler
+        record = StepRecord(
+            decode_rows=plan.decode_rows,
+            prefill_tokens=plan.prefill_tokens,
+            prefilling=len(plan.prefill),
+            groups=len(plan.decode) + len(plan.prefill),
+            gap_s=gap,
+            kv_held_bytes=s.held_bytes,
+            kv_padding_bytes=s.padding_bytes,
+            kv_reserved_bytes=s.reserved_bytes,
+            kv_budget_bytes=s.budget_bytes,
+        )
+        for listener in self.step_listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("step listener failed")
+
+    def _report(self, plan: StepPlan, tokens: list[int], now: float) -> None:
+        ended: list[tuple[Sequence, FinishReason]] = []
+        failed: list[tuple[Sequence, Exception]] = []
+        eos = self.model.eos_token_ids
+        for (seq, _), token in zip(plan.fed, tokens, strict=True):
+            seq.tokens.append(token)
+            seq.steps += 1
+            reason = None
+            if len(seq.token_ids) + 1 >= seq.request.max_tokens:
+                reason = FinishReason.LENGTH
+            if token in eos and not seq.request.ignore_eos:
+                reason = FinishReason.STOP
+            try:
+                hit = self._on_token(seq, token, reason, now)
+            except Exception as exc:
+                failed.append((seq, exc))
+                continue
+            if reason is not None or hit:
+                ended.append((seq, reason or FinishReason.STOP))
+        for seq, _ in plan.prefill:
+            seq.steps += 1
+        if not (ended or failed):
+            return
+        keep = {id(s) for s, _ in ended if s.request.return_cache}
+        caches = self.scheduler.leave([s for s, _ in ended] + [s for s, _ in failed], keep)
+        for seq, reason in ended:
+            layers = caches.get(id(seq))
+            cache = PromptCache(layers, list(seq.tokens)) if layers else None
+            self._finish(seq, reason, cache)
+        for seq, exc in failed:
+            self._finish(seq, FinishReason.ERROR, error=exc)
 
     def _count(self, n: int) -> None:
         now = time.perf_counter()
-        self._batch_size = n
         self._decode_window.append((now, n))
         while now - self._decode_window[0][0] > self.config.stats_window_s:
             self._decode_window.popleft()
         self._counts["tokens"] += n
         if self._counts["tokens"] % 64 < n:
             self._peak_memory = mx.get_peak_memory()
-
-    def _step_solo(self) -> None:
-        seq = self._running[SOLO_UID]
-        try:
-            reported = self._solo.step()
-            if reported is None:
-                return  # a prefill chunk
-            token, reason = reported
-            hit = self._on_token(seq, token, reason, time.perf_counter())
-        except Exception as exc:
-            log.exception("solo generation step failed")
-            self._solo = None
-            self._finish(seq, FinishReason.ERROR, error=exc)
-            return
-        self._count(1)
-        if reason is not None or hit:
-            cache, self._solo = self._solo.cache(), None
-            self._finish(seq, FinishReason(reason or "stop"), cache)
-
-    def _step_batch(self) -> None:
-        try:
-            _, responses = self._batch.next()
-        except Exception as exc:
-            # The batch's state is unknown after a failed step: fail what was in it, start fresh.
-            log.exception("generation step failed; failing %d requests", len(self._running))
-            for seq in list(self._running.values()):
-                self._finish(seq, FinishReason.ERROR, error=exc)
-            self._batch.close()
-            self._batch = self._new_batch()
-            return
-        now = time.perf_counter()
-        if responses:
-            self._count(len(responses))
-        stopped: list[Sequence] = []
-        for r in responses:
-            seq = self._running[r.uid]
-            try:
-                hit = self._on_token(seq, r.token, r.finish_reason, now)
-            except Exception as exc:
-                self._remove([seq])
-                self._finish(seq, FinishReason.ERROR, error=exc)
-                continue
-            if r.finish_reason is not None:
-                cache = PromptCache(r.prompt_cache, list(r.all_tokens))
-                self._finish(seq, FinishReason(r.finish_reason), cache)
-            elif hit:
-                stopped.append(seq)
-        if stopped:
-            want = any(s.request.return_cache for s in stopped)
-            caches = self._remove(stopped, want_caches=want)
-            for seq in stopped:
-                self._finish(seq, FinishReason.STOP, caches.get(seq.uid))
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, now: float) -> bool:
         """Record one token; returns True when a stop string completed."""
@@ -358,36 +324,27 @@ class GenerationLoop(threading.Thread):
 
     # ---- leaving -----------------------------------------------------------------------------
 
-    def _remove(self, seqs: list[Sequence], want_caches: bool = False) -> dict[int, PromptCache]:
-        raw = self._batch.remove([s.uid for s in seqs], return_prompt_caches=want_caches)
-        return {
-            uid: PromptCache(list(layers), list(tokens)) for uid, (layers, tokens) in raw.items()
-        }
-
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
         if seq.is_finished:  # it ended between the cancel call and this step boundary
             return
-        cache = None
-        if seq.status is SeqStatus.QUEUED:
-            self._queue.remove(seq.ticket)
-            cache = seq.request.cache if keep_cache else None
-        elif self._running.get(SOLO_UID) is seq:
-            solo, self._solo = self._solo, None
-            cache = solo.cache() if keep_cache else None
-        else:
-            cache = self._remove([seq], want_caches=keep_cache).get(seq.uid)
-        self._finish(seq, FinishReason.CANCELLED, cache)
+        layers = None
+        if seq.in_batch:
+            layers = self.scheduler.leave([seq], {id(seq)} if keep_cache else None).get(id(seq))
+        elif self.scheduler.dequeue(seq):
+            layers = seq.cache if keep_cache else None
+        self._finish(
+            seq, FinishReason.CANCELLED, PromptCache(layers, seq.tokens) if layers else None
+        )
 
     def _fail_everything(self, exc: BaseException) -> None:
-        self._solo = None
-        for seq in [*self._running.values(), *self._queue.drain()]:
+        for seq in [*self.scheduler.drop_batch(), *self.scheduler.queue.drain()]:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ERROR, error=exc)
 
     def _cancel_everything(self) -> None:
-        for seq in list(self._running.values()):
+        for seq in list(self.scheduler.running):
             self._cancel(seq, keep_cache=seq.request.keep_cache_on_cancel)
-        for seq in self._queue.drain():
+        for seq in self.scheduler.queue.drain():
             self._finish(seq, FinishReason.CANCELLED, error=EngineClosedError("engine closed"))
 
     def _finish(
@@ -397,8 +354,6 @@ class GenerationLoop(threading.Thread):
         cache: PromptCache | None = None,
         error: BaseException | None = None,
     ) -> None:
-        if self._running.get(seq.uid) is seq:
-            del self._running[seq.uid]
         seq.status = SeqStatus.FINISHED
         seq.stats.finished_at = time.perf_counter()
         # A cancel passes a cache only when the caller asked for it back.
@@ -415,3 +370,18 @@ class GenerationLoop(threading.Thread):
             stop_sequence=seq.stops.matched,
         )
         self._emit(seq, result)
+
+
+def _values(pending: list) -> list[int]:
+    """The ints of pending tokens: rows of sampled arrays (each read once) or ints."""
+    read: dict[int, list[int]] = {}
+    out = []
+    for p in pending:
+        if isinstance(p, int):
+            out.append(p)
+            continue
+        array, index = p
+        if id(array) not in read:
+            read[id(array)] = array.tolist()
+        out.append(read[id(array)][index])
+    return out

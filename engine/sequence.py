@@ -5,22 +5,34 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import GenerationRequest, RequestStats
 from engine.sampling import LogitsProcessor, Sampler
 from engine.stopping import StopStrings
 
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from engine.kv_batch import KVGroup
+
 
 class SeqStatus(Enum):
-    QUEUED = "queued"
-    RUNNING = "running"  # in the batch, or alone on the solo fast path
+    QUEUED = "queued"  # waiting to join the batch
+    PREFILLING = "prefilling"  # in the batch, its prompt going in chunk by chunk
+    DECODING = "decoding"  # in the batch, generating one token a step
+    PAUSED = "paused"  # preempted: its cache left the batch; waiting to rejoin where it was
     FINISHED = "finished"
 
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One request inside the engine. Events go to ``events`` on the caller's ``loop``."""
+    """One request inside the engine. Events go to ``events`` on the caller's ``loop``.
+
+    Invariant between steps: ``tokens`` lists exactly what the sequence's KV holds (its
+    group's row, or ``cache`` while it is outside the batch); ``prompt`` is still to be fed;
+    ``pending`` is the token sampled last, fed by the next step and reported after it.
+    """
 
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
@@ -32,17 +44,62 @@ class Sequence:
     stops: StopStrings
     status: SeqStatus = SeqStatus.QUEUED
     ticket: int = -1
-    uid: int | None = None  # BatchGenerator uid; SOLO_UID while on the solo fast path
+    arrival: float = 0.0  # the queue's clock: priority ages from here
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
+    # Generation-thread state.
+    tokens: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    cache: list[Any] | None = None  # per-layer caches to start or resume from
+    pending: tuple[mx.array, int] | int | None = None
+    group: KVGroup | None = None
+    reserved: int = 0  # KV bytes set aside in the budget while it is in the batch
+    context: Any = None  # mlx-lm TokenBuffer of what logits processors look back at
+    steps: int = 0  # steps run since it (re)joined the batch
+    preemptions: int = 0
 
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def in_batch(self) -> bool:
+        return self.status in (SeqStatus.PREFILLING, SeqStatus.DECODING)
+
+    @property
+    def final_tokens(self) -> int:
+        """Tokens its KV holds when it ends at max_tokens."""
+        return len(self.tokens) + len(self.prompt) + self.request.max_tokens - len(self.token_ids)
+
+    def priority_at(self, now: float, aging_per_s: float) -> float:
+        return self.request.priority + aging_per_s * (now - self.arrival)
+
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:
+    """A snapshot of the engine.
+
+    Attributes:
+        active: requests in the batch (prefilling or decoding).
+        queued: requests waiting to join, paused ones included.
+        batch_size: sequences in the latest step.
+        policy: the scheduling policy.
+        kv_budget_bytes: the KV memory budget of the batch.
+        kv_reserved_bytes: budget set aside for the requests in the batch (each up to its
+            history + max_tokens).
+        kv_held_bytes: bytes of the batch's KV buffers now, padding included.
+        kv_padding_bytes: of those, bytes no sequence owns (padding and growth room).
+        kv_groups: length groups in the batch.
+        waiting_for_memory: queued requests that a free slot awaits but the budget does not
+            have room for.
+        paused: requests preempted and waiting to rejoin.
+        preemptions: requests preempted since the engine started.
+        prefill_tokens_per_step: the prefill token budget of the latest step with decoding
+            sequences (sized so their inter-token gap stays bounded).
+        tokens_generated: tokens generated since the engine started.
+        decode_tps: generated tokens per second over the stats window.
+    """
+
     active: int
     queued: int
     batch_size: int
@@ -52,3 +109,32 @@ class EngineStats:
     tokens_generated: int
     decode_tps: float
     peak_memory_bytes: int
+    policy: str
+    kv_budget_bytes: int
+    kv_reserved_bytes: int
+    kv_held_bytes: int
+    kv_padding_bytes: int
+    kv_groups: int
+    waiting_for_memory: int
+    paused: int
+    preemptions: int
+    prefill_tokens_per_step: int
+
+
+@dataclass(slots=True, frozen=True)
+class StepRecord:
+    """One step, as step listeners see it (``Engine.add_step_listener``).
+
+    ``gap_s`` is the time since the previous step's tokens were reported (0.0 after an idle
+    engine): the inter-token gap of the sequences that decoded in both.
+    """
+
+    decode_rows: int
+    prefill_tokens: int
+    prefilling: int
+    groups: int
+    gap_s: float
+    kv_held_bytes: int
+    kv_padding_bytes: int
+    kv_reserved_bytes: int
+    kv_budget_bytes: int

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from agents import AgentRuntime, RuntimeConfig
+from agents import AgentKVError, AgentRuntime, RuntimeConfig
 from server import agents_api, anthropic_api, openai_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.identity import Identity
@@ -94,7 +94,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await AgentRuntime.open(config)
+        try:
+            runtime = await AgentRuntime.open(config)
+        except AgentKVError as exc:  # bad configuration (a budget too small...): say so
+            app.state.startup_error = exc
+            raise
         expiry = None
         try:
             identity = Identity(runtime, stateless_ttl_s)

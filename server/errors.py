@@ -13,7 +13,8 @@ Status codes::
         raise as BadRequestError), empty message, bad agent id, context too long, ValueError
     401 missing or wrong API key
     404 unknown agent or route            409 agent id already taken
-    413 request body over the server's limit
+    413 request body over the server's limit; a turn whose history + max_tokens can never fit
+        the engine's KV memory budget (code ``kv_budget_exceeded``, param ``max_tokens``)
     429 (OpenAI) / 529 (Anthropic overloaded_error): the engine's admission queue is full
     500 a failed turn (rolled back)
     503 the runtime is shutting down, or the registry cannot be written (read-only, locked)
@@ -38,6 +39,7 @@ from agents import (
     AgentNotFoundError,
     ContextLengthError,
     EngineOverloadedError,
+    KVBudgetError,
     RegistryStorageError,
     RuntimeClosedError,
 )
@@ -83,6 +85,7 @@ AUTHENTICATION = ErrorKind(401, "authentication_error", "invalid_request_error",
 NOT_FOUND = ErrorKind(404, "not_found_error", "invalid_request_error", "not_found")
 CONFLICT = ErrorKind(409, "invalid_request_error", "invalid_request_error", "conflict")
 TOO_LARGE = ErrorKind(413, "request_too_large", "invalid_request_error", "request_too_large")
+KV_BUDGET = ErrorKind(413, "request_too_large", "invalid_request_error", "kv_budget_exceeded")
 OVERLOADED = ErrorKind(429, "overloaded_error", "rate_limit_error", "overloaded", 529)
 INTERNAL = ErrorKind(500, "api_error", "server_error")
 UNAVAILABLE = ErrorKind(503, "api_error", "server_error", "unavailable")
@@ -139,6 +142,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(CONFLICT, str(exc))
     if isinstance(exc, ContextLengthError):
         return APIError(CONTEXT_LENGTH, str(exc), "max_tokens")
+    if isinstance(exc, KVBudgetError):
+        return APIError(KV_BUDGET, str(exc), "max_tokens")
     if isinstance(exc, ValueError | jinja2.TemplateError):  # bad ids, empty turns, sampling
         return APIError(INVALID_REQUEST, str(exc))
     if isinstance(exc, RuntimeClosedError):

@@ -66,6 +66,28 @@ class ServerMetrics:
         self.active = Gauge(
             "agentkv_engine_active_requests", "Requests admitted and not finished.", registry=r
         )
+        self.engine_gauges = {
+            name: Gauge(f"agentkv_engine_{name}", text, registry=r)
+            for name, text in (
+                ("kv_budget_bytes", "KV memory budget of the running batch."),
+                ("kv_reserved_bytes", "Budget set aside for the turns in the batch."),
+                ("kv_held_bytes", "Bytes of the batch's KV buffers, padding included."),
+                ("kv_padding_bytes", "Of those, bytes no turn owns (padding, growth room)."),
+                ("kv_groups", "Length groups the batch's sequences are in."),
+                ("waiting_for_memory", "Queued turns a free slot awaits but the KV budget not."),
+                ("paused", "Turns preempted from the batch, waiting to rejoin."),
+                ("preemptions", "Turns preempted since the server started."),
+                ("tokens_generated", "Tokens generated since the server started."),
+                ("decode_tokens_per_second", "Generated tokens per second over the last 10 s."),
+                ("prefill_tokens_per_step", "Prefill tokens a step beside decoding may run."),
+            )
+        }
+        self.policy = Gauge(
+            "agentkv_engine_policy",
+            "The scheduling policy (1 for the one in use).",
+            ["policy"],
+            registry=r,
+        )
         self.disk_bytes = Gauge(
             "agentkv_cache_disk_bytes", "Bytes of the agents' current cache files.", registry=r
         )
@@ -150,6 +172,10 @@ class ServerMetrics:
         self.queue_depth.set(engine.queued)
         self.batch_size.set(engine.batch_size)
         self.active.set(engine.active)
+        for name, gauge in self.engine_gauges.items():
+            attribute = "decode_tps" if name == "decode_tokens_per_second" else name
+            gauge.set(getattr(engine, attribute))
+        self.policy.labels(engine.policy).set(1)
         return generate_latest(self.registry)
 
 

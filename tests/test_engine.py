@@ -227,7 +227,7 @@ async def test_cache_from_another_model_fails_only_that_request(gemma):
 
 
 async def test_failed_step_fails_the_batch_and_engine_keeps_serving(gemma, monkeypatch):
-    model_cls = type(gemma.model.model)
+    model_cls = type(gemma.model.model.layers[0])  # every forward pass runs it
     real_call = model_cls.__call__
     boom = RuntimeError("injected fault")
 
@@ -285,12 +285,11 @@ async def test_out_of_vocabulary_prompt_is_rejected(gemma):
         gemma.submit(GenerationRequest([gemma.model.vocab_size + 5], max_tokens=2))
 
 
-async def test_solo_request_joins_the_batch_without_changing_its_tokens(gemma):
+async def test_a_decoding_sequence_is_joined_without_changing_its_tokens(gemma):
     a_prompt, b_prompt = prompt(gemma, 40), prompt(gemma, 9, salt=5)
     a = gemma.submit(GenerationRequest(a_prompt, max_tokens=60, ignore_eos=True))
-    for _ in range(20):  # alone: on the solo fast path, past the 32-token window
+    for _ in range(20):  # alone, past the 32-token window
         await anext(a)
-    assert gemma._thread._solo is not None  # white-box: the fast path was taken
     b = await gemma.generate(GenerationRequest(b_prompt, max_tokens=10, ignore_eos=True))
     a_result = await a.result()
     assert a_result.token_ids == await gemma.run(solo_greedy_all, gemma, a_prompt, 60)
@@ -299,7 +298,7 @@ async def test_solo_request_joins_the_batch_without_changing_its_tokens(gemma):
     assert all(layer.offset == len(a_result.cache.tokens) for layer in a_result.cache.layers)
 
 
-async def test_solo_cache_resumes_in_a_batch(gemma):
+async def test_a_returned_cache_resumes_beside_another_request(gemma):
     first = await gemma.generate(
         GenerationRequest(prompt(gemma, 40), max_tokens=30, ignore_eos=True)
     )
@@ -312,22 +311,21 @@ async def test_solo_cache_resumes_in_a_batch(gemma):
     assert resumed.token_ids == await gemma.run(solo_greedy_all, gemma, full, 12)
 
 
-async def test_seeded_sampling_is_the_same_with_and_without_the_solo_path():
+async def test_seeded_sampling_does_not_depend_on_batch_mates(gemma):
     req = GenerationRequest(
         list(range(20, 50)), max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=11)
     )
-    runs = []
-    for solo in (True, False):
-        eng = await Engine.open("tiny:gemma3", EngineConfig(solo_fast_path=solo))
-        try:
-            handle = eng.submit(req)
-            for _ in range(5):
-                await anext(handle)
-            joiner = await eng.generate(GenerationRequest(list(range(30, 40)), max_tokens=5))
-            runs.append(((await handle.result()).token_ids, joiner.token_ids))
-        finally:
-            await eng.close()
-    assert runs[0] == runs[1]
+    alone = await gemma.generate(req)
+    handle = gemma.submit(req)
+    for _ in range(5):
+        await anext(handle)
+    joiners = await asyncio.gather(
+        gemma.generate(GenerationRequest(list(range(30, 40)), max_tokens=5)),
+        gemma.generate(GenerationRequest(prompt(gemma, 90, salt=3), max_tokens=9)),
+    )
+    beside = await handle.result()
+    assert beside.token_ids == alone.token_ids
+    assert all(j.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for j in joiners)
 
 
 def solo_greedy_all(eng: Engine, tokens: list[int], max_tokens: int) -> list[int]:
@@ -336,12 +334,12 @@ def solo_greedy_all(eng: Engine, tokens: list[int], max_tokens: int) -> list[int
     return [int(t) for t, _ in steps]
 
 
-async def test_request_arriving_during_a_solo_prefill_is_not_starved():
+async def test_request_arriving_during_a_long_prefill_is_not_starved():
     eng = await Engine.open("tiny:gemma3", EngineConfig(prefill_step_size=16))
     try:
         long_prompt, short_prompt = prompt(eng, 400), prompt(eng, 6, salt=8)
         a = eng.submit(GenerationRequest(long_prompt, max_tokens=8, ignore_eos=True))
-        while eng._thread._solo is None:  # white-box: wait until A prefills alone
+        while eng.stats().active == 0:  # wait until A prefills
             await asyncio.sleep(0.001)
         b = await eng.generate(GenerationRequest(short_prompt, max_tokens=4, ignore_eos=True))
         a_result = await a.result()
@@ -353,7 +351,7 @@ async def test_request_arriving_during_a_solo_prefill_is_not_starved():
         await eng.close()
 
 
-async def test_solo_timings_charge_prefill_to_prefill(gemma):
+async def test_timings_charge_prefill_to_prefill(gemma):
     result = await gemma.generate(GenerationRequest(prompt(gemma, 300), max_tokens=2))
     assert result.stats.queue_wait_s < result.stats.prefill_s
 
@@ -393,7 +391,7 @@ async def test_a_forced_token_is_generated_and_held_by_the_cache(engine):
     tokens = prompt(engine, 20, salt=3)
     natural = (await engine.generate(GenerationRequest(tokens, max_tokens=1))).token_ids[0]
     forced = (natural + 1) % engine.model.vocab_size
-    # Alone (solo fast path) and next to another request (in the batch).
+    # Alone and next to another request.
     other = asyncio.ensure_future(
         engine.generate(GenerationRequest(prompt(engine, 30, salt=4), max_tokens=8))
     )

@@ -640,3 +640,17 @@ async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path):
         x = await rt.chat(late.id, TURNS[3])  # its link outlived the source's files
         assert (x.cache_source, y.cache_source) == ("disk", "disk")
         assert x.token_ids == y.token_ids
+
+
+async def test_a_turn_over_the_kv_budget_is_refused_and_stores_nothing(tmp_path):
+    budget = 2 * 1024 * 1024
+    engine_config = agents.EngineConfig(kv_budget_bytes=budget)
+    async with await AgentRuntime.open(config(tmp_path, engine=engine_config)) as rt:
+        await rt.create_agent("a")
+        first = await rt.chat("a", "hello there", max_tokens=6)
+        with pytest.raises(agents.KVBudgetError, match="max_tokens") as refused:
+            await rt.chat("a", "tell me everything", max_tokens=6000)
+        assert refused.value.budget_bytes == budget < refused.value.needed_bytes
+        assert [m.content for m in await rt.transcript("a")] == ["hello there", first.text]
+        again = await rt.chat("a", "tell me everything", max_tokens=6)
+        assert again.cache_source == "hot"  # the agent is as it was before the refused turn

@@ -1,7 +1,22 @@
-import pytest
+"""The admission queue, and the scheduler through a real engine: the KV budget, preemption,
+policies and prefill beside decoding."""
 
-from engine.errors import EngineOverloadedError
-from engine.scheduler import AdmissionQueue
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from pydantic import ValidationError
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import EngineOverloadedError, KVBudgetError
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.scheduler import MIN_CHUNK, PACER_REFRESH_STEPS, AdmissionQueue, PrefillPacer
+from engine.sequence import StepRecord
 
 
 class Clock:
@@ -54,3 +69,217 @@ def test_full_queue_refuses_and_removal_frees_room():
 def test_invalid_size():
     with pytest.raises(ValueError, match="max_size"):
         AdmissionQueue(0, aging_per_s=0.1)
+
+
+def test_peek_leaves_the_head_and_a_forced_push_ignores_the_limit():
+    q = AdmissionQueue(1, aging_per_s=0.0, clock=Clock())
+    q.push("a", 0)
+    assert q.peek() == "a" and len(q) == 1
+    q.push("paused", 5, force=True)  # a preempted turn always gets its place back
+    assert q.drain() == ["paused", "a"]
+
+
+# ---- the scheduler through a real engine --------------------------------------------------
+
+
+def prompt(eng: Engine, n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 11 * salt) % (eng.model.vocab_size - 16) + 16 for i in range(n)]
+
+
+def greedy(eng: Engine, tokens: list[int], max_tokens: int) -> list[int]:
+    steps = generate_step(mx.array(tokens), eng.model.model, max_tokens=max_tokens)
+    return [int(t) for t, _ in steps]
+
+
+async def budget_for(spec: str, requests: list[GenerationRequest]) -> int:
+    """The KV bytes these requests set aside, together."""
+    eng = await Engine.open(spec)
+    try:
+        return sum(eng.kv_bytes_needed(r) for r in requests)
+    finally:
+        await eng.close()
+
+
+async def test_a_turn_that_can_never_fit_is_refused_with_the_numbers():
+    small = GenerationRequest(list(range(20, 40)), max_tokens=8)
+    budget = await budget_for("tiny:gemma3", [small, small])
+    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    try:
+        huge = GenerationRequest(list(range(20, 40)), max_tokens=5000)
+        with pytest.raises(KVBudgetError, match=r"20 new \+ 5000 max_tokens = 5020 tokens") as e:
+            eng.submit(huge)
+        assert "kv_budget_bytes" in str(e.value)
+        assert e.value.needed_bytes == eng.kv_bytes_needed(huge) > e.value.budget_bytes == budget
+        ok = await eng.generate(small)  # the engine serves on
+        assert ok.token_ids == greedy(eng, small.prompt_tokens, len(ok.token_ids))
+    finally:
+        await eng.close()
+
+
+async def test_the_budget_admits_only_what_fits_and_every_turn_completes():
+    requests = [
+        GenerationRequest(list(range(20 + i, 60 + i)), max_tokens=24, ignore_eos=True)
+        for i in range(8)
+    ]
+    budget = await budget_for("tiny:gemma3", requests[:2])  # room for two at a time
+    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        waiting = []
+        results = [asyncio.ensure_future(eng.generate(r)) for r in requests]
+        while not all(r.done() for r in results):
+            waiting.append(eng.stats().waiting_for_memory)
+            await asyncio.sleep(0.005)
+        results = [r.result() for r in results]
+    finally:
+        await eng.close()
+    for request, result in zip(requests, results, strict=True):
+        assert result.token_ids == greedy(eng, request.prompt_tokens, 24)
+    assert max(s.decode_rows + s.prefilling for s in steps) == 2
+    assert all(s.kv_held_bytes <= s.kv_reserved_bytes <= budget for s in steps)
+    assert max(waiting) > 0  # turns waited for memory, not for a slot
+
+
+async def test_a_higher_priority_turn_preempts_and_the_paused_turn_resumes_exactly():
+    low = GenerationRequest(prompt_of(60), max_tokens=80, ignore_eos=True)
+    high = GenerationRequest(prompt_of(30, salt=4), max_tokens=10, ignore_eos=True, priority=10)
+    budget = await budget_for("tiny:gemma3", [low])  # only one of them fits
+    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    try:
+        low_handle = eng.submit(low)
+        for _ in range(20):  # well past the minimum run before it can be preempted
+            await anext(low_handle)
+        high_result = await eng.generate(high)
+        stats = eng.stats()
+        low_result = await low_handle.result()
+    finally:
+        await eng.close()
+    assert stats.preemptions == 1
+    assert high_result.stats.finished_at < low_result.stats.finished_at
+    assert low_result.token_ids == greedy(eng, low.prompt_tokens, 80)
+    assert high_result.token_ids == greedy(eng, high.prompt_tokens, 10)
+    assert low_result.cache.tokens == low.prompt_tokens + low_result.token_ids
+
+
+async def test_a_preempted_sampled_turn_continues_its_own_random_stream():
+    sampling = SamplingParams(temperature=0.9, seed=7)
+    low = GenerationRequest(prompt_of(40), max_tokens=60, ignore_eos=True, sampling=sampling)
+    high = GenerationRequest(prompt_of(30, salt=4), max_tokens=6, ignore_eos=True, priority=10)
+    budget = await budget_for("tiny:gemma3", [low])
+    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    try:
+        uninterrupted = await eng.generate(low)
+        handle = eng.submit(low)
+        for _ in range(15):
+            await anext(handle)
+        await eng.generate(high)
+        interrupted = await handle.result()
+        assert eng.stats().preemptions == 1
+    finally:
+        await eng.close()
+    assert interrupted.token_ids == uninterrupted.token_ids
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 11 * salt) % 496 + 16 for i in range(n)]
+
+
+@pytest.mark.parametrize(("policy", "shares"), [("fair", True), ("throughput_first", False)])
+async def test_fair_rotates_turns_through_a_full_batch(policy, shares):
+    config = EngineConfig(completion_batch_size=1, prefill_batch_size=1, policy=policy)
+    eng = await Engine.open("tiny:gemma3", config)
+    try:
+        long = eng.submit(GenerationRequest(prompt_of(20), max_tokens=200, ignore_eos=True))
+        await anext(long)
+        short = await eng.generate(
+            GenerationRequest(prompt_of(12, salt=3), max_tokens=5, ignore_eos=True)
+        )
+        long_result = await long.result()
+    finally:
+        await eng.close()
+    assert (short.stats.finished_at < long_result.stats.finished_at) is shares
+    assert long_result.token_ids == greedy(eng, prompt_of(20), 200)
+    assert short.token_ids == greedy(eng, prompt_of(12, salt=3), 5)
+
+
+@pytest.mark.parametrize(("policy", "short_first"), [("latency_first", True), ("fair", False)])
+async def test_latency_first_prefills_a_short_prompt_before_a_long_one(policy, short_first):
+    config = EngineConfig(prefill_batch_size=1, prefill_step_size=16, policy=policy)
+    eng = await Engine.open("tiny:gemma3", config)
+    try:
+        await eng.generate(GenerationRequest(prompt_of(5), max_tokens=2))  # warm up
+        long_request = GenerationRequest(prompt_of(600), max_tokens=2, ignore_eos=True)
+        short_request = GenerationRequest(prompt_of(10, salt=2), max_tokens=2, ignore_eos=True)
+        blocker = eng.submit(GenerationRequest(prompt_of(8, salt=5), max_tokens=1))
+        long, short = eng.submit(long_request), eng.submit(short_request)  # both wait for it
+        await blocker.result()
+        long_result, short_result = await long.result(), await short.result()
+    finally:
+        await eng.close()
+    ttft_order = short_result.stats.first_token_at < long_result.stats.first_token_at
+    assert ttft_order is short_first
+    assert long_result.token_ids == greedy(eng, long_request.prompt_tokens, 2)
+
+
+async def test_a_prompt_joining_decoding_turns_shares_their_steps():
+    eng = await Engine.open("tiny:gemma3", EngineConfig(prefill_step_size=256))
+    steps: list[StepRecord] = []
+    try:
+        alone = GenerationRequest(prompt_of(600, salt=1), max_tokens=2, ignore_eos=True)
+        remove = eng.add_step_listener(steps.append)
+        await eng.generate(alone)
+        remove()
+        assert [s.prefill_tokens for s in steps if s.prefill_tokens] == [256, 256, 88]
+        steps.clear()
+        eng.add_step_listener(steps.append)
+        decoding = [
+            eng.submit(GenerationRequest(prompt_of(8, salt=i), max_tokens=400, ignore_eos=True))
+            for i in range(4)
+        ]
+        for handle in decoding:
+            await anext(handle)
+        steps.clear()  # all four are decoding now
+        joined = await eng.generate(alone)
+        for handle in decoding:
+            handle.cancel()
+    finally:
+        await eng.close()
+    assert joined.token_ids == greedy(eng, alone.prompt_tokens, 2)
+    beside = [s for s in steps if s.prefill_tokens]
+    assert all(s.decode_rows == 4 for s in beside)  # the prompt went in beside them, fused
+    assert sum(s.prefill_tokens for s in beside) == 600
+
+
+def test_the_pacer_sizes_chunks_to_the_stall_bound():
+    pacer = PrefillPacer(max_chunk=512, stall_factor=2.0)
+    assert pacer.budget() == 0  # decode time unknown: a decode-only step measures it
+    pacer.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
+    assert pacer.budget() == MIN_CHUNK  # cost of a prefill token unknown: start small
+    pacer.observe(decode_rows=8, prefill_tokens=16, seconds=0.132)  # 2 ms a token
+    assert pacer.budget() == 50  # (2 - 1) x 100 ms / 2 ms
+    for _ in range(PACER_REFRESH_STEPS):
+        pacer.observe(decode_rows=8, prefill_tokens=50, seconds=0.200)
+    assert pacer.budget() == 0  # a decode-only step now and then keeps the decode time fresh
+    pacer.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
+    assert pacer.budget() == 50
+    fast = PrefillPacer(max_chunk=512, stall_factor=2.0)
+    fast.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
+    fast.observe(decode_rows=8, prefill_tokens=100, seconds=0.101)
+    assert fast.budget() == 512  # prefill that costs nothing beside decoding goes in whole
+
+
+def test_engine_config_names_the_bad_field():
+    with pytest.raises(ValidationError, match="policy"):
+        EngineConfig(policy="shortest_job")
+    with pytest.raises(ValidationError, match="kv_budget_bytes"):
+        EngineConfig(kv_budget_bytes=-1)
+    with pytest.raises(ValidationError, match="kv_budget_bytes"):
+        EngineConfig(kv_budget_bytes="lots")
+    with pytest.raises(ValidationError, match="max_decode_stall"):
+        EngineConfig(max_decode_stall=0.5)
+
+
+async def test_a_budget_below_the_smallest_turn_is_refused_at_open():
+    with pytest.raises(KVBudgetError, match="kv_budget_bytes=1000 is smaller than the smallest"):
+        await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=1000))

@@ -839,3 +839,55 @@ def test_conversations_with_one_long_system_prompt_share_it(claude, http):
     assert second.usage.cache_read_input_tokens % 256 == 0
     assert metric(http, "agentkv_turns_total", cache_source="prefix") == prefix + 1
     assert metric(http, "agentkv_cache_prefix_hits") == hits + 1
+
+
+def test_a_turn_over_the_kv_budget_is_413_and_the_budget_is_in_metrics(tmp_path):
+    budget = 2 * 1024 * 1024  # room for a few hundred tokens of tiny:gemma3
+    config = RuntimeConfig(
+        model=MODEL, data_dir=tmp_path, engine=EngineConfig(kv_budget_bytes=budget)
+    )
+    with serve(config) as server, server.anthropic() as claude, server.openai() as gpt:
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            claude.messages.create(model="m", max_tokens=5000, messages=[user("hello")])
+        assert refused.value.status_code == 413
+        assert refused.value.body["error"]["type"] == "request_too_large"
+        message = refused.value.body["error"]["message"]
+        assert "5000 max_tokens" in message and f"kv_budget_bytes={budget}" in message
+        with pytest.raises(openai.APIStatusError) as refused:
+            gpt.chat.completions.create(
+                model="m", max_tokens=5000, messages=[user("hello")], user="budget"
+            )
+        assert refused.value.status_code == 413
+        error = refused.value.body  # the OpenAI SDK unwraps {"error": ...}
+        assert (error["code"], error["param"]) == ("kv_budget_exceeded", "max_tokens")
+        ok = claude.messages.create(model="m", max_tokens=8, messages=[user("hello")])
+        assert ok.usage.output_tokens > 0  # nothing was stored of the refused turns
+        with server.http() as http:
+            assert metric(http, "agentkv_engine_kv_budget_bytes") == budget
+            assert metric(http, "agentkv_engine_policy", policy="fair") == 1
+            assert metric(http, "agentkv_engine_tokens_generated") >= ok.usage.output_tokens
+            for name in ("kv_reserved_bytes", "kv_held_bytes", "waiting_for_memory", "paused"):
+                assert metric(http, f"agentkv_engine_{name}") == 0  # idle now
+
+
+def test_cli_batch_flags_are_checked_and_named(tmp_path, capsys):
+    args = build_parser().parse_args(
+        ["serve", "--model", MODEL, "--kv-budget-bytes", "1.5G", "--policy", "latency_first"]
+    )
+    assert (args.kv_budget_bytes, args.policy) == (int(1.5 * 1024**3), "latency_first")
+    assert args.max_decode_stall == 2.0
+    for flag, value in [
+        ("--kv-budget-bytes", "-5"),
+        ("--kv-budget-bytes", "lots"),
+        ("--policy", "shortest_job"),
+        ("--max-decode-stall", "abc"),
+        ("--max-decode-stall", "0.5"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--model", MODEL, flag, value])
+        assert exited.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
+    data = tmp_path / "small"
+    tiny = ["serve", "--model", MODEL, "--data-dir", str(data), "--port", "0"]
+    assert main([*tiny, "--kv-budget-bytes", "1000"]) == 2
+    assert "kv_budget_bytes=1000 is smaller than the smallest turn" in capsys.readouterr().err

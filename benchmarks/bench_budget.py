@@ -1,0 +1,145 @@
+"""The KV memory budget: 4 x K agents ask at once with room for K.
+
+    python -m benchmarks.bench_budget [--model tiny:gemma3-bench] [--quick]
+
+``4 * --fits`` agents, each with a ``--history``-token history (synthetic caches, see
+``benchmarks.synthetic``) and ``--tokens`` to generate, ask at once. With ``kv_budget_bytes`` set
+to what ``--fits`` of them need, every step records how many are in the batch and the bytes it
+holds and sets aside; the same turns without a budget (the default, a share of memory) show what
+the batch would hold otherwise. Writes benchmarks/results/budget.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from benchmarks.plots import bar_labels, save_plot, write_report
+from benchmarks.synthetic import synthetic_cache
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import GenerationRequest
+from engine.sequence import StepRecord
+
+RESULTS = Path(__file__).parent / "results"
+
+
+async def ask(args: argparse.Namespace, budget: int | None) -> tuple[dict, int]:
+    agents = 4 * args.fits
+    config = EngineConfig(completion_batch_size=agents, kv_budget_bytes=budget)
+    eng = await Engine.open(args.model, config)
+    steps: list[StepRecord] = []
+    waiting = 0
+    try:
+        vocab = eng.model.vocab_size
+        caches = [
+            await eng.run(synthetic_cache, eng.model.model, args.history, i, vocab)
+            for i in range(agents)
+        ]
+        requests = [
+            GenerationRequest([20 + i], max_tokens=args.tokens, ignore_eos=True, cache=c)
+            for i, c in enumerate(caches)
+        ]
+        need = eng.kv_bytes_needed(requests[0])
+        eng.add_step_listener(steps.append)
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        start = time.perf_counter()
+        tasks = [asyncio.ensure_future(eng.generate(r)) for r in requests]
+        while not all(t.done() for t in tasks):
+            waiting = max(waiting, eng.stats().waiting_for_memory)
+            await asyncio.sleep(0.01)
+        wall = time.perf_counter() - start
+        results = [t.result() for t in tasks]
+        peak = mx.get_peak_memory() - base
+        budget_bytes = eng.kv_budget_bytes
+    finally:
+        await eng.close()
+    row = {
+        "budget": "none (default)" if budget is None else f"{args.fits} agents",
+        "budget_mb": budget_bytes / 2**20,
+        "agents": agents,
+        "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
+        "failed": sum(r.error is not None for r in results),
+        "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
+        "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
+        "max_reserved_mb": max(s.kv_reserved_bytes for s in steps) / 2**20,
+        "held_under_budget_every_step": all(s.kv_held_bytes <= budget_bytes for s in steps),
+        "max_waiting_for_memory": waiting,
+        "peak_mb": peak / 2**20,
+        "wall_s": wall,
+        "steps": len(steps),
+    }
+    return row, need
+
+
+async def run(args: argparse.Namespace) -> dict:
+    unbounded, need = await ask(args, None)
+    bounded, _ = await ask(args, args.fits * need)
+    for row in (bounded, unbounded):
+        print(
+            f"budget {row['budget']:>14}: {row['completed']}/{row['agents']} completed, "
+            f"{row['failed']} failed, at most {row['max_in_batch']} in the batch, KV held at most "
+            f"{row['max_held_mb']:.1f} MB of {row['budget_mb']:.1f} MB (every step under: "
+            f"{row['held_under_budget_every_step']}), peak +{row['peak_mb']:.0f} MB, "
+            f"{row['wall_s']:.1f} s",
+            flush=True,
+        )
+    return {
+        "benchmark": "budget",
+        "model": args.model,
+        "history": args.history,
+        "tokens": args.tokens,
+        "fits": args.fits,
+        "need_mb": need / 2**20,
+        "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [bounded, unbounded],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="4 x K agents ask with room for K")
+    parser.add_argument("--model", default="tiny:gemma3-bench")
+    parser.add_argument("--fits", type=int, default=4, help="K: agents the budget has room for")
+    parser.add_argument("--history", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
+    parser.add_argument("--out", type=Path, default=RESULTS / "budget.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 6
+    report = asyncio.run(run(args))
+    write_report(report, args.out, plot)
+    return report
+
+
+def plot(report: dict, path: Path) -> Path:
+    rows = report["rows"]
+    names = [r["budget"] for r in rows]
+
+    def batch(ax) -> None:
+        bars = ax.bar(names, [r["max_in_batch"] for r in rows])
+        bar_labels(ax, bars, "{:.0f}")
+        ax.set_ylabel("agents in the batch at most")
+        ax.set_title(f"{rows[0]['agents']} agents asking at once")
+
+    def memory(ax) -> None:
+        bars = ax.bar(names, [r["max_held_mb"] for r in rows])
+        bar_labels(ax, bars, "{:.0f}")
+        ax.axhline(rows[0]["budget_mb"], color="red", lw=0.8, label="budget")
+        ax.set_ylabel("KV held at most (MB)")
+        ax.set_title("the batch's KV memory")
+        ax.legend(fontsize=7)
+
+    title = f"{report['model']}, {report['history']}-token histories, {report['date']}"
+    return save_plot(path, [batch, memory], title)
+
+
+if __name__ == "__main__":
+    main()

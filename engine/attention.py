@@ -1,0 +1,135 @@
+"""Ragged attention: one forward pass over many sequences of different lengths, no padding
+between them.
+
+mlx-lm's models take a ``(B, L)`` token array and hand every layer one cache object. agentkv
+feeds each step as ``T`` rows of one token (``L = 1``): the decode tokens of every running
+sequence and the prefill chunks of joining ones, a chunk laid out one token per row. Every
+linear layer, norm and MLP works per token, so this changes nothing for them, and each row's
+rotary position comes from the cache's per-row ``offset``.
+
+Each layer gets a :class:`StepCache`: a view that routes row ranges (:class:`Span`) to the
+group caches that own them (see ``engine.kv_batch``). A decode span is ``B`` rows of ``B``
+sequences sharing one padded group buffer; a prefill span is ``c`` rows of one sequence, which
+attend as a ``(1, H, c, D)`` block with a causal mask. Attention therefore runs once per span
+over exactly that span's keys, and the model's own code does the rest.
+
+The only hook is ``scaled_dot_product_attention``: every mlx-lm model imports it from
+``mlx_lm.models.base`` by name, so :func:`install` points that name, in the model's own
+modules, at :func:`ragged_attention`, which hands any other cache straight to mlx-lm's function.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base
+
+_MLX_LM_SDPA = base.scaled_dot_product_attention
+
+
+@dataclass(slots=True, frozen=True)
+class Span:
+    """Rows ``start .. start + rows`` of a step, held by one group's layer cache.
+
+    ``prefill``: the rows are consecutive tokens of one sequence (a B=1 group), not one token
+    of each of the group's ``rows`` sequences.
+    """
+
+    cache: Any
+    start: int
+    rows: int
+    prefill: bool
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows
+
+    def as_block(self, x: mx.array) -> mx.array:
+        """This span's rows of a ``(T, H, 1, D)`` array, shaped as its cache expects."""
+        x = x[self.start : self.stop]
+        return x.transpose(2, 1, 0, 3) if self.prefill else x  # (1, H, c, D) for a chunk
+
+
+class SpanMasks(tuple):
+    """One attention mask per span, as :meth:`StepCache.make_mask` makes them."""
+
+
+class StepCache:
+    """What one layer of the model sees as its cache during one step."""
+
+    __slots__ = ("offset", "spans")
+
+    def __init__(self, spans: list[Span], offset: mx.array):
+        self.spans = spans
+        self.offset = offset  # (T,) rotary position of every row
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> SpanMasks:
+        if N != 1:
+            raise ValueError(f"a step feeds one token per row, got {N}")
+        return SpanMasks(
+            s.cache.make_mask(s.rows if s.prefill else 1, window_size=window_size)
+            for s in self.spans
+        )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        fetched = [
+            s.cache.update_and_fetch(s.as_block(keys), s.as_block(values)) for s in self.spans
+        ]
+        return tuple(k for k, _ in fetched), tuple(v for _, v in fetched)
+
+    def attend(
+        self,
+        queries: mx.array,
+        keys: tuple,
+        values: tuple,
+        scale: float,
+        masks: SpanMasks,
+        sinks: mx.array | None,
+    ) -> mx.array:
+        outputs = []
+        for span, k, v, mask in zip(self.spans, keys, values, masks, strict=True):
+            out = _MLX_LM_SDPA(
+                span.as_block(queries), k, v, span.cache, scale=scale, mask=mask, sinks=sinks
+            )
+            outputs.append(out.transpose(2, 1, 0, 3) if span.prefill else out)
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+def ragged_attention(
+    queries: mx.array,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache`."""
+    if isinstance(cache, StepCache):
+        return cache.attend(queries, keys, values, scale, mask, sinks)
+    return _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install(model: nn.Module) -> int:
+    """Route the attention of ``model``'s modules through :func:`ragged_attention`.
+
+    Returns:
+        How many modules use it (0: the model has its own attention, which a step cannot
+        drive; the caller's probe then fails and says so).
+    """
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    installed = 0
+    for name in names:
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is _MLX_LM_SDPA:
+            module.scaled_dot_product_attention = ragged_attention
+        if current in (_MLX_LM_SDPA, ragged_attention):
+            installed += 1
+    return installed

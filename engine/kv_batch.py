@@ -1,0 +1,260 @@
+"""The batch's KV memory: length groups, what they hold, and what a turn will need.
+
+mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` left-pad every sequence to the longest
+one. agentkv keeps them, but per *group*: sequences of similar length share one padded buffer
+per layer, and attention runs once per group (``engine.attention``). A sequence joins the group
+where it adds the least padding, and only while the group's padded size stays within
+``PADDING_TOLERANCE`` of what its sequences own; otherwise it starts a group of its own. So the
+batch holds about the sum of its sequences' histories, not batch size × the longest.
+
+Buffers grow by ``growth(size)`` tokens (at least ``MIN_GROWTH``, else 1/16 of the size) instead
+of mlx-lm's fixed 256, so a few hundred short sequences do not each carry 256 empty positions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from engine.errors import InvalidCacheError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences own
+MIN_GROWTH = 32
+
+
+def growth(size: int) -> int:
+    """Tokens a buffer of ``size`` positions grows by when it is full."""
+    return max(MIN_GROWTH, (size // 16 + MIN_GROWTH - 1) // MIN_GROWTH * MIN_GROWTH)
+
+
+class GroupKVCache(BatchKVCache):
+    """mlx-lm's BatchKVCache growing by :func:`growth` instead of 256 positions."""
+
+    @property
+    def step(self) -> int:
+        return growth(self._idx)
+
+
+class GroupRotatingKVCache(BatchRotatingKVCache):
+    """mlx-lm's BatchRotatingKVCache growing by :func:`growth` up to its window."""
+
+    @property
+    def step(self) -> int:
+        return growth(self._offset)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Per layer: the sliding window (None: global attention) and K+V bytes per token."""
+
+    windows: tuple[int | None, ...]
+    token_bytes: tuple[int, ...]
+    by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
+
+    def __post_init__(self) -> None:
+        sums: dict[int | None, int] = {}
+        for w, b in zip(self.windows, self.token_bytes, strict=True):
+            sums[w] = sums.get(w, 0) + b
+        object.__setattr__(self, "by_window", tuple(sums.items()))
+
+    @classmethod
+    def of(cls, model: Any) -> KVLayout:
+        """Read the model's layers off one token run through fresh caches."""
+        caches = make_prompt_cache(model)
+        for c in caches:
+            if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
+                raise UnsupportedModelError(
+                    f"{type(model).__module__}: agentkv batches models whose layers all use "
+                    f"mlx-lm's KVCache or RotatingKVCache (without keep); this one uses "
+                    f"{type(c).__name__}"
+                )
+        model(mx.array([[1]]), cache=caches)
+        mx.eval([c.state for c in caches])
+        return cls(
+            tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches),
+            tuple((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches),
+        )
+
+    @property
+    def layer_types(self) -> list[type]:
+        return [KVCache if w is None else RotatingKVCache for w in self.windows]
+
+    def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
+        """Bytes a sequence of ``tokens`` holds on its own (``window_extra``: positions a
+        sliding layer holds beyond its window while a prefill chunk goes in)."""
+        return sum(
+            b * (tokens if w is None else min(tokens, w + window_extra)) for w, b in self.by_window
+        )
+
+    def padded_bytes(self, lengths: list[int]) -> int:
+        """Bytes a group of sequences of these lengths holds, each padded to the longest."""
+        return len(lengths) * self.owned_bytes(max(lengths)) if lengths else 0
+
+    def fits_one_group(self, lengths: list[int]) -> bool:
+        owned = sum(self.owned_bytes(n) for n in lengths)
+        return self.padded_bytes(lengths) <= (1 + PADDING_TOLERANCE) * owned
+
+    def reservation(self, final_tokens: int, chunk: int) -> int:
+        """What a sequence ending at ``final_tokens`` may hold at most: its own bytes with the
+        buffer's growth step, a prefill chunk's overhang and its group's padding allowance."""
+        held = self.owned_bytes(final_tokens + growth(final_tokens), window_extra=chunk)
+        return int(held * (1 + PADDING_TOLERANCE)) + 1
+
+    def empty_layers(self) -> list[Any]:
+        return [
+            GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0]) for w in self.windows
+        ]
+
+    def check(self, layers: list[Any]) -> None:
+        """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use."""
+        types = [type(layer) for layer in layers]
+        if types != self.layer_types:
+            raise InvalidCacheError(
+                f"cache layers {[t.__name__ for t in types]} do not match the model's "
+                f"{[t.__name__ for t in self.layer_types]}"
+            )
+        for layer, window in zip(layers, self.windows, strict=True):
+            if window is not None and layer.max_size != window:
+                raise InvalidCacheError(
+                    f"a sliding-window layer holds {layer.max_size} positions; the model's "
+                    f"window is {window}"
+                )
+
+
+class KVGroup:
+    """Sequences whose KV share one padded buffer per layer (mlx-lm's batch caches).
+
+    A sequence enters through a group of its own (:meth:`start`), prefills there, and may then
+    be merged into a group of similar lengths (:meth:`absorb`). Row ``i`` of every layer is
+    ``seqs[i]``.
+    """
+
+    __slots__ = ("layers", "seqs")
+
+    def __init__(self, layers: list[Any], seqs: list[Sequence]):
+        self.layers = layers
+        self.seqs = seqs
+        for seq in seqs:
+            seq.group = self
+
+    @classmethod
+    def start(cls, layout: KVLayout, seq: Sequence, layers: list[Any] | None) -> KVGroup:
+        """A group holding ``seq`` alone, starting from ``layers`` (copied) or empty."""
+        if layers is None:
+            return cls(layout.empty_layers(), [seq])
+        layout.check(layers)
+        batch = [
+            (GroupKVCache if w is None else GroupRotatingKVCache).merge([layer])
+            for layer, w in zip(layers, layout.windows, strict=True)
+        ]
+        return cls(batch, [seq])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s.tokens) for s in self.seqs]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def positions(self) -> mx.array:
+        """Each row's next position (its rotary offset)."""
+        return self.layers[0].offset
+
+    def absorb(self, other: KVGroup) -> None:
+        """Append ``other``'s sequences as rows of this group (both buffers are copied)."""
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.extend(theirs)
+        for seq in other.seqs:
+            seq.group = self
+        self.seqs += other.seqs
+        other.seqs, other.layers = [], []
+
+    def extract(self, seq: Sequence) -> list[Any]:
+        """``seq``'s own per-layer caches (KVCache / RotatingKVCache), copied out."""
+        row = self.seqs.index(seq)
+        return [layer.extract(row) for layer in self.layers]
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        gone = {id(s) for s in seqs}
+        keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
+        for seq in seqs:
+            seq.group = None
+        if not keep:
+            self.seqs, self.layers = [], []
+            return
+        if len(keep) < len(self.seqs):
+            for layer in self.layers:
+                layer.filter(keep)
+            self.seqs = [self.seqs[i] for i in keep]
+
+    def compact(self, layout: KVLayout) -> bool:
+        """Copy the group into buffers sized for the sequences it still holds, when rows that
+        left (the longest, say) leave it holding much more; returns whether it did."""
+        lengths = self.lengths
+        if not lengths or self.held_bytes <= 1.125 * layout.padded_bytes(lengths) + len(
+            lengths
+        ) * layout.owned_bytes(MIN_GROWTH):
+            return False
+        self.layers = [
+            type(layer).merge([layer.extract(i) for i in range(len(lengths))])
+            for layer in self.layers
+        ]
+        return True
+
+    def state(self) -> list[Any]:
+        return [layer.state for layer in self.layers]
+
+
+def best_group(layout: KVLayout, groups: list[KVGroup], joining: list[int]) -> KVGroup | None:
+    """The group that sequences of these lengths add the least padding to, within tolerance."""
+    best, best_waste = None, None
+    for group in groups:
+        lengths = group.lengths + joining
+        if not layout.fits_one_group(lengths):
+            continue
+        waste = layout.padded_bytes(lengths) - sum(layout.owned_bytes(n) for n in lengths)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = group, waste
+    return best
+
+
+BUDGET_SHARE = 0.6  # of the device memory left once the weights are loaded
+
+
+def default_budget_bytes() -> int:
+    """A share of the memory left after the weights: Apple's recommended working set, CUDA's
+    free memory, else the host's available RAM."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:
+        left = int(info["max_recommended_working_set_size"]) - mx.get_active_memory()
+    elif "free_memory" in info:
+        left = int(info["free_memory"])
+    else:
+        left = _available_ram()
+    return max(0, int(left * BUDGET_SHARE))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

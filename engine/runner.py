@@ -1,0 +1,250 @@
+"""One step of the batch through mlx-lm's model: decode rows and prefill chunks together.
+
+A step is one forward pass over ``T`` rows of one token (see ``engine.attention``): one row per
+decoding sequence (it feeds the token it sampled last step) and one row per prompt token of the
+prefill chunks the scheduler picked. Weights are read once for all of them, which is what lets
+a long prompt join without stalling the sequences that are decoding. Logits are computed only
+for the rows that sample: every decode row and the last row of a prompt's final chunk.
+
+Steps are pipelined as mlx-lm's ``GenerationBatch`` does: a step's tokens are sampled lazily
+and evaluated while the next step is being built, so the host's bookkeeping overlaps the
+device's work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+
+from engine.attention import Span, StepCache, install
+from engine.errors import UnsupportedModelError
+from engine.kv_batch import KVGroup, KVLayout
+from engine.sequence import SeqStatus, Sequence
+
+PROBE_TOKENS = 8
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs: every row of ``decode`` groups decodes one token, and each
+    ``(sequence, n)`` of ``prefill`` feeds the next ``n`` tokens of its prompt."""
+
+    decode: list[KVGroup]
+    prefill: list[tuple[Sequence, int]]
+    fed: list[tuple[Sequence, Any]] = field(default_factory=list)  # decode rows' tokens
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(len(g.seqs) for g in self.decode)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class ModelRunner:
+    """Runs steps of the batch through one model (on the generation thread)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        if not install(model):
+            raise UnsupportedModelError(
+                f"{type(model).__module__} has its own attention function; agentkv batches "
+                "models that use mlx-lm's scaled_dot_product_attention"
+            )
+        self.layout = KVLayout.of(model)
+        self._backbone, self._head = self._split_head()
+
+    def run(self, plan: StepPlan) -> mx.array | None:
+        """Queue ``plan``'s forward pass; sequences' ``pending`` tokens become its samples.
+
+        Records in ``plan.fed`` what each decode row fed (its previous ``pending``), to be
+        reported once evaluated. Returns the array of samples (None if no row sampled).
+        """
+        layers = len(self.layout.windows)
+        spans: list[list[Span]] = [[] for _ in range(layers)]
+        positions, sampling, chunks = [], [], []
+        feeds: list[tuple[Sequence, int, int]] = []  # (sequence, first row, rows) it feeds
+        row = 0
+        for group in plan.decode:
+            n = len(group.seqs)
+            for i, layer in enumerate(group.layers):
+                spans[i].append(Span(layer, row, n, prefill=False))
+            positions.append(group.positions)
+            for seq in group.seqs:
+                plan.fed.append((seq, seq.pending))
+                feeds.append((seq, row, 1))
+                sampling.append((row, seq))
+                row += 1
+        for seq, n in plan.prefill:
+            for i, layer in enumerate(seq.group.layers):
+                spans[i].append(Span(layer, row, n, prefill=True))
+            positions.append(seq.group.positions + mx.arange(n))
+            chunks.append(seq.prompt[:n])
+            feeds.append((seq, row, n))
+            row += n
+            if n == len(seq.prompt):
+                sampling.append((row - 1, seq))
+        inputs = _join_inputs([p for _, p in plan.fed], chunks)
+        caches = [StepCache(s, mx.concatenate(positions)) for s in spans]
+        sampled = None
+        if sampling:
+            logits = self._logits(inputs, caches, [r for r, _ in sampling], row)
+            seqs = [s for _, s in sampling]
+            if any(s.logits_processors for s, _, _ in feeds):
+                logits = _process(logits, seqs, feeds, inputs)
+            sampled = _sample(logits, seqs)
+        else:  # prefill chunks only: run the layers for their caches, skip the head
+            self._hidden(inputs, caches)
+        updated = [(c.keys, c.values) for s, _ in plan.prefill for c in s.group.layers]
+        mx.async_eval(*([] if sampled is None else [sampled]), updated)
+        for seq, n in plan.prefill:
+            seq.tokens += seq.prompt[:n]
+            seq.prompt = seq.prompt[n:]
+        for j, (_, seq) in enumerate(sampling):
+            seq.pending = (sampled, j)
+            seq.status = SeqStatus.DECODING
+        return sampled
+
+    def _hidden(self, inputs: mx.array, caches: list[StepCache]) -> None:
+        """Run a step whose rows need no logits (its caches are what it updates)."""
+        if self._head is None:
+            self.model(inputs[:, None], cache=caches)
+        else:
+            self._backbone(inputs[:, None], cache=caches)
+
+    def _logits(
+        self, inputs: mx.array, caches: list[StepCache], rows: list[int], total: int
+    ) -> mx.array:
+        x = inputs[:, None]
+        subset = None if len(rows) == total else mx.array(rows)
+        if self._head is None:
+            out = self.model(x, cache=caches)
+            return (out if subset is None else out[subset])[:, -1, :]
+        hidden = self._backbone(x, cache=caches)
+        return self._head(hidden if subset is None else hidden[subset])[:, -1, :]
+
+    def _split_head(self) -> tuple[Any, Any]:
+        """The model's backbone and output head, when they can be called apart (so a prefill
+        chunk's rows skip the vocabulary projection), else (None, None).
+
+        Each candidate head is checked against the whole model on a few probe tokens; the
+        probe also checks that a step of rows gives the logits of an ordinary forward pass.
+        """
+        model = self.model
+        probe = mx.arange(1, PROBE_TOKENS + 1)
+        expected = model(probe[None], cache=make_prompt_cache(model))[0]
+        whole = self._probe_rows(lambda x, cache: model(x, cache=cache), probe)
+        scale = mx.abs(expected).max().item() + 1e-6
+        if mx.abs(whole - expected).max().item() > 0.02 * scale:
+            raise UnsupportedModelError(
+                f"{type(model).__module__}: a step of one-token rows does not reproduce the "
+                "model's logits (it mixes tokens outside attention); agentkv cannot batch it"
+            )
+        backbone = getattr(model, "model", None)
+        if not isinstance(backbone, nn.Module):
+            return None, None
+        heads = [getattr(model, "lm_head", None)]
+        heads.append(getattr(getattr(backbone, "embed_tokens", None), "as_linear", None))
+        for head in heads:
+            if not callable(head):
+                continue
+            try:
+                split = self._probe_rows(
+                    lambda x, cache, h=head: h(backbone(x, cache=cache)), probe
+                )
+            except Exception:  # a candidate that does not fit this architecture
+                continue
+            if mx.array_equal(split, whole).item():
+                return backbone, head
+        return None, None
+
+    def _probe_rows(self, forward: Any, probe: mx.array) -> mx.array:
+        group = self.layout.empty_layers()
+        spans = [
+            StepCache([Span(layer, 0, probe.size, prefill=True)], mx.arange(probe.size))
+            for layer in group
+        ]
+        out = forward(probe[:, None], spans)[:, -1, :]
+        mx.eval(out)
+        return out
+
+
+def _process(
+    logits: mx.array,
+    seqs: list[Sequence],
+    feeds: list[tuple[Sequence, int, int]],
+    inputs: mx.array,
+) -> mx.array:
+    """Apply logits processors; they look back at everything the KV holds after this step."""
+    for seq, first, n in feeds:
+        if seq.logits_processors:
+            if seq.context is None:
+                seq.context = TokenBuffer(seq.tokens)
+            seq.context.update_and_fetch(inputs[first : first + n])
+    rows = []
+    for i, seq in enumerate(seqs):
+        row = logits[i : i + 1]
+        for processor in seq.logits_processors:
+            row = processor(seq.context.tokens, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)
+
+
+def _sample(logits: mx.array, seqs: list[Sequence]) -> mx.array:
+    """Each row's next token: one argmax for greedy rows, each sampler on its own row."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(s.sampler is None for s in seqs):
+        return mx.argmax(logprobs, axis=-1)
+    return mx.concatenate(
+        [
+            s.sampler(logprobs[i : i + 1]) if s.sampler else mx.argmax(logprobs[i : i + 1], axis=-1)
+            for i, s in enumerate(seqs)
+        ]
+    )
+
+
+def _join_inputs(pending: list[Any], chunks: list[list[int]]) -> mx.array:
+    """The step's input tokens: each decode row's pending token (a row of the array it was
+    sampled in, or an int), then the prefill chunks. Runs of one array are sliced once."""
+    parts: list[mx.array] = []
+    run: tuple[mx.array, int, int] | None = None  # (array, first index, last index)
+    ints: list[int] = []
+
+    def flush() -> None:
+        nonlocal run
+        if ints:
+            parts.append(mx.array(ints, dtype=mx.uint32))
+            ints.clear()
+        if run is not None:
+            array, first, last = run
+            parts.append(
+                array if first == 0 and last == array.size - 1 else array[first : last + 1]
+            )
+            run = None
+
+    for p in pending:
+        if isinstance(p, int):
+            if run is not None:
+                flush()
+            ints.append(p)
+            continue
+        array, index = p
+        if run is not None and run[0] is array and run[2] == index - 1:
+            run = (array, run[1], index)
+            continue
+        flush()
+        run = (array, index, index)
+    flush()
+    tail = [t for chunk in chunks for t in chunk]
+    if tail:
+        parts.append(mx.array(tail, dtype=mx.uint32))
+    return parts[0] if len(parts) == 1 else mx.concatenate([p.astype(mx.uint32) for p in parts])

@@ -1,0 +1,89 @@
+"""One step of rows through mlx-lm's model: decode rows of length groups and a prefill chunk
+in one forward pass give the logits of ordinary forwards, sequence by sequence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.attention import ragged_attention
+from engine.kv_batch import KVGroup
+from engine.models import load_model
+from engine.request import GenerationRequest, RequestStats
+from engine.runner import ModelRunner, StepPlan
+from engine.sequence import SeqStatus, Sequence
+from engine.stopping import StopStrings
+
+SPECS = ["tiny:gemma3", "tiny:llama"]
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def runner(request):
+    return ModelRunner(load_model(request.param).model)
+
+
+def tokens(n: int, salt: int) -> list[int]:
+    return [(7 * i + 11 * salt) % 400 + 16 for i in range(n)]
+
+
+def sequence(prompt: list[int]) -> Sequence:
+    return Sequence(
+        request=GenerationRequest(prompt, max_tokens=100),
+        loop=None,
+        events=None,
+        stats=RequestStats(len(prompt), 0),
+        sampler=None,
+        logits_processors=[],
+        detokenizer=None,
+        stops=StopStrings([]),
+        prompt=list(prompt),
+    )
+
+
+def reference_next(model, prompt: list[int]) -> int:
+    """The greedy next token after ``prompt``, from one ordinary mlx-lm forward pass."""
+    logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))
+    return int(mx.argmax(logits[0, -1]).item())
+
+
+def test_decode_groups_and_a_prefill_chunk_share_one_step(runner):
+    model = runner.model
+    layout = runner.layout
+    # Two length groups (3 short sequences, 1 long one past the sliding window) ...
+    prompts = [tokens(n, salt=n) for n in (6, 9, 7, 120)]
+    seqs = [sequence(p) for p in prompts]
+    for seq in seqs:
+        KVGroup.start(layout, seq, None)
+    runner.run(StepPlan([], [(s, len(s.prompt)) for s in seqs]))
+    short = seqs[0].group
+    short.absorb(seqs[1].group)
+    short.absorb(seqs[2].group)
+    long = seqs[3].group
+    # ... decode beside a prompt that prefills its first 20 of 50 tokens in the same step.
+    joining = sequence(tokens(50, salt=99))
+    KVGroup.start(layout, joining, None)
+    joining.status = SeqStatus.PREFILLING
+    plan = StepPlan([short, long], [(joining, 20)])
+    first = [s.pending for s in seqs]
+    runner.run(plan)
+    fed = [int(a[i].item()) for a, i in first]
+    assert [p for _, p in plan.fed] == first
+    assert joining.tokens == joining.request.prompt_tokens[:20] and len(joining.prompt) == 30
+    # Each decode row's next token equals a plain forward over its prompt + the fed token.
+    sampled = [int(s.pending[0][s.pending[1]].item()) for s in seqs]
+    for seq, prompt, token, got in zip(seqs, prompts, fed, sampled, strict=True):
+        assert token == reference_next(model, prompt)
+        assert got == reference_next(model, [*prompt, token])
+        assert seq.status is SeqStatus.DECODING
+    # The chunk went in: finishing the prompt samples what a plain forward does.
+    runner.run(StepPlan([], [(joining, 30)]))
+    array, index = joining.pending
+    assert int(array[index].item()) == reference_next(model, joining.request.prompt_tokens)
+
+
+def test_the_models_attention_goes_through_the_ragged_path(runner):
+    module = __import__(type(runner.model).__module__, fromlist=["_"])
+    assert module.scaled_dot_product_attention is ragged_attention
+    # Caches that are not a step's still take mlx-lm's own path: plain generation works.
+    assert reference_next(runner.model, tokens(12, salt=1)) >= 0
