@@ -16,6 +16,11 @@ over exactly that span's keys, and the model's own code does the rest.
 The only hook is ``scaled_dot_product_attention``: every mlx-lm model imports it from
 ``mlx_lm.models.base`` by name, so :func:`install` points that name, in the model's own
 modules, at :func:`ragged_attention`, which hands any other cache straight to mlx-lm's function.
+
+On MLX's CPU backend, decode spans (one query per row) attend through :func:`decode_attention`,
+the same math as two matmuls over the key-value head groups: 1.6x faster than
+``mx.fast.scaled_dot_product_attention`` there at a 16K-token history and 2.5x at 32K (its
+kernel reads the keys at about 1.6 GB/s), which is what a long agent costs the others.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
+_ON_CPU = [False]  # set by install(): decode spans take decode_attention
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,13 +42,15 @@ class Span:
     """Rows ``start .. start + rows`` of a step, held by one group's layer cache.
 
     ``prefill``: the rows are consecutive tokens of one sequence (a B=1 group), not one token
-    of each of the group's ``rows`` sequences.
+    of each of the group's ``rows`` sequences. ``padded``: the group's buffer may hold positions
+    of no sequence (it has held more than one), so even a decode step needs a mask.
     """
 
     cache: Any
     start: int
     rows: int
     prefill: bool
+    padded: bool = True
 
     @property
     def stop(self) -> int:
@@ -50,8 +58,15 @@ class Span:
 
     def as_block(self, x: mx.array) -> mx.array:
         """This span's rows of a ``(T, H, 1, D)`` array, shaped as its cache expects."""
-        x = x[self.start : self.stop]
+        if self.start or x.shape[0] != self.rows:
+            x = x[self.start : self.stop]
         return x.transpose(2, 1, 0, 3) if self.prefill else x  # (1, H, c, D) for a chunk
+
+    def mask(self, window_size: int | None) -> Any:
+        window = window_size is None or window_size == getattr(self.cache, "max_size", None)
+        if window and not (self.prefill or self.padded):
+            return None  # one sequence's own positions, all of them in its window
+        return self.cache.make_mask(self.rows if self.prefill else 1, window_size=window_size)
 
 
 class SpanMasks(tuple):
@@ -72,10 +87,7 @@ class StepCache:
     ) -> SpanMasks:
         if N != 1:
             raise ValueError(f"a step feeds one token per row, got {N}")
-        return SpanMasks(
-            s.cache.make_mask(s.rows if s.prefill else 1, window_size=window_size)
-            for s in self.spans
-        )
+        return SpanMasks(s.mask(window_size) for s in self.spans)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
         fetched = [
@@ -94,11 +106,32 @@ class StepCache:
     ) -> mx.array:
         outputs = []
         for span, k, v, mask in zip(self.spans, keys, values, masks, strict=True):
-            out = _MLX_LM_SDPA(
-                span.as_block(queries), k, v, span.cache, scale=scale, mask=mask, sinks=sinks
-            )
+            q = span.as_block(queries)
+            if _ON_CPU[0] and not span.prefill and sinks is None and isinstance(k, mx.array):
+                outputs.append(decode_attention(q, k, v, scale, mask))
+                continue
+            out = _MLX_LM_SDPA(q, k, v, span.cache, scale=scale, mask=mask, sinks=sinks)
             outputs.append(out.transpose(2, 1, 0, 3) if span.prefill else out)
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+def decode_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None
+) -> mx.array:
+    """Attention of one query per row, ``(B, Hq, 1, D)`` over ``(B, Hkv, L, D)`` keys: each
+    key-value head's query heads as the rows of one matmul, a boolean or additive mask."""
+    B, n_q, _, _ = queries.shape
+    n_kv = keys.shape[1]
+    q = (queries * scale).reshape(B, n_kv, n_q // n_kv, -1)
+    scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, Hq / Hkv, L)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, 1, -1)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ values).reshape(B, n_q, 1, -1)
 
 
 def ragged_attention(
@@ -123,6 +156,7 @@ def install(model: nn.Module) -> int:
         How many modules use it (0: the model has its own attention, which a step cannot
         drive; the caller's probe then fails and says so).
     """
+    _ON_CPU[0] = mx.default_device().type == mx.DeviceType.cpu
     names = {type(m).__module__ for _, m in model.named_modules()}
     installed = 0
     for name in names:

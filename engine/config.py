@@ -20,7 +20,8 @@ class EngineConfig(BaseModel):
 
     Attributes:
         completion_batch_size: most sequences in the batch together.
-        prefill_batch_size: most of them prefilling their prompts at once.
+        prefill_batch_size: most of them prefilling their prompts at once (default: 8, or
+            completion_batch_size when that is smaller).
         prefill_step_size: most prompt tokens of one sequence in one step.
         kv_budget_bytes: KV memory the batch may hold, padding included. A turn joins only
             when its history + prompt + max_tokens fit beside the turns already in; one that
@@ -46,6 +47,15 @@ class EngineConfig(BaseModel):
     max_queue_size: int = Field(default=1024, ge=1)
     priority_aging_per_s: float = Field(default=0.1, ge=0.0)
     stats_window_s: float = Field(default=10.0, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_prefill_batch(cls, data: object) -> object:
+        if isinstance(data, dict) and "prefill_batch_size" not in data:
+            completion = data.get("completion_batch_size")
+            if isinstance(completion, int) and 1 <= completion < 8:
+                return {**data, "prefill_batch_size": completion}
+        return data
 
     @model_validator(mode="after")
     def _prefill_fits(self) -> EngineConfig:

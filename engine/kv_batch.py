@@ -142,11 +142,12 @@ class KVGroup:
     ``seqs[i]``.
     """
 
-    __slots__ = ("layers", "seqs")
+    __slots__ = ("layers", "padded", "seqs")
 
     def __init__(self, layers: list[Any], seqs: list[Sequence]):
         self.layers = layers
         self.seqs = seqs
+        self.padded = len(seqs) > 1  # its buffers may hold positions no sequence owns
         for seq in seqs:
             seq.group = self
 
@@ -182,6 +183,7 @@ class KVGroup:
         for seq in other.seqs:
             seq.group = self
         self.seqs += other.seqs
+        self.padded = True
         other.seqs, other.layers = [], []
 
     def extract(self, seq: Sequence) -> list[Any]:

@@ -77,7 +77,7 @@ class ModelRunner:
         for group in plan.decode:
             n = len(group.seqs)
             for i, layer in enumerate(group.layers):
-                spans[i].append(Span(layer, row, n, prefill=False))
+                spans[i].append(Span(layer, row, n, prefill=False, padded=group.padded))
             positions.append(group.positions)
             for seq in group.seqs:
                 plan.fed.append((seq, seq.pending))
