@@ -41,8 +41,10 @@ async def ask(args: argparse.Namespace, budget: int | None) -> tuple[dict, int]:
             await eng.run(synthetic_cache, eng.model.model, args.history, i, vocab)
             for i in range(agents)
         ]
-        requests = [
-            GenerationRequest([20 + i], max_tokens=args.tokens, ignore_eos=True, cache=c)
+        requests = [  # no cache back: peak memory is the batch's, not the results'
+            GenerationRequest(
+                [20 + i], max_tokens=args.tokens, ignore_eos=True, cache=c, return_cache=False
+            )
             for i, c in enumerate(caches)
         ]
         need = eng.kv_bytes_needed(requests[0])

@@ -13,9 +13,13 @@ from pathlib import Path
 from benchmarks import (
     bench_batching,
     bench_blocks,
+    bench_budget,
     bench_fidelity,
     bench_load,
+    bench_mixed,
     bench_peer,
+    bench_policies,
+    bench_prefill,
     bench_resume,
     bench_roundtrip,
     bench_stall,
@@ -24,6 +28,10 @@ from benchmarks import (
 RESULTS = Path(__file__).parent / "results"
 SUITE = {
     "batching": bench_batching,
+    "mixed": bench_mixed,
+    "budget": bench_budget,
+    "prefill": bench_prefill,
+    "policies": bench_policies,
     "roundtrip": bench_roundtrip,
     "load": bench_load,
     "resume": bench_resume,

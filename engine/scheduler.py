@@ -10,157 +10,29 @@ Policies (``EngineConfig.policy``):
     fair: turns wait in arrival order; every turn gets its share of steps: prefill tokens are
         split evenly, and when turns are waiting a turn that ran ``FAIR_SLICE_STEPS`` steps is
         paused and goes to the back of the line.
-    latency_first: short and new turns first: a prompt's place in line is its arrival plus
-        its estimated prefill time; short prompts are prefilled whole at once (prefill before
-        decode); the longest-served turns are paused first.
-    throughput_first: fill the batch, whole ``prefill_step_size`` chunks for every prompt,
-        turns keep their place once running (the youngest are paused first).
-A request's ``priority`` (with aging) comes first under every policy.
+    latency_first: short and new turns first: a turn's place in line is its arrival plus its
+        expected work (prefill and max_tokens of decode), so a new short turn displaces a long
+        one that has run a few steps; short prompts are prefilled whole (prefill before decode).
+    throughput_first: fill the batch, a whole ``prefill_step_size`` chunk for every prompt
+        every step, turns keep their place once running (the youngest are paused first).
+A request's ``priority`` (with aging) comes first under every policy; the place in line above
+counts as its arrival time, from which its priority ages.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
+from engine.admission import AdmissionQueue
 from engine.config import EngineConfig, Policy
-from engine.errors import EngineOverloadedError
 from engine.kv_batch import KVGroup, KVLayout, best_group
+from engine.pacing import MIN_CHUNK, PrefillPacer
 from engine.runner import StepPlan
 from engine.sequence import SeqStatus, Sequence
 
-T = TypeVar("T")
-
 FAIR_SLICE_STEPS = 64  # under `fair`, a turn's steps before it yields to a waiting one
 MIN_RUN_STEPS = 8  # a (re)admitted turn runs this many steps before it can be preempted
-MIN_CHUNK = 16
-PACER_REFRESH_STEPS = 32  # a decode-only step every so often re-measures the decode time
-EMA = 0.3
-
-
-class AdmissionQueue(Generic[T]):
-    """Thread-safe priority queue for requests waiting to join the batch.
-
-    Effective priority is ``priority + aging_per_s * (now - arrival)``. Since every waiting
-    item ages at the same rate, ordering by ``priority - aging_per_s * arrival`` is the same
-    order at any instant, so a plain heap stays correct as time passes. Ties go to the
-    earlier arrival.
-    """
-
-    def __init__(
-        self, max_size: int, aging_per_s: float, clock: Callable[[], float] = time.monotonic
-    ):
-        if max_size < 1:
-            raise ValueError(f"max_size must be >= 1, got {max_size}")
-        self._max_size = max_size
-        self._aging = aging_per_s
-        self._clock = clock
-        self._heap: list[tuple[float, float, int, T]] = []
-        self._removed: set[int] = set()
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._heap) - len(self._removed)
-
-    def push(
-        self, item: T, priority: float, arrival: float | None = None, force: bool = False
-    ) -> int:
-        """Queue an item; raises EngineOverloadedError at once when the queue is full
-        (unless ``force``: a preempted turn always gets its place back)."""
-        with self._lock:
-            if not force and len(self._heap) - len(self._removed) >= self._max_size:
-                raise EngineOverloadedError(
-                    f"admission queue is full ({self._max_size} waiting requests); retry later"
-                )
-            ticket = next(self._ids)
-            arrival = self._clock() if arrival is None else arrival
-            heapq.heappush(self._heap, (-(priority - self._aging * arrival), arrival, ticket, item))
-            return ticket
-
-    def peek(self) -> T | None:
-        """The waiting item with the highest effective priority, left in the queue."""
-        with self._lock:
-            self._drop_removed()
-            return self._heap[0][3] if self._heap else None
-
-    def pop(self) -> T | None:
-        """Remove and return the waiting item with the highest effective priority, or None."""
-        with self._lock:
-            self._drop_removed()
-            return heapq.heappop(self._heap)[3] if self._heap else None
-
-    def remove(self, ticket: int) -> bool:
-        """Drop a waiting item by ticket. Returns False if it was already popped."""
-        with self._lock:
-            if ticket in self._removed or not any(e[2] == ticket for e in self._heap):
-                return False
-            self._removed.add(ticket)
-            return True
-
-    def drain(self) -> list[T]:
-        """Remove and return every waiting item in admission order."""
-        items = []
-        while (item := self.pop()) is not None:
-            items.append(item)
-        return items
-
-    def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][2] in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[2])
-
-
-class PrefillPacer:
-    """Sizes the prefill tokens of a step that also decodes, so decoding sequences'
-    inter-token gap stays within ``stall_factor`` times their decode-only step time.
-
-    It learns two figures from the steps it is told about: the time of a decode-only step and
-    the time one prefill token adds to a step (which grows as a long prompt's chunks attend to
-    more keys), and picks ``(stall_factor - 1) * decode_time / token_time`` tokens.
-    """
-
-    def __init__(self, max_chunk: int, stall_factor: float):
-        self.max_chunk = max_chunk
-        self.stall_factor = stall_factor
-        self.decode_s: float | None = None
-        self.token_s: float | None = None  # added by one prefill token beside decoding
-        self.prefill_token_s = 5e-4  # per prefill token in any step (queue estimates)
-        self.mixed_since_decode = 0
-        self.last_budget = max_chunk
-
-    def budget(self) -> int:
-        """Prefill tokens for the next step with decoding sequences (0: decode only)."""
-        if self.decode_s is None or self.mixed_since_decode >= PACER_REFRESH_STEPS:
-            return 0
-        if self.token_s is None:
-            self.last_budget = MIN_CHUNK
-        else:
-            chunk = (self.stall_factor - 1) * self.decode_s / max(self.token_s, 1e-9)
-            self.last_budget = int(min(max(chunk, MIN_CHUNK), self.max_chunk))
-        return self.last_budget
-
-    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        if prefill_tokens:
-            self.prefill_token_s = _ema(self.prefill_token_s, seconds / prefill_tokens)
-        if not decode_rows:
-            return
-        if not prefill_tokens:
-            self.decode_s = _ema(self.decode_s, seconds)
-            self.mixed_since_decode = 0
-            return
-        self.mixed_since_decode += 1
-        if self.decode_s is not None:
-            added = max(seconds - self.decode_s, 0.0) / prefill_tokens
-            self.token_s = _ema(self.token_s, added)
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
 
 
 class Scheduler:
@@ -204,8 +76,9 @@ class Scheduler:
     def enqueue(self, seq: Sequence, arrival: float | None = None, force: bool = False) -> None:
         if arrival is None:
             arrival = self._clock()
-            if self.policy is Policy.LATENCY_FIRST:  # shortest expected prefill first
-                arrival += len(seq.prompt) * self.pacer.prefill_token_s
+            if self.policy is Policy.LATENCY_FIRST:  # shortest expected work first
+                new_tokens = seq.request.max_tokens - len(seq.token_ids)
+                arrival += self.pacer.expected_seconds(len(seq.prompt), new_tokens)
         seq.arrival = arrival
         seq.ticket = self.queue.push(seq, seq.request.priority, arrival, force)
 
@@ -285,16 +158,16 @@ class Scheduler:
                 self.rejected.append((head, exc))
 
     def _blocked(self, seq: Sequence, running: list[Sequence]) -> str | None:
-        """Why ``seq`` cannot join a batch of ``running`` now: "slots", "memory" or None."""
+        """Why ``seq`` cannot join a batch of ``running`` now: no free "slot", no free
+        "prefill" slot, no "memory" in the budget; None when it can."""
         cfg = self.config
         if len(running) >= cfg.completion_batch_size:
-            return "slots"
+            return "slot"
         if seq.prompt and (
             sum(s.status is SeqStatus.PREFILLING for s in running) >= cfg.prefill_batch_size
         ):
-            return "slots"
-        reserved = sum(s.reserved for s in running)
-        if reserved + self.need(seq) > self.budget_bytes:
+            return "prefill"
+        if sum(s.reserved for s in running) + self.need(seq) > self.budget_bytes:
             return "memory"
         return None
 
@@ -317,16 +190,19 @@ class Scheduler:
                 victims.append(seq)
         victims.sort(key=lambda s: (s.priority_at(now, aging), self._victim_order(s)))
         remaining, chosen = list(self.running), []
-        for victim in victims:
-            if not self._blocked(head, remaining):
-                break
-            remaining.remove(victim)
-            chosen.append(victim)
-        if not chosen or self._blocked(head, remaining):
-            return False
+        while reason := self._blocked(head, remaining):
+            frees = [  # only a prefilling turn frees a prefill slot
+                v
+                for v in victims
+                if v not in chosen and (reason != "prefill" or v.status is SeqStatus.PREFILLING)
+            ]
+            if not frees:
+                return False
+            remaining.remove(frees[0])
+            chosen.append(frees[0])
         for victim in chosen:
             self._pause(victim, rotate=victim.priority_at(now, aging) >= mine)
-        return True
+        return bool(chosen)
 
     def _victim_order(self, seq: Sequence) -> float:
         if self.policy is Policy.THROUGHPUT_FIRST:
@@ -380,18 +256,18 @@ class Scheduler:
         if not prefilling:
             return []
         step = self.config.prefill_step_size
-        if not decoding or self.policy is Policy.THROUGHPUT_FIRST:
+        if self.policy is Policy.THROUGHPUT_FIRST:  # every prompt a whole chunk each step
             chunks = [(s, min(len(s.prompt), step)) for s in prefilling]
-        else:
-            chunks = self._paced_chunks(prefilling, self.pacer.budget())
+        else:  # nobody decoding: one whole chunk a step, shared, so newcomers start soon
+            chunks = self._paced_chunks(prefilling, self.pacer.budget() if decoding else step)
         if any(n == len(s.prompt) for s, n in chunks):
             self._regroup = True  # decoding next step: it may join a group
         return chunks
 
     def _paced_chunks(self, prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
-        """Split a step's prefill ``budget`` (0: a decode-only step to re-measure): shortest
-        prompt first, a short one whole, under latency_first; under fair every prefilling turn
-        gets an even share, at least ``MIN_CHUNK``, so each keeps moving."""
+        """Split a step's prefill ``budget`` (0: a decode-only step to re-measure the pacer):
+        shortest prompt first, a short one whole, under latency_first; under fair an even share
+        each, at least ``MIN_CHUNK``, so every prompt keeps moving."""
         if not budget:
             return []
         if self.policy is Policy.LATENCY_FIRST:

@@ -175,3 +175,44 @@ def test_fidelity_quick(tmp_path):
         assert sizes == sorted(sizes, reverse=True)
     assert report["exact_is_identical"] is True
     assert set(report["targets_met"]) == {"q8_agreement", "exact"}
+
+
+def test_mixed_quick(tmp_path):
+    report = run_quick("bench_mixed", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    rows = {(r["path"], r["long_history"]): r for r in report["rows"]}
+    assert set(rows) == {(p, n) for p in ("agentkv", "padded") for n in (0, 400)}
+    # The long agent gets a group of its own; one padded batch pads everyone to it.
+    assert rows[("agentkv", 400)]["groups"] == 2 and rows[("padded", 400)]["groups"] == 1
+    assert rows[("agentkv", 400)]["held_vs_owned"] < rows[("padded", 400)]["held_vs_owned"]
+    assert all(r["short_tps"] > 0 and r["held_vs_owned"] >= 1 for r in rows.values())
+
+
+def test_budget_quick(tmp_path):
+    report = run_quick("bench_budget", tmp_path)
+
+    bounded, unbounded = report["rows"]
+    assert bounded["completed"] == bounded["agents"] == unbounded["completed"] == 8
+    assert bounded["failed"] == unbounded["failed"] == 0
+    assert bounded["max_in_batch"] == 2 < unbounded["max_in_batch"]
+    assert bounded["held_under_budget_every_step"] is True
+
+
+def test_prefill_quick(tmp_path):
+    report = run_quick("bench_prefill", tmp_path)
+
+    before, paced = report["rows"]
+    assert before["max_decode_stall"] is None and paced["max_decode_stall"] == 2.0
+    for row in report["rows"]:
+        assert row["decode_median_ms"] > 0 and row["worst_vs_median"] >= 1
+        assert row["prefill_s"] > 0 and row["decoder_tokens_during"] > 0
+
+
+def test_policies_quick(tmp_path):
+    report = run_quick("bench_policies", tmp_path)
+
+    assert [r["policy"] for r in report["rows"]] == ["fair", "latency_first", "throughput_first"]
+    for row in report["rows"]:
+        assert 0 < row["short_ttft_p50_s"] <= row["short_ttft_p95_s"]
+        assert row["aggregate_tps"] > 0

@@ -10,12 +10,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from pydantic import ValidationError
 
+from engine.admission import AdmissionQueue
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloadedError, KVBudgetError
+from engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
 from engine.request import GenerationRequest
 from engine.sampling import SamplingParams
-from engine.scheduler import MIN_CHUNK, PACER_REFRESH_STEPS, AdmissionQueue, PrefillPacer
 from engine.sequence import StepRecord
 
 
@@ -185,8 +186,13 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + 11 * salt) % 496 + 16 for i in range(n)]
 
 
-@pytest.mark.parametrize(("policy", "shares"), [("fair", True), ("throughput_first", False)])
-async def test_fair_rotates_turns_through_a_full_batch(policy, shares):
+@pytest.mark.parametrize(
+    ("policy", "makes_room"),
+    [("fair", True), ("latency_first", True), ("throughput_first", False)],
+)
+async def test_a_full_batch_makes_room_for_a_new_turn_unless_throughput_first(policy, makes_room):
+    """fair pauses the long turn after its time slice, latency_first as soon as it may (the
+    short turn's work is smaller); throughput_first lets it run to the end."""
     config = EngineConfig(completion_batch_size=1, prefill_batch_size=1, policy=policy)
     eng = await Engine.open("tiny:gemma3", config)
     try:
@@ -198,7 +204,7 @@ async def test_fair_rotates_turns_through_a_full_batch(policy, shares):
         long_result = await long.result()
     finally:
         await eng.close()
-    assert (short.stats.finished_at < long_result.stats.finished_at) is shares
+    assert (short.stats.finished_at < long_result.stats.finished_at) is makes_room
     assert long_result.token_ids == greedy(eng, prompt_of(20), 200)
     assert short.token_ids == greedy(eng, prompt_of(12, salt=3), 5)
 
