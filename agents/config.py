@@ -33,7 +33,7 @@ class RuntimeConfig(BaseModel):
             resumes from them; when its system prompt (and tools) span a block and are not
             stored yet, it prefills them first and stores them for the agents that follow.
         default_max_tokens: max_tokens of a turn when the call does not say.
-        engine: continuous-batching limits.
+        engine: the batch: its limits, KV memory budget and scheduling policy (EngineConfig).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

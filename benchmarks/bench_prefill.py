@@ -46,7 +46,8 @@ def gaps(times: list[float], start: float, end: float) -> list[float]:
 
 
 def summary(decoders: list[list[float]], arrived: float, first_token: float, warmup: int) -> dict:
-    before = [g for t in decoders for g in gaps(t[1:], 0.0, arrived)]  # skip the first gap
+    settled = warmup // 4  # decode-only gaps after the decoders' first few tokens
+    before = [g for t in decoders for g in gaps(t[settled:], 0.0, arrived)]
     during = [g for t in decoders for g in gaps(t, arrived, first_token)]
     median = statistics.median(before)
     return {
@@ -189,14 +190,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--decoder-history", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=16_384)
-    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=48, help="decode-only tokens first")
     parser.add_argument("--stalls", type=float, nargs="+", default=[2.0, 3.0])
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.decoders, args.decoder_history = "tiny:gemma3", 3, 20
-        args.prompt, args.warmup, args.stalls = 600, 4, [2.0]
+        args.prompt, args.warmup, args.stalls = 600, 8, [2.0]
     report = asyncio.run(run(args))
     write_report(report, args.out, plot)
     return report
