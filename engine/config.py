@@ -52,8 +52,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _default_prefill_batch(cls, data: object) -> object:
         if isinstance(data, dict) and "prefill_batch_size" not in data:
-            completion = data.get("completion_batch_size")
-            if isinstance(completion, int) and 1 <= completion < 8:
+            try:
+                completion = int(data.get("completion_batch_size", 16))
+            except (TypeError, ValueError):
+                return data  # the field's own validation names it
+            if 1 <= completion < 8:
                 return {**data, "prefill_batch_size": completion}
         return data
 

@@ -99,7 +99,8 @@ class RequestHandle:
 
 
 class Engine:
-    """Continuous batching over mlx-lm's BatchGenerator, driven from asyncio.
+    """Continuous batching of mlx-lm models (length groups, KV budget, policies), driven from
+    asyncio.
 
     Example:
         async with await Engine.open("tiny:gemma3") as engine:

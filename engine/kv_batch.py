@@ -47,6 +47,12 @@ class GroupKVCache(BatchKVCache):
     def step(self) -> int:
         return growth(self._idx)
 
+    @classmethod
+    def merge(cls, caches: list[Any]) -> GroupKVCache:
+        merged = super().merge(caches)
+        merged.__class__ = cls  # mlx-lm makes a plain BatchKVCache of empty caches
+        return merged
+
 
 class GroupRotatingKVCache(BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache growing by :func:`growth` up to its window."""
@@ -62,6 +68,7 @@ class KVLayout:
 
     windows: tuple[int | None, ...]
     token_bytes: tuple[int, ...]
+    heads: tuple[tuple[int, int, int], ...] = ()  # (KV heads, key dim, value dim) per layer
     by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
 
     def __post_init__(self) -> None:
@@ -86,6 +93,7 @@ class KVLayout:
         return cls(
             tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches),
             tuple((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches),
+            tuple(_heads(c) for c in caches),
         )
 
     @property
@@ -126,12 +134,21 @@ class KVLayout:
                 f"cache layers {[t.__name__ for t in types]} do not match the model's "
                 f"{[t.__name__ for t in self.layer_types]}"
             )
-        for layer, window in zip(layers, self.windows, strict=True):
+        for i, (layer, window) in enumerate(zip(layers, self.windows, strict=True)):
             if window is not None and layer.max_size != window:
                 raise InvalidCacheError(
                     f"a sliding-window layer holds {layer.max_size} positions; the model's "
                     f"window is {window}"
                 )
+            if self.heads and layer.keys is not None and _heads(layer) != self.heads[i]:
+                raise InvalidCacheError(
+                    f"cache layer {i} holds (KV heads, key dim, value dim) {_heads(layer)}; "
+                    f"the model's are {self.heads[i]}"
+                )
+
+
+def _heads(cache: Any) -> tuple[int, int, int]:
+    return cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3]
 
 
 class KVGroup:
@@ -217,9 +234,6 @@ class KVGroup:
             for layer in self.layers
         ]
         return True
-
-    def state(self) -> list[Any]:
-        return [layer.state for layer in self.layers]
 
 
 def best_group(layout: KVLayout, groups: list[KVGroup], joining: list[int]) -> KVGroup | None:

@@ -123,6 +123,7 @@ class GenerationLoop(threading.Thread):
             kv_groups=len(s.groups),
             waiting_for_memory=s.waiting_for_memory,
             paused=s.paused,
+            kv_paused_bytes=s.paused_bytes,
             preemptions=s.preemptions,
             prefill_tokens_per_step=s.pacer.last_budget,
         )
@@ -140,7 +141,7 @@ class GenerationLoop(threading.Thread):
             return
         self._ready.set()
         try:
-            # mlx-lm's generation stream and wired memory limit (Apple), as BatchGenerator uses.
+            # mlx-lm's generation stream and wired memory limit (Apple), as its generators use.
             with wired_limit(self.model.model, [generation_stream]), mx.stream(generation_stream):
                 self._serve()
         except BaseException as exc:
@@ -172,7 +173,11 @@ class GenerationLoop(threading.Thread):
             if self._stopping == "cancel" or (self._stopping and not self._has_work()):
                 self._cancel_everything()
                 return
-            plan = self.scheduler.schedule()
+            try:
+                plan = self.scheduler.schedule()
+            except Exception as exc:  # e.g. out of memory copying a group: as a failed step
+                self._fail_batch(exc, "scheduling a step failed")
+                continue
             for seq, exc in self.scheduler.rejected:
                 self._finish(seq, FinishReason.ERROR, error=exc)
             self.scheduler.rejected.clear()
@@ -221,11 +226,7 @@ class GenerationLoop(threading.Thread):
                 mx.eval(flight[1])
             tokens = _values([p for _, p in plan.fed])
         except Exception as exc:
-            # The batch's state is unknown after a failed step: fail what was in it, start fresh.
-            log.exception("generation step failed; failing %d requests", plan.decode_rows)
-            self._in_flight = self._done_at = None
-            for seq in self.scheduler.drop_batch():
-                self._finish(seq, FinishReason.ERROR, error=exc)
+            self._fail_batch(exc, "generation step failed")
             return
         now = time.perf_counter()
         gap = 0.0
@@ -244,6 +245,16 @@ class GenerationLoop(threading.Thread):
         if tokens:
             self._count(len(tokens))
         self._report(plan, tokens, now)
+
+    def _fail_batch(self, exc: Exception, what: str) -> None:
+        """The batch's state is unknown after a failure inside a step: fail every turn in it
+        (waiting turns stay queued), start afresh."""
+        dropped = self.scheduler.drop_batch()
+        log.exception("%s; failing the %d requests in the batch", what, len(dropped))
+        self._in_flight = self._done_at = None
+        for seq in dropped:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ERROR, error=exc)
 
     def _tell_listeners(self, plan: StepPlan, gap: float) -> None:
         s = self.scheduler
@@ -288,7 +299,11 @@ class GenerationLoop(threading.Thread):
         if not (ended or failed):
             return
         keep = {id(s) for s, _ in ended if s.request.return_cache}
-        caches = self.scheduler.leave([s for s, _ in ended] + [s for s, _ in failed], keep)
+        try:
+            caches = self.scheduler.leave([s for s, _ in ended] + [s for s, _ in failed], keep)
+        except Exception as exc:
+            self._fail_batch(exc, "taking finished turns out of the batch failed")
+            return
         for seq, reason in ended:
             layers = caches.get(id(seq))
             cache = PromptCache(layers, list(seq.tokens)) if layers else None

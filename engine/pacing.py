@@ -64,7 +64,3 @@ class PrefillPacer:
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA * (new - old)
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)

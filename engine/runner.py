@@ -96,11 +96,13 @@ class ModelRunner:
         inputs = _join_inputs([p for _, p in plan.fed], chunks)
         caches = [StepCache(s, mx.concatenate(positions)) for s in spans]
         sampled = None
+        if any(s.logits_processors for s, _, _ in feeds):
+            _extend_contexts(feeds, inputs)
         if sampling:
             logits = self._logits(inputs, caches, [r for r, _ in sampling], row)
             seqs = [s for _, s in sampling]
-            if any(s.logits_processors for s, _, _ in feeds):
-                logits = _process(logits, seqs, feeds, inputs)
+            if any(s.logits_processors for s in seqs):
+                logits = _process(logits, seqs)
             sampled = _sample(logits, seqs)
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
@@ -178,18 +180,18 @@ class ModelRunner:
         return out
 
 
-def _process(
-    logits: mx.array,
-    seqs: list[Sequence],
-    feeds: list[tuple[Sequence, int, int]],
-    inputs: mx.array,
-) -> mx.array:
-    """Apply logits processors; they look back at everything the KV holds after this step."""
+def _extend_contexts(feeds: list[tuple[Sequence, int, int]], inputs: mx.array) -> None:
+    """Add this step's input tokens to what each sequence's logits processors look back at
+    (every step, sampled or not, so the context always equals what the KV holds)."""
     for seq, first, n in feeds:
         if seq.logits_processors:
             if seq.context is None:
                 seq.context = TokenBuffer(seq.tokens)
             seq.context.update_and_fetch(inputs[first : first + n])
+
+
+def _process(logits: mx.array, seqs: list[Sequence]) -> mx.array:
+    """Apply logits processors; they look back at everything the KV holds after this step."""
     rows = []
     for i, seq in enumerate(seqs):
         row = logits[i : i + 1]

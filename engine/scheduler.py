@@ -9,7 +9,8 @@ sized by :class:`PrefillPacer` so decoding turns are not stalled.
 Policies (``EngineConfig.policy``):
     fair: turns wait in arrival order; every turn gets its share of steps: prefill tokens are
         split evenly, and when turns are waiting a turn that ran ``FAIR_SLICE_STEPS`` steps is
-        paused and goes to the back of the line.
+        paused and goes to the back of the line, where it waits as long before it takes
+        anyone's place (round robin).
     latency_first: short and new turns first: a turn's place in line is its arrival plus its
         expected work (prefill and max_tokens of decode), so a new short turn displaces a long
         one that has run a few steps; short prompts are prefilled whole (prefill before decode).
@@ -59,12 +60,14 @@ class Scheduler:
         self.rejected: list[tuple[Sequence, Exception]] = []  # failed to join; the loop ends them
         self._clock = clock
         self._regroup = False
-        self._rotation = 0
+        self._rotation = 0  # fair: where the next step's prefill turns start
+        self.steps = 0
         self.reserved_bytes = 0
         self.held_bytes = 0
         self.padding_bytes = 0
         self.waiting_for_memory = 0
         self.paused = 0
+        self.paused_bytes = 0  # caches of paused turns: in memory, outside the budget
         self.preemptions = 0
 
     # ---- any thread --------------------------------------------------------------------------
@@ -80,12 +83,14 @@ class Scheduler:
                 new_tokens = seq.request.max_tokens - len(seq.token_ids)
                 arrival += self.pacer.expected_seconds(len(seq.prompt), new_tokens)
         seq.arrival = arrival
+        seq.queued_step = self.steps
         seq.ticket = self.queue.push(seq, seq.request.priority, arrival, force)
 
     # ---- the generation thread ---------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         """Admit, preempt and regroup; return the next step's plan."""
+        self.steps += 1
         self._admit()
         if self._regroup:
             self._merge_groups()
@@ -125,7 +130,7 @@ class Scheduler:
 
     def dequeue(self, seq: Sequence) -> bool:
         if self.queue.remove(seq.ticket):
-            self.paused -= seq.status is SeqStatus.PAUSED
+            self._unpause(seq)
             return True
         return False
 
@@ -150,8 +155,9 @@ class Scheduler:
                     free = self.config.completion_batch_size - len(self.running)
                     self.waiting_for_memory = min(free, len(self.queue))
                 return
-            self.queue.pop()
-            self.paused -= head.status is SeqStatus.PAUSED
+            if not self.queue.remove(head.ticket):
+                continue  # cancelled meanwhile (the asyncio side may dequeue at any time)
+            self._unpause(head)
             try:
                 self._join(head)
             except Exception as exc:  # e.g. a cache of another model: only this turn fails
@@ -175,20 +181,27 @@ class Scheduler:
         """Pause the fewest running turns that ``head`` may displace so that it fits."""
         now = self._clock()
         aging = self.config.priority_aging_per_s
-        mine = head.priority_at(now, aging)
+        mine = head.rank(now, aging)
+        # Round robin: a turn that was itself paused waits a whole slice before it takes
+        # anyone's place for theirs (else one rotation would cascade through the batch).
+        rotates = self.policy is Policy.FAIR and (
+            not head.preemptions or self.steps - head.queued_step >= FAIR_SLICE_STEPS
+        )
         victims = []
         for seq in self.running:
             if seq.steps < MIN_RUN_STEPS:
                 continue
-            outranked = seq.priority_at(now, aging) < mine
+            outranked = seq.rank(now, aging) < mine
             slice_over = (
-                self.policy is Policy.FAIR
+                rotates
                 and seq.steps >= FAIR_SLICE_STEPS
                 and seq.request.priority <= head.request.priority
             )
             if outranked or slice_over:
                 victims.append(seq)
-        victims.sort(key=lambda s: (s.priority_at(now, aging), self._victim_order(s)))
+        # The lowest request priority first (not the aged one: a few ms of arrival must not
+        # outweigh the policy's order), then the policy's order.
+        victims.sort(key=lambda s: (s.request.priority, self._victim_order(s)))
         remaining, chosen = list(self.running), []
         while reason := self._blocked(head, remaining):
             frees = [  # only a prefilling turn frees a prefill slot
@@ -201,7 +214,7 @@ class Scheduler:
             remaining.remove(frees[0])
             chosen.append(frees[0])
         for victim in chosen:
-            self._pause(victim, rotate=victim.priority_at(now, aging) >= mine)
+            self._pause(victim, rotate=victim.rank(now, aging) >= mine)
         return bool(chosen)
 
     def _victim_order(self, seq: Sequence) -> float:
@@ -220,7 +233,14 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.paused += 1
+        self.paused_bytes += sum(layer.nbytes for layer in seq.cache)
         self.enqueue(seq, arrival=None if rotate else seq.arrival, force=True)
+
+    def _unpause(self, seq: Sequence) -> None:
+        """``seq`` left the queue: it no longer counts as paused."""
+        if seq.status is SeqStatus.PAUSED:
+            self.paused -= 1
+            self.paused_bytes -= sum(layer.nbytes for layer in seq.cache)
 
     def _join(self, seq: Sequence) -> None:
         group = KVGroup.start(self.layout, seq, seq.cache)
@@ -281,7 +301,14 @@ class Scheduler:
                 chunks.append((seq, min(len(seq.prompt), budget)))
                 budget -= chunks[-1][1]
             return chunks
-        share = max(MIN_CHUNK, budget // len(prefilling))
+        # fair: an even share each; when the budget has not MIN_CHUNK for every prompt, it goes
+        # to as many as it has, in turn.
+        k = min(len(prefilling), max(1, budget // MIN_CHUNK))
+        if k < len(prefilling):
+            start = self._rotation % len(prefilling)
+            self._rotation = start + k
+            prefilling = (prefilling[start:] + prefilling[:start])[:k]
+        share = max(MIN_CHUNK, budget // k)
         return [(s, min(len(s.prompt), share)) for s in prefilling]
 
     def _measure(self) -> None:

@@ -56,6 +56,7 @@ class Sequence:
     reserved: int = 0  # KV bytes set aside in the budget while it is in the batch
     context: Any = None  # mlx-lm TokenBuffer of what logits processors look back at
     steps: int = 0  # steps run since it (re)joined the batch
+    queued_step: int = 0  # the scheduler's step count when it last went into the queue
     preemptions: int = 0
 
     @property
@@ -73,6 +74,10 @@ class Sequence:
 
     def priority_at(self, now: float, aging_per_s: float) -> float:
         return self.request.priority + aging_per_s * (now - self.arrival)
+
+    def rank(self, now: float, aging_per_s: float) -> tuple[float, float]:
+        """Its place in line: higher first; priority with aging, then the earlier arrival."""
+        return self.priority_at(now, aging_per_s), -self.arrival
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,6 +98,7 @@ class EngineStats:
         waiting_for_memory: queued requests that a free slot awaits but the budget does not
             have room for.
         paused: requests preempted and waiting to rejoin.
+        kv_paused_bytes: bytes of their caches, in memory outside the budget.
         preemptions: requests preempted since the engine started.
         prefill_tokens_per_step: the prefill token budget of the latest step with decoding
             sequences (sized so their inter-token gap stays bounded).
@@ -117,6 +123,7 @@ class EngineStats:
     kv_groups: int
     waiting_for_memory: int
     paused: int
+    kv_paused_bytes: int
     preemptions: int
     prefill_tokens_per_step: int
 

@@ -76,9 +76,10 @@ class ServerMetrics:
                 ("kv_groups", "Length groups the batch's sequences are in."),
                 ("waiting_for_memory", "Queued turns a free slot awaits but the KV budget not."),
                 ("paused", "Turns preempted from the batch, waiting to rejoin."),
+                ("kv_paused_bytes", "Bytes of paused turns' caches, outside the budget."),
                 ("preemptions", "Turns preempted since the server started."),
                 ("tokens_generated", "Tokens generated since the server started."),
-                ("decode_tokens_per_second", "Generated tokens per second over the last 10 s."),
+                ("decode_tokens_per_second", "Generated tokens per second over the stats window."),
                 ("prefill_tokens_per_step", "Prefill tokens a step beside decoding may run."),
             )
         }

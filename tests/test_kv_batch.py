@@ -110,6 +110,25 @@ def test_a_group_refuses_caches_of_another_shape(model):
         KVGroup.start(layout, Seq(0), wrong)
 
 
+def test_a_group_refuses_a_cache_with_other_heads(model):
+    from engine.errors import InvalidCacheError
+
+    layout = KVLayout.of(model)
+    caches = prefilled(model, 6)
+    layer = caches[-1]
+    b, h, n, d = layer.keys.shape
+    layer.keys = mx.zeros((b, h + 1, n, d), layer.keys.dtype)  # another model's KV heads
+    layer.values = mx.zeros((b, h + 1, n, layer.values.shape[3]), layer.values.dtype)
+    with pytest.raises(InvalidCacheError, match=f"cache layer {len(caches) - 1} holds"):
+        KVGroup.start(layout, Seq(6), caches)
+
+
+def test_an_empty_cache_starts_a_group_that_grows_in_small_steps(model):
+    layout = KVLayout.of(model)
+    group = KVGroup.start(layout, Seq(0), make_prompt_cache(model))
+    assert [type(a) for a in group.layers] == [type(b) for b in layout.empty_layers()]
+
+
 def test_a_sequence_joins_the_group_it_pads_least_or_none_past_the_tolerance(model):
     layout = KVLayout.of(model)
     groups = []

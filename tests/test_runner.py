@@ -87,3 +87,22 @@ def test_the_models_attention_goes_through_the_ragged_path(runner):
     assert module.scaled_dot_product_attention is ragged_attention
     # Caches that are not a step's still take mlx-lm's own path: plain generation works.
     assert reference_next(runner.model, tokens(12, salt=1)) >= 0
+
+
+def test_logits_processors_see_every_token_the_kv_holds(runner):
+    """A prompt prefilled in chunks, first beside a decoding sequence (a sampled step), then
+    alone (no logits at all), then to its end: its processors' context is the whole prompt."""
+    layout = runner.layout
+    decoder = sequence(tokens(8, salt=1))
+    KVGroup.start(layout, decoder, None)
+    runner.run(StepPlan([], [(decoder, 8)]))
+    seen = []
+    prompt = tokens(60, salt=2)
+    joining = sequence(prompt)
+    joining.logits_processors = [lambda context, logits: seen.append(context) or logits]
+    KVGroup.start(layout, joining, None)
+    joining.status = SeqStatus.PREFILLING
+    runner.run(StepPlan([decoder.group], [(joining, 20)]))
+    runner.run(StepPlan([], [(joining, 20)]))
+    runner.run(StepPlan([], [(joining, 20)]))
+    assert seen and seen[-1].tolist() == prompt

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloadedError, KVBudgetError
 from engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
-from engine.request import GenerationRequest
+from engine.request import FinishReason, GenerationRequest
 from engine.sampling import SamplingParams
 from engine.sequence import StepRecord
 
@@ -289,3 +289,116 @@ def test_engine_config_names_the_bad_field():
 async def test_a_budget_below_the_smallest_turn_is_refused_at_open():
     with pytest.raises(KVBudgetError, match="kv_budget_bytes=1000 is smaller than the smallest"):
         await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=1000))
+
+
+def test_a_string_batch_size_is_read_as_the_number_it_names():
+    config = EngineConfig(completion_batch_size="4")
+    assert config.completion_batch_size == config.prefill_batch_size == 4
+    with pytest.raises(ValidationError, match="completion_batch_size"):
+        EngineConfig(completion_batch_size="many")
+
+
+async def test_fair_rotates_one_turn_per_time_slice():
+    """Three long turns, two slots: each slice one turn yields to the one waiting, and a turn
+    that just yielded waits a whole slice before it takes anyone's place (no cascade)."""
+    config = EngineConfig(completion_batch_size=2, prefill_batch_size=2, policy="fair")
+    requests = [
+        GenerationRequest(prompt_of(10, salt=i), max_tokens=160, ignore_eos=True) for i in range(3)
+    ]
+    eng = await Engine.open("tiny:gemma3", config)
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        results = await asyncio.gather(*(eng.generate(r) for r in requests))
+        preemptions = eng.stats().preemptions
+    finally:
+        await eng.close()
+    # ~245 steps of two rows: a rotation at steps 64, 128, 192 (and perhaps 256).
+    assert 3 <= preemptions <= 4, preemptions
+    assert len(steps) < 260
+    for request, result in zip(requests, results, strict=True):
+        assert result.token_ids == greedy(eng, request.prompt_tokens, 160)
+
+
+@pytest.mark.parametrize("where", ["engine.scheduler.Scheduler._merge_groups", "leave"])
+async def test_a_failure_while_scheduling_fails_the_batch_and_the_engine_serves_on(
+    where, monkeypatch
+):
+    from engine.scheduler import Scheduler
+
+    eng = await Engine.open("tiny:gemma3")
+    try:
+        original = Scheduler.leave if where == "leave" else Scheduler._merge_groups
+        calls = {"n": 0}
+
+        def broken(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise MemoryError("[metal::malloc] out of memory")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Scheduler, "leave" if where == "leave" else "_merge_groups", broken)
+        failed = await eng.generate(GenerationRequest(prompt_of(9), max_tokens=3))
+        monkeypatch.undo()
+        request = GenerationRequest(prompt_of(12, salt=2), max_tokens=5, ignore_eos=True)
+        ok = await eng.generate(request)
+        stats = eng.stats()
+    finally:
+        await eng.close()
+    assert failed.finish_reason is FinishReason.ERROR and "out of memory" in str(failed.error)
+    assert ok.token_ids == greedy(eng, request.prompt_tokens, 5)
+    assert stats.active == 0 and stats.kv_reserved_bytes == 0
+
+
+# ---- the scheduler alone, on a real model's layout --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def layout():
+    from engine.kv_batch import KVLayout
+    from engine.models import load_model
+
+    return KVLayout.of(load_model("tiny:gemma3").model)
+
+
+def waiting(scheduler, n: int, priority: int = 0, salt: int = 0):
+    from tests.test_runner import sequence
+
+    seq = sequence(prompt_of(n, salt=salt))
+    seq.request = GenerationRequest(seq.prompt, max_tokens=8, priority=priority)
+    scheduler.enqueue(seq)
+    return seq
+
+
+def test_a_turn_queued_while_another_is_admitted_is_neither_lost_nor_admitted_twice(layout):
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(EngineConfig(completion_batch_size=1), layout, budget_bytes=1 << 30)
+    first = waiting(scheduler, 10)
+    blocked = scheduler._blocked
+    late = []
+
+    def push_during_admission(seq, running):
+        if not late:  # the asyncio side submits a higher-priority turn right now
+            late.append(waiting(scheduler, 12, priority=5, salt=1))
+        return blocked(seq, running)
+
+    scheduler._blocked = push_during_admission
+    scheduler.schedule()
+    assert scheduler.running == [first]
+    assert scheduler.queue.peek() is late[0] and len(scheduler.queue) == 1
+
+
+def test_fair_prefill_gives_a_small_budget_to_a_few_prompts_in_turn(layout):
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(EngineConfig(policy="fair"), layout, budget_bytes=1 << 30)
+    prompts = [waiting(scheduler, 100, salt=i) for i in range(5)]
+    first = scheduler._paced_chunks(list(prompts), 2 * MIN_CHUNK)
+    second = scheduler._paced_chunks(list(prompts), 2 * MIN_CHUNK)
+    third = scheduler._paced_chunks(list(prompts), 2 * MIN_CHUNK)
+    assert [(s, n) for s, n in first] == [(prompts[0], MIN_CHUNK), (prompts[1], MIN_CHUNK)]
+    assert [s for s, _ in second] == prompts[2:4]
+    assert [s for s, _ in third] == [prompts[4], prompts[0]]
+    even = scheduler._paced_chunks(list(prompts), 10 * MIN_CHUNK)
+    assert [n for _, n in even] == [2 * MIN_CHUNK] * 5
