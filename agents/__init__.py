@@ -17,7 +17,7 @@ from agents.errors import (
     TurnFailedError,
 )
 from agents.runtime import AgentRuntime
-from agents.types import Reply, TextDelta, Timings, Usage
+from agents.types import CacheInfo, Reply, TextDelta, Timings, Usage
 from engine.config import EngineConfig, Policy
 from engine.errors import EngineOverloadedError, KVBudgetError
 from engine.sampling import SamplingParams
@@ -37,6 +37,7 @@ __all__ = [
     "AgentNotFoundError",
     "AgentRecord",
     "AgentRuntime",
+    "CacheInfo",
     "ChatTemplateError",
     "ContextLengthError",
     "EmptyMessageError",

@@ -689,6 +689,11 @@ class DiskCaches:
                 if self.usage.bytes <= self._budget_bytes:
                     return
 
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves scheduled and not yet on disk and in the registry."""
+        return sum(len(tasks) for tasks in self._pending.values())
+
     async def wait(self, agent_id: str | None = None) -> None:
         """Wait for scheduled saves (of one agent, or all) to finish."""
         while True:

@@ -27,7 +27,7 @@ from agents.hot_tier import HotTier
 from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message, checked_texts
 from agents.tool_calls import ToolFormat
-from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
+from agents.types import CacheInfo, CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
 from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
@@ -609,6 +609,52 @@ class AgentRuntime(WholeConversations):
             stop_sequence=result.stop_sequence,
         )
 
+    # ---- caches --------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this runtime drives: its model (``engine.model``), ``engine.run`` to call
+        a function on the generation thread (where MLX arrays live), and its stats."""
+        return self._engine
+
+    async def cache_info(self, agent_id: str) -> CacheInfo:
+        """What agentkv holds of the agent's KV cache: the entry on disk, the files a resume
+        reads, the tokens of the copy in memory. Raises AgentNotFoundError."""
+        self._check_open()
+        await self._registry.get_agent(agent_id)
+        stored = await self._registry.get_cache(agent_id)
+        files: tuple = ()
+        if stored is not None:
+            blocks = await self._disk.block_files(stored.blocks)
+            files = (self.config.caches_path / stored.path, *blocks)
+        hot = self._hot.get(agent_id)
+        return CacheInfo(stored, files, hot.cache.num_tokens if hot else None)
+
+    async def export_cache(self, agent_id: str) -> PromptCache | None:
+        """The agent's KV cache as its next turn would resume it: mlx-lm cache layers and the
+        tokens they hold (the copy in memory, else the one on disk once its pending save has
+        landed); None when it has no usable one. The layers may be the runtime's own: read
+        them (e.g. ``mlx_lm.models.cache.save_prompt_cache(path, cache.layers)`` through
+        ``engine.run``), do not change them. Raises AgentNotFoundError."""
+        self._check_open()
+        await self._registry.get_agent(agent_id)
+        async with self._lock(agent_id):  # not while a turn changes it
+            hot = self._hot.get(agent_id)
+            if hot is not None:
+                return hot.cache
+            await self._disk.wait(agent_id)
+            loaded = await self._disk.load(agent_id)
+            return loaded.cache if loaded else None
+
+    async def unload(self, agent_id: str) -> None:
+        """Drop the agent's cache from memory (the hot tier) once its save has landed; its next
+        turn loads it from disk. Raises AgentNotFoundError."""
+        self._check_open()
+        await self._registry.get_agent(agent_id)
+        async with self._lock(agent_id):
+            await self._disk.wait(agent_id)
+            self._hot.drop(agent_id)
+
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -633,6 +679,7 @@ class AgentRuntime(WholeConversations):
                 "blocks_written": self._disk.blocks_written,
                 "blocks_shared": self._disk.blocks_shared,
                 "bytes_written": self._disk.bytes_written,
+                "saves_in_flight": self._disk.saves_in_flight,
                 "prefix_lookups": self._disk.prefix_lookups,
                 "prefix_hits": self._disk.prefix_hits,
                 "prefix_tokens": self._disk.prefix_tokens,

@@ -102,8 +102,8 @@ class Resume:
             await rt.chat(warm.id, self.message(), max_tokens=4)
 
     async def save_raw(self, rt: AgentRuntime, agent_id: str) -> None:
-        cache = rt._hot.get(agent_id).cache
-        await rt._engine.run(save_prompt_cache, str(self.raw_path(agent_id)), cache.layers)
+        cache = await rt.export_cache(agent_id)
+        await rt.engine.run(save_prompt_cache, str(self.raw_path(agent_id)), cache.layers)
 
     def raw_path(self, agent_id: str) -> Path:
         return self.root / "raw" / f"{agent_id}.safetensors"
@@ -112,7 +112,7 @@ class Resume:
         async with await AgentRuntime.open(self.config(name)) as rt:
             await rt.chat("warm-up", self.message(), max_tokens=4)
             await rt.flush()
-            engine = rt._engine
+            engine = rt.engine
             for h in self.args.histories:
                 agent_id = self.agents[(name, h)]
 
@@ -122,8 +122,7 @@ class Resume:
                     args = (engine.model.model, engine.config, path, tokens)
                     return await engine.run(raw_resume, *args)
 
-                stored = await rt._registry.get_cache(agent_id)  # what the resume reads
-                files_read = len(await rt._disk.block_files(stored.blocks)) + 1  # + the tail
+                files_read = len((await rt.cache_info(agent_id)).files)  # what the resume reads
                 # Whichever goes first after a reopen pays for cold allocations: alternate.
                 first_raw = self.rounds.get((name, h), 0) % 2 == 1
                 if first_raw:
@@ -137,14 +136,15 @@ class Resume:
                 self.rounds[(name, h)] = self.rounds.get((name, h), 0) + 1
                 await rt.flush()
                 # A longer turn (it crosses blocks): what its save writes.
-                written = rt._disk.bytes_written
+                written = rt.stats()["disk"]["bytes_written"]
                 long = await rt.chat(agent_id, self.long_message(), max_tokens=8)
                 await rt.flush()
                 await self.save_raw(rt, agent_id)  # what the next round loads
-                record = await rt._registry.get_cache(agent_id)
+                info = await rt.cache_info(agent_id)
+                record, files = info.stored, info.files[1:]  # its tail; its blocks' files
                 if not record.blocks:
                     raise SystemExit(f"H={h}: no full block of {self.args.block_tokens} tokens")
-                files = await rt._disk.block_files(record.blocks)  # only this agent's
+                wrote = rt.stats()["disk"]["bytes_written"] - written
                 new_tokens = long.usage.prefilled_tokens + long.usage.completion_tokens
                 s = self.samples.setdefault((name, h), {})
                 s.setdefault("ttft_s", []).append(reply.timings.ttft_s)
@@ -152,18 +152,18 @@ class Resume:
                 s.setdefault("ratio", []).append(reply.timings.ttft_s / raw)
                 s.setdefault("load_s", []).append(reply.timings.cache_load_s)
                 s.setdefault("files", []).append(files_read)
-                s.setdefault("written", []).append(rt._disk.bytes_written - written)
+                s.setdefault("written", []).append(wrote)
                 s.setdefault("tail", []).append(record.nbytes)
                 s.setdefault("new_tokens", []).append(new_tokens)
                 s.setdefault("token_bytes", []).append(
                     sum(f.stat().st_size for f in files)
-                    / (len(record.blocks) * rt._disk.block_tokens)
+                    / (len(record.blocks) * rt.config.kv_block_tokens)
                 )
                 print(
                     f"[{name}] H={h}: disk resume {reply.timings.ttft_s * 1e3:.1f} ms "
                     f"(load {reply.timings.cache_load_s * 1e3:.1f}, {files_read} files), "
                     f"raw mlx-lm {raw * 1e3:.1f} ms; a {new_tokens}-token turn wrote "
-                    f"{(rt._disk.bytes_written - written) / 1e3:.0f} kB",
+                    f"{wrote / 1e3:.0f} kB",
                     flush=True,
                 )
 
@@ -254,7 +254,7 @@ async def open_many(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         seed = await rt.create_agent("seed", system_prompt=words(np.random.default_rng(1), 400))
         await rt.chat(seed.id, "Hello?", max_tokens=4)
         await rt.flush()
-        record = await rt._registry.get_cache(seed.id)
+        record = (await rt.cache_info(seed.id)).stored
         tail = config.caches_path / record.path
         now = utcnow()
         async with rt._registry._db.write() as session:

@@ -165,13 +165,13 @@ class Bench:
 
     async def save_raw(self, rt: AgentRuntime, name: str, agent_id: str, key: str) -> None:
         """Write the agent's current (hot) cache, the one the runtime just saved, the mlx-lm way."""
-        cache = rt._hot.get(agent_id).cache
+        cache = await rt.export_cache(agent_id)
         path = self.raw_file(name, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        await rt._engine.run(save_prompt_cache, str(path), cache.layers)
+        await rt.engine.run(save_prompt_cache, str(path), cache.layers)
 
     async def time_raw(self, rt: AgentRuntime, name: str, key: str, new_tokens: int) -> float:
-        engine = rt._engine
+        engine = rt.engine
         tokens = [16 + (7 * i) % 1000 for i in range(new_tokens)]
         path = str(self.raw_file(name, key))
         return await engine.run(raw_resume, engine.model.model, engine.config, path, tokens)
@@ -227,9 +227,8 @@ class Bench:
                 self.samples[f"load_{name}"][h].append(reply.timings.cache_load_s)
                 self.samples["raw"][h].append(raw)
                 self.samples[f"pair_{name}"][h].append(reply.timings.ttft_s / raw)
-                record = await rt._registry.get_cache(agent_id)  # its tail and blocks
-                blocks = await rt._disk.block_files(record.blocks)
-                self.file_bytes[name][h] = record.nbytes + sum(b.stat().st_size for b in blocks)
+                info = await rt.cache_info(agent_id)  # its tail and block files
+                self.file_bytes[name][h] = sum(f.stat().st_size for f in info.files)
                 await self.save_raw(rt, name, agent_id, str(h))  # what the next reopen loads
                 print(
                     f"[{name}] H={h}: disk resume {reply.timings.ttft_s * 1e3:.1f} ms "
@@ -239,7 +238,7 @@ class Bench:
 
     async def decode_round(self, rt: AgentRuntime, agents: list[str]) -> dict[str, float]:
         """All agents chat at once; aggregate decode tok/s from first to last token."""
-        in_flight = sum(len(tasks) for tasks in rt._disk._pending.values())
+        in_flight = rt.stats()["disk"]["saves_in_flight"]
         message = self.message()
         start = time.perf_counter()
         replies = await asyncio.gather(

@@ -39,7 +39,7 @@ async def rows(rt: AgentRuntime, model) -> int:
 
 
 async def listed_blocks(rt: AgentRuntime, agent_id: str) -> tuple[str, ...]:
-    record = await rt._registry.get_cache(agent_id)
+    record = (await rt.cache_info(agent_id)).stored
     return record.blocks if record else ()
 
 
@@ -54,28 +54,29 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
     settings = config(tmp_path, model, kv_bits=None, share_prefixes=False)
     async with await AgentRuntime.open(settings) as rt:
         agent = await rt.create_agent(system_prompt="You are terse.")
-        disk = rt._disk
+        seed = rt._disk._seed  # white-box: recompute the content keys
         segments = []
         for i in range(4):
-            written = disk.bytes_written
+            written = rt.stats()["disk"]["bytes_written"]
             before = set(await listed_blocks(rt, agent.id))
             await rt.chat(agent.id, f"Question {i}: where is my parcel today?", max_tokens=20)
             await rt.flush()
-            cache = rt._hot.get(agent.id).cache
-            keys = chain_keys(disk._seed, cache.tokens, BLOCK)
+            cache = await rt.export_cache(agent.id)
+            keys = chain_keys(seed, cache.tokens, BLOCK)
             assert await listed_blocks(rt, agent.id) == tuple(keys)
             assert len(keys) == cache.num_tokens // BLOCK
             new = [k for k in keys if k not in before]
             assert new == keys[len(before) :]
-            record = await rt._registry.get_cache(agent.id)
-            # The new blocks went to one segment file, named after its last block and count.
-            assert [f.name for f in await files_of(rt, new)] == [
-                f"{new[-1]}-{len(new)}.safetensors"
-            ]
+            info = await rt.cache_info(agent.id)
+            assert info.hot_tokens == cache.num_tokens
+            # The tail, then one segment per turn, each named after its last block and count.
             segments.append(f"{new[-1]}-{len(new)}.safetensors")
-            block_bytes = sum(f.stat().st_size for f in await files_of(rt, new))
+            assert info.files[0] == rt.config.caches_path / info.stored.path
+            assert [f.name for f in info.files[1:]] == segments
+            block_bytes = info.files[-1].stat().st_size
             # Only the new blocks and the tail were written: nothing of the older history.
-            assert disk.bytes_written - written == block_bytes + record.nbytes
+            wrote = rt.stats()["disk"]["bytes_written"] - written
+            assert wrote == block_bytes + info.stored.nbytes
         # Every block file on disk is recorded and listed; nothing else is there.
         assert block_files(rt) == set(segments)
         assert [f.name for f in await files_of(rt, keys)] == segments
@@ -245,7 +246,7 @@ async def test_fork_lists_the_same_blocks_without_copying(tmp_path):
         fork = await rt.fork(agent.id)
         assert await listed_blocks(rt, fork.id) == await listed_blocks(rt, agent.id)
         assert block_files(rt) == before
-        tails = [await rt._registry.get_cache(a) for a in (agent.id, fork.id)]
+        tails = [(await rt.cache_info(a)).stored for a in (agent.id, fork.id)]
         inodes = {(rt.config.caches_path / t.path).stat().st_ino for t in tails}
         assert len(inodes) == 1  # the tail is hard-linked, not copied
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
@@ -267,7 +268,7 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
         await rt.chat(warm.id, "Second?", max_tokens=8)
         await rt.flush()
         assert rt.stats()["disk"]["evictions"] == 1
-        assert await rt._registry.get_cache(cold.id) is None
+        assert (await rt.cache_info(cold.id)).stored is None
         assert shared & set(await listed_blocks(rt, warm.id))
         warm_files = await files_of(rt, await listed_blocks(rt, warm.id))
         assert {f.name for f in warm_files} <= block_files(rt)
@@ -287,11 +288,11 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
         first = await rt.chat(agent.id, "Where is it?", max_tokens=8)
         await rt.flush()
         # Replace its cache entry with the same cache stored whole, as versions before paging.
-        cache = rt._hot.get(agent.id).cache
-        encoded = await rt._engine.run(encode_cache, cache, None)
+        cache = await rt.export_cache(agent.id)
+        encoded = await rt.engine.run(encode_cache, cache, None)
         rel = f"{agent.id}/000002-0a1d0f11.safetensors"
         meta = encoded.metadata | {
-            "model_fingerprint": rt._disk.fingerprint,
+            "model_fingerprint": rt.engine.model.fingerprint,
             "message_count": "2",
         }
         info = write_cache_file(rt.config.caches_path / rel, encoded.tensors, meta)
@@ -299,7 +300,7 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
             path=rel,
             token_count=cache.num_tokens,
             message_count=2,
-            model_fingerprint=rt._disk.fingerprint,
+            model_fingerprint=rt.engine.model.fingerprint,
             nbytes=info.nbytes,
             checksum=info.checksum,
             format_version=FORMAT_VERSION,
@@ -310,7 +311,7 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
         assert reply.cache_source == "disk"
         assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
         await rt.flush()
-        record = await rt._registry.get_cache(agent.id)
+        record = (await rt.cache_info(agent.id)).stored
         assert record.format_version == 2 and record.blocks
         assert not (rt.config.caches_path / rel).exists()
 
@@ -320,7 +321,7 @@ async def test_a_damaged_tail_header_means_no_cache_not_a_failed_turn(tmp_path, 
         agent = await rt.create_agent(system_prompt=SYSTEM)
         await rt.chat(agent.id, "Where is it?", max_tokens=8)
         await rt.flush()
-        tail = rt.config.caches_path / (await rt._registry.get_cache(agent.id)).path
+        tail = rt.config.caches_path / ((await rt.cache_info(agent.id)).stored).path
     data = tail.read_bytes()
     assert data.count(b'"tokens"') == 1  # still valid JSON, but a tensor is missing by name
     tail.write_bytes(data.replace(b'"tokens"', b'"tokenz"'))
@@ -353,12 +354,12 @@ async def test_a_prompt_over_the_context_stores_no_shared_head(tmp_path):
 
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         agent = await rt.create_agent(system_prompt=SYSTEM)
-        limit = rt._engine.model.max_context
+        limit = rt.engine.model.max_context
         with pytest.raises(ContextLengthError, match="prompt is too long"):
             await rt.chat(agent.id, "word " * limit, max_tokens=4)
         await rt.flush()
         assert block_files(rt) == set()  # its head was not prefilled nor stored
-        stats = rt._engine.stats()
+        stats = rt.engine.stats()
         assert stats.completed == stats.failed == stats.tokens_generated == 0  # nothing ran
 
 
@@ -460,8 +461,8 @@ async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
         before = read_cache_file(second)
         second.unlink()  # its blocks are recorded but their file is gone (removed as corrupt)
 
-        cache = rt._hot.get(agent.id).cache
-        paged = await rt._engine.run(encode_paged, cache, None, 32, BLOCK)  # every block
+        cache = await rt.export_cache(agent.id)
+        paged = await rt.engine.run(encode_paged, cache, None, 32, BLOCK)  # every block
         assert list(paged.segments) == [0]
         written: list[Path] = []
         blocks = await asyncio.to_thread(rt._disk._write_segments, paged, keys, written)

@@ -27,6 +27,7 @@ from agents import (
     AgentKVError,
     AgentNotFoundError,
     AgentRuntime,
+    CacheInfo,
     ContextLengthError,
     EmptyMessageError,
     EngineOverloadedError,
@@ -129,6 +130,32 @@ async def test_agent_default_sampling_and_per_call_override(tmp_path):
         assert override.token_ids == greedy.token_ids
 
 
+async def test_cache_info_export_and_unload_show_what_is_held(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        await rt.create_agent("c")
+        assert await rt.cache_info("c") == CacheInfo(None, (), None)
+        assert await rt.export_cache("c") is None
+        await rt.chat("c", "Hello there", max_tokens=6)
+        await rt.flush()
+        info = await rt.cache_info("c")
+        hot = await rt.export_cache("c")
+        assert info.hot_tokens == hot.num_tokens == info.stored.token_count > 0
+        assert info.files[0] == rt.config.caches_path / info.stored.path
+        assert all(f.is_file() for f in info.files)
+        await rt.unload("c")
+        assert (await rt.cache_info("c")).hot_tokens is None
+        from_disk = await rt.export_cache("c")  # read from its files, exact (kv_bits=None)
+        assert from_disk.tokens == hot.tokens
+        for a, b in zip(from_disk.layers, hot.layers, strict=True):
+            assert type(a) is type(b) and a.offset == b.offset
+            assert mx.array_equal(a.state[0], b.state[0]).item()
+        again = await rt.chat("c", "Again", max_tokens=4)
+        assert again.cache_source == "disk"
+        for call in (rt.cache_info, rt.export_cache, rt.unload):
+            with pytest.raises(AgentNotFoundError):
+                await call("nobody")
+
+
 async def test_quantized_caches_resume_from_disk(tmp_path):
     for bits in (8, 4):
         data = tmp_path / f"q{bits}"
@@ -136,7 +163,7 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             await rt.create_agent("q")
             await rt.chat("q", "Hello there", max_tokens=20)
         async with await AgentRuntime.open(config(data, kv_bits=bits)) as rt:
-            entry = await rt._registry.get_cache("q")
+            entry = (await rt.cache_info("q")).stored
             assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, 32, 2)
             reply = await rt.chat("q", "Again", max_tokens=8)
             assert reply.cache_source == "disk"
@@ -156,7 +183,7 @@ async def test_device_and_host_dequantization_resume_identically(tmp_path, bits)
         copy = tmp_path / f"on_gpu={on_gpu}"
         shutil.copytree(data, copy)
         async with await AgentRuntime.open(config(copy, kv_bits=bits)) as rt:
-            rt._engine.model.on_gpu = on_gpu  # white-box: take the device path on this CPU
+            rt.engine.model.on_gpu = on_gpu  # white-box: take the device path on this CPU
             replies.append(await rt.chat("d", "Again", max_tokens=12))
     assert [r.cache_source for r in replies] == ["disk", "disk"]
     assert replies[0].token_ids == replies[1].token_ids
@@ -168,7 +195,7 @@ async def saved_cache_path(data: Path, agent_id: str) -> Path:
         await rt.create_agent(agent_id)
         await rt.chat(agent_id, "First turn", max_tokens=12)
         await rt.flush()
-        entry = await rt._registry.get_cache(agent_id)
+        entry = (await rt.cache_info(agent_id)).stored
     return rt.config.caches_path / entry.path
 
 
@@ -206,7 +233,7 @@ async def test_cache_file_of_another_model_is_rebuilt(tmp_path):
         await rt.create_agent("x")
         await rt.chat("x", "First turn", max_tokens=4)
         await rt.flush()
-        entry = await rt._registry.get_cache("x")
+        entry = (await rt.cache_info("x")).stored
         target = rt.config.caches_path / entry.path
         target.write_bytes(foreign.read_bytes())  # ...placed where tiny:llama's file was
         from store.cache_files import read_cache_file
@@ -226,7 +253,7 @@ async def test_cache_file_of_another_model_is_rebuilt(tmp_path):
                 message_count=entry.message_count,
             ),
         )
-        rt._hot.drop("x")
+        await rt.unload("x")
         reply = await rt.chat("x", "Second turn", max_tokens=4)
         assert reply.cache_source == "rebuilt"
 
@@ -351,7 +378,7 @@ async def test_process_killed_right_after_a_reply_resumes_or_rebuilds(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     async with await AgentRuntime.open(config(tmp_path)) as rt:
-        entry = await rt._registry.get_cache("k")
+        entry = (await rt.cache_info("k")).stored
         reply = await rt.chat("k", "after the crash", max_tokens=6)
         assert reply.cache_source in ("disk", "rebuilt")
         if reply.cache_source == "disk":  # the newest cache written before the kill
@@ -580,7 +607,7 @@ async def test_disk_budget_evicts_the_caches_of_the_agents_idle_longest(tmp_path
         disk = rt.stats()["disk"]
         assert (disk["files"], disk["evictions"], disk["budget_bytes"]) == (2, 1, budget)
         assert disk["bytes"] <= budget
-        assert await rt._registry.get_cache("a") is None
+        assert (await rt.cache_info("a")).stored is None
         assert sorted(p.parent.name for p in (data / "caches").glob("*/*.safetensors")) == [
             "b",
             "c",
