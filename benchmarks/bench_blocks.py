@@ -47,6 +47,7 @@ from sqlalchemy import insert, select
 from agents import AgentRuntime, RuntimeConfig
 from benchmarks.bench_resume import chat_token_counter, raw_resume, sized_history, words
 from benchmarks.plots import bar_labels, save_plot, write_report
+from store.database import Database
 from store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
 
 RESULTS = Path(__file__).parent / "results"
@@ -257,7 +258,8 @@ async def open_many(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         record = (await rt.cache_info(seed.id)).stored
         tail = config.caches_path / record.path
         now = utcnow()
-        async with rt._registry._db.write() as session:
+        db = await Database.open(config.database)  # a connection of its own
+        async with db.write() as session:
             ids = [f"many-{i:05d}" for i in range(args.open_agents)]
             await session.execute(
                 insert(Agent.__table__),
@@ -287,6 +289,7 @@ async def open_many(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 ],
             )
             blocks = len((await session.execute(select(KVBlock.key))).all())
+        await db.close()
         for a in ids:
             (config.caches_path / a).mkdir()
             os.link(tail, config.caches_path / a / tail.name)

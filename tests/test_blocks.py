@@ -4,6 +4,7 @@ real SQLite files, real tiny models, real block files."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from sqlalchemy import func, select
 
 from agents import AgentRuntime, RuntimeConfig
 from agents.persistence import BLOCKS_DIR, chain_keys
+from store import Registry
 from store.cache_files import read_cache_file
+from store.database import Database
 from store.models import KVBlock, KVCacheBlock
 
 BLOCK = 16
@@ -33,8 +36,18 @@ def block_files(rt: AgentRuntime) -> set[str]:
     return {p.name for p in (rt.config.caches_path / BLOCKS_DIR).glob("*/*")}
 
 
+@contextlib.asynccontextmanager
+async def database(rt: AgentRuntime):
+    """A connection of its own to the runtime's registry file, to read or change rows."""
+    db = await Database.open(rt.config.database)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
 async def rows(rt: AgentRuntime, model) -> int:
-    async with rt._registry._db.read() as session:
+    async with database(rt) as db, db.read() as session:
         return await session.scalar(select(func.count()).select_from(model))
 
 
@@ -305,7 +318,8 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
             checksum=info.checksum,
             format_version=FORMAT_VERSION,
         )
-        await rt._registry.set_cache(agent.id, entry)
+        async with await Registry.open(rt.config.database) as registry:
+            await registry.set_cache(agent.id, entry)
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         reply = await rt.chat(agent.id, "And now?", max_tokens=8)
         assert reply.cache_source == "disk"
@@ -426,7 +440,7 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
             path = rt.config.caches_path / BLOCKS_DIR / key[:2] / f"{key}.safetensors"
             write_cache_file(path, block.tensors, meta | {"key": key})
         segment.unlink()
-        async with rt._registry._db.write() as session:
+        async with database(rt) as db, db.write() as session:
             await session.execute(update(KVBlock).values(segment=None, segment_index=None))
         legacy = block_files(rt)
         assert legacy == {f"{k}.safetensors" for k in keys}

@@ -39,7 +39,7 @@ from agents import (
     TextDelta,
 )
 from engine.errors import CacheFormatError
-from store import NewCacheEntry
+from store import NewCacheEntry, Registry
 
 SYSTEM_S = [{"role": "system", "content": "S"}]
 TURNS = [
@@ -239,20 +239,21 @@ async def test_cache_file_of_another_model_is_rebuilt(tmp_path):
         from store.cache_files import read_cache_file
 
         checksum = read_cache_file(target).checksum
-        await rt._registry.set_cache(
-            "x",
-            NewCacheEntry(
-                path=entry.path,
-                token_count=entry.token_count,
-                model_fingerprint=entry.model_fingerprint,
-                nbytes=target.stat().st_size,
-                checksum=checksum,
-                format_version=entry.format_version,
-                kv_bits=entry.kv_bits,
-                group_size=entry.group_size,
-                message_count=entry.message_count,
-            ),
-        )
+        async with await Registry.open(rt.config.database) as registry:
+            await registry.set_cache(
+                "x",
+                NewCacheEntry(
+                    path=entry.path,
+                    token_count=entry.token_count,
+                    model_fingerprint=entry.model_fingerprint,
+                    nbytes=target.stat().st_size,
+                    checksum=checksum,
+                    format_version=entry.format_version,
+                    kv_bits=entry.kv_bits,
+                    group_size=entry.group_size,
+                    message_count=entry.message_count,
+                ),
+            )
         await rt.unload("x")
         reply = await rt.chat("x", "Second turn", max_tokens=4)
         assert reply.cache_source == "rebuilt"
