@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
-from engine.kv_codec import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
 
 
 class RuntimeConfig(BaseModel):

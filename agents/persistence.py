@@ -65,23 +65,18 @@ import numpy as np
 import xxhash
 
 from engine.engine import Engine
-from engine.kv_codec import (
+from engine.errors import CacheFormatError
+from engine.kv.assemble import assemble_paged
+from engine.kv.encoded import (
     DEFAULT_BLOCK_TOKENS,
     FORMAT_VERSION,
     PAGED_FORMAT_VERSION,
-    BlockRun,
-    CacheFormatError,
     EncodedCache,
-    LoadedFile,
-    PagedCache,
-    assemble_paged,
-    decode_cache,
-    decode_paged,
-    dequantize_on_host,
-    encode_paged,
-    split_blocks,
-    token_slice,
 )
+from engine.kv.load import BlockRun, LoadedFile, decode_paged
+from engine.kv.paged import PagedCache, encode_paged, split_blocks, token_slice
+from engine.kv.quant import dequantize_on_host
+from engine.kv.whole import decode_cache
 from engine.request import PromptCache
 from store import (
     AgentNotFoundError,

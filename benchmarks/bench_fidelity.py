@@ -33,7 +33,7 @@ from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
 from engine.engine import Engine
-from engine.kv_codec import DEFAULT_GROUP_SIZE
+from engine.kv.encoded import DEFAULT_GROUP_SIZE
 from engine.request import PromptCache
 
 RESULTS = Path(__file__).parent / "results"

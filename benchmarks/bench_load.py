@@ -39,12 +39,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, sav
 
 from benchmarks.paged_io import load_paged, save_paged
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.kv_codec import (
-    EncodedCache,
-    decode_cache,
-    dequantize_on_host,
-    encode_cache,
-)
+from engine.kv.encoded import EncodedCache
+from engine.kv.quant import dequantize_on_host
+from engine.kv.whole import decode_cache, encode_cache
 from engine.request import PromptCache
 from store import cache_files
 from store.cache_files import read_cache_file, write_cache_file

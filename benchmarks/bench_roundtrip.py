@@ -37,7 +37,7 @@ import numpy as np
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.engine import Engine
-from engine.kv_codec import encode_cache
+from engine.kv.whole import encode_cache
 from engine.request import GenerationRequest, PromptCache
 
 RESULTS = Path(__file__).parent / "results"

@@ -9,17 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.kv_codec import (
-    DEFAULT_BLOCK_TOKENS,
-    DEFAULT_GROUP_SIZE,
-    EncodedCache,
-    LoadedFile,
-    assemble_paged,
-    decode_paged,
-    encode_paged,
-    split_blocks,
-    token_slice,
-)
+from engine.kv.assemble import assemble_paged
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE, EncodedCache
+from engine.kv.load import LoadedFile, decode_paged
+from engine.kv.paged import encode_paged, split_blocks, token_slice
 from engine.request import PromptCache
 from store.cache_files import verify_checksum, write_cache_file
 

@@ -292,7 +292,8 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
 
 
 async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_path):
-    from engine.kv_codec import FORMAT_VERSION, encode_cache
+    from engine.kv.encoded import FORMAT_VERSION
+    from engine.kv.whole import encode_cache
     from store import NewCacheEntry
     from store.cache_files import write_cache_file
 
@@ -422,7 +423,8 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
     their files stay while listed."""
     from sqlalchemy import update
 
-    from engine.kv_codec import EncodedCache, split_blocks
+    from engine.kv.encoded import EncodedCache
+    from engine.kv.paged import split_blocks
     from store.cache_files import write_cache_file
 
     settings = config(tmp_path, kv_bits=None, share_prefixes=False)
@@ -460,7 +462,7 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
 async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
     """A save whose segment holds blocks another save stored since it looked writes only the
     rest, as a segment of its own: what a save of just those blocks writes."""
-    from engine.kv_codec import encode_paged
+    from engine.kv.paged import encode_paged
 
     settings = config(tmp_path, kv_bits=None, share_prefixes=False)
     async with await AgentRuntime.open(settings) as rt:

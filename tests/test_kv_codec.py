@@ -21,22 +21,19 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from engine.engine import Engine
-from engine.kv_codec import (
+from engine.errors import CacheFormatError
+from engine.kv.assemble import assemble_paged
+from engine.kv.encoded import (
     DEFAULT_GROUP_SIZE,
     FORMAT_VERSION,
-    BlockRun,
-    CacheFormatError,
     EncodedCache,
-    assemble_paged,
     check_group_size,
     choose_group_size,
-    decode_cache,
-    decode_paged,
-    dequantize_on_host,
-    encode_cache,
-    encode_paged,
-    split_blocks,
 )
+from engine.kv.load import BlockRun, decode_paged
+from engine.kv.paged import encode_paged, split_blocks
+from engine.kv.quant import dequantize_on_host
+from engine.kv.whole import decode_cache, encode_cache
 from engine.request import GenerationRequest, PromptCache
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -544,7 +541,7 @@ def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(c
         layer.update_and_fetch(keys, values)
         layers.append(layer)
     cache = PromptCache(layers, list(range(10)))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_codec"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.quant"):
         encoded = encode_cache(cache, 4, 64)
     assert "KV head size 72 is not divisible by any quantization group size" in caplog.text
     assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [64, None]

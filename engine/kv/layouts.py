@@ -1,0 +1,130 @@
+"""Per-layer layouts: how a cache layer is described in a file's ``layers`` metadata (type,
+offset, window, dtype, shapes, group size), read off mlx-lm cache layers and checked when read
+back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from engine.errors import CacheFormatError
+from engine.kv.encoded import GROUP_SIZES, EncodedCache
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
+LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+
+
+def temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.array, dict]:
+    """Keys and values of one layer in temporal order (used positions only), and its layout."""
+    if type(layer) not in LAYER_TYPES.values():
+        raise ValueError(f"layer {i} is a {type(layer).__name__}; only {list(LAYER_TYPES)}")
+    if layer.offset != num_tokens or layer.keys is None:
+        raise ValueError(
+            f"layer {i} holds {layer.offset} positions but the cache lists {num_tokens} tokens"
+        )
+    if type(layer) is KVCache:
+        keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+        extra = {"max_size": None, "keep": None}
+    else:
+        # Unrolls a wrapped ring (keep prefix first) and drops unfilled slots of a larger buffer.
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        extra = {"max_size": layer.max_size, "keep": layer.keep}
+    dtype = next((n for n, d in DTYPES.items() if d == keys.dtype), None)
+    if dtype is None or values.dtype != keys.dtype:
+        raise ValueError(f"layer {i} has dtype {keys.dtype}/{values.dtype}; need {list(DTYPES)}")
+    layout = {"type": type(layer).__name__, "offset": int(layer.offset), **extra, "dtype": dtype}
+    return keys, values, layout | {"keys_shape": keys.shape, "values_shape": values.shape}
+
+
+def group_of(encoded: EncodedCache, layout: dict[str, Any]) -> int | None:
+    """A layer's quantization group size; None when the file or the layer is unquantized."""
+    if encoded.kv_bits is None:
+        return None
+    return layout.get("group_size", encoded.group_size)
+
+
+def part_names(i: int, group_size: int | None) -> list[str]:
+    parts = [""] if group_size is None else [".q", ".scales", ".biases"]
+    return [f"layers.{i}.{kv}{p}" for kv in ("keys", "values") for p in parts]
+
+
+def layers_json(metadata: dict[str, str]) -> list[Any]:
+    """Metadata ``layers``: a non-empty JSON list (its entries unchecked)."""
+    try:
+        layouts = json.loads(metadata["layers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"metadata 'layers' is missing or not JSON: {exc}") from exc
+    if not isinstance(layouts, list) or not layouts:
+        raise CacheFormatError("metadata 'layers' must be a non-empty JSON list")
+    return layouts
+
+
+def parse_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+    layouts = layers_json(metadata)
+    for i, layout in enumerate(layouts):
+        if problem := layout_problem(layout):
+            raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+        layout["keys_shape"], layout["values_shape"] = map(
+            tuple, (layout["keys_shape"], layout["values_shape"])
+        )
+    return layouts
+
+
+def parse_paged_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
+    """Tail layouts: format-1 layouts plus ``start``; a global layer may hold 0 positions."""
+    layouts = layers_json(metadata)
+    for i, layout in enumerate(layouts):
+        if not isinstance(layout, dict) or type(layout.get("start")) is not int:
+            raise CacheFormatError(f"layer {i} layout needs an integer 'start'")
+        # Validate as the whole layer it stands for (global: all positions).
+        probe = dict(layout)
+        if probe.get("type") == "KVCache" and isinstance(probe.get("keys_shape"), list):
+            offset = probe.get("offset")
+            probe["keys_shape"] = [*probe["keys_shape"][:2], offset, probe["keys_shape"][3]]
+            probe["values_shape"] = [*probe["values_shape"][:2], offset, *probe["values_shape"][3:]]
+        if problem := layout_problem(probe):
+            raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+        layout["keys_shape"], layout["values_shape"] = map(
+            tuple, (layout["keys_shape"], layout["values_shape"])
+        )
+    return layouts
+
+
+def layout_problem(layout: Any) -> str | None:
+    def ints(*values: Any, low: int) -> bool:
+        return all(type(v) is int and v >= low for v in values)
+
+    fields = ("type", "offset", "max_size", "keep", "dtype", "keys_shape", "values_shape")
+    if not isinstance(layout, dict) or not set(fields) <= layout.keys():
+        return f"needs the fields {list(fields)}"
+    if layout["type"] not in LAYER_TYPES:
+        return f"unknown layer type {layout['type']!r}; expected one of {list(LAYER_TYPES)}"
+    if layout["dtype"] not in DTYPES:
+        return f"unknown dtype {layout['dtype']!r}; expected one of {list(DTYPES)}"
+    if layout.get("group_size") not in (None, *GROUP_SIZES):
+        return f"group_size must be null or one of {GROUP_SIZES}"
+    if not ints(layout["offset"], low=1):
+        return "offset must be a positive integer"
+    if layout["type"] == "RotatingKVCache" and not (
+        ints(layout["max_size"], low=1) and ints(layout["keep"], low=0)
+    ):
+        return "a RotatingKVCache needs an integer max_size >= 1 and keep >= 0"
+    k, v = layout["keys_shape"], layout["values_shape"]
+    if not all(isinstance(s, list) and len(s) == 4 and ints(*s, low=1) for s in (k, v)):
+        return "keys_shape and values_shape must be 4 positive integers (B, heads, length, dim)"
+    if k[:3] != v[:3]:
+        return "keys and values disagree on batch, heads or length"
+    length, offset, max_size = k[2], layout["offset"], layout["max_size"]
+    if layout["type"] == "KVCache" and length != offset:
+        return f"a KVCache at offset {offset} stores {offset} positions, not {length}"
+    # A rotating layer holds at least the last min(offset, max_size) positions, at most all.
+    if layout["type"] == "RotatingKVCache" and not (
+        min(offset, max_size) <= length <= offset and layout["keep"] < max_size
+    ):
+        return f"a RotatingKVCache at offset {offset} cannot store {length} positions"
+    return None

@@ -1,0 +1,146 @@
+"""Loading a paged cache straight into MLX: its files read once, blocks joined per layer,
+quantized layers expanded, checked while MLX computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from engine.errors import CacheFormatError
+from engine.kv.encoded import PAGED_FORMAT_VERSION, parse_int
+from engine.kv.layouts import DTYPES, parse_paged_layouts
+from engine.kv.quant import dequantize_f32
+from engine.request import PromptCache
+
+LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
+"""A file ``decode_paged`` read: its path, its tensors (views of MLX memory) and metadata."""
+
+
+class BlockRun(NamedTuple):
+    """Blocks ``first`` to ``first + count - 1`` of a segment (block) file; ``count`` None: to
+    its end."""
+
+    path: str
+    first: int = 0
+    count: int | None = None
+
+
+def decode_paged(
+    tail_path: str,
+    blocks: Sequence[str | BlockRun],
+    on_gpu: bool,
+    check: Callable[[list[LoadedFile]], None] | None = None,
+) -> PromptCache:
+    """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
+    straight into MLX and rebuild the prompt cache, on the generation thread: ``mx.load``
+    reads each file once into MLX memory (as mlx-lm's own ``load_prompt_cache`` does); the
+    runs are joined per layer and quantized layers are dequantized, and while MLX computes
+    that, ``check`` sees every file's tensors (zero-copy numpy views of host memory) and
+    metadata, the tail last, and raises to refuse them. Dequantization is in float32:
+    ``mx.dequantize`` with float32 scales on a GPU, ``q * scale + bias`` as plain array math
+    on a CPU (~15x faster than ``mx.dequantize`` there, and exactly what
+    :func:`dequantize_on_host` computes). The cache is returned only if ``check`` passes.
+
+    ``check`` is pure numpy (it may hash): nothing in it touches MLX.
+
+    Raises:
+        CacheFormatError: malformed tail metadata, or a run past its file's end. Whatever
+            ``check`` raises. ValueError / RuntimeError from MLX for a file it cannot read.
+    """
+    runs = [BlockRun(r) if isinstance(r, str) else r for r in blocks]
+    paths = [*dict.fromkeys(run.path for run in runs), tail_path]
+    # Read on the CPU stream: host memory, which ``check`` reads without moving it off a GPU.
+    loaded = [mx.load(path, return_metadata=True, stream=mx.cpu) for path in paths]
+    mx.eval([x for arrays, _ in loaded for x in arrays.values()])
+    files = [
+        (path, {k: np.asarray(x) for k, x in arrays_.items()}, dict(meta_))
+        for path, (arrays_, meta_) in zip(paths, loaded, strict=True)
+    ]
+    try:
+        tail, meta = loaded[-1]
+        if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
+            raise CacheFormatError(f"{tail_path} is not a format-{PAGED_FORMAT_VERSION} tail")
+        kv_bits = parse_int(meta, "kv_bits", (4, 8))
+        layouts = parse_paged_layouts(meta)
+        block_tokens = int(meta["block_tokens"])
+        segments = {path: arrays for path, (arrays, _) in zip(paths, loaded, strict=True)}
+        blocks = [_run_of(segments[run.path], run, block_tokens) for run in runs]
+        tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]
+
+        def joined(name: str, tail_name: str) -> mx.array:
+            pieces = [b[name] for b in blocks] + ([tail[tail_name]] if tail_name in tail else [])
+            return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+        def expand(got: dict[str, mx.array], group: int | None, dtype: str) -> mx.array:
+            if group is None:
+                return got[""].view(mx.bfloat16) if dtype == "bfloat16" else got[""]
+            x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, kv_bits, on_gpu)
+            return x.astype(DTYPES[dtype])
+
+        globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
+        stacked = {}  # kv -> every global layer's keys or values, joined and expanded at once
+        if meta.get("stacked") == "true" and globals_:
+            first = layouts[globals_[0]]
+            group = first.get("group_size") if kv_bits else None
+            parts = [""] if group is None else [".q", ".scales", ".biases"]
+            for kv in ("keys", "values"):
+                got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
+                stacked[kv] = expand(got, group, first["dtype"])
+        layers = []
+        for i, layout in enumerate(layouts):
+            group = layout.get("group_size") if kv_bits else None
+            parts = [""] if group is None else [".q", ".scales", ".biases"]
+            arrays = []
+            for kv in ("keys", "values"):
+                if stacked and layout["type"] == "KVCache":
+                    g = globals_.index(i)
+                    arrays.append(stacked[kv][g : g + 1])
+                    continue
+                got = {}
+                for part in parts:
+                    name = f"layers.{i}.{kv}{part}"
+                    got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
+                arrays.append(expand(got, group, layout["dtype"]))
+            if layout["type"] == "KVCache":
+                layer = KVCache()
+            else:
+                layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
+                layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+            layer.keys, layer.values = arrays
+            layer.offset = layout["offset"]
+            layers.append(layer)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        # A missing or misshapen tensor: a damaged file says which here, else the files do
+        # not fit together.
+        if check is not None:
+            check(files)
+        if isinstance(exc, CacheFormatError):
+            raise
+        raise CacheFormatError(f"{tail_path} and its blocks do not fit together: {exc!r}") from exc
+    # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
+    # hashes the files' memory here; nothing is returned unless it passes.
+    arrays = [x for layer in layers for x in (layer.keys, layer.values)]
+    mx.async_eval(*arrays)
+    if check is not None:
+        check(files)
+    token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
+    mx.eval(*arrays)
+    return PromptCache(layers, token_list)
+
+
+def _run_of(arrays: dict[str, mx.array], run: BlockRun, block_tokens: int) -> dict[str, mx.array]:
+    """The arrays of a run of blocks of a loaded segment (lazy slices on the token axis)."""
+    if run.first == 0 and run.count is None:
+        return arrays
+    size = arrays["tokens"].shape[0]
+    begin = run.first * block_tokens
+    end = size if run.count is None else begin + run.count * block_tokens
+    if not 0 <= begin < end <= size:
+        raise CacheFormatError(
+            f"blocks {run.first}+{run.count} of {run.path}: it holds {size // block_tokens}"
+        )
+    return {n: x[begin:end] if n == "tokens" else x[:, :, begin:end] for n, x in arrays.items()}
