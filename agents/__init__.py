@@ -3,7 +3,8 @@
 from agents import AgentRuntime, RuntimeConfig, SamplingParams
 """
 
-import engine  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx.core)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from agents.config import RuntimeConfig
 from agents.errors import (
@@ -16,11 +17,8 @@ from agents.errors import (
     ToolsUnsupportedError,
     TurnFailedError,
 )
-from agents.runtime import AgentRuntime
-from agents.types import CacheInfo, Reply, TextDelta, Timings, Usage
 from engine.config import EngineConfig, Policy
-from engine.errors import EngineOverloadedError, KVBudgetError
-from engine.sampling import SamplingParams
+from engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
 from store import (
     AgentExistsError,
     AgentNotFoundError,
@@ -31,6 +29,33 @@ from store import (
     StoreError,
 )
 
+if TYPE_CHECKING:
+    from agents.runtime import AgentRuntime
+    from agents.types import CacheInfo, Reply, TextDelta, Timings, Usage
+    from engine.sampling import SamplingParams
+
+# Imported when first used: these load MLX, which configuring a runtime or catching its errors
+# does not need (``from agents import RuntimeConfig`` stays light).
+_LAZY = {
+    "AgentRuntime": "agents.runtime",
+    "CacheInfo": "agents.types",
+    "Reply": "agents.types",
+    "TextDelta": "agents.types",
+    "Timings": "agents.types",
+    "Usage": "agents.types",
+    "SamplingParams": "engine.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agents' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "AgentExistsError",
     "AgentKVError",
@@ -38,6 +63,7 @@ __all__ = [
     "AgentRecord",
     "AgentRuntime",
     "CacheInfo",
+    "CacheUnusableError",
     "ChatTemplateError",
     "ContextLengthError",
     "EmptyMessageError",

@@ -12,6 +12,9 @@ comes from::
     ├── ToolsUnsupportedError (also ValueError) tools sent to a model that cannot call them
     ├── TurnFailedError                         generation failed; the turn was rolled back
     ├── RuntimeClosedError                      the runtime was used after close()
+    ├── engine.errors.CacheUnusableError        a stored cache that cannot be used (the agent
+    │                                           is rebuilt): CacheFormatError, CacheFileError,
+    │                                           StaleCacheError
     ├── store.StoreError                        the registry and cache files: AgentNotFoundError,
     │                                           AgentExistsError, InvalidAgentIdError,
     │                                           RegistryStorageError (disk full, read-only), ...

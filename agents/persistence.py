@@ -65,7 +65,7 @@ import numpy as np
 import xxhash
 
 from engine.engine import Engine
-from engine.errors import CacheFormatError
+from engine.errors import CacheFormatError, CacheUnusableError
 from engine.kv.assemble import assemble_paged
 from engine.kv.encoded import (
     DEFAULT_BLOCK_TOKENS,
@@ -94,7 +94,7 @@ from store.cache_files import (
     verify_checksum,
     write_cache_file,
 )
-from store.errors import CacheFileCorruptError, CacheFileError
+from store.errors import CacheFileCorruptError
 from store.writer import CacheWriter
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class LoadedCache:
     message_count: int
 
 
-class StaleCacheError(ValueError):
+class StaleCacheError(CacheUnusableError, ValueError):
     """A cache file that does not belong to this model, format or registry entry."""
 
 
@@ -490,7 +490,7 @@ class DiskCaches:
         window = self._block_path(keys[-1], window=True)
         try:
             cache = await self._load_paged(window, list(keys), keys[-1], lambda meta: None)
-        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
+        except (CacheUnusableError, OSError) as exc:
             log.warning("stored prefix of %d blocks unusable (%s); prefilling it", len(keys), exc)
             return None
         finally:
@@ -521,7 +521,7 @@ class DiskCaches:
                 cache = await self._decode(encoded)
             else:
                 raise StaleCacheError(f"format version {record.format_version}")
-        except (CacheFileError, CacheFormatError, StaleCacheError, OSError) as exc:
+        except (CacheUnusableError, OSError) as exc:
             self.load_failures += 1
             log.warning(
                 "cache of agent %r unusable (%s); rebuilding from its transcript", agent_id, exc
@@ -583,7 +583,7 @@ class DiskCaches:
                 # Gone, the next save that lists these blocks (or stores this window) writes it.
                 await asyncio.to_thread(_remove_quietly, Path(exc.path))
             raise
-        except (CacheFileError, CacheFormatError, StaleCacheError):
+        except CacheUnusableError:
             raise
         except Exception as exc:  # MLX could not read a file (missing, truncated): find which
             files = [tail, *(Path(p) for p in dict.fromkeys(run.path for run, _ in runs))]

@@ -7,7 +7,7 @@ restarted, then one more turn per agent.
 Both servers run as subprocesses on 127.0.0.1, one at a time (never both at once, so neither
 steals the other's cores), on the same local model directory:
 
-- agentkv: ``python -m agents.cli serve --model DIR --data-dir TMP --kv-bits 8`` (as shipped);
+- agentkv: ``python -m server.cli serve --model DIR --data-dir TMP --kv-bits 8`` (as shipped);
 - mlx_lm.server: ``python -c "import engine; ...; runpy.run_module('mlx_lm.server')"
   --model DIR``. The wrapper only imports ``engine`` first, which preloads the system OpenBLAS
   exactly as agentkv does for itself (without it mlx-cpu uses its bundled reference BLAS, ~30x
@@ -268,7 +268,7 @@ class Bench:
         port = free_port()
         common = ["--model", self.model, "--host", "127.0.0.1", "--port", str(port)]
         if name == "agentkv":
-            argv = [sys.executable, "-m", "agents.cli", "serve", *common]
+            argv = [sys.executable, "-m", "server.cli", "serve", *common]
             argv += ["--data-dir", str(self.data_dir), "--kv-bits", self.args.kv_bits]
             ready = "/v1/models"
         else:

@@ -2,4 +2,4 @@
 
 from engine import blas
 
-blas.load()  # must run before the first `import mlx.core` anywhere in the process
+blas.load_before_mlx()  # the system OpenBLAS, loaded when mlx is first imported (Linux)

@@ -2,8 +2,10 @@
 
 The ``mlx[cpu]`` wheel links a reference BLAS (~7 fp32 GFLOP/s on two cores). Loading Debian's
 OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported makes MLX resolve its BLAS
-symbols there instead (~213 GFLOP/s measured). ``engine/__init__.py`` calls :func:`load` first
-thing, and every package that touches MLX imports ``engine`` before ``mlx``.
+symbols there instead (~213 GFLOP/s measured). ``engine/__init__.py`` calls
+:func:`load_before_mlx`: the library is loaded when ``mlx`` is first imported, not before, so
+importing a part of agentkv that needs no MLX (the store, the error classes) loads nothing;
+every package that touches MLX imports ``engine`` before ``mlx``.
 
 Set ``AGENTKV_NO_OPENBLAS=1`` to opt out. No effect on macOS (MLX uses Accelerate there).
 """
@@ -11,9 +13,11 @@ Set ``AGENTKV_NO_OPENBLAS=1`` to opt out. No effect on macOS (MLX uses Accelerat
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
 import logging
 import os
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ CANDIDATES = (
 
 _loaded_path: str | None = None
 _attempted = False
+_hook_lock = threading.Lock()
 
 
 def loaded_library() -> str | None:
@@ -69,6 +74,30 @@ def load() -> str | None:
         return path
     log.debug("BLAS in use: the one bundled with mlx (no system OpenBLAS found)")
     return None
+
+
+class _BeforeMLX(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the first import of ``mlx`` it loads the BLAS, then steps
+    aside for the ordinary finders."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> None:
+        if fullname == "mlx" or fullname.startswith("mlx."):
+            with _hook_lock:
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+            load()
+        return None
+
+
+def load_before_mlx() -> None:
+    """Load the BLAS just before ``mlx`` is first imported (now, if it already is: too late,
+    :func:`load` says so). Idempotent."""
+    if "mlx" in sys.modules:
+        load()
+        return
+    with _hook_lock:
+        if not any(isinstance(f, _BeforeMLX) for f in sys.meta_path):
+            sys.meta_path.insert(0, _BeforeMLX())
 
 
 def mapped_blas_libraries() -> list[str]:

@@ -1,9 +1,16 @@
-"""Errors raised by the engine.
+"""The root of agentkv's errors, and the engine's. This module imports nothing, so every
+package (the store included) derives its errors from here without importing MLX.
 
 Exception tree (``AgentKVError`` is the root of every error agentkv raises on purpose; the
 store's ``StoreError`` and the runtime's errors derive from it too, see ``agents/errors.py``)::
 
     AgentKVError(Exception)
+    ├── CacheUnusableError                                  a stored cache that cannot be used:
+    │   │                                                   the agent is rebuilt from its
+    │   │                                                   transcript
+    │   ├── CacheFormatError (also EngineError, ValueError) undecodable encoded cache data
+    │   ├── store.CacheFileError (also StoreError)          missing, truncated, corrupt file
+    │   └── agents.persistence.StaleCacheError (ValueError) another model, format or entry
     └── EngineError
         ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
         ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
@@ -27,6 +34,11 @@ from __future__ import annotations
 
 class AgentKVError(Exception):
     """Root of every error agentkv raises on purpose: ``except AgentKVError`` catches them all."""
+
+
+class CacheUnusableError(AgentKVError):
+    """A stored KV cache that cannot be used (unreadable, damaged, or not this model's): its
+    agent is rebuilt from the transcript instead."""
 
 
 class EngineError(AgentKVError):
@@ -58,7 +70,7 @@ class InvalidCacheError(EngineError, ValueError):
     """A KV cache whose layers, shapes or model do not match the loaded model."""
 
 
-class CacheFormatError(EngineError, ValueError):
+class CacheFormatError(EngineError, CacheUnusableError, ValueError):
     """Encoded cache data that cannot be decoded: missing or misshapen tensors, bad metadata."""
 
 

@@ -13,7 +13,8 @@ one specific class::
     ├── RegistryStorageError                     SQLite could not read or write the file
     │                                            (disk full, read-only, I/O error, locked)
     ├── MigrationError                           the database could not be brought to schema head
-    ├── CacheFileError                           a KV cache file cannot be used
+    ├── CacheFileError                           a KV cache file cannot be used (also
+    │   │                                        engine.errors.CacheUnusableError)
     │   ├── CacheFileMissingError (also FileNotFoundError)  no file at that path
     │   └── CacheFileCorruptError                truncated, not safetensors, or checksum mismatch
     └── CacheWriterClosedError (also RuntimeError)  a job was submitted after CacheWriter.close()
@@ -27,7 +28,7 @@ import errno
 import os
 from enum import StrEnum
 
-from engine.errors import AgentKVError
+from engine.errors import AgentKVError, CacheUnusableError
 
 _MAX_SHOWN = 80
 
@@ -128,7 +129,7 @@ class MigrationError(StoreError):
     """The database could not be migrated to the schema this code expects."""
 
 
-class CacheFileError(StoreError):
+class CacheFileError(StoreError, CacheUnusableError):
     """Base class of errors about one KV cache file.
 
     Attributes:

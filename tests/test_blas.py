@@ -26,12 +26,14 @@ MAPPED = (
 
 @needs_openblas
 def test_test_process_loaded_openblas_before_mlx():
+    import mlx.core  # noqa: F401  (if no test has yet: the first import loads OpenBLAS first)
+
     assert blas.loaded_library() in blas.CANDIDATES
     assert any("openblas" in p for p in blas.mapped_blas_libraries())
 
 
 @needs_openblas
-@pytest.mark.parametrize("entry", ["import engine", "import agents", "import agents.cli"])
+@pytest.mark.parametrize("entry", ["import engine", "import agents", "import server.cli"])
 def test_project_import_paths_load_openblas(entry):
     assert _probe(f"{entry}; import mlx.core; {MAPPED}") == "True"
 
@@ -42,6 +44,14 @@ def test_opt_out_keeps_bundled_blas():
         f"import engine, mlx.core; from engine import blas; print(blas.loaded_library()); {MAPPED}"
     )
     assert _probe(code, **{blas.OPT_OUT_ENV: "1"}).splitlines() == ["None", "False"]
+
+
+def test_importing_the_store_loads_no_blas_until_mlx_is_imported():
+    code = (
+        "import store; from engine import blas; print(blas.loaded_library()); "
+        "import mlx.core; print(blas.loaded_library() is not None)"
+    )
+    assert _probe(code).splitlines() == ["None", str(HAVE_OPENBLAS)]
 
 
 def test_too_late_when_mlx_already_imported():

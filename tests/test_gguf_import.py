@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from agents.cli import main
 from engine.errors import ModelInstallError, OutputDirNotEmptyError, UnsupportedModelError
 from engine.gguf_import import import_gguf
 from engine.packaged import NO_INSTALL_ENV, PACKAGED_MODELS, PackagedModel, packaged_model_dir
 from engine.tiny import tiny_model_dir
+from server.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = (ROOT / "benchmarks" / "data" / "alice_ch1_2.txt").read_text(encoding="utf-8")

@@ -24,10 +24,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 import engine.models
-from agents.cli import main
 from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError
 from engine.models import load_model, model_fingerprint, resolve_model_path
 from engine.tiny import TINY_SPECS, build_tiny_model, models_home, tiny_model_dir
+from server.cli import main
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
 CONVERSATION = [
@@ -80,7 +80,7 @@ def loaded(spec):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "agents.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 

@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents import EngineConfig, RuntimeConfig
-from agents.cli import build_parser, main
 from server.background import serve_in_thread
+from server.cli import build_parser, main
 from store import NewMessage, Registry
 
 MODEL = "tiny:gemma3"
