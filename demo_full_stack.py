@@ -163,7 +163,7 @@ def http_turn(config: RuntimeConfig, agent_id: str) -> tuple[str, int]:
 
 def pick_model(spec: str) -> str:
     """``spec``, or the tiny model when the default packaged model cannot be installed."""
-    from engine.models import resolve_model_path
+    from engine.models.loading import resolve_model_path
 
     if spec != DEFAULT_MODEL:
         return spec

@@ -71,7 +71,7 @@ from openai import AsyncOpenAI
 
 from benchmarks.bench_resume import chat_token_counter, sized_history
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.models import resolve_model_path
+from engine.models.loading import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]

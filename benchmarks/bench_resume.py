@@ -57,7 +57,7 @@ from mlx_lm.utils import load_tokenizer
 from agents import AgentRuntime, RuntimeConfig
 from benchmarks.plots import bar_labels, save_plot, write_report
 from engine.config import EngineConfig
-from engine.models import resolve_model_path
+from engine.models.loading import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
 KV_BITS = {"none": None, "q8": 8, "q4": 4}

@@ -16,7 +16,7 @@ from typing import TypeVar
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.loop import GenerationLoop
-from engine.models import LoadedModel
+from engine.models.loading import LoadedModel
 from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
 from engine.sequence import EngineStats, Sequence, StepRecord
 from engine.stopping import StopStrings

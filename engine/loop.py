@@ -21,7 +21,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
-from engine.models import LoadedModel, load_model
+from engine.models.loading import LoadedModel, load_model
 from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent
 from engine.runner import ModelRunner, StepPlan
 from engine.scheduler import Scheduler

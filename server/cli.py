@@ -34,8 +34,8 @@ EXIT_BAD_INPUT = 2
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from engine.models import model_fingerprint
-    from engine.tiny import build_tiny_model, tiny_model_dir
+    from engine.models.loading import model_fingerprint
+    from engine.models.tiny import build_tiny_model, tiny_model_dir
 
     # Without --out the model goes to (or comes from) the shared cache that "tiny:" specs use.
     path = tiny_model_dir(args.spec) if args.out is None else build_tiny_model(args.spec, args.out)
@@ -45,7 +45,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_list_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny import TINY_SPECS
+    from engine.models.tiny import TINY_SPECS
 
     width = max(map(len, TINY_SPECS))
     for name, spec in TINY_SPECS.items():
@@ -56,8 +56,8 @@ def _cmd_list_tiny(args: argparse.Namespace) -> int:
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     import time
 
-    from engine.gguf_import import import_gguf
-    from engine.models import model_fingerprint
+    from engine.models.gguf import import_gguf
+    from engine.models.loading import model_fingerprint
 
     start = time.perf_counter()
     path = import_gguf(args.file, args.out, dtype=args.dtype, progress=not args.quiet)
@@ -68,7 +68,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_fingerprint(args: argparse.Namespace) -> int:
-    from engine.models import model_fingerprint, resolve_model_path
+    from engine.models.loading import model_fingerprint, resolve_model_path
 
     print(model_fingerprint(resolve_model_path(args.spec)))
     return 0
@@ -81,7 +81,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from agents.config import RuntimeConfig
     from engine.config import EngineConfig
-    from engine.models import resolve_model_path
+    from engine.models.loading import resolve_model_path
     from server.app import create_app
 
     resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server

@@ -25,8 +25,8 @@ from mlx_lm.utils import load_tokenizer
 from test_server import metric
 
 from agents import RuntimeConfig
+from engine.models.tiny import tiny_model_dir
 from engine.sampling import SamplingParams
-from engine.tiny import tiny_model_dir
 from server import turns
 from server.app import DEFAULT_STATELESS_TTL_S
 from server.background import serve_in_thread

