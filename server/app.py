@@ -7,7 +7,7 @@ Routes::
     POST   /v1/messages/count_tokens    Anthropic token counting
     POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
     GET    /v1/models, /v1/models/{id}  the loaded model, readable by both SDKs
-    *      /v1/agents...                agents REST (see server.agents_api)
+    *      /v1/agents...                agents REST (see server.api.agents)
     GET    /metrics                     Prometheus text format
 
 When an API key is set, every route needs it, as ``x-api-key: KEY`` (Anthropic SDK) or
@@ -30,7 +30,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from agents import AgentKVError, AgentRuntime, RuntimeConfig
-from server import agents_api, anthropic_api, openai_api
+from server.api import agents as agents_api
+from server.api import anthropic as anthropic_api
+from server.api import openai as openai_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.identity import Identity
 from server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit

@@ -7,7 +7,7 @@ once as input). A streamed message starts with zero usage; its ``message_delta``
 turn's full usage (the runtime knows the cached part only when the turn ends).
 
 Consecutive messages of one role are joined into one turn, as Anthropic's API does. Content
-blocks and tools: see :mod:`server.anthropic_content`; a request with tools, tool blocks or
+blocks and tools: see :mod:`server.api.anthropic_content`; a request with tools, tool blocks or
 system messages among its messages, or from a Claude Code session, is a whole conversation
 (``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
 ``stop_reason: "tool_use"``; streamed, each is a block with one ``input_json_delta``, after the
@@ -32,7 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from agents import Reply, TextDelta
 from agents.prompt import Message
 from agents.tool_calls import ToolCall
-from server.anthropic_content import is_plain, template_messages, template_tools, tool_input_json
+from server.api.anthropic_content import (
+    is_plain,
+    template_messages,
+    template_tools,
+    tool_input_json,
+)
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,

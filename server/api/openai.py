@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agents import Reply, TextDelta
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
-from server.anthropic_content import is_plain
+from server.api.anthropic_content import is_plain
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
