@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
+from agents.caches import DiskCaches
 from agents.config import RuntimeConfig
 from agents.conversations import WholeConversations
 from agents.document import CachedReply
@@ -24,7 +25,6 @@ from agents.errors import (
     check_text,
 )
 from agents.hot_tier import HotTier
-from agents.persistence import DiskCaches
 from agents.prompt import ChatRenderer, Message, checked_texts
 from agents.tool_calls import ToolFormat
 from agents.types import CacheInfo, CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
@@ -69,11 +69,9 @@ class AgentRuntime(WholeConversations):
             config.kv_group_size,
             block_tokens=config.kv_block_tokens,
             budget_bytes=config.disk_budget_bytes,
+            share_prefixes=config.share_prefixes,
             lock_of=self._lock,
         )
-        # Shared heads being prefilled now, by the key of their last block: turns that start
-        # the same way wait for them instead of prefilling the same tokens again.
-        self._heads: dict[str, asyncio.Future[PromptCache | None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sources: Counter[str] = Counter()
         self._closed = False
@@ -476,8 +474,8 @@ class AgentRuntime(WholeConversations):
         priority: float,
     ) -> TurnPlan:
         """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
-        stored prefix or a shared head when there is one (see :meth:`_prefixed`)."""
-        cache, fresh, release = await self._prefixed(tokens, head, priority)
+        stored prefix or a shared head when there is one (``agents.caches.prefixes``)."""
+        cache, fresh, release = await self._disk.prefix(tokens, head, priority)
         if cache is None:
             return TurnPlan(tokens, None, source, time.perf_counter() - start)
         return TurnPlan(
@@ -488,81 +486,6 @@ class AgentRuntime(WholeConversations):
             fresh=fresh,
             release=release,
         )
-
-    async def _prefixed(
-        self, tokens: list[int], head: Callable[[], int], priority: float
-    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
-        """A cache for the start of ``tokens``: stored blocks, or a shared head another turn
-        is prefilling now. Failing both, when the head (``head()`` tokens: the system prompt
-        and tools) spans a block, this turn prefills the head alone first and stores it.
-
-        Returns:
-            The cache (None: prefill everything), how many of its tokens this turn prefilled,
-            and the release of the pin that keeps a stored head until the turn has saved.
-        """
-        disk = self._disk
-        size = disk.block_tokens
-        usable = (len(tokens) - 1) // size  # at least one token is left to prefill
-        limit = self._engine.model.max_context
-        if not self.config.share_prefixes or usable == 0 or (limit and len(tokens) >= limit):
-            return None, 0, None  # (a prompt over the context is refused: prefill nothing)
-        keys = disk.keys(tokens[: usable * size])
-        disk.prefix_lookups += 1
-        stored = await disk.stored_prefix(keys)
-        for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
-            pending = self._heads.get(keys[n - 1])
-            if pending is not None and (cache := await asyncio.shield(pending)) is not None:
-                return self._shared(cache)
-        if stored:
-            cache = await disk.load_prefix(tokens[: stored * size], keys[:stored])
-            if cache is not None:
-                return cache, 0, None
-            stored = 0  # unusable (logged; a damaged file was removed): store the head anew
-        n = min(await asyncio.to_thread(head) // size, usable)
-        if n <= stored:
-            return None, 0, None
-        pending = self._heads.get(keys[n - 1])  # another turn began storing it meanwhile
-        if pending is None:
-            return await self._store_head(tokens[: n * size], keys[:n], priority)
-        if (cache := await asyncio.shield(pending)) is None:
-            return None, 0, None  # it failed: prefill everything
-        return self._shared(cache)
-
-    def _shared(
-        self, cache: PromptCache
-    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
-        """A head another turn prefilled, as this turn's start (counted as a prefix hit)."""
-        self._disk.prefix_hits += 1
-        self._disk.prefix_tokens += cache.num_tokens
-        return cache, 0, None
-
-    async def _store_head(
-        self, tokens: list[int], keys: list[str], priority: float
-    ) -> tuple[PromptCache | None, int, Callable[[], None] | None]:
-        """Prefill a shared head alone (its last token forced, so the cache ends exactly at
-        its last block) and store it as blocks plus a window, for the turns that follow."""
-        future: asyncio.Future[PromptCache | None] = asyncio.get_running_loop().create_future()
-        self._heads[keys[-1]] = future
-        release = self._disk.pin(keys)
-        cache = None
-        try:
-            request = GenerationRequest(
-                tokens[:-1], max_tokens=1, forced_token=tokens[-1], priority=priority
-            )
-            result = await self._engine.generate(request)
-            if result.is_error or result.cache is None or result.cache.tokens != tokens:
-                log.warning("prefilling a shared head failed (%s); prefilling whole", result.error)
-                release()
-                return None, 0, None
-            cache = result.cache
-            self._disk.store_prefix(cache, keys)
-            return cache, cache.num_tokens, release
-        except BaseException:
-            release()
-            raise
-        finally:
-            del self._heads[keys[-1]]
-            future.set_result(cache)
 
     def _check_context(self, request: GenerationRequest) -> None:
         """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
@@ -659,6 +582,7 @@ class AgentRuntime(WholeConversations):
 
     def stats(self) -> dict[str, Any]:
         """Engine, hot tier and cache counters (a snapshot)."""
+        disk = self._disk.stats
         return {
             "engine": self._engine.stats(),
             "hot_tier": {
@@ -668,21 +592,21 @@ class AgentRuntime(WholeConversations):
                 "evictions": self._hot.evictions,
             },
             "cache_sources": dict(self._sources),
-            "caches_saved": self._disk.saved,
-            "cache_load_failures": self._disk.load_failures,
+            "caches_saved": disk.saved,
+            "cache_load_failures": disk.load_failures,
             "disk": {
-                "bytes": self._disk.usage.bytes,
-                "files": self._disk.usage.files,
-                "blocks": self._disk.usage.blocks,
+                "bytes": disk.usage.bytes,
+                "files": disk.usage.files,
+                "blocks": disk.usage.blocks,
                 "budget_bytes": self.config.disk_budget_bytes,
-                "evictions": self._disk.evictions,
-                "blocks_written": self._disk.blocks_written,
-                "blocks_shared": self._disk.blocks_shared,
-                "bytes_written": self._disk.bytes_written,
+                "evictions": disk.evictions,
+                "blocks_written": disk.blocks_written,
+                "blocks_shared": disk.blocks_shared,
+                "bytes_written": disk.bytes_written,
                 "saves_in_flight": self._disk.saves_in_flight,
-                "prefix_lookups": self._disk.prefix_lookups,
-                "prefix_hits": self._disk.prefix_hits,
-                "prefix_tokens": self._disk.prefix_tokens,
+                "prefix_lookups": disk.prefix_lookups,
+                "prefix_hits": disk.prefix_hits,
+                "prefix_tokens": disk.prefix_tokens,
             },
         }
 

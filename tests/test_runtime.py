@@ -215,7 +215,7 @@ def flip(path: Path) -> None:
 async def test_damaged_cache_file_is_rebuilt_from_transcript(tmp_path, damage, caplog):
     path = await saved_cache_path(tmp_path, "x")
     damage(path)
-    with caplog.at_level(logging.WARNING, logger="agents.persistence"):
+    with caplog.at_level(logging.WARNING, logger="agents.caches.load"):
         async with await AgentRuntime.open(config(tmp_path)) as rt:
             reply = await rt.chat("x", "Second turn", max_tokens=6)
             assert reply.cache_source == "rebuilt"

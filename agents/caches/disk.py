@@ -1,0 +1,160 @@
+"""The cache store's front: one object the runtime holds, made of the parts that each own a
+noun (layout, writes, janitor, saver, loader, prefixes) and sharing one ``DiskStats``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from agents.caches.janitor import Janitor
+from agents.caches.layout import CacheLayout, link_or_copy
+from agents.caches.load import LoadedCache, Loader
+from agents.caches.prefixes import Prefix, Prefixes
+from agents.caches.save import Saver
+from agents.caches.stats import DiskStats
+from agents.caches.writes import Writes
+from engine.engine import Engine
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
+from engine.request import PromptCache
+from store import NewCacheEntry, Registry
+from store.cache_files import remove_cache_file
+
+
+class DiskCaches:
+    """Saves and loads agents' caches under ``root`` (see ``agents.caches``)."""
+
+    def __init__(
+        self,
+        root: Path,
+        registry: Registry,
+        engine: Engine,
+        kv_bits: int | None,
+        group_size: int,
+        *,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        budget_bytes: int | None = None,
+        share_prefixes: bool = True,
+        lock_of: Callable[[str], asyncio.Lock] | None = None,
+    ):
+        """
+        Args:
+            block_tokens: tokens per block.
+            budget_bytes: evict the caches of the agents idle longest when the files exceed it
+                (None: no budget). Transcripts stay; an evicted agent is rebuilt when it speaks.
+            share_prefixes: turns without a cache of their own start from stored prefixes
+                and store their heads for others.
+            lock_of: the per-agent turn lock; eviction skips agents whose lock is held and
+                holds it while it evicts.
+        """
+        self.layout = CacheLayout(root, engine.model.fingerprint, kv_bits, group_size, block_tokens)
+        self.stats = DiskStats()
+        self._registry = registry
+        self._share_prefixes = share_prefixes
+        self._writes = Writes()
+        lock_of = lock_of or (lambda agent_id: asyncio.Lock())
+        self._janitor = Janitor(
+            self.layout, registry, self._writes, self.stats, budget_bytes, lock_of
+        )
+        self._saver = Saver(self.layout, registry, engine, self._writes, self._janitor, self.stats)
+        self._loader = Loader(self.layout, registry, engine, self.stats)
+        self._prefixes = Prefixes(
+            self.layout,
+            registry,
+            engine,
+            self._writes,
+            self._janitor,
+            self._saver,
+            self._loader,
+            self.stats,
+        )
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves (and shared-prefix writes) scheduled and not yet on disk and in the registry."""
+        return self._writes.in_flight
+
+    def save(
+        self,
+        agent_id: str,
+        cache: PromptCache,
+        message_count: int,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Schedule a save; returns at once. ``wait`` or ``close`` waits for it. ``then`` is
+        called when it is over (saved or not)."""
+        self._saver.save(agent_id, cache, message_count, then)
+
+    async def wait(self, agent_id: str | None = None) -> None:
+        """Wait for scheduled saves (of one agent, or all) to finish."""
+        await self._writes.wait(agent_id)
+
+    async def load(self, agent_id: str) -> LoadedCache | None:
+        """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
+        return await self._loader.load(agent_id)
+
+    async def prefix(self, tokens: list[int], head: Callable[[], int], priority: float) -> Prefix:
+        """A cache for the start of ``tokens`` from stored blocks or a head another turn is
+        prefilling (see ``agents.caches.prefixes``); (None, 0, None) when prefixes are not
+        shared."""
+        if not self._share_prefixes:
+            return None, 0, None
+        return await self._prefixes.start(tokens, head, priority)
+
+    @property
+    def heads_in_flight(self) -> int:
+        """Shared heads being prefilled now (other turns that start alike wait for them)."""
+        return len(self._prefixes.heads)
+
+    async def block_files(self, keys: Sequence[str]) -> list[Path]:
+        """The files holding these recorded blocks (each once, in order)."""
+        known = await self._registry.known_blocks(keys)
+        file_of = self.layout.file_of
+        return list(dict.fromkeys(file_of(key, known[key]) for key in keys if key in known))
+
+    async def fork(self, source_id: str, agent_id: str) -> bool:
+        """Give ``agent_id`` the source's current cache: the same blocks, and its tail
+        hard-linked (copied only where the filesystem cannot link). Returns whether there was
+        one."""
+        await self.wait(source_id)  # the newest cache of the source has landed
+        record = await self._registry.get_cache(source_id)
+        if record is None:
+            return False
+        root = self.layout.root
+        rel = Path(agent_id) / Path(record.path).name
+        try:
+            await asyncio.to_thread(link_or_copy, root / record.path, root / rel)
+        except FileNotFoundError:  # evicted or replaced meanwhile: the fork rebuilds instead
+            return False
+        fields_ = {
+            name: getattr(record, name)
+            for name in NewCacheEntry.__dataclass_fields__  # type: ignore[attr-defined]
+        }
+        try:
+            await self._registry.set_cache(
+                agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()}), blocks=record.blocks
+            )
+        except BaseException:
+            remove_cache_file(root / rel)
+            raise
+        self.stats.usage = await self._registry.cache_usage()
+        return True
+
+    async def remove_agent(self, agent_id: str) -> None:
+        """Delete the files of a deleted agent (after its saves) and blocks no one lists."""
+        await self._janitor.remove_agent(agent_id)
+
+    async def collect(self) -> int:
+        """Collect garbage blocks now (after the writer's queued jobs); returns how many."""
+        return await self._janitor.collect()
+
+    async def sweep(self) -> int:
+        """Remove files no registry entry points at and collect unlisted blocks (at open)."""
+        return await self._janitor.sweep()
+
+    async def close(self) -> None:
+        await self._writes.close()

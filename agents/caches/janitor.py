@@ -1,0 +1,168 @@
+"""Keeping the cache root tidy: garbage collection of blocks no cache lists (except pinned
+ones), the disk budget (evicting the caches of the agents idle longest), and the sweep at open
+of files no registry entry points at."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from agents.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, CacheLayout, remove_quietly
+from agents.caches.stats import DiskStats
+from agents.caches.writes import Writes
+from store import Registry, StoredBlock
+from store.cache_files import remove_cache_file
+
+log = logging.getLogger(__name__)
+
+EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
+GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
+
+
+class Janitor:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        registry: Registry,
+        writes: Writes,
+        stats: DiskStats,
+        budget_bytes: int | None,
+        lock_of: Callable[[str], asyncio.Lock],
+    ):
+        self._layout = layout
+        self._registry = registry
+        self._writes = writes
+        self._stats = stats
+        self._budget_bytes = budget_bytes
+        self._lock_of = lock_of
+        self._evicting = asyncio.Lock()
+        self._pins: Counter[str] = Counter()
+
+    # ---- pins --------------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[str]) -> Callable[[], None]:
+        """Keep these blocks through garbage collection until the returned release is called
+        (idempotent): a prefix stored for a turn that has not saved its own cache yet."""
+        self._pins.update(keys)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._pins.subtract(keys)
+                for key in keys:
+                    if self._pins[key] <= 0:
+                        del self._pins[key]
+
+        return release
+
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pins)
+
+    # ---- garbage collection ------------------------------------------------------------------
+
+    def collect_now(self, keep: frozenset[str]) -> int:
+        """On the writer thread: delete the segments none of whose blocks a cache lists (or
+        ``keep`` holds), their blocks' rows and window files."""
+        removed = self._writes.call(self._registry.collect_garbage(sorted(keep)))
+        for file in dict.fromkeys(self._layout.file_of(key, where) for key, where in removed):
+            remove_quietly(file)
+        for key, where in removed:
+            if where.window:
+                remove_quietly(self._layout.block_path(key, window=True))
+        if removed:
+            log.debug("collected %d blocks no cache needs", len(removed))
+        return len(removed)
+
+    async def collect(self) -> int:
+        """Collect garbage blocks now (after the writer's queued jobs); returns how many."""
+        keep = self.pinned()
+        removed = await asyncio.wrap_future(
+            self._writes.submit(GC_JOB, lambda: self.collect_now(keep))
+        )
+        self._stats.usage = await self._registry.cache_usage()
+        return removed or 0
+
+    # ---- budget, removal, sweep --------------------------------------------------------------
+
+    async def keep_budget(self) -> None:
+        """Count the files; over the budget, evict the caches of the agents idle longest
+        (their blocks go when no other cache lists them)."""
+        async with self._evicting:  # one pass at a time; later saves find it done
+            self._stats.usage = await self._registry.cache_usage()
+            if self._budget_bytes is None or self._stats.usage.bytes <= self._budget_bytes:
+                return
+            for entry in await self._registry.coldest_caches(EVICTION_SCAN):
+                lock = self._lock_of(entry.agent_id)
+                if lock.locked() or self._writes.busy(entry.agent_id):
+                    continue  # speaking now or saving: not cold
+                async with lock:
+                    if await self._registry.clear_cache(entry.agent_id, entry.path):
+                        await asyncio.to_thread(remove_cache_file, self._layout.root / entry.path)
+                        self._stats.evictions += 1
+                        log.info("evicted the cache of agent %r (disk budget)", entry.agent_id)
+                await self.collect()
+                if self._stats.usage.bytes <= self._budget_bytes:
+                    return
+
+    async def remove_agent(self, agent_id: str) -> None:
+        """Delete the files of a deleted agent (after its saves) and blocks no one lists."""
+        await self._writes.wait(agent_id)
+        self._writes.forget(agent_id)
+        await asyncio.to_thread(shutil.rmtree, self._layout.root / agent_id, ignore_errors=True)
+        await self.collect()
+
+    async def sweep(self) -> int:
+        """Remove files no registry entry points at (left by a crash mid-save, or by agents
+        deleted behind the runtime's back) and collect unlisted blocks. Call before any save
+        starts. Returns the count of files removed.
+
+        A few registry queries, whatever the number of agents. Only names the store writes are
+        touched, and a file that cannot be removed is logged and left: opening never fails here.
+        """
+        removed = await self.collect()
+        current = await self._registry.cache_paths()
+        blocks = await self._registry.block_keys()
+        removed += await asyncio.to_thread(self._sweep_files, current, blocks)
+        await self.keep_budget()  # also counts what is on disk
+        return removed
+
+    def _sweep_files(self, current: dict[str, str | None], blocks: dict[str, StoredBlock]) -> int:
+        root = self._layout.root
+        ours = [f for f in root.glob("*/*") if WRITTEN_NAME.fullmatch(f.name)]
+        stale = [f for f in ours if current.get(f.parent.name, "") != f"{f.parent.name}/{f.name}"]
+        segments = {where.segment for where in blocks.values()}
+        for file in (root / BLOCKS_DIR).glob("*/*"):
+            match = BLOCK_NAME.fullmatch(file.name)
+            if match is None:
+                continue
+            key, kind, temp = match.groups()
+            if kind == ".window":
+                wanted = key in blocks and blocks[key].window
+            elif kind:  # a segment
+                wanted = f"{key}{kind}" in segments
+            else:  # a block in its own file
+                wanted = key in blocks and blocks[key].segment is None
+            if temp or not wanted:
+                stale.append(file)
+        removed = 0
+        for file in stale:
+            try:
+                remove_cache_file(file)
+            except OSError as exc:
+                log.warning("could not remove stale cache file %s: %s", file, exc)
+            else:
+                removed += 1
+        for directory in {f.parent for f in stale}:
+            if directory.parent == root and directory.name in current:
+                continue
+            with contextlib.suppress(OSError):  # not empty: something else lives there
+                directory.rmdir()
+        if removed:
+            log.info("removed %d cache files no agent points at", removed)
+        return removed

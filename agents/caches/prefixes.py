@@ -1,0 +1,204 @@
+"""Shared prefixes: a cache that starts with stored blocks whose last one has a window file
+can be built from them, so a new agent with a stored system prompt prefills only the rest.
+
+A turn without a cache of its own looks for the longest stored prefix of its prompt; failing
+that, when its head (the system prompt and tools) spans a block, it prefills the head alone
+first and stores it as blocks plus a window (pinned until the turn has saved its own cache).
+Turns that start the same way meanwhile wait for that head instead of prefilling it again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+from agents.caches.janitor import Janitor
+from agents.caches.layout import CacheLayout, remove_all
+from agents.caches.load import Loader
+from agents.caches.save import Saver
+from agents.caches.stats import DiskStats
+from agents.caches.writes import Writes
+from engine.engine import Engine
+from engine.errors import CacheUnusableError
+from engine.kv.paged import PagedCache
+from engine.request import GenerationRequest, PromptCache
+from store import NewBlock, Registry
+
+log = logging.getLogger(__name__)
+
+PREFIX_TASKS = "\x00prefixes"  # key of shared-prefix writes among the writes in flight
+
+Prefix = tuple[PromptCache | None, int, Callable[[], None] | None]
+"""A cache for the start of a prompt (None: prefill everything), how many of its tokens this
+turn prefilled (a head it stored for others), and the release of the pin that keeps that head
+until the turn has saved."""
+
+
+class Prefixes:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        registry: Registry,
+        engine: Engine,
+        writes: Writes,
+        janitor: Janitor,
+        saver: Saver,
+        loader: Loader,
+        stats: DiskStats,
+    ):
+        self._layout = layout
+        self._registry = registry
+        self._engine = engine
+        self._writes = writes
+        self._janitor = janitor
+        self._saver = saver
+        self._loader = loader
+        self._stats = stats
+        self._storing: dict[str, asyncio.Task] = {}  # prefix writes in flight, by last key
+        # Shared heads being prefilled now, by the key of their last block: turns that start
+        # the same way wait for them instead of prefilling the same tokens again.
+        self.heads: dict[str, asyncio.Future[PromptCache | None]] = {}
+
+    async def start(self, tokens: list[int], head: Callable[[], int], priority: float) -> Prefix:
+        """A cache for the start of ``tokens``: stored blocks, or a shared head another turn
+        is prefilling now. Failing both, when the head (``head()`` tokens) spans a block, this
+        turn prefills the head alone first and stores it."""
+        size = self._layout.block_tokens
+        usable = (len(tokens) - 1) // size  # at least one token is left to prefill
+        limit = self._engine.model.max_context
+        if usable == 0 or (limit and len(tokens) >= limit):
+            return None, 0, None  # (a prompt over the context is refused: prefill nothing)
+        keys = self._layout.keys(tokens[: usable * size])
+        self._stats.prefix_lookups += 1
+        stored = await self._stored(keys)
+        for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
+            pending = self.heads.get(keys[n - 1])
+            if pending is not None and (cache := await asyncio.shield(pending)) is not None:
+                return self._shared(cache)
+        if stored:
+            cache = await self._load(tokens[: stored * size], keys[:stored])
+            if cache is not None:
+                return cache, 0, None
+            stored = 0  # unusable (logged; a damaged file was removed): store the head anew
+        n = min(await asyncio.to_thread(head) // size, usable)
+        if n <= stored:
+            return None, 0, None
+        pending = self.heads.get(keys[n - 1])  # another turn began storing it meanwhile
+        if pending is None:
+            return await self._store_head(tokens[: n * size], keys[:n], priority)
+        if (cache := await asyncio.shield(pending)) is None:
+            return None, 0, None  # it failed: prefill everything
+        return self._shared(cache)
+
+    def _shared(self, cache: PromptCache) -> Prefix:
+        """A head another turn prefilled, as this turn's start (counted as a prefix hit)."""
+        self._stats.prefix_hits += 1
+        self._stats.prefix_tokens += cache.num_tokens
+        return cache, 0, None
+
+    async def _store_head(self, tokens: list[int], keys: list[str], priority: float) -> Prefix:
+        """Prefill a shared head alone (its last token forced, so the cache ends exactly at
+        its last block) and store it as blocks plus a window, for the turns that follow."""
+        future: asyncio.Future[PromptCache | None] = asyncio.get_running_loop().create_future()
+        self.heads[keys[-1]] = future
+        release = self._janitor.pin(keys)
+        cache = None
+        try:
+            request = GenerationRequest(
+                tokens[:-1], max_tokens=1, forced_token=tokens[-1], priority=priority
+            )
+            result = await self._engine.generate(request)
+            if result.is_error or result.cache is None or result.cache.tokens != tokens:
+                log.warning("prefilling a shared head failed (%s); prefilling whole", result.error)
+                release()
+                return None, 0, None
+            cache = result.cache
+            self._store(cache, keys)
+            return cache, cache.num_tokens, release
+        except BaseException:
+            release()
+            raise
+        finally:
+            del self.heads[keys[-1]]
+            future.set_result(cache)
+
+    async def _stored(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` (a chain) can be resumed from: the longest run of stored blocks
+        from the first that ends at a block with a window file."""
+        # A prefix being written now counts: wait for it rather than prefill it again.
+        if writing := [task for key in keys if (task := self._storing.get(key))]:
+            await asyncio.wait(writing)  # (unlike gather, a cancelled caller cancels nothing)
+        known = await self._registry.known_blocks(keys)
+        run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
+        windows = [j for j in range(run) if known[keys[j]].window]
+        for j in reversed(windows):  # a window removed as corrupt does not count
+            if await asyncio.to_thread(self._layout.is_stored, keys[j], known, True):
+                return j + 1
+        return 0
+
+    def _store(self, cache: PromptCache, keys: Sequence[str]) -> None:
+        """Schedule storing a cache that ends at a block boundary as blocks plus a window, for
+        caches that start the same way (``keys`` pinned first)."""
+        task = self._writes.track(PREFIX_TASKS, self._store_logged(cache, keys))
+        self._storing[keys[-1]] = task
+        task.add_done_callback(lambda _: self._storing.pop(keys[-1], None))
+
+    async def _store_logged(self, cache: PromptCache, keys: Sequence[str]) -> None:
+        try:
+            paged = await self._saver.encode(cache, keys)
+            job = self._writes.submit(f"\x00prefix-{keys[-1]}", lambda: self._write(paged, keys))
+            await asyncio.wrap_future(job)
+        except Exception:
+            log.exception("storing a shared prefix of %d blocks failed", len(keys))
+
+    def _write(self, paged: PagedCache, keys: Sequence[str]) -> None:
+        """On the writer thread: the new blocks, and the last one's window."""
+        layout = self._layout
+        known = self._writes.call(self._registry.known_blocks(keys[-1:]))
+        new_blocks, written = [], []
+        try:
+            new_blocks = self._saver.write_segments(paged, keys, written)
+            last = keys[-1]
+            if not layout.is_stored(last, known, window=True):
+                info = self._saver.write_file(
+                    layout.block_path(last, window=True), paged.tail, {"key": last}
+                )
+                written.append(info.path)
+                if any(b.key == last for b in new_blocks):
+                    block = next(b for b in new_blocks if b.key == last)
+                    new_blocks.remove(block)
+                    new_blocks.append(
+                        dataclasses.replace(
+                            block, window_nbytes=info.nbytes, window_checksum=info.checksum
+                        )
+                    )
+                else:
+                    new_blocks.append(NewBlock(last, None, None, info.nbytes, info.checksum))
+            self._writes.call(self._registry.add_blocks(new_blocks))
+        except BaseException:
+            remove_all(written)
+            raise
+        self._stats.blocks_written += sum(1 for b in new_blocks if b.nbytes is not None)
+        self._stats.bytes_written += sum(
+            (b.nbytes or 0) + (b.window_nbytes or 0) for b in new_blocks
+        )
+
+    async def _load(self, tokens: Sequence[int], keys: Sequence[str]) -> PromptCache | None:
+        """The cache of ``tokens`` (``len(keys)`` full blocks) from stored blocks and the last
+        one's window, or None (logged) when they cannot be read."""
+        release = self._janitor.pin(keys)  # kept through collection while they are read
+        window = self._layout.block_path(keys[-1], window=True)
+        try:
+            cache = await self._loader.load_paged(window, list(keys), keys[-1], lambda meta: None)
+        except (CacheUnusableError, OSError) as exc:
+            log.warning("stored prefix of %d blocks unusable (%s); prefilling it", len(keys), exc)
+            return None
+        finally:
+            release()
+        if cache.tokens != list(tokens):
+            log.warning("stored prefix holds other tokens than its keys say; prefilling it")
+            return None
+        self._stats.prefix_hits += 1
+        self._stats.prefix_tokens += cache.num_tokens
+        return cache
