@@ -10,7 +10,7 @@ store's ``StoreError`` and the runtime's errors derive from it too, see ``agents
     │   │                                                   transcript
     │   ├── CacheFormatError (also EngineError, ValueError) undecodable encoded cache data
     │   ├── store.CacheFileError (also StoreError)          missing, truncated, corrupt file
-    │   └── agents.caches.StaleCacheError (ValueError)    another model, format or entry
+    │   └── agents.caches.StaleCacheError (also ValueError) another model, format or entry
     └── EngineError
         ├── ModelNotFoundError(EngineError, FileNotFoundError)     no tiny model, no local model dir
         ├── UnknownTinyModelError(EngineError, ValueError)         tiny:<name> that is not defined
