@@ -3,33 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from agents.caches import DiskCaches
 from agents.config import RuntimeConfig
-from agents.conversations import WholeConversations
-from agents.document import CachedReply
+from agents.conversations import Conversations
 from agents.errors import (
-    ContextLengthError,
     EmptyMessageError,
     InvalidMessageError,
     RuntimeClosedError,
     ToolsUnsupportedError,
-    TurnFailedError,
     check_text,
 )
 from agents.hot_tier import HotTier
 from agents.prompt import ChatRenderer, Message, checked_texts
 from agents.tool_calls import ToolFormat
-from agents.types import CacheInfo, CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
+from agents.turns import ChatTurn, TurnOptions, TurnRunner, transcript_messages
+from agents.types import CacheInfo, Reply, TextDelta
 from engine.engine import Engine
-from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.request import PromptCache
 from engine.sampling import SamplingParams
 from store import (
     AgentNotFoundError,
@@ -37,13 +32,12 @@ from store import (
     MessageRecord,
     NewMessage,
     Registry,
-    validate_agent_id,
 )
 
 log = logging.getLogger(__name__)
 
 
-class AgentRuntime(WholeConversations):
+class AgentRuntime:
     """Keeps many agents alive across restarts.
 
     Example:
@@ -59,7 +53,6 @@ class AgentRuntime(WholeConversations):
         self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
         self.tool_format = ToolFormat.of(engine.tokenizer)
         """The model's tool-call markers and parser; None when it cannot call tools."""
-        self._replies: dict[str, list[CachedReply]] = {}  # generated replies in each hot cache
         self._hot = HotTier(config.hot_cache_bytes)
         self._disk = DiskCaches(
             config.caches_path,
@@ -72,12 +65,9 @@ class AgentRuntime(WholeConversations):
             share_prefixes=config.share_prefixes,
             lock_of=self._lock,
         )
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._sources: Counter[str] = Counter()
+        self._turns = TurnRunner(config, registry, engine, self._hot, self._disk, self._renderer)
+        self._conversations = Conversations(self._turns, self.tool_format)
         self._closed = False
-        self._in_flight = 0  # turns and their commits; close() lets them finish
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     @classmethod
     async def open(cls, config: RuntimeConfig) -> AgentRuntime:
@@ -172,7 +162,7 @@ class AgentRuntime(WholeConversations):
             history = await self._registry.transcript(agent_id)
             # Store nothing the chat template would refuse later (e.g. two user turns in a row).
             await asyncio.to_thread(
-                self._renderer.render, [*self._messages(agent, history), *messages], False
+                self._renderer.render, [*transcript_messages(agent, history), *messages], False
             )
             await self._registry.append_messages(
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
@@ -202,7 +192,7 @@ class AgentRuntime(WholeConversations):
             await self._disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
             self._hot.drop(agent_id)
-            self._replies.pop(agent_id, None)
+            self._conversations.drop(agent_id)
             await self._disk.remove_agent(agent_id)
 
     async def fork(
@@ -222,8 +212,7 @@ class AgentRuntime(WholeConversations):
             hot = self._hot.get(agent_id)
             if hot is not None:  # caches are merged into the batch by copy: safe to share
                 self._hot.put(forked.id, hot.cache, hot.message_count)
-            if agent_id in self._replies:
-                self._replies[forked.id] = list(self._replies[agent_id])
+            self._conversations.fork(agent_id, forked.id)
             await self._disk.fork(agent_id, forked.id)
         return forked
 
@@ -291,214 +280,50 @@ class AgentRuntime(WholeConversations):
         self._check_open()
         if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
-        options = {
-            "history": _checked_history(history),
-            "max_tokens": max_tokens,
-            "sampling": sampling,
-            "stop": stop,
-            "priority": priority,
-        }
-        started = time.perf_counter()
-        self._begin()
-        try:
-            # aclosing: an abandoned stream must release the agent and the engine slot now.
-            async with contextlib.aclosing(
-                self._turn(agent_id, message, started, **options)
-            ) as turn:
-                async for event in turn:
-                    yield event
-        finally:
-            self._end()
+        turn = ChatTurn(self._turns, message, _checked_history(history), priority)
+        options = TurnOptions(max_tokens, sampling, stop, priority)
+        async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
+            yield event
 
-    def _begin(self) -> None:
-        self._in_flight += 1
-        self._idle.clear()
-
-    def _end(self) -> None:
-        self._in_flight -= 1
-        if not self._in_flight:
-            self._idle.set()
-
-    async def _turn(
-        self,
-        agent_id: str,
-        message: str,
-        started: float,
-        *,
-        history: list[Message],
-        max_tokens: int | None,
-        sampling: SamplingParams | None,
-        stop: list[str] | None,
-        priority: float,
-    ) -> AsyncIterator[TextDelta | Reply]:
-        async with self._lock(agent_id):
-            agent = await self._registry.get_agent(agent_id)
-            stored = await self._registry.transcript(agent_id)
-            messages = [
-                *self._messages(agent, stored),
-                *history,
-                {"role": "user", "content": message},
-            ]
-            plan = await self._plan(
-                agent_id, messages, len(stored) + len(history), bool(stored), priority
-            )
-            options = {"max_tokens": max_tokens, "sampling": sampling, "stop": stop}
-            try:
-                async for event in self._generate(agent, plan, priority=priority, **options):
-                    if isinstance(event, TextDelta):
-                        yield event
-                    else:
-                        result = event
-                await self._shielded(self._commit(agent_id, history, message, plan, result))
-            except BaseException:
-                if plan.release:  # idempotent: a save already scheduled calls it again, harmless
-                    plan.release()
-                raise
-            self._sources[plan.source] += 1
-            yield self._reply(agent_id, plan, result, started)
-
-    async def _generate(
-        self,
-        agent: AgentRecord,
-        plan: TurnPlan,
-        *,
-        max_tokens: int | None,
-        sampling: SamplingParams | None,
-        stop: list[str] | None,
-        priority: float,
-    ) -> AsyncIterator[TextDelta | GenerationResult]:
-        """Run the plan's prompt on its cache (max_tokens clamped to the context; the agent's
-        sampling by default): TextDelta pieces, then the GenerationResult. Raises
-        ContextLengthError, or TurnFailedError when generation fails."""
-        agent_id = agent.id
-        request = GenerationRequest(
-            plan.prompt_tokens,
-            max_tokens=max_tokens or self.config.default_max_tokens,
-            sampling=sampling or SamplingParams(**agent.sampling),
-            stop=list(stop or []),
-            priority=priority,
-            cache=plan.cache,
-        )
-        self._check_context(request)
-        async with self._engine.submit(request) as handle:
-            async for event in handle:
-                if event.text:
-                    yield TextDelta(event.text)
-            result = await handle.result()
-        if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-            raise TurnFailedError(
-                f"turn of agent {agent_id!r} failed: {result.error}"
-            ) from result.error
-        yield result
-
-    async def _shielded(self, commit: Coroutine[Any, Any, None]) -> None:
-        """Store a finished turn, uninterruptibly.
-
-        Once the reply exists, storing it and its cache must not be cut short: a caller
-        cancelled now cannot leave the transcript stored but the cache unrecorded. The commit
-        counts as in flight on its own, so close() waits for it even when its caller is gone.
-        """
-        task = asyncio.ensure_future(commit)
-        self._begin()
-        task.add_done_callback(lambda _: self._end())
-        await asyncio.shield(task)
-
-    async def _commit(
-        self,
-        agent_id: str,
-        history: list[Message],
-        message: str,
-        plan: TurnPlan,
-        result: GenerationResult,
-    ) -> None:
-        stored = await self._registry.append_messages(
-            agent_id,
-            [
-                *(NewMessage(m["role"], m["content"]) for m in history),
-                NewMessage("user", message, len(plan.prompt_tokens)),
-                NewMessage("assistant", result.text, len(result.token_ids)),
-            ],
-        )
-        covered = stored[-1].position + 1
-        self._hot.put(agent_id, result.cache, covered)
-        self._disk.save(agent_id, result.cache, covered, then=plan.release)
-
-    def _messages(self, agent: AgentRecord, history: list[MessageRecord]) -> list[Message]:
-        system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
-        return system + [{"role": str(m.role), "content": m.content} for m in history]
-
-    async def _plan(
+    async def respond(
         self,
         agent_id: str,
         messages: list[Message],
-        n_history: int,
-        has_stored: bool,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | None = None,
         priority: float = 0.0,
-    ) -> TurnPlan:
-        """Pick the cache to resume from (hot, then disk, then a stored prefix) and the tokens
-        still to prefill.
+    ) -> AsyncIterator[TextDelta | Reply]:
+        """Answer a whole conversation the client resends each time (the client's copy is the
+        document; see :mod:`agents.conversations`). Yields TextDelta pieces, then the Reply.
 
-        ``n_history`` counts the messages before the new one (stored and imported);
-        ``has_stored``: the agent had a transcript, so prefilling all of it is a rebuild.
+        The agent's cache is reused up to the longest common token prefix with the rendered
+        conversation; afterwards the agent's transcript is the conversation plus the reply and
+        its system prompt that of the conversation. Rolled back like :meth:`stream`.
+
+        Args:
+            agent_id: the agent (it must exist).
+            messages: the conversation in chat-template shape (``role``, ``content``,
+                ``tool_calls``; roles system, user, assistant, tool); a leading system message
+                is the system prompt. The last message is not an assistant message.
+            tools: tool definitions in the OpenAI shape, rendered by the chat template.
+            max_tokens, sampling, stop, priority: as for :meth:`stream`.
         """
-        start = time.perf_counter()
-        offset = len(messages) - n_history - 1  # the system message, if any
-        hot = self._hot.get(agent_id)
-        candidates = [("hot", hot.cache, hot.message_count)] if hot else []
-        if not candidates:
-            await self._disk.wait(agent_id)  # a save in flight is the newest cache: let it land
-            loaded = await self._disk.load(agent_id)
-            if loaded is not None:
-                candidates.append(("disk", loaded.cache, loaded.message_count))
-        for source, cache, count in candidates:
-            if count > n_history:
-                continue  # newer than the transcript (cannot happen unless rows were removed)
-            # Rendering and tokenizing grow with the history: keep them off the event loop.
-            delta = await asyncio.to_thread(
-                self._renderer.delta, messages, offset + count, cache.tokens[-1]
-            )
-            if delta is not None:
-                return TurnPlan(delta, cache, source, time.perf_counter() - start)
-            log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
-        tokens = await asyncio.to_thread(self._renderer.full_prompt, messages)
-        source = "rebuilt" if has_stored else "none"
-        head = functools.partial(self._renderer.shared_head, messages, tokens)
-        return await self._plan_from_prefix(tokens, head, source, start, priority)
+        self._check_open()
+        self._check_tools(tools)
+        messages = checked_texts(messages)
+        if not messages or messages[-1]["role"] == "assistant":
+            raise EmptyMessageError("the conversation must end with a non-assistant message")
+        turn = self._conversations.turn(messages, tools, priority)
+        options = TurnOptions(max_tokens, sampling, stop, priority)
+        async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
+            yield event
 
-    async def _plan_from_prefix(
-        self,
-        tokens: list[int],
-        head: Callable[[], int],
-        source: CacheSource,
-        start: float,
-        priority: float,
-    ) -> TurnPlan:
-        """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
-        stored prefix or a shared head when there is one (``agents.caches.prefixes``)."""
-        cache, fresh, release = await self._disk.prefix(tokens, head, priority)
-        if cache is None:
-            return TurnPlan(tokens, None, source, time.perf_counter() - start)
-        return TurnPlan(
-            tokens[cache.num_tokens :],
-            cache,
-            source if fresh else "prefix",
-            time.perf_counter() - start,
-            fresh=fresh,
-            release=release,
-        )
-
-    def _check_context(self, request: GenerationRequest) -> None:
-        """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
-        limit = self._engine.model.max_context
-        if limit is None:
-            return
-        prompt = (request.cache.num_tokens if request.cache else 0) + len(request.prompt_tokens)
-        if prompt >= limit:  # Anthropic's wording: clients (Claude Code) parse it to compact
-            raise ContextLengthError(
-                f"prompt is too long: {prompt} tokens > {limit - 1} maximum (the model's "
-                f"context is {limit} tokens); shorten the conversation or start a new agent"
-            )
-        request.max_tokens = min(request.max_tokens, limit - prompt)
+    def stored_text(self, message: Message) -> str:
+        """A message as transcripts store it: its text, then its tool calls' markup."""
+        return self._conversations.stored_text(message)
 
     def _check_tools(self, tools: list[dict[str, Any]] | None) -> None:
         if tools and self.tool_format is None:
@@ -506,31 +331,6 @@ class AgentRuntime(WholeConversations):
                 f"model {self.config.model!r} cannot call tools: its tokenizer has no tool-call "
                 "format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
             )
-
-    def _reply(
-        self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
-    ) -> Reply:
-        s = result.stats
-        resumed = plan.cache.num_tokens if plan.cache else 0
-        cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
-        return Reply(
-            agent_id=agent_id,
-            text=result.text,
-            token_ids=list(result.token_ids),
-            finish_reason=str(result.finish_reason),
-            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids)),
-            cache_source=plan.source,
-            timings=Timings(
-                cache_load_s=plan.load_s,
-                queue_s=s.queue_wait_s or 0.0,
-                prefill_s=s.prefill_s or 0.0,
-                ttft_s=(s.first_token_at or s.submitted_at) - started,
-                decode_s=s.decode_s or 0.0,
-                total_s=time.perf_counter() - started,
-                decode_tps=s.decode_tps,
-            ),
-            stop_sequence=result.stop_sequence,
-        )
 
     # ---- caches --------------------------------------------------------------------------------
 
@@ -591,7 +391,7 @@ class AgentRuntime(WholeConversations):
                 "budget_bytes": self._hot.budget_bytes,
                 "evictions": self._hot.evictions,
             },
-            "cache_sources": dict(self._sources),
+            "cache_sources": dict(self._turns.sources),
             "caches_saved": disk.saved,
             "cache_load_failures": disk.load_failures,
             "disk": {
@@ -620,7 +420,7 @@ class AgentRuntime(WholeConversations):
             return
         self._closed = True
         try:
-            await self._idle.wait()
+            await self._turns.idle.wait()
             await self._disk.close()
         finally:
             await self._engine.close()
@@ -631,8 +431,7 @@ class AgentRuntime(WholeConversations):
             raise RuntimeClosedError("the runtime is closed")
 
     def _lock(self, agent_id: str) -> asyncio.Lock:
-        validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
-        return self._locks.setdefault(agent_id, asyncio.Lock())
+        return self._turns.lock(agent_id)
 
 
 def _checked_history(messages: Sequence[Message]) -> list[Message]:

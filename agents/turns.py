@@ -1,0 +1,320 @@
+"""One turn, from the agent's lock to its reply: the skeleton every kind of turn shares.
+
+A turn takes the agent's lock, reads the agent and its transcript, plans (which cache to resume
+and what to prefill: :meth:`TurnRunner.resume`, :meth:`TurnRunner.plan_from_prefix`), generates
+through the engine, stores itself uninterruptibly (transcript rows, hot tier, a scheduled save)
+and replies. What differs between kinds is a :class:`Turn`: how it plans and what it stores.
+:class:`ChatTurn` is ``AgentRuntime.stream``'s (a new user message after the stored
+transcript); ``agents.conversations.DocumentTurn`` is a whole conversation resent by the client.
+A turn that fails, is refused, is cancelled or whose stream is closed early stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agents.caches import DiskCaches
+from agents.config import RuntimeConfig
+from agents.errors import ContextLengthError, TurnFailedError
+from agents.hot_tier import HotTier
+from agents.prompt import ChatRenderer, Message
+from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
+from engine.engine import Engine
+from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.sampling import SamplingParams
+from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TurnOptions:
+    """A turn's generation settings (None: the runtime's and the agent's defaults)."""
+
+    max_tokens: int | None = None
+    sampling: SamplingParams | None = None
+    stop: list[str] | None = None
+    priority: float = 0.0
+
+
+class Turn(Protocol):
+    """What one kind of turn decides; :class:`TurnRunner` does the rest."""
+
+    async def plan(self, agent: AgentRecord, transcript: list[MessageRecord]) -> TurnPlan:
+        """The cache to resume and the tokens to prefill."""
+
+    async def commit(
+        self,
+        agent: AgentRecord,
+        transcript: list[MessageRecord],
+        plan: TurnPlan,
+        result: GenerationResult,
+    ) -> None:
+        """Store the finished turn (it runs shielded from cancellation)."""
+
+    def reply(self, reply: Reply) -> Reply:
+        """The reply as returned (after the commit)."""
+
+
+class TurnRunner:
+    """Runs turns: the agents' locks, the turns in flight, planning, generation, storing."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        registry: Registry,
+        engine: Engine,
+        hot: HotTier,
+        disk: DiskCaches,
+        renderer: ChatRenderer,
+    ):
+        self.config = config
+        self.registry = registry
+        self.engine = engine
+        self.hot = hot
+        self.disk = disk
+        self.renderer = renderer
+        self.sources: Counter[str] = Counter()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._in_flight = 0  # turns and their commits; close() lets them finish
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def lock(self, agent_id: str) -> asyncio.Lock:
+        """The agent's turn lock (turns of one agent run one after another)."""
+        validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
+        return self._locks.setdefault(agent_id, asyncio.Lock())
+
+    async def run(
+        self, agent_id: str, turn: Turn, options: TurnOptions, started: float
+    ) -> AsyncIterator[TextDelta | Reply]:
+        """TextDelta pieces as they are generated, then the Reply; stores the turn first."""
+        self._begin()
+        try:
+            # aclosing: an abandoned stream must release the agent and the engine slot now.
+            async with contextlib.aclosing(self._run(agent_id, turn, options, started)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._end()
+
+    async def _run(
+        self, agent_id: str, turn: Turn, options: TurnOptions, started: float
+    ) -> AsyncIterator[TextDelta | Reply]:
+        async with self.lock(agent_id):
+            agent = await self.registry.get_agent(agent_id)
+            transcript = await self.registry.transcript(agent_id)
+            plan = await turn.plan(agent, transcript)
+            try:
+                async for event in self._generate(agent, plan, options):
+                    if isinstance(event, TextDelta):
+                        yield event
+                    else:
+                        result = event
+                await self._shielded(turn.commit(agent, transcript, plan, result))
+            except BaseException:
+                if plan.release:  # idempotent: a save already scheduled calls it again, harmless
+                    plan.release()
+                raise
+            self.sources[plan.source] += 1
+            yield turn.reply(self._reply(agent_id, plan, result, started))
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        self.idle.clear()
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:
+            self.idle.set()
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    async def resume(self, agent_id: str) -> tuple[PromptCache, int, CacheSource] | None:
+        """The agent's own cache, the messages it covers and where it came from: the hot
+        tier, else disk (after a save in flight has landed); None when it has none usable."""
+        hot = self.hot.get(agent_id)
+        if hot is not None:
+            return hot.cache, hot.message_count, "hot"
+        await self.disk.wait(agent_id)  # a save in flight is the newest cache: let it land
+        loaded = await self.disk.load(agent_id)
+        return (loaded.cache, loaded.message_count, "disk") if loaded else None
+
+    async def plan_from_prefix(
+        self,
+        tokens: list[int],
+        head: Callable[[], int],
+        source: CacheSource,
+        start: float,
+        priority: float,
+    ) -> TurnPlan:
+        """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
+        stored prefix or a shared head when there is one (``agents.caches.prefixes``)."""
+        cache, fresh, release = await self.disk.prefix(tokens, head, priority)
+        if cache is None:
+            return TurnPlan(tokens, None, source, time.perf_counter() - start)
+        return TurnPlan(
+            tokens[cache.num_tokens :],
+            cache,
+            source if fresh else "prefix",
+            time.perf_counter() - start,
+            fresh=fresh,
+            release=release,
+        )
+
+    # ---- generating and storing --------------------------------------------------------------
+
+    async def _generate(
+        self, agent: AgentRecord, plan: TurnPlan, options: TurnOptions
+    ) -> AsyncIterator[TextDelta | GenerationResult]:
+        """Run the plan's prompt on its cache (max_tokens clamped to the context; the agent's
+        sampling by default): TextDelta pieces, then the GenerationResult. Raises
+        ContextLengthError, or TurnFailedError when generation fails."""
+        request = GenerationRequest(
+            plan.prompt_tokens,
+            max_tokens=options.max_tokens or self.config.default_max_tokens,
+            sampling=options.sampling or SamplingParams(**agent.sampling),
+            stop=list(options.stop or []),
+            priority=options.priority,
+            cache=plan.cache,
+        )
+        self._check_context(request)
+        async with self.engine.submit(request) as handle:
+            async for event in handle:
+                if event.text:
+                    yield TextDelta(event.text)
+            result = await handle.result()
+        if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+            raise TurnFailedError(
+                f"turn of agent {agent.id!r} failed: {result.error}"
+            ) from result.error
+        yield result
+
+    def _check_context(self, request: GenerationRequest) -> None:
+        """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
+        limit = self.engine.model.max_context
+        if limit is None:
+            return
+        prompt = (request.cache.num_tokens if request.cache else 0) + len(request.prompt_tokens)
+        if prompt >= limit:  # Anthropic's wording: clients (Claude Code) parse it to compact
+            raise ContextLengthError(
+                f"prompt is too long: {prompt} tokens > {limit - 1} maximum (the model's "
+                f"context is {limit} tokens); shorten the conversation or start a new agent"
+            )
+        request.max_tokens = min(request.max_tokens, limit - prompt)
+
+    async def _shielded(self, commit: Coroutine[Any, Any, None]) -> None:
+        """Store a finished turn, uninterruptibly.
+
+        Once the reply exists, storing it and its cache must not be cut short: a caller
+        cancelled now cannot leave the transcript stored but the cache unrecorded. The commit
+        counts as in flight on its own, so close() waits for it even when its caller is gone.
+        """
+        task = asyncio.ensure_future(commit)
+        self._begin()
+        task.add_done_callback(lambda _: self._end())
+        await asyncio.shield(task)
+
+    def keep(self, agent_id: str, result: GenerationResult, plan: TurnPlan, covered: int) -> None:
+        """After the transcript rows are stored: the turn's cache, covering ``covered``
+        messages, goes to the hot tier and is saved to disk."""
+        self.hot.put(agent_id, result.cache, covered)
+        self.disk.save(agent_id, result.cache, covered, then=plan.release)
+
+    def _reply(
+        self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
+    ) -> Reply:
+        s = result.stats
+        resumed = plan.cache.num_tokens if plan.cache else 0
+        cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
+        return Reply(
+            agent_id=agent_id,
+            text=result.text,
+            token_ids=list(result.token_ids),
+            finish_reason=str(result.finish_reason),
+            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids)),
+            cache_source=plan.source,
+            timings=Timings(
+                cache_load_s=plan.load_s,
+                queue_s=s.queue_wait_s or 0.0,
+                prefill_s=s.prefill_s or 0.0,
+                ttft_s=(s.first_token_at or s.submitted_at) - started,
+                decode_s=s.decode_s or 0.0,
+                total_s=time.perf_counter() - started,
+                decode_tps=s.decode_tps,
+            ),
+            stop_sequence=result.stop_sequence,
+        )
+
+
+def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> list[Message]:
+    """The agent's system prompt and stored messages, as chat-template messages."""
+    system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
+    return system + [{"role": str(m.role), "content": m.content} for m in transcript]
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """A new user message (after ``history``, stored with it) following the transcript."""
+
+    runner: TurnRunner
+    message: str
+    history: list[Message]
+    priority: float
+
+    async def plan(self, agent: AgentRecord, transcript: list[MessageRecord]) -> TurnPlan:
+        """Resume the agent's cache (hot, then disk) and prefill the messages it does not
+        cover; without one, prefill everything, from a stored prefix when there is one."""
+        runner, renderer = self.runner, self.runner.renderer
+        messages = [
+            *transcript_messages(agent, transcript),
+            *self.history,
+            {"role": "user", "content": self.message},
+        ]
+        n_history = len(transcript) + len(self.history)  # the messages before the new one
+        start = time.perf_counter()
+        offset = len(messages) - n_history - 1  # the system message, if any
+        resumed = await runner.resume(agent.id)
+        if resumed is not None:
+            cache, count, source = resumed
+            # (count > n_history: newer than the transcript, which only removed rows cause)
+            if count <= n_history:
+                # Rendering and tokenizing grow with the history: keep them off the event loop.
+                delta = await asyncio.to_thread(
+                    renderer.delta, messages, offset + count, cache.tokens[-1]
+                )
+                if delta is not None:
+                    return TurnPlan(delta, cache, source, time.perf_counter() - start)
+                log.warning("agent %r: template did not extend its cache; re-prefilling", agent.id)
+        tokens = await asyncio.to_thread(renderer.full_prompt, messages)
+        source = "rebuilt" if transcript else "none"
+        head = functools.partial(renderer.shared_head, messages, tokens)
+        return await runner.plan_from_prefix(tokens, head, source, start, self.priority)
+
+    async def commit(
+        self,
+        agent: AgentRecord,
+        transcript: list[MessageRecord],
+        plan: TurnPlan,
+        result: GenerationResult,
+    ) -> None:
+        stored = await self.runner.registry.append_messages(
+            agent.id,
+            [
+                *(NewMessage(m["role"], m["content"]) for m in self.history),
+                NewMessage("user", self.message, len(plan.prompt_tokens)),
+                NewMessage("assistant", result.text, len(result.token_ids)),
+            ],
+        )
+        self.runner.keep(agent.id, result, plan, stored[-1].position + 1)
+
+    def reply(self, reply: Reply) -> Reply:
+        return reply
