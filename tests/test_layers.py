@@ -91,3 +91,16 @@ def test_light_entry_points_load_no_mlx_and_no_blas(statement):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[] None"
+
+
+def test_every_folder_of_modules_is_a_package():
+    """pyproject finds packages by their __init__.py: a folder without one would be left out
+    of the wheel."""
+    folders = {
+        path.parent
+        for package in PACKAGES.keys() | {"engine"}
+        for path in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    missing = [f.relative_to(ROOT) for f in folders if not (f / "__init__.py").exists()]
+    assert missing == []
