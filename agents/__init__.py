@@ -47,6 +47,10 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    return sorted(globals().keys() | _LAZY.keys())
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

@@ -104,3 +104,10 @@ def test_every_folder_of_modules_is_a_package():
     }
     missing = [f.relative_to(ROOT) for f in folders if not (f / "__init__.py").exists()]
     assert missing == []
+
+
+def test_the_lazy_names_of_agents_are_listed_and_importable():
+    import agents
+
+    assert set(agents.__all__) <= set(dir(agents))
+    assert all(getattr(agents, name) is not None for name in agents.__all__)

@@ -77,14 +77,15 @@ def load() -> str | None:
 
 
 class _BeforeMLX(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first import of ``mlx`` it loads the BLAS, then steps
-    aside for the ordinary finders."""
+    """Finds nothing itself: on the first import of ``mlx`` it loads the BLAS; then it stays
+    in ``sys.meta_path`` as a no-op (removing it while the import system walks that list
+    would make it skip the next finder)."""
+
+    fired = False
 
     def find_spec(self, fullname: str, path: object, target: object = None) -> None:
-        if fullname == "mlx" or fullname.startswith("mlx."):
-            with _hook_lock:
-                if self in sys.meta_path:
-                    sys.meta_path.remove(self)
+        if not self.fired and (fullname == "mlx" or fullname.startswith("mlx.")):
+            self.fired = True
             load()
         return None
 
