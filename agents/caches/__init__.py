@@ -24,7 +24,8 @@ blocks, plus the tail) however small the blocks.
 One noun a module: ``layout`` (paths, names, block keys), ``writes`` (the writer thread and
 the writes in flight), ``save``, ``load`` (and verification), ``janitor`` (garbage
 collection, pins, the disk budget, the sweep), ``prefixes`` (shared prefixes and heads),
-``stats`` (``DiskStats``), and ``disk``, the front (``DiskCaches``) the runtime holds.
+``stats`` (``DiskStats``), ``shared`` (what the parts share), and ``disk``, the front
+(``DiskCaches``) the runtime holds.
 """
 
 from agents.caches.disk import DiskCaches

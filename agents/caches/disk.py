@@ -12,6 +12,7 @@ from agents.caches.layout import CacheLayout, link_or_copy
 from agents.caches.load import LoadedCache, Loader
 from agents.caches.prefixes import Prefix, Prefixes
 from agents.caches.save import Saver
+from agents.caches.shared import Shared
 from agents.caches.stats import DiskStats
 from agents.caches.writes import Writes
 from engine.engine import Engine
@@ -52,22 +53,12 @@ class DiskCaches:
         self._registry = registry
         self._share_prefixes = share_prefixes
         self._writes = Writes()
+        shared = Shared(self.layout, registry, engine, self._writes, self.stats)
         lock_of = lock_of or (lambda agent_id: asyncio.Lock())
-        self._janitor = Janitor(
-            self.layout, registry, self._writes, self.stats, budget_bytes, lock_of
-        )
-        self._saver = Saver(self.layout, registry, engine, self._writes, self._janitor, self.stats)
-        self._loader = Loader(self.layout, registry, engine, self.stats)
-        self._prefixes = Prefixes(
-            self.layout,
-            registry,
-            engine,
-            self._writes,
-            self._janitor,
-            self._saver,
-            self._loader,
-            self.stats,
-        )
+        self._janitor = Janitor(shared, budget_bytes, lock_of)
+        self._saver = Saver(shared, self._janitor)
+        self._loader = Loader(shared)
+        self._prefixes = Prefixes(shared, self._janitor, self._saver, self._loader)
 
     @property
     def block_tokens(self) -> int:

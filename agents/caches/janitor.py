@@ -11,10 +11,9 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from agents.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, CacheLayout, remove_quietly
-from agents.caches.stats import DiskStats
-from agents.caches.writes import Writes
-from store import Registry, StoredBlock
+from agents.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, remove_quietly
+from agents.caches.shared import Part, Shared
+from store import StoredBlock
 from store.cache_files import remove_cache_file
 
 log = logging.getLogger(__name__)
@@ -23,20 +22,11 @@ EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
 GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
 
 
-class Janitor:
+class Janitor(Part):
     def __init__(
-        self,
-        layout: CacheLayout,
-        registry: Registry,
-        writes: Writes,
-        stats: DiskStats,
-        budget_bytes: int | None,
-        lock_of: Callable[[str], asyncio.Lock],
+        self, shared: Shared, budget_bytes: int | None, lock_of: Callable[[str], asyncio.Lock]
     ):
-        self._layout = layout
-        self._registry = registry
-        self._writes = writes
-        self._stats = stats
+        super().__init__(shared)
         self._budget_bytes = budget_bytes
         self._lock_of = lock_of
         self._evicting = asyncio.Lock()

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.caches.layout import BLOCKS_DIR, CacheLayout, remove_quietly
-from agents.caches.stats import DiskStats
-from engine.engine import Engine
+from agents.caches.layout import BLOCKS_DIR, remove_quietly
+from agents.caches.shared import Part
 from engine.errors import CacheFormatError, CacheUnusableError
 from engine.kv.assemble import assemble_paged
 from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION, EncodedCache
@@ -28,7 +27,7 @@ from engine.kv.paged import split_blocks
 from engine.kv.quant import dequantize_on_host
 from engine.kv.whole import decode_cache
 from engine.request import PromptCache
-from store import CacheRecord, Registry, StoredBlock
+from store import CacheRecord, StoredBlock
 from store.cache_files import read_cache_file, verify_checksum
 from store.errors import CacheFileCorruptError
 
@@ -45,13 +44,7 @@ class StaleCacheError(CacheUnusableError, ValueError):
     """A cache file that does not belong to this model, format or registry entry."""
 
 
-class Loader:
-    def __init__(self, layout: CacheLayout, registry: Registry, engine: Engine, stats: DiskStats):
-        self._layout = layout
-        self._registry = registry
-        self._engine = engine
-        self._stats = stats
-
+class Loader(Part):
     async def load(self, agent_id: str) -> LoadedCache | None:
         """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
         record = await self._registry.get_cache(agent_id)

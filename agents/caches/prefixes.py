@@ -14,16 +14,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 from agents.caches.janitor import Janitor
-from agents.caches.layout import CacheLayout, remove_all
+from agents.caches.layout import remove_all
 from agents.caches.load import Loader
 from agents.caches.save import Saver
-from agents.caches.stats import DiskStats
-from agents.caches.writes import Writes
-from engine.engine import Engine
+from agents.caches.shared import Part, Shared
 from engine.errors import CacheUnusableError
 from engine.kv.paged import PagedCache
 from engine.request import GenerationRequest, PromptCache
-from store import NewBlock, Registry
+from store import NewBlock
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +33,12 @@ turn prefilled (a head it stored for others), and the release of the pin that ke
 until the turn has saved."""
 
 
-class Prefixes:
-    def __init__(
-        self,
-        layout: CacheLayout,
-        registry: Registry,
-        engine: Engine,
-        writes: Writes,
-        janitor: Janitor,
-        saver: Saver,
-        loader: Loader,
-        stats: DiskStats,
-    ):
-        self._layout = layout
-        self._registry = registry
-        self._engine = engine
-        self._writes = writes
+class Prefixes(Part):
+    def __init__(self, shared: Shared, janitor: Janitor, saver: Saver, loader: Loader):
+        super().__init__(shared)
         self._janitor = janitor
         self._saver = saver
         self._loader = loader
-        self._stats = stats
         self._storing: dict[str, asyncio.Task] = {}  # prefix writes in flight, by last key
         # Shared heads being prefilled now, by the key of their last block: turns that start
         # the same way wait for them instead of prefilling the same tokens again.

@@ -21,14 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from agents.caches.janitor import Janitor
-from agents.caches.layout import CacheLayout, remove_all
-from agents.caches.stats import DiskStats
-from agents.caches.writes import Writes
-from engine.engine import Engine
+from agents.caches.layout import remove_all
+from agents.caches.shared import Part, Shared
 from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache
 from engine.kv.paged import PagedCache, encode_paged, token_slice
 from engine.request import PromptCache
-from store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry, Registry
+from store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry
 from store.cache_files import remove_cache_file, write_cache_file
 
 log = logging.getLogger(__name__)
@@ -36,22 +34,10 @@ log = logging.getLogger(__name__)
 SAVE_ATTEMPTS = 3
 
 
-class Saver:
-    def __init__(
-        self,
-        layout: CacheLayout,
-        registry: Registry,
-        engine: Engine,
-        writes: Writes,
-        janitor: Janitor,
-        stats: DiskStats,
-    ):
-        self._layout = layout
-        self._registry = registry
-        self._engine = engine
-        self._writes = writes
+class Saver(Part):
+    def __init__(self, shared: Shared, janitor: Janitor):
+        super().__init__(shared)
         self._janitor = janitor
-        self._stats = stats
 
     def save(
         self,
