@@ -41,10 +41,8 @@ class Conversations:
         self.tool_format = tool_format
         self.replies: dict[str, list[CachedReply]] = {}
 
-    def turn(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None, priority: float
-    ) -> DocumentTurn:
-        return DocumentTurn(self, messages, tools, priority)
+    def turn(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> DocumentTurn:
+        return DocumentTurn(self, messages, tools)
 
     def fork(self, source_id: str, agent_id: str) -> None:
         if source_id in self.replies:
@@ -72,11 +70,12 @@ class DocumentTurn:
     conversations: Conversations
     messages: list[Message]
     tools: list[dict[str, Any]] | None
-    priority: float
     document: DocumentPrompt | None = field(default=None, init=False)
     cached: CachedReply | None = field(default=None, init=False)
 
-    async def plan(self, agent: AgentRecord, transcript: list[MessageRecord]) -> TurnPlan:
+    async def plan(
+        self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
+    ) -> TurnPlan:
         """Render the conversation and resume from the longest prefix the cache shares; with
         no usable cache of its own, from a stored prefix (another conversation's system prompt
         and tools)."""
@@ -111,9 +110,7 @@ class DocumentTurn:
         if kept is None or kept.num_tokens < runner.disk.block_tokens:
             # A stored prefix (at least a block) beats less than a block of the agent's own.
             head = functools.partial(renderer.shared_head, self.messages, document.tokens, tools)
-            plan = await runner.plan_from_prefix(
-                document.tokens, head, source, start, self.priority
-            )
+            plan = await runner.plan_from_prefix(document.tokens, head, source, start, priority)
             if plan.cache is not None or kept is None:
                 return plan
         n = kept.num_tokens if kept else 0

@@ -280,7 +280,7 @@ class AgentRuntime:
         self._check_open()
         if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
-        turn = ChatTurn(self._turns, message, _checked_history(history), priority)
+        turn = ChatTurn(self._turns, message, _checked_history(history))
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -316,7 +316,7 @@ class AgentRuntime:
         messages = checked_texts(messages)
         if not messages or messages[-1]["role"] == "assistant":
             raise EmptyMessageError("the conversation must end with a non-assistant message")
-        turn = self._conversations.turn(messages, tools, priority)
+        turn = self._conversations.turn(messages, tools)
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event

@@ -48,8 +48,11 @@ class TurnOptions:
 class Turn(Protocol):
     """What one kind of turn decides; :class:`TurnRunner` does the rest."""
 
-    async def plan(self, agent: AgentRecord, transcript: list[MessageRecord]) -> TurnPlan:
-        """The cache to resume and the tokens to prefill."""
+    async def plan(
+        self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
+    ) -> TurnPlan:
+        """The cache to resume and the tokens to prefill (``priority``: a shared head this
+        turn prefills first runs at it)."""
 
     async def commit(
         self,
@@ -112,7 +115,7 @@ class TurnRunner:
         async with self.lock(agent_id):
             agent = await self.registry.get_agent(agent_id)
             transcript = await self.registry.transcript(agent_id)
-            plan = await turn.plan(agent, transcript)
+            plan = await turn.plan(agent, transcript, options.priority)
             try:
                 async for event in self._generate(agent, plan, options):
                     if isinstance(event, TextDelta):
@@ -268,9 +271,10 @@ class ChatTurn:
     runner: TurnRunner
     message: str
     history: list[Message]
-    priority: float
 
-    async def plan(self, agent: AgentRecord, transcript: list[MessageRecord]) -> TurnPlan:
+    async def plan(
+        self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
+    ) -> TurnPlan:
         """Resume the agent's cache (hot, then disk) and prefill the messages it does not
         cover; without one, prefill everything, from a stored prefix when there is one."""
         runner, renderer = self.runner, self.runner.renderer
@@ -297,7 +301,7 @@ class ChatTurn:
         tokens = await asyncio.to_thread(renderer.full_prompt, messages)
         source = "rebuilt" if transcript else "none"
         head = functools.partial(renderer.shared_head, messages, tokens)
-        return await runner.plan_from_prefix(tokens, head, source, start, self.priority)
+        return await runner.plan_from_prefix(tokens, head, source, start, priority)
 
     async def commit(
         self,
