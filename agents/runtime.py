@@ -345,7 +345,7 @@ class AgentRuntime:
         reads, the tokens of the copy in memory. Raises AgentNotFoundError."""
         self._check_open()
         await self._registry.get_agent(agent_id)
-        stored = await self._registry.get_cache(agent_id)
+        stored = await self._registry.caches.get(agent_id)
         files: tuple = ()
         if stored is not None:
             blocks = await self._disk.block_files(stored.blocks)

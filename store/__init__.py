@@ -15,7 +15,7 @@ a newer job for the same key replaces one that has not started::
     job = partial(write_cache_file, cache_dir / rel_path, tensors, metadata)
     info = await asyncio.wrap_future(writer.submit(agent.id, job))
     if info is not None:  # None: a newer job for this agent superseded this one
-        await registry.set_cache(agent.id, NewCacheEntry(rel_path, ..., message_count=n))
+        await registry.caches.set(agent.id, NewCacheEntry(rel_path, ..., message_count=n))
         cache = read_cache_file(cache_dir / rel_path, expected_checksum=info.checksum)
     await asyncio.to_thread(writer.close)  # finishes the queued jobs, then stops the thread
 """

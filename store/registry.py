@@ -18,28 +18,15 @@ from typing import Any, Literal, Self
 
 from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy import literal as sa_literal
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
-from store.errors import AgentExistsError, AgentNotFoundError, BlocksMissingError
+from store.cache_index import INSERT_CHUNK, CacheIndex, current_cache, require_agent
+from store.errors import AgentExistsError, AgentNotFoundError
 from store.ids import new_agent_id, validate_agent_id
-from store.models import Agent, KVBlock, KVCache, KVCacheBlock, Message, UTCDateTime, utcnow
-from store.records import (
-    AgentRecord,
-    CacheRecord,
-    DiskUsage,
-    MessageRecord,
-    NewBlock,
-    NewCacheEntry,
-    NewMessage,
-    Role,
-    StoredBlock,
-)
-
-_INSERT_CHUNK = 1000
-_IN_CHUNK = 500  # keys per IN (...) list, well under SQLite's bound-parameter limit
+from store.models import Agent, Message, UTCDateTime, utcnow
+from store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
 
 
 class _Keep(Enum):
@@ -60,6 +47,8 @@ class Registry:
     def __init__(self, db: database.Database) -> None:
         """Wrap an open, migrated database; use :meth:`open` instead."""
         self._db = db
+        self.caches = CacheIndex(db)
+        """Each agent's current KV cache entry and the blocks it is made of."""
 
     @classmethod
     async def open(cls, url: str | os.PathLike[str]) -> Registry:
@@ -185,7 +174,7 @@ class Registry:
         """
         validate_agent_id(agent_id)
         async with self._db.write() as session:
-            cache = await _current_cache(session, agent_id)
+            cache = await current_cache(session, agent_id)
             deleted = await session.scalar(
                 delete(Agent).where(Agent.id == agent_id).returning(Agent.id)
             )
@@ -294,8 +283,8 @@ class Registry:
             ]
             # One executemany per chunk, not one ORM object per row: an import can be 10^4+
             # messages, and each chunk gives the event loop a turn.
-            for i in range(0, len(rows), _INSERT_CHUNK):
-                await session.execute(insert(Message.__table__), rows[i : i + _INSERT_CHUNK])
+            for i in range(0, len(rows), INSERT_CHUNK):
+                await session.execute(insert(Message.__table__), rows[i : i + INSERT_CHUNK])
             ids = await session.scalars(
                 select(Message.id)
                 .where(Message.agent_id == agent_id, Message.position >= first)
@@ -327,7 +316,7 @@ class Registry:
             validation.check_limit(limit)
             query = query.limit(limit)
         async with self._db.read() as session:
-            await _require_agent(session, agent_id)
+            await require_agent(session, agent_id)
             rows = await session.execute(query)
             return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
 
@@ -349,115 +338,11 @@ class Registry:
         """Number of messages in the agent's transcript. Raises ``AgentNotFoundError``."""
         validate_agent_id(agent_id)
         async with self._db.read() as session:
-            await _require_agent(session, agent_id)
+            await require_agent(session, agent_id)
             count = await session.scalar(
                 select(func.count()).select_from(Message).where(Message.agent_id == agent_id)
             )
             return count or 0
-
-    # -- KV cache entries -----------------------------------------------------------------
-
-    async def set_cache(
-        self,
-        agent_id: str,
-        entry: NewCacheEntry,
-        *,
-        blocks: Sequence[str] = (),
-        new_blocks: Sequence[NewBlock] = (),
-    ) -> CacheRecord | None:
-        """Make ``entry`` the agent's current cache entry, made of ``blocks`` (in order).
-
-        ``new_blocks`` (files just written) are recorded first, in the same transaction; a
-        block already known keeps its row. Every key in ``blocks`` must then be known.
-
-        Returns:
-            The entry it replaced, so the caller can delete that file; else ``None``.
-
-        Raises:
-            TypeError: ``entry`` is not a ``NewCacheEntry``.
-            AgentNotFoundError: No such agent.
-            BlocksMissingError: A listed block is not recorded (collected meanwhile); nothing
-                changed, so the caller can write it and try again.
-        """
-        validate_agent_id(agent_id)
-        if not isinstance(entry, NewCacheEntry):
-            raise TypeError(f"entry must be a NewCacheEntry, got {type(entry).__name__}")
-        async with self._db.write() as session:
-            await _require_agent(session, agent_id)
-            await _record_blocks(session, new_blocks)
-            if blocks:
-                known = await _known_blocks(session, blocks)
-                if missing := [key for key in blocks if key not in known]:
-                    raise BlocksMissingError(missing)
-            row = await _current_cache(session, agent_id)
-            previous = None if row is None else CacheRecord.from_row(row)
-            if row is None:
-                row = KVCache(agent_id=agent_id)
-                session.add(row)
-            for column in fields(entry):
-                setattr(row, column.name, getattr(entry, column.name))
-            row.created_at = utcnow()
-            await session.execute(delete(KVCacheBlock).where(KVCacheBlock.agent_id == agent_id))
-            rows = [
-                {"agent_id": agent_id, "position": i, "block_key": key}
-                for i, key in enumerate(blocks)
-            ]
-            for start in range(0, len(rows), _INSERT_CHUNK):
-                await session.execute(
-                    insert(KVCacheBlock.__table__), rows[start : start + _INSERT_CHUNK]
-                )
-            return previous
-
-    async def add_blocks(self, new_blocks: Sequence[NewBlock]) -> None:
-        """Record block (and window) files no cache lists yet: a prefix stored for later
-        caches. They are garbage to :meth:`collect_garbage` unless it is told to keep them (or
-        a cache lists another block of their segment)."""
-        async with self._db.write() as session:
-            await _record_blocks(session, new_blocks)
-
-    async def known_blocks(self, keys: Sequence[str]) -> dict[str, StoredBlock]:
-        """Which of ``keys`` are recorded, each mapped to where its file is and whether it has a
-        window file."""
-        async with self._db.read() as session:
-            return await _known_blocks(session, keys)
-
-    async def collect_garbage(self, keep: Sequence[str] = ()) -> list[tuple[str, StoredBlock]]:
-        """Delete the rows of blocks whose file no cache needs: a segment's blocks go together,
-        when no cache lists any of them and none is in ``keep``.
-
-        Returns:
-            (key, where it was) of each deleted block: the caller deletes the files.
-        """
-        async with self._db.write() as session:
-            file_of = func.coalesce(KVBlock.segment, KVBlock.key)
-            needed = select(file_of).join(KVCacheBlock, KVCacheBlock.block_key == KVBlock.key)
-            if keep:
-                needed = needed.union(select(file_of).where(KVBlock.key.in_(list(keep))))
-            rows = await session.execute(
-                delete(KVBlock).where(file_of.not_in(needed)).returning(*_LOCATION)
-            )
-            return [(row[0], _stored_block(row)) for row in rows]
-
-    async def block_keys(self) -> dict[str, StoredBlock]:
-        """Every recorded block, mapped to where its file is (one query)."""
-        async with self._db.read() as session:
-            rows = await session.execute(select(*_LOCATION))
-            return {row[0]: _stored_block(row) for row in rows}
-
-    async def get_cache(self, agent_id: str) -> CacheRecord | None:
-        """The agent's current cache entry, or ``None``. Raises ``AgentNotFoundError``."""
-        validate_agent_id(agent_id)
-        async with self._db.read() as session:
-            await _require_agent(session, agent_id)
-            row = await _current_cache(session, agent_id)
-            if row is None:
-                return None
-            keys = await session.scalars(
-                select(KVCacheBlock.block_key)
-                .where(KVCacheBlock.agent_id == agent_id)
-                .order_by(KVCacheBlock.position)
-            )
-            return CacheRecord.from_row(row, tuple(keys))
 
     async def expired_agents(self, now: datetime | None = None) -> list[str]:
         """Ids of agents with an ``idle_ttl_s`` whose last change is older than that, oldest
@@ -475,73 +360,6 @@ class Registry:
                 if (now - updated_at).total_seconds() > ttl
             ]
 
-    async def cache_usage(self) -> DiskUsage:
-        """Bytes and files of every current cache entry and recorded block."""
-        async with self._db.read() as session:
-            own = (
-                await session.execute(
-                    select(func.coalesce(func.sum(KVCache.nbytes), 0), func.count(KVCache.id))
-                )
-            ).one()
-            blocks = (
-                await session.execute(
-                    select(
-                        func.coalesce(func.sum(KVBlock.nbytes), 0),
-                        func.coalesce(func.sum(KVBlock.window_nbytes), 0),
-                        func.count(KVBlock.key),
-                        func.count(KVBlock.window_nbytes),
-                        func.count(func.distinct(func.coalesce(KVBlock.segment, KVBlock.key))),
-                    )
-                )
-            ).one()
-            return DiskUsage(
-                bytes=int(own[0] + blocks[0] + blocks[1]),
-                files=int(own[1] + blocks[4] + blocks[3]),
-                blocks=int(blocks[2]),
-            )
-
-    async def coldest_caches(self, limit: int) -> list[CacheRecord]:
-        """Current cache entries, those of the agents with the oldest last change first."""
-        validation.check_limit(limit)
-        async with self._db.read() as session:
-            rows = await session.scalars(
-                select(KVCache)
-                .join(Agent, Agent.id == KVCache.agent_id)
-                .order_by(Agent.updated_at, Agent.id)
-                .limit(limit)
-            )
-            return [CacheRecord.from_row(row) for row in rows]
-
-    async def clear_cache(self, agent_id: str, path: str) -> bool:
-        """Forget the agent's cache entry if it still points at ``path`` (a newer save is kept).
-
-        Returns:
-            Whether the entry was removed; the caller then deletes the file.
-        """
-        validate_agent_id(agent_id)
-        async with self._db.write() as session:
-            deleted = await session.scalar(
-                delete(KVCache)
-                .where(KVCache.agent_id == agent_id, KVCache.path == path)
-                .returning(KVCache.id)
-            )
-            if deleted is not None:
-                await session.execute(delete(KVCacheBlock).where(KVCacheBlock.agent_id == agent_id))
-            return deleted is not None
-
-    async def cache_paths(self) -> dict[str, str | None]:
-        """Every agent's id and its current cache file's path (None: no cache), in one query."""
-        async with self._db.read() as session:
-            rows = await session.execute(
-                select(Agent.id, KVCache.path).outerjoin(KVCache, KVCache.agent_id == Agent.id)
-            )
-            return {agent_id: path for agent_id, path in rows}
-
-
-async def _require_agent(session: AsyncSession, agent_id: str) -> None:
-    if await session.scalar(select(Agent.id).where(Agent.id == agent_id)) is None:
-        raise AgentNotFoundError(agent_id)
-
 
 async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> datetime:
     """Set the agent's ``updated_at`` to now (and ``changes``) and return it;
@@ -556,64 +374,3 @@ async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> dateti
     if touched is None:
         raise AgentNotFoundError(agent_id)
     return now
-
-
-async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) -> None:
-    """Insert block rows; a known block's row takes the new file (it was written again because
-    its file was gone), and gains a window file it lacked."""
-    for block in new_blocks:
-        if not isinstance(block, NewBlock):
-            raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
-        window = {"window_nbytes": block.window_nbytes, "window_checksum": block.window_checksum}
-        if block.nbytes is None:  # a window for a known block
-            updated = await session.execute(
-                update(KVBlock)
-                .where(KVBlock.key == block.key)
-                .values(window)
-                .returning(KVBlock.key)
-            )
-            if updated.first() is None:
-                raise BlocksMissingError([block.key])
-            continue
-        changes = {
-            "nbytes": block.nbytes,
-            "checksum": block.checksum,
-            "segment": block.segment,
-            "segment_index": block.segment_index,
-        }
-        statement = sqlite_insert(KVBlock).values(
-            key=block.key, created_at=utcnow(), **changes, **window
-        )
-        if block.window_nbytes is not None:
-            changes |= window
-        await session.execute(
-            statement.on_conflict_do_update(index_elements=[KVBlock.key], set_=changes)
-        )
-
-
-async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str, StoredBlock]:
-    keys = list(dict.fromkeys(keys))
-    known: dict[str, StoredBlock] = {}
-    for start in range(0, len(keys), _IN_CHUNK):
-        rows = await session.execute(
-            select(*_LOCATION).where(KVBlock.key.in_(keys[start : start + _IN_CHUNK]))
-        )
-        known.update((row[0], _stored_block(row)) for row in rows)
-    return known
-
-
-_LOCATION = (
-    KVBlock.key,
-    KVBlock.window_nbytes.is_not(None),
-    KVBlock.segment,
-    KVBlock.segment_index,
-)
-
-
-def _stored_block(row: Any) -> StoredBlock:
-    _, window, segment, index = row
-    return StoredBlock(bool(window), segment, index or 0)
-
-
-async def _current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:
-    return await session.scalar(select(KVCache).where(KVCache.agent_id == agent_id))

@@ -320,7 +320,7 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
             format_version=FORMAT_VERSION,
         )
         async with await Registry.open(rt.config.database) as registry:
-            await registry.set_cache(agent.id, entry)
+            await registry.caches.set(agent.id, entry)
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         reply = await rt.chat(agent.id, "And now?", max_tokens=8)
         assert reply.cache_source == "disk"

@@ -236,7 +236,7 @@ async def test_batch_migration_rebuilding_agents_keeps_child_rows(tmp_path: Path
         await registry.append_messages(
             "a", [NewMessage("user", "hi"), NewMessage("assistant", "yo")]
         )
-        await registry.set_cache(
+        await registry.caches.set(
             "a", NewCacheEntry("a/c.safetensors", 2, "m", 10, "c", 1, message_count=2)
         )
     scripts = with_revision(tmp_path / "scripts", RECREATE_AGENTS)
@@ -330,7 +330,7 @@ async def test_a_0001_cache_row_upgrades_to_head_with_message_count_0(tmp_path: 
         )
 
     async with await Registry.open(path) as registry:
-        cache = await registry.get_cache("a")
+        cache = await registry.caches.get("a")
         async with registry._db.engine.connect() as connection:
             diff = await connection.run_sync(schema_diff)
 
@@ -353,7 +353,7 @@ async def test_downgrading_0002_drops_message_count_and_keeps_rows(tmp_path: Pat
     async with await Registry.open(path) as registry:
         await registry.create_agent("a")
         await registry.append_messages("a", [NewMessage("user", "hi")])
-        await registry.set_cache(
+        await registry.caches.set(
             "a", NewCacheEntry("a/c.safetensors", 3, "m", 10, "c", 1, message_count=1)
         )
 
@@ -368,7 +368,7 @@ async def test_downgrading_0002_drops_message_count_and_keeps_rows(tmp_path: Pat
     assert rows(path, "SELECT content FROM messages") == [("hi",)]
 
     async with await Registry.open(path) as registry:  # and back up again
-        cache = await registry.get_cache("a")
+        cache = await registry.caches.get("a")
     assert cache is not None and (cache.path, cache.message_count) == ("a/c.safetensors", 0)
 
 
@@ -403,7 +403,7 @@ async def test_0005_records_segments_and_downgrades_dropping_only_their_caches(
         for agent in ("a", "b"):
             await registry.create_agent(agent)
         old = NewBlock("k0", 10, "c0")  # a block in its own file, as before 0005
-        await registry.set_cache(
+        await registry.caches.set(
             "a",
             NewCacheEntry("a/t.safetensors", 20, "m", 5, "t", 2, message_count=1),
             blocks=["k0"],
@@ -412,19 +412,19 @@ async def test_0005_records_segments_and_downgrades_dropping_only_their_caches(
         seg = [
             NewBlock(k, 6, "s", segment="k2-2", segment_index=i) for i, k in enumerate(["k1", "k2"])
         ]
-        await registry.set_cache(
+        await registry.caches.set(
             "b",
             NewCacheEntry("b/t.safetensors", 40, "m", 5, "t", 2, message_count=1),
             blocks=["k1", "k2"],
             new_blocks=seg,
         )
-        known = await registry.known_blocks(["k0", "k1", "k2", "k9"])
+        known = await registry.caches.known_blocks(["k0", "k1", "k2", "k9"])
         assert known == {
             "k0": StoredBlock(False, None, 0),
             "k1": StoredBlock(False, "k2-2", 0),
             "k2": StoredBlock(False, "k2-2", 1),
         }
-        usage = await registry.cache_usage()
+        usage = await registry.caches.usage()
         assert (usage.bytes, usage.files, usage.blocks) == (5 + 5 + 10 + 12, 4, 3)
 
     await migrate(path, "0004", down=True)

@@ -240,7 +240,7 @@ async def test_cache_file_of_another_model_is_rebuilt(tmp_path):
 
         checksum = read_cache_file(target).checksum
         async with await Registry.open(rt.config.database) as registry:
-            await registry.set_cache(
+            await registry.caches.set(
                 "x",
                 NewCacheEntry(
                     path=entry.path,

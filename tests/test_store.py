@@ -55,8 +55,8 @@ CALLS: dict[str, Call] = {
     "append_messages": lambda r, a: r.append_messages(a, [NewMessage("user", "hi")]),
     "transcript": lambda r, a: r.transcript(a),
     "message_count": lambda r, a: r.message_count(a),
-    "set_cache": lambda r, a: r.set_cache(a, ENTRY),
-    "get_cache": lambda r, a: r.get_cache(a),
+    "set_cache": lambda r, a: r.caches.set(a, ENTRY),
+    "get_cache": lambda r, a: r.caches.get(a),
 }
 
 
@@ -242,9 +242,9 @@ async def test_delete_cascades_and_returns_the_cache_entry(
         await registry.append_messages(
             agent_id, [NewMessage("user", "a"), NewMessage("assistant", "b")]
         )
-        await registry.set_cache(agent_id, ENTRY)
+        await registry.caches.set(agent_id, ENTRY)
 
-    current = await registry.get_cache("gone")
+    current = await registry.caches.get("gone")
     removed = await registry.delete_agent("gone")
 
     assert removed is not None and removed == current
@@ -343,9 +343,9 @@ async def test_empty_batch_is_a_value_error(registry: Registry) -> None:
 
 async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> None:
     await registry.create_agent("a")
-    assert await registry.get_cache("a") is None
-    assert await registry.set_cache("a", ENTRY) is None
-    first = await registry.get_cache("a")
+    assert await registry.caches.get("a") is None
+    assert await registry.caches.set("a", ENTRY) is None
+    first = await registry.caches.get("a")
     assert first is not None
     assert (
         first.agent_id,
@@ -357,8 +357,8 @@ async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> No
     ) == ("a", ENTRY.path, 8, 64, 12, 3)
 
     newer = NewCacheEntry("a/cache-2.safetensors", 20, "f" * 64, 8192, "d" * 64, 1, message_count=5)
-    assert await registry.set_cache("a", newer) == first
-    current = await registry.get_cache("a")
+    assert await registry.caches.set("a", newer) == first
+    current = await registry.caches.get("a")
     assert current is not None
     assert (current.path, current.message_count, current.is_quantized) == (newer.path, 5, False)
 

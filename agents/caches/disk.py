@@ -103,7 +103,7 @@ class DiskCaches:
 
     async def block_files(self, keys: Sequence[str]) -> list[Path]:
         """The files holding these recorded blocks (each once, in order)."""
-        known = await self._registry.known_blocks(keys)
+        known = await self._registry.caches.known_blocks(keys)
         file_of = self.layout.file_of
         return list(dict.fromkeys(file_of(key, known[key]) for key in keys if key in known))
 
@@ -112,7 +112,7 @@ class DiskCaches:
         hard-linked (copied only where the filesystem cannot link). Returns whether there was
         one."""
         await self.wait(source_id)  # the newest cache of the source has landed
-        record = await self._registry.get_cache(source_id)
+        record = await self._registry.caches.get(source_id)
         if record is None:
             return False
         root = self.layout.root
@@ -126,13 +126,13 @@ class DiskCaches:
             for name in NewCacheEntry.__dataclass_fields__  # type: ignore[attr-defined]
         }
         try:
-            await self._registry.set_cache(
+            await self._registry.caches.set(
                 agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()}), blocks=record.blocks
             )
         except BaseException:
             remove_cache_file(root / rel)
             raise
-        self.stats.usage = await self._registry.cache_usage()
+        self.stats.usage = await self._registry.caches.usage()
         return True
 
     async def remove_agent(self, agent_id: str) -> None:

@@ -59,7 +59,7 @@ class Janitor(Part):
     def collect_now(self, keep: frozenset[str]) -> int:
         """On the writer thread: delete the segments none of whose blocks a cache lists (or
         ``keep`` holds), their blocks' rows and window files."""
-        removed = self._writes.call(self._registry.collect_garbage(sorted(keep)))
+        removed = self._writes.call(self._registry.caches.collect_garbage(sorted(keep)))
         for file in dict.fromkeys(self._layout.file_of(key, where) for key, where in removed):
             remove_quietly(file)
         for key, where in removed:
@@ -75,7 +75,7 @@ class Janitor(Part):
         removed = await asyncio.wrap_future(
             self._writes.submit(GC_JOB, lambda: self.collect_now(keep))
         )
-        self._stats.usage = await self._registry.cache_usage()
+        self._stats.usage = await self._registry.caches.usage()
         return removed or 0
 
     # ---- budget, removal, sweep --------------------------------------------------------------
@@ -84,15 +84,15 @@ class Janitor(Part):
         """Count the files; over the budget, evict the caches of the agents idle longest
         (their blocks go when no other cache lists them)."""
         async with self._evicting:  # one pass at a time; later saves find it done
-            self._stats.usage = await self._registry.cache_usage()
+            self._stats.usage = await self._registry.caches.usage()
             if self._budget_bytes is None or self._stats.usage.bytes <= self._budget_bytes:
                 return
-            for entry in await self._registry.coldest_caches(EVICTION_SCAN):
+            for entry in await self._registry.caches.coldest(EVICTION_SCAN):
                 lock = self._lock_of(entry.agent_id)
                 if lock.locked() or self._writes.busy(entry.agent_id):
                     continue  # speaking now or saving: not cold
                 async with lock:
-                    if await self._registry.clear_cache(entry.agent_id, entry.path):
+                    if await self._registry.caches.clear(entry.agent_id, entry.path):
                         await asyncio.to_thread(remove_cache_file, self._layout.root / entry.path)
                         self._stats.evictions += 1
                         log.info("evicted the cache of agent %r (disk budget)", entry.agent_id)
@@ -116,8 +116,8 @@ class Janitor(Part):
         touched, and a file that cannot be removed is logged and left: opening never fails here.
         """
         removed = await self.collect()
-        current = await self._registry.cache_paths()
-        blocks = await self._registry.block_keys()
+        current = await self._registry.caches.paths()
+        blocks = await self._registry.caches.block_keys()
         removed += await asyncio.to_thread(self._sweep_files, current, blocks)
         await self.keep_budget()  # also counts what is on disk
         return removed

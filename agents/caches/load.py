@@ -47,7 +47,7 @@ class StaleCacheError(CacheUnusableError, ValueError):
 class Loader(Part):
     async def load(self, agent_id: str) -> LoadedCache | None:
         """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
-        record = await self._registry.get_cache(agent_id)
+        record = await self._registry.caches.get(agent_id)
         if record is None:
             return None
         try:
@@ -81,7 +81,7 @@ class Loader(Part):
         key, else the registry's checksum of it) and its blocks into MLX on the generation
         thread, verifying every file there before it is used (``decode_paged``)."""
         window = tail.name.endswith(".window.safetensors")
-        known = await self._registry.known_blocks(keys)
+        known = await self._registry.caches.known_blocks(keys)
         if missing := [key for key in keys if key not in known]:
             raise StaleCacheError(f"{len(missing)} of its blocks are not recorded")
         runs = self._runs(keys, known)

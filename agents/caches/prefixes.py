@@ -113,7 +113,7 @@ class Prefixes(Part):
         # A prefix being written now counts: wait for it rather than prefill it again.
         if writing := [task for key in keys if (task := self._storing.get(key))]:
             await asyncio.wait(writing)  # (unlike gather, a cancelled caller cancels nothing)
-        known = await self._registry.known_blocks(keys)
+        known = await self._registry.caches.known_blocks(keys)
         run = next((j for j, key in enumerate(keys) if key not in known), len(keys))
         windows = [j for j in range(run) if known[keys[j]].window]
         for j in reversed(windows):  # a window removed as corrupt does not count
@@ -139,7 +139,7 @@ class Prefixes(Part):
     def _write(self, paged: PagedCache, keys: Sequence[str]) -> None:
         """On the writer thread: the new blocks, and the last one's window."""
         layout = self._layout
-        known = self._writes.call(self._registry.known_blocks(keys[-1:]))
+        known = self._writes.call(self._registry.caches.known_blocks(keys[-1:]))
         new_blocks, written = [], []
         try:
             new_blocks = self._saver.write_segments(paged, keys, written)
@@ -159,7 +159,7 @@ class Prefixes(Part):
                     )
                 else:
                     new_blocks.append(NewBlock(last, None, None, info.nbytes, info.checksum))
-            self._writes.call(self._registry.add_blocks(new_blocks))
+            self._writes.call(self._registry.caches.add_blocks(new_blocks))
         except BaseException:
             remove_all(written)
             raise

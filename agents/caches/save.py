@@ -78,7 +78,7 @@ class Saver(Part):
 
     async def encode(self, cache: PromptCache, keys: Sequence[str]) -> PagedCache:
         """On the generation thread: the blocks of ``keys`` that are not stored, and the tail."""
-        known = await self._registry.known_blocks(keys)
+        known = await self._registry.caches.known_blocks(keys)
         layout = self._layout
         missing = await asyncio.to_thread(
             lambda: {j for j, key in enumerate(keys) if not layout.is_stored(key, known)}
@@ -118,7 +118,7 @@ class Saver(Part):
                 message_count=message_count,
             )
             previous = self._writes.call(
-                self._registry.set_cache(agent_id, entry, blocks=keys, new_blocks=new_blocks)
+                self._registry.caches.set(agent_id, entry, blocks=keys, new_blocks=new_blocks)
             )
         except AgentNotFoundError:  # deleted while this was queued
             remove_all(written)
@@ -142,7 +142,7 @@ class Saver(Part):
         stored since this one looked; their paths go to ``written``) and return their rows."""
         layout = self._layout
         fresh = [keys[j] for first in paged.segments for j in paged.blocks_in(first)]
-        known = self._writes.call(self._registry.known_blocks(fresh)) if fresh else {}
+        known = self._writes.call(self._registry.caches.known_blocks(fresh)) if fresh else {}
         new_blocks = []
         for first, segment in paged.segments.items():
             todo = [j for j in paged.blocks_in(first) if not layout.is_stored(keys[j], known)]

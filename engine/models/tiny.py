@@ -22,7 +22,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import random
 import shutil
 import tempfile
 import threading
@@ -30,111 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
+from engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, ChatFormat
+from engine.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
 HOME_ENV = "AGENTKV_HOME"
 MARKER_FILE = "agentkv_tiny.json"
 # Builds seed MLX's global generator; two threads building at once would interleave draws.
 _BUILD_LOCK = threading.Lock()
-
-_CONTENT = (  # a message's text: a plain string or OpenAI-style text parts
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% elif message['content'] %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-)
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' }}" + _CONTENT + "{{ '<end_of_turn>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-# ChatML with Hermes-style tools (what mlx-lm's ``json_tools`` parser reads): the tool list is
-# its own system turn before the system prompt, so editing the system prompt keeps the (much
-# longer) tool schemas' cached prefix; every message, a mid-conversation system one included,
-# is its own turn.
-CHATML_TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|im_start|>system\n# Tools\n\nYou may call functions. "
-    "Their signatures are within <tools></tools>:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "To call a function, answer with <tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    + _CONTENT
-    + "{% for tool_call in message['tool_calls'] or [] %}"
-    "{% set tool_call = tool_call['function'] or tool_call %}"
-    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
-    "{{ tool_call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    + _CONTENT
-    + "{{ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class ChatFormat:
-    """Special tokens and chat template of one model family; specials take ids 0..n-1."""
-
-    special_tokens: tuple[str, ...]
-    bos: str
-    eos: str  # the tokenizer's eos_token
-    pad: str
-    stop_tokens: tuple[str, ...]  # every token that ends generation (config eos_token_id)
-    chat_template: str
-    unk: str | None = None
-
-    def id_of(self, token: str) -> int:
-        return self.special_tokens.index(token)
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return sorted(self.id_of(token) for token in self.stop_tokens)
-
-
-GEMMA = ChatFormat(
-    special_tokens=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
-    bos="<bos>",
-    eos="<eos>",
-    pad="<pad>",
-    unk="<unk>",
-    stop_tokens=("<eos>", "<end_of_turn>"),
-    chat_template=GEMMA_TEMPLATE,
-)
-LLAMA = ChatFormat(
-    special_tokens=(
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-        "<|finetune_right_pad_id|>",
-    ),
-    bos="<|begin_of_text|>",
-    eos="<|eot_id|>",  # as in Llama-3 instruct
-    pad="<|finetune_right_pad_id|>",
-    stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
-    chat_template=LLAMA_TEMPLATE,
-)
-CHATML_TOOLS = ChatFormat(
-    special_tokens=(
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<tool_call>",
-        "</tool_call>",
-        "<|pad|>",
-    ),
-    bos="<|endoftext|>",
-    eos="<|im_end|>",
-    pad="<|pad|>",
-    stop_tokens=("<|endoftext|>", "<|im_end|>"),
-    chat_template=CHATML_TOOLS_TEMPLATE,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +280,7 @@ def _build_and_move(definition: TinySpec, target: Path) -> None:
 
 
 def _write_model(definition: TinySpec, out: Path) -> None:
-    _write_tokenizer(definition, out)
+    write_tokenizer(definition, out)
     config, chat = definition.config, definition.chat
     generation = {
         "bos_token_id": config["bos_token_id"],
@@ -407,65 +309,6 @@ def _write_model(definition: TinySpec, out: Path) -> None:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:
-    """Pseudo-English lines: a syllable lexicon drawn with Zipf-like frequencies."""
-    rng = random.Random(seed)
-    onsets = ["", *"bcdfghjklmnprstvwz", "ch", "sh", "th", "st", "tr", "pl", "gr", "br", "cl"]
-    vowels = [*"aeiou", "ai", "ea", "oo", "ou", "ie"]
-    codas = ["", "", *"nrstlm", "nd", "st", "ng", "ck"]
-    lexicon: set[str] = set()
-    while len(lexicon) < lexicon_size:
-        syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
-        lexicon.add(
-            "".join(
-                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
-                for _ in range(syllables)
-            )
-        )
-    words = sorted(lexicon)
-    rng.shuffle(words)
-    drawn = rng.choices(words, weights=[1 / (i + 1) for i in range(len(words))], k=n_words)
-    lines, sentence = [], []
-    for word in drawn:
-        sentence.append(word.capitalize() if not sentence else word)
-        if rng.random() < 0.02:
-            sentence.append(str(rng.randrange(10_000)))
-        if rng.random() < 0.08:
-            end = rng.choice((".", "?", "!", ",", ":", ";")) + rng.choice((" ", "\n", "\n\n"))
-            lines.append(" ".join(sentence) + end)
-            sentence = []
-    lines.append(" ".join(words))  # every lexicon word, so a large vocab can fill up
-    return lines
-
-
-def _write_tokenizer(definition: TinySpec, out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    chat = definition.chat
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=definition.vocab_size,
-        special_tokens=list(chat.special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = _corpus(definition.seed, definition.corpus_words, definition.lexicon_size)
-    tokenizer.train_from_iterator(corpus, trainer)
-    # A corpus too small for the vocab leaves ids the model can emit but nothing decodes.
-    missing = definition.vocab_size - tokenizer.get_vocab_size()
-    tokenizer.add_special_tokens([f"<unused{i}>" for i in range(missing)])
-    for i, token in enumerate(chat.special_tokens):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"tokenizer training moved special token {token} off id {i}")
-    bos = chat.bos
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, chat.id_of(bos))]
-    )
-    tokenizer.save(str(out / "tokenizer.json"))
 
 
 def _write_weights(definition: TinySpec, path: Path) -> None:

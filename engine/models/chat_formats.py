@@ -1,0 +1,142 @@
+"""Chat formats: each tiny model family's special tokens and chat template, and the templates
+GGUF imports fall back on.
+
+Templates render every message independently of later ones, so the rendering of a prefix of the
+messages is a string prefix of the whole rendering (the runtime appends each new turn as a text
+delta to a cached history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_CONTENT = (  # a message's text: a plain string or OpenAI-style text parts
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}" + _CONTENT + "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+# ChatML with Hermes-style tools (what mlx-lm's ``json_tools`` parser reads): the tool list is
+# its own system turn before the system prompt, so editing the system prompt keeps the (much
+# longer) tool schemas' cached prefix; every message, a mid-conversation system one included,
+# is its own turn.
+CHATML_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|im_start|>system\n# Tools\n\nYou may call functions. "
+    "Their signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "To call a function, answer with <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT
+    + "{% for tool_call in message['tool_calls'] or [] %}"
+    "{% set tool_call = tool_call['function'] or tool_call %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    + _CONTENT
+    + "{{ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """Special tokens and chat template of one model family; specials take ids 0..n-1."""
+
+    special_tokens: tuple[str, ...]
+    bos: str
+    eos: str  # the tokenizer's eos_token
+    pad: str
+    stop_tokens: tuple[str, ...]  # every token that ends generation (config eos_token_id)
+    chat_template: str
+    unk: str | None = None
+
+    def id_of(self, token: str) -> int:
+        return self.special_tokens.index(token)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.id_of(token) for token in self.stop_tokens)
+
+
+GEMMA = ChatFormat(
+    special_tokens=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+    bos="<bos>",
+    eos="<eos>",
+    pad="<pad>",
+    unk="<unk>",
+    stop_tokens=("<eos>", "<end_of_turn>"),
+    chat_template=GEMMA_TEMPLATE,
+)
+LLAMA = ChatFormat(
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+    ),
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",  # as in Llama-3 instruct
+    pad="<|finetune_right_pad_id|>",
+    stop_tokens=("<|end_of_text|>", "<|eot_id|>"),
+    chat_template=LLAMA_TEMPLATE,
+)
+CHATML_TOOLS = ChatFormat(
+    special_tokens=(
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|pad|>",
+    ),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    pad="<|pad|>",
+    stop_tokens=("<|endoftext|>", "<|im_end|>"),
+    chat_template=CHATML_TOOLS_TEMPLATE,
+)
+
+
+# The chat template of Gemma 3 instruction-tuned checkpoints (a system message joins the first
+# user turn), without its check that roles alternate, so any transcript renders.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# For a Llama-family file without a template whose vocabulary has no chat tokens.
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\n\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
