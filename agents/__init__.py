@@ -30,15 +30,16 @@ from store import (
 )
 
 if TYPE_CHECKING:
+    from agents.caches.tiers import CacheInfo
     from agents.runtime import AgentRuntime
-    from agents.types import CacheInfo, Reply, TextDelta, Timings, Usage
+    from agents.types import Reply, TextDelta, Timings, Usage
     from engine.sampling import SamplingParams
 
 # Imported when first used: these load MLX, which configuring a runtime or catching its errors
 # does not need (``from agents import RuntimeConfig`` stays light).
 _LAZY = {
     "AgentRuntime": "agents.runtime",
-    "CacheInfo": "agents.types",
+    "CacheInfo": "agents.caches.tiers",
     "Reply": "agents.types",
     "TextDelta": "agents.types",
     "Timings": "agents.types",

@@ -24,7 +24,8 @@ from agents.document import (
     render_document,
     tool_calls_of,
 )
-from agents.prompt import Message
+from agents.errors import EmptyMessageError, ToolsUnsupportedError, check_text
+from agents.prompt import Message, checked_texts
 from agents.tool_calls import ParsedReply, ToolFormat
 from agents.turns import TurnRunner
 from agents.types import CacheSource, Reply, TurnPlan
@@ -42,7 +43,30 @@ class Conversations:
         self.replies: dict[str, list[CachedReply]] = {}
 
     def turn(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> DocumentTurn:
+        """The turn answering ``messages`` (checked: usable text, not ending with an assistant
+        message, tools only for a model that can call them)."""
+        self.check_tools(tools)
+        messages = checked_texts(messages)
+        if not messages or messages[-1]["role"] == "assistant":
+            raise EmptyMessageError("the conversation must end with a non-assistant message")
         return DocumentTurn(self, messages, tools)
+
+    async def count_tokens(
+        self, messages: list[Message], system: str | None, tools: list[dict[str, Any]] | None
+    ) -> int:
+        """Tokens of the conversation rendered ready to answer (in a worker thread)."""
+        self.check_tools(tools)
+        head = [{"role": "system", "content": check_text(system, "system")}] if system else []
+        conversation = [*head, *checked_texts(messages)]
+        renderer = self.runner.renderer
+        return len(await asyncio.to_thread(renderer.full_prompt, conversation, tools))
+
+    def check_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        if tools and self.tool_format is None:
+            raise ToolsUnsupportedError(
+                f"model {self.runner.config.model!r} cannot call tools: its tokenizer has no "
+                "tool-call format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
+            )
 
     def fork(self, source_id: str, agent_id: str) -> None:
         if source_id in self.replies:
@@ -83,7 +107,7 @@ class DocumentTurn:
         runner = conversations.runner
         renderer = runner.renderer
         start = time.perf_counter()
-        resumed = await runner.resume(agent.id)
+        resumed = await runner.caches.resume(agent.id)
         cache, _, source = resumed or (None, 0, "none")
         source: CacheSource
         known = conversations.replies.get(agent.id)
@@ -107,7 +131,7 @@ class DocumentTurn:
         kept = cache.prefix(shared) if cache else None
         if kept is None and cache is not None:
             source = "rebuilt"
-        if kept is None or kept.num_tokens < runner.disk.block_tokens:
+        if kept is None or kept.num_tokens < runner.caches.disk.block_tokens:
             # A stored prefix (at least a block) beats less than a block of the agent's own.
             head = functools.partial(renderer.shared_head, self.messages, document.tokens, tools)
             plan = await runner.plan_from_prefix(document.tokens, head, source, start, priority)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agents.errors import ChatTemplateError, check_text
+from agents.errors import ChatTemplateError, InvalidMessageError, check_text
 
 Message = dict[str, Any]
 """A chat message as templates read it: ``role``, ``content`` and, for tool calling,
@@ -118,3 +118,16 @@ def checked_texts(messages: Sequence[Message]) -> list[Message]:
         if isinstance(m.get("content"), str):
             check_text(m["content"], f"messages[{i}].content")
     return list(messages)
+
+
+def checked_history(messages: Sequence[Message]) -> list[Message]:
+    """Copies of user/assistant message dicts whose content is usable text."""
+    checked = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise InvalidMessageError(
+                f"messages[{i}]: role must be 'user' or 'assistant', got {role!r}"
+            )
+        checked.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+    return checked

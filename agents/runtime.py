@@ -9,30 +9,19 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from agents.caches import DiskCaches
+from agents.caches.hot import HotTier
+from agents.caches.tiers import CacheInfo, CacheTiers
 from agents.config import RuntimeConfig
 from agents.conversations import Conversations
-from agents.errors import (
-    EmptyMessageError,
-    InvalidMessageError,
-    RuntimeClosedError,
-    ToolsUnsupportedError,
-    check_text,
-)
-from agents.hot_tier import HotTier
-from agents.prompt import ChatRenderer, Message, checked_texts
+from agents.errors import RuntimeClosedError, check_text
+from agents.prompt import ChatRenderer, Message, checked_history
 from agents.tool_calls import ToolFormat
-from agents.turns import ChatTurn, TurnOptions, TurnRunner, transcript_messages
-from agents.types import CacheInfo, Reply, TextDelta
+from agents.turns import ChatTurn, TurnOptions, TurnRunner
+from agents.types import Reply, TextDelta
 from engine.engine import Engine
 from engine.request import PromptCache
 from engine.sampling import SamplingParams
-from store import (
-    AgentNotFoundError,
-    AgentRecord,
-    MessageRecord,
-    NewMessage,
-    Registry,
-)
+from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +42,7 @@ class AgentRuntime:
         self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
         self.tool_format = ToolFormat.of(engine.tokenizer)
         """The model's tool-call markers and parser; None when it cannot call tools."""
-        self._hot = HotTier(config.hot_cache_bytes)
-        self._disk = DiskCaches(
+        disk = DiskCaches(
             config.caches_path,
             registry,
             engine,
@@ -65,7 +53,8 @@ class AgentRuntime:
             share_prefixes=config.share_prefixes,
             lock_of=self._lock,
         )
-        self._turns = TurnRunner(config, registry, engine, self._hot, self._disk, self._renderer)
+        self._caches = CacheTiers(HotTier(config.hot_cache_bytes), disk, registry)
+        self._turns = TurnRunner(config, registry, engine, self._caches, self._renderer)
         self._conversations = Conversations(self._turns, self.tool_format)
         self._closed = False
 
@@ -80,7 +69,7 @@ class AgentRuntime:
             raise
         runtime = cls(config, registry, engine)
         try:
-            await runtime._disk.sweep()
+            await runtime._caches.disk.sweep()
         except BaseException:
             await runtime.close()
             raise
@@ -156,17 +145,7 @@ class AgentRuntime:
         To import history and run a turn atomically, pass it as ``chat(..., history=...)``.
         """
         self._check_open()
-        messages = _checked_history(messages)
-        async with self._lock(agent_id):
-            agent = await self._registry.get_agent(agent_id)
-            history = await self._registry.transcript(agent_id)
-            # Store nothing the chat template would refuse later (e.g. two user turns in a row).
-            await asyncio.to_thread(
-                self._renderer.render, [*transcript_messages(agent, history), *messages], False
-            )
-            await self._registry.append_messages(
-                agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
-            )
+        await self._turns.append(agent_id, checked_history(messages))
 
     async def count_tokens(
         self,
@@ -179,21 +158,17 @@ class AgentRuntime:
         ``messages`` may be in chat-template shape (tool calls, role ``tool``). Rendering and
         tokenizing run in a worker thread: a long conversation does not stall the event loop.
         """
-        self._check_tools(tools)
-        head = [{"role": "system", "content": check_text(system, "system")}] if system else []
-        conversation = [*head, *checked_texts(messages)]
-        return len(await asyncio.to_thread(self._renderer.full_prompt, conversation, tools))
+        return await self._conversations.count_tokens(list(messages), system, tools)
 
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
         self._check_open()
         async with self._lock(agent_id):
             await self._registry.get_agent(agent_id)
-            await self._disk.wait(agent_id)
+            await self._caches.disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
-            self._hot.drop(agent_id)
             self._conversations.drop(agent_id)
-            await self._disk.remove_agent(agent_id)
+            await self._caches.remove(agent_id)
 
     async def fork(
         self, agent_id: str, new_id: str | None = None, *, name: str | None = None
@@ -209,11 +184,8 @@ class AgentRuntime:
         self._check_open()
         async with self._lock(agent_id):
             forked = await self._registry.fork_agent(agent_id, new_id, name=name)
-            hot = self._hot.get(agent_id)
-            if hot is not None:  # caches are merged into the batch by copy: safe to share
-                self._hot.put(forked.id, hot.cache, hot.message_count)
             self._conversations.fork(agent_id, forked.id)
-            await self._disk.fork(agent_id, forked.id)
+            await self._caches.fork(agent_id, forked.id)
         return forked
 
     async def expire_agents(self) -> list[str]:
@@ -278,9 +250,7 @@ class AgentRuntime:
         nothing of it, the history included, is stored and the agent's cache stays as it was.
         """
         self._check_open()
-        if check_text(message, "message").strip() == "":
-            raise EmptyMessageError("message is empty: a turn needs some text")
-        turn = ChatTurn(self._turns, message, _checked_history(history))
+        turn = ChatTurn.checked(self._turns, message, history)
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -312,10 +282,6 @@ class AgentRuntime:
             max_tokens, sampling, stop, priority: as for :meth:`stream`.
         """
         self._check_open()
-        self._check_tools(tools)
-        messages = checked_texts(messages)
-        if not messages or messages[-1]["role"] == "assistant":
-            raise EmptyMessageError("the conversation must end with a non-assistant message")
         turn = self._conversations.turn(messages, tools)
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
@@ -324,13 +290,6 @@ class AgentRuntime:
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""
         return self._conversations.stored_text(message)
-
-    def _check_tools(self, tools: list[dict[str, Any]] | None) -> None:
-        if tools and self.tool_format is None:
-            raise ToolsUnsupportedError(
-                f"model {self.config.model!r} cannot call tools: its tokenizer has no tool-call "
-                "format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
-            )
 
     # ---- caches --------------------------------------------------------------------------------
 
@@ -345,13 +304,7 @@ class AgentRuntime:
         reads, the tokens of the copy in memory. Raises AgentNotFoundError."""
         self._check_open()
         await self._registry.get_agent(agent_id)
-        stored = await self._registry.caches.get(agent_id)
-        files: tuple = ()
-        if stored is not None:
-            blocks = await self._disk.block_files(stored.blocks)
-            files = (self.config.caches_path / stored.path, *blocks)
-        hot = self._hot.get(agent_id)
-        return CacheInfo(stored, files, hot.cache.num_tokens if hot else None)
+        return await self._caches.info(agent_id)
 
     async def export_cache(self, agent_id: str) -> PromptCache | None:
         """The agent's KV cache as its next turn would resume it: mlx-lm cache layers and the
@@ -362,12 +315,8 @@ class AgentRuntime:
         self._check_open()
         await self._registry.get_agent(agent_id)
         async with self._lock(agent_id):  # not while a turn changes it
-            hot = self._hot.get(agent_id)
-            if hot is not None:
-                return hot.cache
-            await self._disk.wait(agent_id)
-            loaded = await self._disk.load(agent_id)
-            return loaded.cache if loaded else None
+            resumed = await self._caches.resume(agent_id)
+            return resumed[0] if resumed else None
 
     async def unload(self, agent_id: str) -> None:
         """Drop the agent's cache from memory (the hot tier) once its save has landed; its next
@@ -375,44 +324,25 @@ class AgentRuntime:
         self._check_open()
         await self._registry.get_agent(agent_id)
         async with self._lock(agent_id):
-            await self._disk.wait(agent_id)
-            self._hot.drop(agent_id)
+            await self._caches.unload(agent_id)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Engine, hot tier and cache counters (a snapshot)."""
-        disk = self._disk.stats
+        disk = self._caches.disk
         return {
             "engine": self._engine.stats(),
-            "hot_tier": {
-                "agents": len(self._hot),
-                "bytes": self._hot.nbytes,
-                "budget_bytes": self._hot.budget_bytes,
-                "evictions": self._hot.evictions,
-            },
+            "hot_tier": self._caches.hot.report(),
             "cache_sources": dict(self._turns.sources),
-            "caches_saved": disk.saved,
-            "cache_load_failures": disk.load_failures,
-            "disk": {
-                "bytes": disk.usage.bytes,
-                "files": disk.usage.files,
-                "blocks": disk.usage.blocks,
-                "budget_bytes": self.config.disk_budget_bytes,
-                "evictions": disk.evictions,
-                "blocks_written": disk.blocks_written,
-                "blocks_shared": disk.blocks_shared,
-                "bytes_written": disk.bytes_written,
-                "saves_in_flight": self._disk.saves_in_flight,
-                "prefix_lookups": disk.prefix_lookups,
-                "prefix_hits": disk.prefix_hits,
-                "prefix_tokens": disk.prefix_tokens,
-            },
+            "caches_saved": disk.stats.saved,
+            "cache_load_failures": disk.stats.load_failures,
+            "disk": disk.report(),
         }
 
     async def flush(self) -> None:
         """Wait until every scheduled cache write is on disk and in the registry."""
-        await self._disk.wait()
+        await self._caches.disk.wait()
 
     async def close(self) -> None:
         """Let turns in flight finish, flush cache writes, stop the engine, close the registry."""
@@ -421,7 +351,7 @@ class AgentRuntime:
         self._closed = True
         try:
             await self._turns.idle.wait()
-            await self._disk.close()
+            await self._caches.disk.close()
         finally:
             await self._engine.close()
             await self._registry.close()
@@ -432,16 +362,3 @@ class AgentRuntime:
 
     def _lock(self, agent_id: str) -> asyncio.Lock:
         return self._turns.lock(agent_id)
-
-
-def _checked_history(messages: Sequence[Message]) -> list[Message]:
-    """Copies of user/assistant message dicts whose content is usable text."""
-    checked = []
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise InvalidMessageError(
-                f"messages[{i}]: role must be 'user' or 'assistant', got {role!r}"
-            )
-        checked.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
-    return checked

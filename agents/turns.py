@@ -1,7 +1,7 @@
 """One turn, from the agent's lock to its reply: the skeleton every kind of turn shares.
 
 A turn takes the agent's lock, reads the agent and its transcript, plans (which cache to resume
-and what to prefill: :meth:`TurnRunner.resume`, :meth:`TurnRunner.plan_from_prefix`), generates
+and what to prefill: :meth:`CacheTiers.resume`, :meth:`TurnRunner.plan_from_prefix`), generates
 through the engine, stores itself uninterruptibly (transcript rows, hot tier, a scheduled save)
 and replies. What differs between kinds is a :class:`Turn`: how it plans and what it stores.
 :class:`ChatTurn` is ``AgentRuntime.stream``'s (a new user message after the stored
@@ -17,18 +17,17 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agents.caches import DiskCaches
+from agents.caches.tiers import CacheTiers
 from agents.config import RuntimeConfig
-from agents.errors import ContextLengthError, TurnFailedError
-from agents.hot_tier import HotTier
-from agents.prompt import ChatRenderer, Message
+from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
+from agents.prompt import ChatRenderer, Message, checked_history
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
-from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.request import FinishReason, GenerationRequest, GenerationResult
 from engine.sampling import SamplingParams
 from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 
@@ -75,15 +74,13 @@ class TurnRunner:
         config: RuntimeConfig,
         registry: Registry,
         engine: Engine,
-        hot: HotTier,
-        disk: DiskCaches,
+        caches: CacheTiers,
         renderer: ChatRenderer,
     ):
         self.config = config
         self.registry = registry
         self.engine = engine
-        self.hot = hot
-        self.disk = disk
+        self.caches = caches
         self.renderer = renderer
         self.sources: Counter[str] = Counter()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -139,17 +136,19 @@ class TurnRunner:
         if not self._in_flight:
             self.idle.set()
 
-    # ---- planning ----------------------------------------------------------------------------
+    async def append(self, agent_id: str, messages: list[Message]) -> None:
+        """Store messages after the transcript without generating, in the agent's turn order."""
+        async with self.lock(agent_id):
+            agent = await self.registry.get_agent(agent_id)
+            history = await self.registry.transcript(agent_id)
+            # Store nothing the chat template would refuse later (e.g. two user turns in a row).
+            conversation = [*transcript_messages(agent, history), *messages]
+            await asyncio.to_thread(self.renderer.render, conversation, False)
+            await self.registry.append_messages(
+                agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
+            )
 
-    async def resume(self, agent_id: str) -> tuple[PromptCache, int, CacheSource] | None:
-        """The agent's own cache, the messages it covers and where it came from: the hot
-        tier, else disk (after a save in flight has landed); None when it has none usable."""
-        hot = self.hot.get(agent_id)
-        if hot is not None:
-            return hot.cache, hot.message_count, "hot"
-        await self.disk.wait(agent_id)  # a save in flight is the newest cache: let it land
-        loaded = await self.disk.load(agent_id)
-        return (loaded.cache, loaded.message_count, "disk") if loaded else None
+    # ---- planning ----------------------------------------------------------------------------
 
     async def plan_from_prefix(
         self,
@@ -161,7 +160,7 @@ class TurnRunner:
     ) -> TurnPlan:
         """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
         stored prefix or a shared head when there is one (``agents.caches.prefixes``)."""
-        cache, fresh, release = await self.disk.prefix(tokens, head, priority)
+        cache, fresh, release = await self.caches.disk.prefix(tokens, head, priority)
         if cache is None:
             return TurnPlan(tokens, None, source, time.perf_counter() - start)
         return TurnPlan(
@@ -229,8 +228,7 @@ class TurnRunner:
     def keep(self, agent_id: str, result: GenerationResult, plan: TurnPlan, covered: int) -> None:
         """After the transcript rows are stored: the turn's cache, covering ``covered``
         messages, goes to the hot tier and is saved to disk."""
-        self.hot.put(agent_id, result.cache, covered)
-        self.disk.save(agent_id, result.cache, covered, then=plan.release)
+        self.caches.keep(agent_id, result.cache, covered, then=plan.release)
 
     def _reply(
         self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
@@ -272,6 +270,13 @@ class ChatTurn:
     message: str
     history: list[Message]
 
+    @classmethod
+    def checked(cls, runner: TurnRunner, message: str, history: Sequence[Message]) -> ChatTurn:
+        """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
+        if check_text(message, "message").strip() == "":
+            raise EmptyMessageError("message is empty: a turn needs some text")
+        return cls(runner, message, checked_history(history))
+
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
     ) -> TurnPlan:
@@ -286,7 +291,7 @@ class ChatTurn:
         n_history = len(transcript) + len(self.history)  # the messages before the new one
         start = time.perf_counter()
         offset = len(messages) - n_history - 1  # the system message, if any
-        resumed = await runner.resume(agent.id)
+        resumed = await runner.caches.resume(agent.id)
         if resumed is not None:
             cache, count, source = resumed
             # (count > n_history: newer than the transcript, which only removed rows cause)

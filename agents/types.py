@@ -4,33 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from agents.tool_calls import ParsedReply
 from engine.request import PromptCache
-from store import CacheRecord
 
 CacheSource = Literal["hot", "disk", "prefix", "none", "rebuilt"]
 """Where a turn's cache came from: the agent's own (hot tier, disk), stored blocks another
 agent's prompt began with ("prefix"), or nothing (a new agent; "rebuilt": its cache was lost)."""
-
-
-@dataclass(slots=True, frozen=True)
-class CacheInfo:
-    """What agentkv holds of one agent's KV cache (``AgentRuntime.cache_info``).
-
-    Attributes:
-        stored: the registry's entry of the cache on disk (tokens, bits, blocks, checksum of
-            its tail); None when the agent has none.
-        files: the files a resume from disk reads: the tail, then the files holding its blocks
-            (each once, in order); empty when nothing is stored.
-        hot_tokens: tokens of the copy in memory (the hot tier); None when it has none.
-    """
-
-    stored: CacheRecord | None
-    files: tuple[Path, ...]
-    hot_tokens: int | None
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,7 +13,12 @@ import pytest
 from sqlalchemy import func, select
 
 from agents import AgentRuntime, RuntimeConfig
-from agents.caches import BLOCKS_DIR, chain_keys
+from agents.caches import BLOCKS_DIR, DiskStats, chain_keys
+from agents.caches.janitor import Janitor
+from agents.caches.layout import CacheLayout
+from agents.caches.save import Saver
+from agents.caches.shared import Shared
+from agents.caches.writes import Writes
 from store import Registry
 from store.cache_files import read_cache_file
 from store.database import Database
@@ -56,9 +61,19 @@ async def listed_blocks(rt: AgentRuntime, agent_id: str) -> tuple[str, ...]:
     return record.blocks if record else ()
 
 
+def layout_of(rt: AgentRuntime) -> CacheLayout:
+    """The runtime's cache layout (paths, names, block keys), built from its settings."""
+    c = rt.config
+    fingerprint = rt.engine.model.fingerprint
+    return CacheLayout(c.caches_path, fingerprint, c.kv_bits, c.kv_group_size, c.kv_block_tokens)
+
+
 async def files_of(rt: AgentRuntime, keys) -> list[Path]:
     """The segment (or block) files holding these blocks, each once, in order."""
-    return await rt._disk.block_files(list(keys))
+    async with await Registry.open(rt.config.database) as registry:
+        known = await registry.caches.known_blocks(list(keys))
+    layout = layout_of(rt)
+    return list(dict.fromkeys(layout.file_of(key, known[key]) for key in keys if key in known))
 
 
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])
@@ -67,7 +82,7 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
     settings = config(tmp_path, model, kv_bits=None, share_prefixes=False)
     async with await AgentRuntime.open(settings) as rt:
         agent = await rt.create_agent(system_prompt="You are terse.")
-        seed = rt._disk.layout.seed  # white-box: recompute the content keys
+        seed = layout_of(rt).seed  # recompute the content keys
         segments = []
         for i in range(4):
             written = rt.stats()["disk"]["bytes_written"]
@@ -351,7 +366,7 @@ async def test_a_cancelled_turn_waiting_for_a_shared_head_leaves_it_stored(tmp_p
         a, b, c = [await rt.create_agent(system_prompt=SYSTEM) for _ in range(3)]
         first = asyncio.ensure_future(rt.chat(a.id, "Parcel one?", max_tokens=8))
         waiting = asyncio.ensure_future(rt.chat(b.id, "Parcel two?", max_tokens=8))
-        while not rt._disk.heads_in_flight:  # a is prefilling the head; b waits for it
+        while not rt.stats()["disk"]["heads_in_flight"]:  # a is prefilling the head; b waits for it
             await asyncio.sleep(0.001)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -360,7 +375,7 @@ async def test_a_cancelled_turn_waiting_for_a_shared_head_leaves_it_stored(tmp_p
         await rt.flush()
         later = await rt.chat(c.id, "Parcel three?", max_tokens=8)
         assert later.cache_source == "prefix"
-        assert rt._disk._janitor.pinned() == frozenset()  # every pin released
+        assert rt.stats()["disk"]["pinned_blocks"] == 0  # every pin released
         assert await rt.transcript(b.id) == []  # the cancelled turn stored nothing
 
 
@@ -481,7 +496,15 @@ async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
         paged = await rt.engine.run(encode_paged, cache, None, 32, BLOCK)  # every block
         assert list(paged.segments) == [0]
         written: list[Path] = []
-        blocks = await asyncio.to_thread(rt._disk._saver.write_segments, paged, keys, written)
+        # A saver of its own over the same store (registry file, layout, model).
+        async with await Registry.open(rt.config.database) as registry:
+            writes = Writes()
+            try:
+                shared = Shared(layout_of(rt), registry, rt.engine, writes, DiskStats())
+                saver = Saver(shared, Janitor(shared, None, lambda _: asyncio.Lock()))
+                blocks = await asyncio.to_thread(saver.write_segments, paged, keys, written)
+            finally:
+                await writes.close()
         assert written == [second]  # only the blocks whose file was gone, under the same name
         assert [(b.key, b.segment_index) for b in blocks] == [
             (k, i) for i, k in enumerate(keys[len(first) :])

@@ -38,6 +38,7 @@ from agents import (
     SamplingParams,
     TextDelta,
 )
+from agents.prompt import ChatRenderer
 from engine.errors import CacheFormatError
 from store import NewCacheEntry, Registry
 
@@ -498,8 +499,7 @@ async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path):
     registry under that commit, and the turn must be there after a restart."""
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         await rt.create_agent("c")
-        registry = rt._registry  # white-box: hold the commit at the registry write
-        real_append = registry.append_messages
+        real_append = Registry.append_messages  # hold the commit at the registry write
         entered, release = asyncio.Event(), asyncio.Event()
 
         async def held_append(*args, **kwargs):
@@ -507,17 +507,18 @@ async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path):
             await release.wait()
             return await real_append(*args, **kwargs)
 
-        registry.append_messages = held_append
-        caller = asyncio.create_task(rt.chat("c", "hello there", max_tokens=4))
-        await entered.wait()
-        caller.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await caller
-        closing = asyncio.create_task(rt.close())
-        await asyncio.sleep(0.05)
-        assert not closing.done()  # waiting for the commit, not closing the registry under it
-        release.set()
-        await closing
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Registry, "append_messages", held_append)
+            caller = asyncio.create_task(rt.chat("c", "hello there", max_tokens=4))
+            await entered.wait()
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            closing = asyncio.create_task(rt.close())
+            await asyncio.sleep(0.05)
+            assert not closing.done()  # waiting for the commit, not closing the registry
+            release.set()
+            await closing
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         transcript = await rt.transcript("c")
         assert [(str(m.role), m.content) for m in transcript][:1] == [("user", "hello there")]
@@ -528,16 +529,16 @@ async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path):
 
 async def test_count_tokens_renders_off_the_event_loop(tmp_path):
     async with await AgentRuntime.open(config(tmp_path)) as rt:
-        renderer = rt._renderer  # white-box: record the thread the rendering runs on
-        threads = []
-        real = type(renderer).full_prompt
+        renderer = ChatRenderer(rt.engine.tokenizer, rt.engine.model.eos_token_ids)
+        threads = []  # the threads the rendering runs on
+        real = ChatRenderer.full_prompt
 
         def recording(self, messages, tools=None):
             threads.append(threading.current_thread())
             return real(self, messages, tools)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(type(renderer), "full_prompt", recording)
+            mp.setattr(ChatRenderer, "full_prompt", recording)
             count = await rt.count_tokens([{"role": "user", "content": "hello"}], "S")
         assert count == len(real(renderer, [*SYSTEM_S, {"role": "user", "content": "hello"}]))
         assert threads and threading.main_thread() not in threads
@@ -628,8 +629,10 @@ async def test_agents_with_an_idle_ttl_expire_and_others_stay(tmp_path):
             await rt.chat(agent_id, "hi", max_tokens=2)
         assert await rt.expire_agents() == []  # within its TTL
         await asyncio.sleep(1.2)
-        async with rt._lock("busy"):  # white-box: "busy" has a turn in flight
-            assert await rt.expire_agents() == ["short"]
+        turn = rt.stream("busy", "again", max_tokens=4)
+        await anext(turn)  # "busy" has a turn in flight (it holds the agent until closed)
+        assert await rt.expire_agents() == ["short"]
+        await turn.aclose()
         assert [a.id for a in await rt.list_agents()] == ["keeps", "busy"]
         assert not (tmp_path / "caches" / "short").exists()
         assert await rt.expire_agents() == ["busy"]

@@ -193,32 +193,35 @@ async def test_a_turn_on_a_full_registry_fails_cleanly_and_loses_nothing(tmp_pat
     """Disk full at the turn's commit: a clear error, the transcript as it was, and the agent
     answers again once there is room."""
     from sqlalchemy import event
+    from sqlalchemy.pool import Pool
+
+    full = False  # SQLite's page limit is per connection: set it on every checkout
+
+    def limit(dbapi_connection, record, proxy) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA page_count")
+        (pages,) = cursor.fetchone()
+        cursor.execute(f"PRAGMA max_page_count={pages if full else 1_073_741_823}")
+        cursor.fetchall()
+        cursor.close()
 
     config = RuntimeConfig(model=MODEL, data_dir=tmp_path)
-    async with await AgentRuntime.open(config) as rt:
-        await rt.create_agent("full")
-        first = await rt.chat("full", "hello", max_tokens=3)
-        await rt.flush()
-        engine = rt._registry._db.engine  # white-box: SQLite's page limit is per connection
-
-        def limit(dbapi_connection, record) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA page_count")
-            (pages,) = cursor.fetchone()
-            cursor.execute(f"PRAGMA max_page_count={pages}")
-            cursor.fetchall()
-            cursor.close()
-
-        event.listen(engine.sync_engine, "connect", limit)
-        await engine.dispose()
-        with pytest.raises(RegistryStorageError, match="SQLITE_FULL"):
-            await rt.chat("full", "x" * 6000, max_tokens=3)
-        event.remove(engine.sync_engine, "connect", limit)
-        await engine.dispose()
-        assert [m.content for m in await rt.transcript("full")] == ["hello", first.text]
-        again = await rt.chat("full", "room again", max_tokens=3)
-        assert again.cache_source == "hot"
-        assert len(await rt.transcript("full")) == 4
+    event.listen(Pool, "checkout", limit)
+    try:
+        async with await AgentRuntime.open(config) as rt:
+            await rt.create_agent("full")
+            first = await rt.chat("full", "hello", max_tokens=3)
+            await rt.flush()
+            full = True
+            with pytest.raises(RegistryStorageError, match="SQLITE_FULL"):
+                await rt.chat("full", "x" * 6000, max_tokens=3)
+            full = False
+            assert [m.content for m in await rt.transcript("full")] == ["hello", first.text]
+            again = await rt.chat("full", "room again", max_tokens=3)
+            assert again.cache_source == "hot"
+            assert len(await rt.transcript("full")) == 4
+    finally:
+        event.remove(Pool, "checkout", limit)
 
 
 def test_agents_and_transcripts_paginate(http):

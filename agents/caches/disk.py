@@ -96,11 +96,6 @@ class DiskCaches:
             return None, 0, None
         return await self._prefixes.start(tokens, head, priority)
 
-    @property
-    def heads_in_flight(self) -> int:
-        """Shared heads being prefilled now (other turns that start alike wait for them)."""
-        return len(self._prefixes.heads)
-
     async def block_files(self, keys: Sequence[str]) -> list[Path]:
         """The files holding these recorded blocks (each once, in order)."""
         known = await self._registry.caches.known_blocks(keys)
@@ -134,6 +129,28 @@ class DiskCaches:
             raise
         self.stats.usage = await self._registry.caches.usage()
         return True
+
+    def report(self) -> dict[str, int | None]:
+        """The files, the budget, and what the store did since it opened (a snapshot)."""
+        stats = self.stats
+        return {
+            "bytes": stats.usage.bytes,
+            "files": stats.usage.files,
+            "blocks": stats.usage.blocks,
+            "budget_bytes": self._janitor.budget_bytes,
+            "evictions": stats.evictions,
+            "blocks_written": stats.blocks_written,
+            "blocks_shared": stats.blocks_shared,
+            "bytes_written": stats.bytes_written,
+            "saves_in_flight": self.saves_in_flight,
+            "prefix_lookups": stats.prefix_lookups,
+            "prefix_hits": stats.prefix_hits,
+            "prefix_tokens": stats.prefix_tokens,
+            # shared heads being prefilled now (turns that start alike wait for them), and
+            # the segments kept for running turns that stored them
+            "heads_in_flight": len(self._prefixes.heads),
+            "pinned_blocks": len(self._janitor.pinned()),
+        }
 
     async def remove_agent(self, agent_id: str) -> None:
         """Delete the files of a deleted agent (after its saves) and blocks no one lists."""

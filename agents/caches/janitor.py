@@ -27,7 +27,7 @@ class Janitor(Part):
         self, shared: Shared, budget_bytes: int | None, lock_of: Callable[[str], asyncio.Lock]
     ):
         super().__init__(shared)
-        self._budget_bytes = budget_bytes
+        self.budget_bytes = budget_bytes
         self._lock_of = lock_of
         self._evicting = asyncio.Lock()
         self._pins: Counter[str] = Counter()
@@ -85,7 +85,7 @@ class Janitor(Part):
         (their blocks go when no other cache lists them)."""
         async with self._evicting:  # one pass at a time; later saves find it done
             self._stats.usage = await self._registry.caches.usage()
-            if self._budget_bytes is None or self._stats.usage.bytes <= self._budget_bytes:
+            if self.budget_bytes is None or self._stats.usage.bytes <= self.budget_bytes:
                 return
             for entry in await self._registry.caches.coldest(EVICTION_SCAN):
                 lock = self._lock_of(entry.agent_id)
@@ -97,7 +97,7 @@ class Janitor(Part):
                         self._stats.evictions += 1
                         log.info("evicted the cache of agent %r (disk budget)", entry.agent_id)
                 await self.collect()
-                if self._stats.usage.bytes <= self._budget_bytes:
+                if self._stats.usage.bytes <= self.budget_bytes:
                     return
 
     async def remove_agent(self, agent_id: str) -> None:

@@ -8,8 +8,9 @@ float16 do not use BLAS), ``tokenizer.json`` (see :mod:`engine.models.gguf_token
 
 llama.cpp's converter changes two things that :mod:`engine.models.gguf_families` undoes: it
 stores Gemma's RMSNorm weights with the ``+1`` already added (mlx-lm adds it again at run time),
-and it permutes Llama's Q and K projections for its rotary embedding layout. The directory appears atomically: everything is
-written to a temporary sibling that is renamed into place, so a failed import leaves nothing.
+and it permutes Llama's Q and K projections for its rotary embedding layout. The directory
+appears atomically: everything is written to a temporary sibling that is renamed into place, so
+a failed import leaves nothing.
 """
 
 from __future__ import annotations

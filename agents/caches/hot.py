@@ -26,8 +26,6 @@ class HotTier:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, HotEntry] = OrderedDict()
         self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -35,11 +33,8 @@ class HotTier:
 
     def get(self, agent_id: str) -> HotEntry | None:
         entry = self._entries.get(agent_id)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(agent_id)
-        self.hits += 1
+        if entry is not None:
+            self._entries.move_to_end(agent_id)
         return entry
 
     def put(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
@@ -53,6 +48,15 @@ class HotTier:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self.evictions += 1
+
+    def report(self) -> dict[str, int]:
+        """Agents and bytes held, the budget, evictions so far."""
+        return {
+            "agents": len(self._entries),
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget_bytes,
+            "evictions": self.evictions,
+        }
 
     def drop(self, agent_id: str) -> None:
         entry = self._entries.pop(agent_id, None)
