@@ -31,8 +31,8 @@ from benchmarks.plots import save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.meter import StepRecord
 from engine.request import GenerationRequest, PromptCache
-from engine.sequence import StepRecord
 
 RESULTS = Path(__file__).parent / "results"
 

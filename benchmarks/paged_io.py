@@ -14,7 +14,7 @@ from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE, EncodedC
 from engine.kv.load import LoadedFile, decode_paged
 from engine.kv.paged import encode_paged, split_blocks, token_slice
 from engine.request import PromptCache
-from store.cache_files import verify_checksum, write_cache_file
+from store.cache_files import load_into_mlx, verify_checksum, write_cache_file
 
 
 def save_paged(
@@ -61,7 +61,7 @@ def load_paged(paths: list[Path]) -> PromptCache:
     """Read back what :func:`save_paged` wrote, as a resume does."""
     *segments, tail = paths
     on_gpu = mx.default_device() == mx.gpu
-    return decode_paged(str(tail), [str(b) for b in segments], on_gpu, verify_loaded)
+    return decode_paged(load_into_mlx, str(tail), [str(b) for b in segments], on_gpu, verify_loaded)
 
 
 def nbytes(paths: list[Path]) -> int:

@@ -16,9 +16,10 @@ from typing import TypeVar
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.loop import GenerationLoop
+from engine.meter import EngineStats, StepRecord
 from engine.models.loading import LoadedModel
 from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
-from engine.sequence import EngineStats, Sequence, StepRecord
+from engine.sequence import Sequence
 from engine.stopping import StopStrings
 
 T = TypeVar("T")
@@ -235,7 +236,7 @@ class Engine:
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> Callable[[], None]:
         """Call ``listener`` with a StepRecord after every step, on the generation thread
         (keep it short; it must not call MLX). Returns a function that removes it."""
-        listeners = self._thread.step_listeners
+        listeners = self._thread.meter.listeners
         listeners.append(listener)
         return lambda: listener in listeners and listeners.remove(listener)
 

@@ -21,19 +21,14 @@ from mlx_lm.generate import generation_stream, wired_limit
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
+from engine.meter import EngineStats, Meter
 from engine.models.loading import LoadedModel, load_model
 from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent
 from engine.runner import ModelRunner, StepPlan
 from engine.scheduler import Scheduler
-from engine.sequence import EngineStats, SeqStatus, Sequence, StepRecord
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
-_COUNTER = {
-    FinishReason.STOP: "completed",
-    FinishReason.LENGTH: "completed",
-    FinishReason.CANCELLED: "cancelled",
-    FinishReason.ERROR: "failed",
-}
 CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)
 
 
@@ -57,17 +52,13 @@ class GenerationLoop(threading.Thread):
         self._wake = threading.Event()
         self._stopping: str | None = None  # None, "drain" or "cancel"
         self._outbox: dict[object, list[tuple[object, object]]] = {}
-        self._decode_window: collections.deque[tuple[float, int]] = collections.deque()
-        self._counts = collections.Counter()
-        self._peak_memory = 0
-        self._batch_size = 0
+        self.meter = Meter(config.stats_window_s)
         self._steps = 0
         # The step queued last (its plan, the arrays to wait on) and when the tokens of the
         # step before were reported.
         self._in_flight: tuple[StepPlan, list] | None = None
         self._done_at: float | None = None
         self.runner: ModelRunner | None = None
-        self.step_listeners: list[Callable[[StepRecord], None]] = []
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -100,33 +91,7 @@ class GenerationLoop(threading.Thread):
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        now = time.perf_counter()
-        window_s = self.config.stats_window_s
-        window = [(t, n) for t, n in list(self._decode_window) if now - t <= window_s]
-        span = min(window_s, now - window[0][0]) if window else 0.0
-        c, s = self._counts, self.scheduler
-        return EngineStats(
-            active=len(s.running),
-            queued=len(s.queue),
-            batch_size=self._batch_size,
-            completed=c["completed"],
-            cancelled=c["cancelled"],
-            failed=c["failed"],
-            tokens_generated=c["tokens"],
-            decode_tps=sum(n for _, n in window) / span if span > 0 else 0.0,
-            peak_memory_bytes=self._peak_memory,
-            policy=str(s.policy),
-            kv_budget_bytes=s.budget_bytes,
-            kv_reserved_bytes=s.reserved_bytes,
-            kv_held_bytes=s.held_bytes,
-            kv_padding_bytes=s.padding_bytes,
-            kv_groups=len(s.groups),
-            waiting_for_memory=s.waiting_for_memory,
-            paused=s.paused,
-            kv_paused_bytes=s.paused_bytes,
-            preemptions=s.preemptions,
-            prefill_tokens_per_step=s.pacer.last_budget,
-        )
+        return self.meter.stats(self.scheduler)
 
     # ---- the generation thread -----------------------------------------------------------
 
@@ -182,7 +147,7 @@ class GenerationLoop(threading.Thread):
                 self._finish(seq, FinishReason.ERROR, error=exc)
             self.scheduler.rejected.clear()
             if plan.is_empty:
-                self._batch_size, self._in_flight, self._done_at = 0, None, None
+                self.meter.batch_size, self._in_flight, self._done_at = 0, None, None
                 self._flush_outbox()
                 self._wake.clear()
                 if not (self._commands or len(self.scheduler.queue) or self._stopping):
@@ -234,16 +199,14 @@ class GenerationLoop(threading.Thread):
             gap = now - self._done_at  # what a decoding sequence waited for this token
             self.scheduler.observe(flight[0], plan, gap)
         self._done_at = now
-        if self.step_listeners:
-            self._tell_listeners(plan, gap)
+        self.meter.step(plan, gap, self.scheduler)
         self._steps += 1
-        self._batch_size = plan.decode_rows + len(plan.prefill)
         if plan.prefill_tokens >= self.config.prefill_step_size or (
             self._steps % CLEAR_CACHE_STEPS == 0
         ):
             mx.clear_cache()
         if tokens:
-            self._count(len(tokens))
+            self.meter.tokens(len(tokens))
         self._report(plan, tokens, now)
 
     def _fail_batch(self, exc: Exception, what: str) -> None:
@@ -255,25 +218,6 @@ class GenerationLoop(threading.Thread):
         for seq in dropped:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ERROR, error=exc)
-
-    def _tell_listeners(self, plan: StepPlan, gap: float) -> None:
-        s = self.scheduler
-        record = StepRecord(
-            decode_rows=plan.decode_rows,
-            prefill_tokens=plan.prefill_tokens,
-            prefilling=len(plan.prefill),
-            groups=len(plan.decode) + len(plan.prefill),
-            gap_s=gap,
-            kv_held_bytes=s.held_bytes,
-            kv_padding_bytes=s.padding_bytes,
-            kv_reserved_bytes=s.reserved_bytes,
-            kv_budget_bytes=s.budget_bytes,
-        )
-        for listener in self.step_listeners:
-            try:
-                listener(record)
-            except Exception:
-                log.exception("step listener failed")
 
     def _report(self, plan: StepPlan, tokens: list[int], now: float) -> None:
         ended: list[tuple[Sequence, FinishReason]] = []
@@ -310,15 +254,6 @@ class GenerationLoop(threading.Thread):
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
-
-    def _count(self, n: int) -> None:
-        now = time.perf_counter()
-        self._decode_window.append((now, n))
-        while now - self._decode_window[0][0] > self.config.stats_window_s:
-            self._decode_window.popleft()
-        self._counts["tokens"] += n
-        if self._counts["tokens"] % 64 < n:
-            self._peak_memory = mx.get_peak_memory()
 
     def _on_token(self, seq: Sequence, token: int, finish: str | None, now: float) -> bool:
         """Record one token; returns True when a stop string completed."""
@@ -374,7 +309,7 @@ class GenerationLoop(threading.Thread):
         # A cancel passes a cache only when the caller asked for it back.
         if reason is not FinishReason.CANCELLED and not seq.request.return_cache:
             cache = None
-        self._counts[_COUNTER[reason]] += 1
+        self.meter.finished(reason)
         result = GenerationResult(
             token_ids=seq.token_ids,
             text="".join(seq.text_parts),

@@ -49,104 +49,24 @@ first; the chosen agent's transcript is then read and compared exactly, and a st
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
 import json
 import logging
-import re
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from agents import AgentNotFoundError, AgentRecord, AgentRuntime, MessageRecord, Reply
 from server.conversation import ChatMessage, TurnRequest
-from store import is_valid_agent_id
+from server.conversation_index import ConversationIndex, as_chat, extend_digest, prefix_digests
+from server.sessions import (
+    STATELESS_PREFIX,
+    session_agent_id,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _extend(digest: bytes, role: str, content: str) -> bytes:
-    data = content.encode()
-    return hashlib.sha256(b"%s%s\0%d\0%s" % (digest, role.encode(), len(data), data)).digest()
-
-
-def prefix_digests(system: str, messages: Sequence[ChatMessage]) -> list[bytes]:
-    """``result[k]`` is the digest of ``(system, messages[:k])``, for k = 0..len(messages)."""
-    digests = [hashlib.sha256(b"system\0" + system.encode()).digest()]
-    for m in messages:
-        digests.append(_extend(digests[-1], m.role, m.content))
-    return digests
-
-
-def _as_chat(transcript: Iterable[MessageRecord]) -> list[ChatMessage]:
-    return [ChatMessage(str(m.role), m.content) for m in transcript]
-
-
-class ConversationIndex:
-    """Agent id -> digest of its (system, transcript), and back."""
-
-    def __init__(self) -> None:
-        self._digest_of: dict[str, bytes] = {}
-        self._agents_at: dict[bytes, dict[str, int]] = {}  # digest -> {agent id: last use}
-        self._clock = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._digest_of)
-
-    def put(self, agent_id: str, digest: bytes) -> None:
-        self.drop(agent_id)
-        self._digest_of[agent_id] = digest
-        self._agents_at.setdefault(digest, {})[agent_id] = next(self._clock)
-
-    def drop(self, agent_id: str) -> None:
-        old = self._digest_of.pop(agent_id, None)
-        if old is not None:
-            at = self._agents_at[old]
-            del at[agent_id]
-            if not at:
-                del self._agents_at[old]
-
-    def agents_at(self, digest: bytes) -> list[str]:
-        """Agents in that state, most recently used first."""
-        at = self._agents_at.get(digest, {})
-        return sorted(at, key=at.__getitem__, reverse=True)
-
-
-STATELESS_PREFIX = "stateless-"
-SESSION_PREFIX = "claude-code-"
-_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
-
-
-def session_of(user_id: str | None) -> str | None:
-    """The Claude Code session in a ``metadata.user_id``: JSON with a ``session_id`` (current
-    Claude Code), or ``user_<hash>_account_<uuid>_session_<uuid>`` (older versions)."""
-    if not user_id:
-        return None
-    try:
-        data = json.loads(user_id)
-    except ValueError:
-        match = _LEGACY_SESSION.search(user_id)
-        return match.group(1) if match else None
-    session = data.get("session_id") if isinstance(data, dict) else None
-    return session if isinstance(session, str) and session else None
-
-
-def named_agent(user_id: str | None) -> str | None:
-    """``user_id`` when it can be an agent id (other ids just identify a user: ignored)."""
-    return user_id if user_id is not None and is_valid_agent_id(user_id) else None
-
-
-def session_agent_id(session: str, tools: list[dict[str, Any]] | None) -> str:
-    """``claude-code-<session>-<tool set>``: a session's main conversation and its side requests
-    (titles, summaries: other prompts, no tools) each keep their own agent and cache."""
-    names = sorted(t.get("function", t).get("name", "") for t in tools or [])
-    tool_set = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:8]
-    if not is_valid_agent_id(f"{SESSION_PREFIX}{session}-{tool_set}"):
-        session = hashlib.sha256(session.encode()).hexdigest()[:40]
-    return f"{SESSION_PREFIX}{session}-{tool_set}"
 
 
 def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
@@ -190,7 +110,7 @@ class Claim:
         if self.index is None:
             return
         for m in [*self.pending, ChatMessage("assistant", self.stored(reply))]:
-            self.digest = _extend(self.digest, m.role, m.content)
+            self.digest = extend_digest(self.digest, m.role, m.content)
         self.pending = []
         self.index.put(self.agent_id, self.digest)
 
@@ -216,9 +136,6 @@ class Identity:
                     ChatMessage(str(role), text) for role, text in transcripts.get(agent.id, [])
                 ]
                 self._index.put(agent.id, prefix_digests(agent.system_prompt or "", chat)[-1])
-
-    def created(self, agent: AgentRecord) -> None:
-        """An agent created outside a turn (the agents REST API): named, so never matched."""
 
     def deleted(self, agent_id: str) -> None:
         self._index.drop(agent_id)
@@ -278,7 +195,7 @@ class Identity:
         created = False
         try:
             await runtime.get_agent(agent_id)
-            transcript = _as_chat(await runtime.transcript(agent_id))
+            transcript = as_chat(await runtime.transcript(agent_id))
         except AgentNotFoundError:
             await runtime.create_agent(
                 agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
@@ -351,7 +268,7 @@ class Identity:
             return False
         transcript = await self._runtime.transcript(agent_id)
         system = _system_key(agent.system_prompt or "", request.tools)
-        if prefix_digests(system, _as_chat(transcript))[-1] == expected:
+        if prefix_digests(system, as_chat(transcript))[-1] == expected:
             return True
         log.info("agent %r changed outside this server; re-indexed it", agent_id)
         await self._reindex(agent, transcript)
@@ -362,7 +279,7 @@ class Identity:
     ) -> None:
         if transcript is None:
             transcript = await self._runtime.transcript(agent.id)
-        digest = prefix_digests(agent.system_prompt or "", _as_chat(transcript))[-1]
+        digest = prefix_digests(agent.system_prompt or "", as_chat(transcript))[-1]
         self._index.put(agent.id, digest)
 
     async def _enter(self, agent_id: str) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +154,22 @@ def read_cache_file(path: Path, *, expected_checksum: str | None = None) -> Cach
     metadata = dict(header.get("__metadata__") or {})
     stored = verify_checksum(path, tensors, metadata, expected_checksum=expected_checksum)
     return CacheFile(tensors=tensors, metadata=metadata, checksum=stored, nbytes=len(data))
+
+
+def load_into_mlx(paths: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """Read cache files straight into MLX memory, each file once (``mx.load``, as mlx-lm's own
+    ``load_prompt_cache`` does): each file's arrays and metadata, checksum still in it, to
+    verify with :func:`verify_checksum` from zero-copy numpy views. On the CPU stream: host
+    memory, which numpy reads without moving it off a GPU. Call it on the generation thread.
+
+    Raises:
+        ValueError, RuntimeError: MLX cannot read a file (missing, truncated, not safetensors).
+    """
+    import mlx.core as mx  # here, not at the top: ``import store`` loads no MLX
+
+    loaded = [mx.load(path, return_metadata=True, stream=mx.cpu) for path in paths]
+    mx.eval([x for arrays, _ in loaded for x in arrays.values()])
+    return loaded
 
 
 def verify_checksum(

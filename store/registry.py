@@ -91,20 +91,12 @@ class Registry:
         sampling: dict[str, Any] | None = None,
         idle_ttl_s: int | None = None,
     ) -> AgentRecord:
-        """Create an agent.
-
-        Args:
-            agent_id: The id (see ``store.ids``); ``None`` generates one.
-            name: Display name; defaults to the id.
-            system_prompt: The system prompt, if any.
-            model_fingerprint: Fingerprint of the model the agent runs on, if pinned.
-            sampling: JSON-serialisable sampling settings; defaults to ``{}``.
-            idle_ttl_s: Seconds without a turn after which :meth:`expired_agents` lists it;
-                ``None`` (default): never.
+        """Create an agent: ``agent_id`` (see ``store.ids``; None: a new one), ``name`` (the
+        id by default), JSON ``sampling`` settings, and ``idle_ttl_s``, the seconds without a
+        turn after which :meth:`expired_agents` lists it (None: never).
 
         Raises:
-            InvalidAgentIdError: ``agent_id`` breaks the id rule.
-            InvalidRecordError: Another argument is invalid.
+            InvalidAgentIdError, InvalidRecordError: an argument is invalid.
             AgentExistsError: The id is taken.
         """
         agent_id = new_agent_id() if agent_id is None else validate_agent_id(agent_id)

@@ -357,7 +357,7 @@ async def test_timings_charge_prefill_to_prefill(gemma):
 
 
 async def test_a_bug_in_the_loop_fails_requests_instead_of_hanging(monkeypatch):
-    from engine.loop import GenerationLoop
+    from engine.meter import Meter
 
     eng = await Engine.open("tiny:gemma3")
     boom = RuntimeError("bug in the loop")
@@ -365,7 +365,7 @@ async def test_a_bug_in_the_loop_fails_requests_instead_of_hanging(monkeypatch):
     def broken(self, n):
         raise boom
 
-    monkeypatch.setattr(GenerationLoop, "_count", broken)  # outside the per-step error handling
+    monkeypatch.setattr(Meter, "tokens", broken)  # outside the per-step error handling
     result = await asyncio.wait_for(
         eng.generate(GenerationRequest(prompt(eng, 5), max_tokens=4)), timeout=30
     )

@@ -35,6 +35,7 @@ from engine.kv.paged import encode_paged, split_blocks
 from engine.kv.quant import dequantize_on_host
 from engine.kv.whole import decode_cache, encode_cache
 from engine.request import GenerationRequest, PromptCache
+from store.cache_files import load_into_mlx
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
 WINDOW = 32  # tiny:gemma3's sliding window
@@ -593,7 +594,9 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
     tail, block_paths = write_paged(tmp_path, paged)
     seen = []
     for on_gpu in (False, True):
-        decoded = await engine.run(decode_paged, tail, block_paths, on_gpu, seen.append)
+        decoded = await engine.run(
+            decode_paged, load_into_mlx, tail, block_paths, on_gpu, seen.append
+        )
         for got in (assembled, decoded):
             assert got.tokens == cache.tokens
             assert [layout(x) for x in got.layers] == [layout(x) for x in cache.layers]
@@ -604,7 +607,7 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
     if len(blocks) > 2:  # runs of one file, read once and joined as the whole
         runs = [BlockRun(block_paths[0], 0, 2), BlockRun(block_paths[0], 2)]
         seen.clear()
-        decoded = await engine.run(decode_paged, tail, runs, False, seen.append)
+        decoded = await engine.run(decode_paged, load_into_mlx, tail, runs, False, seen.append)
         assert [path for path, _, _ in seen[0]] == [block_paths[0], tail]
         for (a, b), (c, d) in await temporal_pairs(engine, expected, decoded):
             np.testing.assert_array_equal(a, c)
@@ -656,7 +659,7 @@ def test_global_layers_that_differ_are_stored_per_layer(tmp_path):
     assert paged.segments[0].metadata["stacked"] == "false"
     assert "layers.1.keys" in paged.segments[0].tensors
     tail, block_paths = write_paged(tmp_path, paged)
-    decoded = decode_paged(tail, block_paths, False)
+    decoded = decode_paged(load_into_mlx, tail, block_paths, False)
     for a, b in zip(cache.layers, decoded.layers, strict=True):
         assert mx.array_equal(a.keys[..., :40, :], b.keys).item()
         assert mx.array_equal(a.values[..., :40, :], b.values).item()
@@ -683,10 +686,10 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
 
     tail, block_paths = write_paged(tmp_path, exact)
     with pytest.raises(CacheFormatError, match="refused by the check"):
-        await gemma.run(decode_paged, tail, block_paths, False, refuse)
+        await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, refuse)
     # A run past the end of its segment is refused before anything is joined.
     with pytest.raises(CacheFormatError, match="it holds 3"):
-        await gemma.run(decode_paged, tail, [BlockRun(block_paths[0], 2, 2)], False)
+        await gemma.run(decode_paged, load_into_mlx, tail, [BlockRun(block_paths[0], 2, 2)], False)
     # A segment that is not whole blocks, or whose tensors disagree with its tokens.
     segment = exact.segments[0]
     with pytest.raises(CacheFormatError, match="not whole 20-token blocks"):

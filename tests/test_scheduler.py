@@ -14,10 +14,10 @@ from engine.admission import AdmissionQueue
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloadedError, KVBudgetError
+from engine.meter import StepRecord
 from engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
 from engine.request import FinishReason, GenerationRequest
 from engine.sampling import SamplingParams
-from engine.sequence import StepRecord
 
 
 class Clock:

@@ -28,7 +28,7 @@ from engine.kv.quant import dequantize_on_host
 from engine.kv.whole import decode_cache
 from engine.request import PromptCache
 from store import CacheRecord, StoredBlock
-from store.cache_files import read_cache_file, verify_checksum
+from store.cache_files import load_into_mlx, read_cache_file, verify_checksum
 from store.errors import CacheFileCorruptError
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,10 @@ class Loader(Part):
 
         try:
             return await self._engine.run(
-                decode_paged, str(tail), [run for run, _ in runs], self._engine.model.on_gpu, check
+                decode_paged,
+                load_into_mlx,
+                str(tail),
+                [run for run, _ in runs], self._engine.model.on_gpu, check
             )
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:

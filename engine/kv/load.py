@@ -30,14 +30,16 @@ class BlockRun(NamedTuple):
 
 
 def decode_paged(
+    read: Callable[[list[str]], list[tuple[dict[str, mx.array], dict[str, str]]]],
     tail_path: str,
     blocks: Sequence[str | BlockRun],
     on_gpu: bool,
     check: Callable[[list[LoadedFile]], None] | None = None,
 ) -> PromptCache:
     """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
-    straight into MLX and rebuild the prompt cache, on the generation thread: ``mx.load``
-    reads each file once into MLX memory (as mlx-lm's own ``load_prompt_cache`` does); the
+    straight into MLX and rebuild the prompt cache, on the generation thread: ``read`` (the
+    file format's reader, ``store.cache_files.load_into_mlx``) reads each file once into MLX
+    memory (as mlx-lm's own ``load_prompt_cache`` does); the
     runs are joined per layer and quantized layers are dequantized, and while MLX computes
     that, ``check`` sees every file's tensors (zero-copy numpy views of host memory) and
     metadata, the tail last, and raises to refuse them. Dequantization is in float32:
@@ -53,9 +55,7 @@ def decode_paged(
     """
     runs = [BlockRun(r) if isinstance(r, str) else r for r in blocks]
     paths = [*dict.fromkeys(run.path for run in runs), tail_path]
-    # Read on the CPU stream: host memory, which ``check`` reads without moving it off a GPU.
-    loaded = [mx.load(path, return_metadata=True, stream=mx.cpu) for path in paths]
-    mx.eval([x for arrays, _ in loaded for x in arrays.values()])
+    loaded = read(paths)
     files = [
         (path, {k: np.asarray(x) for k, x in arrays_.items()}, dict(meta_))
         for path, (arrays_, meta_) in zip(paths, loaded, strict=True)

@@ -88,7 +88,6 @@ async def create_agent(body: NewAgent, state: State) -> JSONResponse:
     agent = await state.runtime.create_agent(
         body.id, name=body.name, system_prompt=body.system_prompt
     )
-    state.identity.created(agent)
     return JSONResponse(agent_body(agent, message_count=0), status_code=201)
 
 
@@ -102,7 +101,6 @@ class Fork(BaseModel):
 @router.post("/{agent_id}/fork", status_code=201)
 async def fork_agent(agent_id: str, body: Fork, state: State) -> JSONResponse:
     agent = await state.runtime.fork(agent_id, body.id, name=body.name)
-    state.identity.created(agent)
     count = await state.runtime.message_count(agent.id)
     return JSONResponse(agent_body(agent, message_count=count), status_code=201)
 

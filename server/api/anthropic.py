@@ -47,7 +47,7 @@ from server.conversation import (
     text_of,
 )
 from server.errors import Dialect, api_error
-from server.identity import named_agent, session_of
+from server.sessions import named_agent, session_of
 from server.state import ServerState, State
 from server.turns import (
     AGENT_HEADER,

@@ -35,7 +35,7 @@ from server.conversation import (
     text_of,
 )
 from server.errors import APIError, Dialect, api_error
-from server.identity import named_agent
+from server.sessions import named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
 

@@ -1,0 +1,44 @@
+"""Agent ids a request names or implies: a Claude Code session's agent, an agent named by
+``metadata.user_id`` / ``user``, and the prefixes of the agents the server creates itself."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from store import is_valid_agent_id
+
+STATELESS_PREFIX = "stateless-"
+SESSION_PREFIX = "claude-code-"
+_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
+
+
+def session_of(user_id: str | None) -> str | None:
+    """The Claude Code session in a ``metadata.user_id``: JSON with a ``session_id`` (current
+    Claude Code), or ``user_<hash>_account_<uuid>_session_<uuid>`` (older versions)."""
+    if not user_id:
+        return None
+    try:
+        data = json.loads(user_id)
+    except ValueError:
+        match = _LEGACY_SESSION.search(user_id)
+        return match.group(1) if match else None
+    session = data.get("session_id") if isinstance(data, dict) else None
+    return session if isinstance(session, str) and session else None
+
+
+def named_agent(user_id: str | None) -> str | None:
+    """``user_id`` when it can be an agent id (other ids just identify a user: ignored)."""
+    return user_id if user_id is not None and is_valid_agent_id(user_id) else None
+
+
+def session_agent_id(session: str, tools: list[dict[str, Any]] | None) -> str:
+    """``claude-code-<session>-<tool set>``: a session's main conversation and its side requests
+    (titles, summaries: other prompts, no tools) each keep their own agent and cache."""
+    names = sorted(t.get("function", t).get("name", "") for t in tools or [])
+    tool_set = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:8]
+    if not is_valid_agent_id(f"{SESSION_PREFIX}{session}-{tool_set}"):
+        session = hashlib.sha256(session.encode()).hexdigest()[:40]
+    return f"{SESSION_PREFIX}{session}-{tool_set}"
