@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 from engine.config import EngineConfig
@@ -200,15 +200,6 @@ class Engine:
         """Run a request to the end. Cancelling the awaiting task cancels the request."""
         async with self.submit(request) as handle:
             return await handle.result()
-
-    async def stream(
-        self, request: GenerationRequest
-    ) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Yield TokenEvents, then the GenerationResult. Closing the stream early cancels."""
-        async with self.submit(request) as handle:
-            async for event in handle:
-                yield event
-            yield await handle.result()
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the generation thread between two steps and return its value."""

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from agents import Reply, TextDelta
+from agents.tool_calls import ToolFormat
 from server.conversation import TurnRequest
 from server.errors import ClientDisconnectedError
 from server.identity import Claim
@@ -120,6 +121,21 @@ class TurnStream:
         events = self._iterate()
         self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
         return events
+
+    async def visible_text(self, tool_format: ToolFormat | None) -> AsyncIterator[str | Reply]:
+        """The reply's text in pieces as it is generated, then the Reply. With a
+        ``tool_format`` (a request with tools), text from a tool call's start marker on is
+        held back: it is the call, sent as such once the Reply has parsed it."""
+        text, shown = "", 0
+        async for event in self.events():
+            if isinstance(event, TextDelta):
+                text += event.text
+                upto = tool_format.streaming_split(text) if tool_format else len(text)
+                if upto > shown:
+                    yield text[shown:upto]
+                    shown = upto
+            else:
+                yield event
 
     async def _iterate(self) -> AsyncIterator[TextDelta | Reply]:
         event, self._first = self._first, None

@@ -144,10 +144,6 @@ class NewCacheEntry:
         if self.kv_bits is not None:
             _check_int("group_size", self.group_size, minimum=1)
 
-    @property
-    def is_quantized(self) -> bool:
-        return self.kv_bits is not None
-
 
 @dataclass(slots=True, frozen=True)
 class CacheRecord:
@@ -171,10 +167,6 @@ class CacheRecord:
     created_at: datetime
     blocks: tuple[str, ...] = ()
     """Keys of the blocks the cache is made of, in order (format 2); empty for format 1."""
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.kv_bits is not None
 
     @classmethod
     def from_row(cls, row: KVCache, blocks: tuple[str, ...] = ()) -> CacheRecord:

@@ -26,8 +26,8 @@ from engine.kv.assemble import assemble_paged
 from engine.kv.encoded import (
     DEFAULT_GROUP_SIZE,
     FORMAT_VERSION,
+    GROUP_SIZES,
     EncodedCache,
-    check_group_size,
     choose_group_size,
 )
 from engine.kv.load import BlockRun, decode_paged
@@ -416,27 +416,22 @@ async def test_bad_encode_requests_raise_value_error(gemma):
         await gemma.run(encode_cache, quantized, None)
 
 
-def test_check_group_size_names_head_dim_and_group_size():
-    with pytest.raises(ValueError, match=r"head_dim 64 .* group_size 128"):
-        check_group_size(64, 128)
-    check_group_size(64, 64)
-    check_group_size(128, 64)
-
-
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 80, 96, 128, 256])
-@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
-def test_check_group_size_agrees_with_mx_quantize(head_dim, group_size):
-    try:
-        mx.eval(mx.quantize(mx.zeros((2, head_dim)), group_size=group_size, bits=4))
-        accepted = True
-    except ValueError:
-        accepted = False
-    try:
-        check_group_size(head_dim, group_size)
-        checked = True
-    except ValueError:
-        checked = False
-    assert checked == accepted
+@pytest.mark.parametrize("preferred", [32, 64, 128])
+def test_choose_group_size_picks_what_mx_quantize_accepts(head_dim, preferred):
+    def accepted(group_size: int) -> bool:
+        try:
+            mx.eval(mx.quantize(mx.zeros((2, head_dim)), group_size=group_size, bits=4))
+        except ValueError:
+            return False
+        return True
+
+    chosen = choose_group_size(head_dim, preferred)
+    if chosen is None:  # the layer is stored unquantized
+        assert not any(accepted(g) for g in GROUP_SIZES)
+    else:
+        assert accepted(chosen)
+        assert chosen == preferred or not accepted(preferred)
 
 
 @pytest.mark.parametrize("kv_bits", [8, 4])

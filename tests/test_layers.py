@@ -1,6 +1,5 @@
-"""The packages' layering, read from their imports: each imports only its own layer and the
-ones below (server -> agents -> store -> engine -> engine.errors), and the light entry points
-import no MLX."""
+"""The packages' layering, read from their imports: each layer imports only itself and the
+layers below, never a peer, and the light entry points import no MLX."""
 
 from __future__ import annotations
 
@@ -12,23 +11,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Highest first. engine.errors is the root of every package's errors: it imports nothing.
-LAYERS = ["server", "agents", "store", "engine", "engine.errors"]
-PACKAGES = {"server": "server", "agents": "agents", "store": "store", "migrations": "store"}
+# Highest first: (layer, the modules it holds). A module belongs to the layer of its longest
+# prefix here. Layers of one rank are peers: neither imports the other.
+LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
+    [("cli", ("server.cli", "server.__main__"))],
+    [("server", ("server",))],
+    [("agents", ("agents",))],
+    [("cache store", ("agents.caches",))],
+    [("kv codec", ("engine.kv",)), ("registry", ("store", "migrations"))],
+    [("engine", ("engine",))],
+    [("model loading", ("engine.models",))],
+    [("errors", ("engine.errors",))],
+]
 
 
-def layer_of(module: str) -> int | None:
-    """The index in LAYERS of a module of this project (None: not one of ours)."""
-    if module == "engine.errors":
-        return LAYERS.index("engine.errors")
-    top = module.split(".")[0]
-    if top == "engine":
-        return LAYERS.index("engine")
-    return LAYERS.index(PACKAGES[top]) if top in PACKAGES else None
+def layer_of(module: str) -> tuple[int, str] | None:
+    """(rank, layer) of a module of this project (None: not one of ours)."""
+    matches = [
+        (len(prefix), rank, name)
+        for rank, peers in enumerate(LAYERS)
+        for name, prefixes in peers
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1:] if matches else None
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every absolute import in a file, those under TYPE_CHECKING included."""
+    """(line, module) of every absolute import in a file, those under TYPE_CHECKING and
+    inside functions included."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -40,27 +51,37 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+PACKAGES = ["server", "agents", "store", "migrations", "engine"]
+
+
 def modules() -> list[tuple[str, Path]]:
     out = []
-    for package in ["server", "agents", "store", "migrations", "engine"]:
+    for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             relative = path.relative_to(ROOT).with_suffix("")
             out.append((".".join(relative.parts).removesuffix(".__init__"), path))
     return out
 
 
-def test_every_import_goes_down_the_layers():
+def wrong_imports(module: str, path: Path) -> list[str]:
+    mine = layer_of(module)
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     wrong = []
-    for module, path in modules():
-        mine = layer_of(module)
-        for line, imported in imports(path):
-            theirs = layer_of(imported)
-            if theirs is None or imported.split(".")[0] == module.split(".")[0]:
-                continue
-            if theirs < mine:
-                where = f"{path.relative_to(ROOT)}:{line}"
-                wrong.append(f"{where} ({LAYERS[mine]}) imports {imported} ({LAYERS[theirs]})")
-    assert wrong == []
+    for line, imported in imports(path):
+        theirs = layer_of(imported)
+        if theirs is None or theirs == mine:
+            continue
+        if theirs[0] <= mine[0]:  # a higher layer, or a peer
+            wrong.append(f"{where}:{line} ({mine[1]}) imports {imported} ({theirs[1]})")
+    return wrong
+
+
+def test_every_import_goes_down_the_layers():
+    assert [w for module, path in modules() for w in wrong_imports(module, path)] == []
+
+
+def test_every_module_has_a_layer():
+    assert [m for m, _ in modules() if layer_of(m) is None] == []
 
 
 def test_the_error_root_imports_nothing_of_the_project():
@@ -68,9 +89,22 @@ def test_the_error_root_imports_nothing_of_the_project():
 
 
 def test_the_layer_test_sees_a_wrong_import(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("from server.app import create_app\nfrom engine import errors\n")
-    assert [layer_of(m) for _, m in imports(bad)] == [0, 0, 3, 4]
+    bad = tmp_path / "engine" / "kv" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(
+        "from server.app import create_app\n"  # up
+        "from store import Registry\n"  # a peer
+        "from engine.kv.encoded import FORMAT_VERSION\n"  # its own layer
+        "from engine import errors\n"  # down
+    )
+    found = wrong_imports("engine.kv.bad", bad)
+    assert [w.split(" imports ")[1] for w in found] == [
+        "server.app (server)",
+        "server.app.create_app (server)",
+        "store (registry)",
+        "store.Registry (registry)",
+    ]
+    assert layer_of("engine.kv_batch") == (5, "engine")  # a prefix ends at a dot
 
 
 @pytest.mark.parametrize(
@@ -98,7 +132,7 @@ def test_every_folder_of_modules_is_a_package():
     of the wheel."""
     folders = {
         path.parent
-        for package in PACKAGES.keys() | {"engine"}
+        for package in PACKAGES
         for path in (ROOT / package).rglob("*.py")
         if "__pycache__" not in path.parts
     }

@@ -173,7 +173,7 @@ def test_loaded_model_properties(spec, loaded):
         "tiny:gemma3": (5, frozenset({1, 5}), 32),
         "tiny:llama": (4, frozenset({1, 4}), None),
     }[spec]
-    assert (loaded.num_layers, loaded.eos_token_ids, loaded.sliding_window) == expected
+    assert (len(loaded.model.layers), loaded.eos_token_ids, loaded.sliding_window) == expected
     assert loaded.max_context == 8192
     assert loaded.vocab_size == 512 == len(loaded.tokenizer)
     assert loaded.spec == spec

@@ -360,7 +360,7 @@ async def test_set_cache_returns_the_entry_it_replaces(registry: Registry) -> No
     assert await registry.caches.set("a", newer) == first
     current = await registry.caches.get("a")
     assert current is not None
-    assert (current.path, current.message_count, current.is_quantized) == (newer.path, 5, False)
+    assert (current.path, current.message_count, current.kv_bits) == (newer.path, 5, None)
 
 
 @pytest.mark.parametrize(

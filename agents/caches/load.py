@@ -99,10 +99,7 @@ class Loader(Part):
             if meta.get("model_fingerprint") != fingerprint:
                 raise StaleCacheError("file was written for another model")
             check_tail(meta)
-            try:
-                block_tokens = int(meta["block_tokens"])
-            except (KeyError, ValueError) as exc:
-                raise CacheFormatError(f"{tail.name}: metadata 'block_tokens': {exc}") from exc
+            block_tokens = tail_file.block_tokens
             loaded = {path: _segment(Path(path), t, m, fingerprint) for path, t, m in segments}
             blocks = []
             for run, run_keys in runs:
@@ -121,7 +118,9 @@ class Loader(Part):
                 decode_paged,
                 load_into_mlx,
                 str(tail),
-                [run for run, _ in runs], self._engine.model.on_gpu, check
+                [run for run, _ in runs],
+                self._engine.model.on_gpu,
+                check,
             )
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:

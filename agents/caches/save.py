@@ -23,7 +23,7 @@ from typing import Any
 from agents.caches.janitor import Janitor
 from agents.caches.layout import remove_all
 from agents.caches.shared import Part, Shared
-from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache
+from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs
 from engine.kv.paged import PagedCache, encode_paged, token_slice
 from engine.request import PromptCache
 from store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry
@@ -146,13 +146,7 @@ class Saver(Part):
         new_blocks = []
         for first, segment in paged.segments.items():
             todo = [j for j in paged.blocks_in(first) if not layout.is_stored(keys[j], known)]
-            runs: list[list[int]] = []
-            for j in todo:
-                if runs and runs[-1][-1] == j - 1:
-                    runs[-1].append(j)
-                else:
-                    runs.append([j])
-            for run in runs:
+            for run in consecutive_runs(todo):
                 part = segment
                 if len(run) < len(paged.blocks_in(first)):  # some were stored meanwhile
                     size = layout.block_tokens

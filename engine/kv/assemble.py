@@ -31,10 +31,7 @@ def assemble_paged(
             f"{meta.get('format_version')!r}, kind {meta.get('kind')!r})"
         )
     kv_bits, group_size = tail.kv_bits, tail.group_size
-    try:
-        block_tokens = int(meta["block_tokens"])
-    except (KeyError, ValueError) as exc:
-        raise CacheFormatError(f"tail metadata 'block_tokens': {exc}") from exc
+    block_tokens = tail.block_tokens
     layouts = parse_paged_layouts(meta)
     globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
     start = len(blocks) * block_tokens

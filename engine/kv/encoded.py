@@ -4,6 +4,7 @@ MLX import (the runtime's configuration reads the defaults from here)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,19 +50,28 @@ class EncodedCache:
     def group_size(self) -> int | None:
         return parse_int(self.metadata, "group_size", GROUP_SIZES)
 
+    @property
+    def block_tokens(self) -> int:
+        return block_tokens_of(self.metadata)
 
-def check_group_size(head_dim: int, group_size: int) -> None:
-    """Raise ValueError (naming both) unless ``mx.quantize`` can quantize rows of ``head_dim``.
 
-    Pure arithmetic, so any thread may call it; tests pin it to what ``mx.quantize`` accepts.
-    """
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size {group_size} is not supported; use one of {GROUP_SIZES}")
-    if head_dim % group_size:
-        raise ValueError(
-            f"head_dim {head_dim} is not divisible by group_size {group_size}; "
-            f"pick a group size from {GROUP_SIZES} that divides {head_dim}"
-        )
+def block_tokens_of(metadata: dict[str, str]) -> int:
+    """A paged file's tokens per block; CacheFormatError when the metadata lacks it."""
+    try:
+        return int(metadata["block_tokens"])
+    except (KeyError, ValueError) as exc:
+        raise CacheFormatError(f"metadata 'block_tokens': {exc}") from exc
+
+
+def consecutive_runs(indexes: Iterable[int]) -> list[range]:
+    """Ascending ``indexes`` as runs of consecutive ones: [1, 2, 4] -> [range(1, 3), range(4, 5)]"""
+    runs: list[range] = []
+    for i in indexes:
+        if runs and runs[-1].stop == i:
+            runs[-1] = range(runs[-1].start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs
 
 
 def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:

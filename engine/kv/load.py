@@ -11,7 +11,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from engine.errors import CacheFormatError
-from engine.kv.encoded import PAGED_FORMAT_VERSION, parse_int
+from engine.kv.encoded import PAGED_FORMAT_VERSION, block_tokens_of, parse_int
 from engine.kv.layouts import DTYPES, parse_paged_layouts
 from engine.kv.quant import dequantize_f32
 from engine.request import PromptCache
@@ -66,7 +66,7 @@ def decode_paged(
             raise CacheFormatError(f"{tail_path} is not a format-{PAGED_FORMAT_VERSION} tail")
         kv_bits = parse_int(meta, "kv_bits", (4, 8))
         layouts = parse_paged_layouts(meta)
-        block_tokens = int(meta["block_tokens"])
+        block_tokens = block_tokens_of(meta)
         segments = {path: arrays for path, (arrays, _) in zip(paths, loaded, strict=True)}
         blocks = [_run_of(segments[run.path], run, block_tokens) for run in runs]
         tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]

@@ -32,7 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from engine.errors import CacheFormatError
-from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, tensor
+from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs, tensor
 from engine.kv.layouts import temporal_layer
 from engine.kv.quant import layer_group_size, stored_kv
 from engine.request import PromptCache
@@ -142,14 +142,9 @@ def encode_paged(
         "stacked": "true" if stacked else "false",
         "layers": json.dumps(block_layers, separators=(",", ":")),
     }
-    runs: list[list[int]] = []  # [first, end) of each run of consecutive wanted blocks
-    for j in wanted:
-        if runs and runs[-1][1] == j:
-            runs[-1][1] = j + 1
-        else:
-            runs.append([j, j + 1])
-    for first, end in runs:
-        begin, end = first * block_tokens, end * block_tokens
+    for run in consecutive_runs(wanted):  # each run of consecutive wanted blocks: one segment
+        first = run.start
+        begin, end = first * block_tokens, run.stop * block_tokens
         tensors = global_tensors(begin, end, "")
         tensors["tokens"] = tokens[begin:end].copy()
         segments[first] = EncodedCache(tensors, dict(block_meta))

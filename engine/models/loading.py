@@ -147,10 +147,6 @@ class LoadedModel:
     on_gpu: bool = False
 
     @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    @property
     def vocab_size(self) -> int:
         return self._config_value("vocab_size")
 

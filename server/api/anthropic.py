@@ -29,7 +29,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents import Reply, TextDelta
+from agents import Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolCall
 from server.api.anthropic_content import (
@@ -204,19 +204,14 @@ async def _events(
         delta = {"type": "text_delta", "text": text}
         return _sse("content_block_delta", {"index": 0, "delta": delta})
 
-    # With tools, text from a tool call's start marker on is held back: it is the call.
-    tool_format = state.runtime.tool_format if tools else None
-    reply, text, shown = None, "", 0
+    reply, shown = None, 0
     try:
-        async for event in turn.events():
-            if isinstance(event, TextDelta):
-                text += event.text
-                upto = tool_format.streaming_split(text) if tool_format else len(text)
-                if upto > shown:
-                    yield text_delta(text[shown:upto])
-                    shown = upto
+        async for piece in turn.visible_text(state.runtime.tool_format if tools else None):
+            if isinstance(piece, str):
+                yield text_delta(piece)
+                shown += len(piece)
             else:
-                reply = event
+                reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         yield _sse("error", {"error": api_error(exc).body(Dialect.ANTHROPIC)["error"]})
         return

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents import Reply, TextDelta
+from agents import Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
@@ -212,18 +212,14 @@ async def _chunks(
         return f"data: {json.dumps({**head, 'choices': [choice], **tail})}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    # With tools, text from a tool call's start marker on is held back: it is the call.
-    reply, text, shown = None, "", 0
+    reply, shown = None, 0
     try:
-        async for event in turn.events():
-            if isinstance(event, TextDelta):
-                text += event.text
-                upto = tool_format.streaming_split(text) if tool_format else len(text)
-                if upto > shown:
-                    yield chunk({"content": text[shown:upto]})
-                    shown = upto
+        async for piece in turn.visible_text(tool_format):
+            if isinstance(piece, str):
+                yield chunk({"content": piece})
+                shown += len(piece)
             else:
-                reply = event
+                reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         yield f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"
         return
