@@ -102,23 +102,34 @@ DOCUMENTS = {
         "C-17",
     ),
 }
-# A small base model loops under greedy decoding, and copies its own earlier entries: a
-# repetition penalty over the last 256 tokens (its previous entry included) and sampling keep it
-# writing on. min_p (unlike top_p) needs no sort over Gemma's 262K-token vocabulary, and it
-# drops the junk tail a temperature lifts. One seed an agent: reproducible.
-WRITING = {
-    name: SamplingParams(
-        temperature=0.7, min_p=0.1, repetition_penalty=1.3, repetition_context_size=256, seed=i
-    )
-    for i, name in enumerate(DOCUMENTS)
-}
-# Recall copies from the history: greedy, and no penalty on the tokens it should repeat.
-RECALL = SamplingParams()
-RECALL_TOKENS = 10
-# One paragraph a turn. The base model was never trained on the chat template's turn markers:
-# where a chat model would end its turn with <end_of_turn>, it often writes an ordinary stray
-# word (in any language) and a line break instead; ending at the line break keeps the rest out.
+# The base model was never trained on the chat template's turn markers: where it means to end
+# its turn, <end_of_turn> gets log-probability -15 to -22 (-30 to -45 elsewhere) and a stray
+# word in some language wins instead ("competenze", "anaknya": what it writes for the untrained
+# token). A logit bias of +END_BIAS on <end_of_turn> lets it end its turns; a turn also ends at
+# a line break (one paragraph a turn).
+END_BIAS = 17.0
 STOP = ["\n", "<start_of_turn>", "<end_of_turn>"]
+RECALL_TOKENS = 16
+
+
+def sampling(rt: AgentRuntime, seed: int | None) -> SamplingParams:
+    """Writing (a seed): a small base model loops under greedy decoding and copies its own
+    earlier entries, so a repetition penalty over the last 256 tokens (its previous entry
+    included) and sampling keep it writing on; min_p (unlike top_p) needs no sort over Gemma's
+    262K-token vocabulary and drops the junk tail a temperature lifts. Recall (no seed):
+    greedy, with no penalty on the tokens it should copy."""
+    end = rt.engine.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    bias = {end: END_BIAS} if isinstance(end, int) and end >= 0 else None
+    if seed is None:
+        return SamplingParams(logit_bias=bias)
+    return SamplingParams(
+        temperature=0.7,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        repetition_context_size=256,
+        seed=seed,
+        logit_bias=bias,
+    )
 
 
 def say(text: str = "") -> None:
@@ -210,8 +221,9 @@ async def recall(rt: AgentRuntime) -> list[dict]:
     """Each agent's fact, asked first thing after the restart, against re-prefilling."""
     rows = []
     for name, doc in DOCUMENTS.items():
+        greedy = sampling(rt, None)
         resumed = await rt.chat(
-            name, doc.question, max_tokens=RECALL_TOKENS, sampling=RECALL, stop=STOP
+            name, doc.question, max_tokens=RECALL_TOKENS, sampling=greedy, stop=STOP
         )
         # The same history imported into a fresh agent has no cache: it is re-prefilled.
         history = [
@@ -220,7 +232,7 @@ async def recall(rt: AgentRuntime) -> list[dict]:
         clone = await rt.create_agent()
         await rt.append_messages(clone.id, history)
         cold = await rt.chat(
-            clone.id, doc.question, max_tokens=RECALL_TOKENS, sampling=RECALL, stop=STOP
+            clone.id, doc.question, max_tokens=RECALL_TOKENS, sampling=greedy, stop=STOP
         )
         await rt.delete_agent(clone.id)
         rows.append(
@@ -310,8 +322,8 @@ async def main(argv: list[str] | None = None) -> int:
         rt = await AgentRuntime.open(config)
         say(f"  BLAS: {blas_line()}")
         specials = special_tokens(rt)
-        for name in DOCUMENTS:
-            await rt.create_agent(name, sampling=WRITING[name])
+        for seed, name in enumerate(DOCUMENTS):
+            await rt.create_agent(name, sampling=sampling(rt, seed))
         ready = time.perf_counter() - t0
         say(f"  {len(DOCUMENTS)} agents, one document each, ready in {ready:.1f}s")
 

@@ -107,7 +107,7 @@ class AgentRuntime:
             name=name,
             system_prompt=system_prompt,
             model_fingerprint=self._engine.model.fingerprint,
-            sampling=(sampling or SamplingParams()).model_dump(exclude_defaults=True),
+            sampling=(sampling or SamplingParams()).model_dump(mode="json", exclude_defaults=True),
             idle_ttl_s=idle_ttl_s,
         )
 

@@ -163,7 +163,7 @@ class Engine:
                 cached_tokens=request.cache.num_tokens if request.cache else 0,
             ),
             sampler=None if forced else request.sampling.make_sampler(vocab_size),
-            logits_processors=forced or request.sampling.make_logits_processors(),
+            logits_processors=forced or request.sampling.make_logits_processors(vocab_size),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.stop),
             tokens=list(request.cache.tokens) if request.cache else [],

@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import (
     greedy_sampler,
     make_repetition_penalty,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -31,6 +31,9 @@ class SamplingParams(BaseModel):
             1 disables it.
         repetition_context_size: how many recent tokens the penalty looks at.
         seed: makes sampling reproducible per request, independent of what else is in the batch.
+        logit_bias: token id -> a number added to its logit before sampling, -100 to 100 (as
+            OpenAI's ``logit_bias``): -100 bans a token, +100 forces it. E.g. a base model whose
+            end-of-turn token was never trained ends its turns with a positive bias on it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,6 +45,17 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     repetition_context_size: int = Field(default=20, ge=1, le=4096)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    logit_bias: dict[int, float] | None = Field(default=None, max_length=1024)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        for token, value in (bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} is negative")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias: token {token} has bias {value}, not in [-100, 100]")
+        return bias or None
 
     @property
     def is_greedy(self) -> bool:
@@ -55,10 +69,39 @@ class SamplingParams(BaseModel):
             raise ValueError(f"top_k={self.top_k} must be below the vocabulary size {vocab_size}")
         return SeededSampler(self, self.seed if self.seed is not None else secrets.randbits(63))
 
-    def make_logits_processors(self) -> list[LogitsProcessor]:
-        if self.repetition_penalty == 1.0:
-            return []
-        return [make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)]
+    def make_logits_processors(self, vocab_size: int) -> list[LogitsProcessor]:
+        processors: list[LogitsProcessor] = []
+        if self.logit_bias:
+            if too_big := [t for t in self.logit_bias if t >= vocab_size]:
+                raise ValueError(
+                    f"logit_bias: token id {too_big[0]} is not in the vocabulary "
+                    f"(ids 0..{vocab_size - 1})"
+                )
+            processors.append(LogitBias(self.logit_bias))
+        if self.repetition_penalty != 1.0:
+            processors.append(
+                make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)
+            )
+        return processors
+
+
+class LogitBias:
+    """Adds a bias to some tokens' logits. Its arrays are made on the first call, on the
+    generation thread (the processor is built on the event loop, where no MLX op may run)."""
+
+    __slots__ = ("_bias", "_ids", "_values")
+
+    def __init__(self, bias: dict[int, float]):
+        self._bias = bias
+        self._ids: mx.array | None = None
+        self._values: mx.array | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._ids is None:
+            self._ids = mx.array(list(self._bias), dtype=mx.int32)
+            self._values = mx.array(list(self._bias.values()))
+        logits[:, self._ids] += self._values.astype(logits.dtype)
+        return logits
 
 
 class SeededSampler:

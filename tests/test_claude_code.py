@@ -89,10 +89,10 @@ def force_tool_call(monkeypatch):
     scripts: list[list[int]] = []
     make_processors, events = SamplingParams.make_logits_processors, turns._events
 
-    def processors(self: SamplingParams) -> list:
+    def processors(self: SamplingParams, vocab_size: int) -> list:
         forced = _FORCED.get()
         _FORCED.set(None)
-        return ([ForcedTokens(forced)] if forced else []) + make_processors(self)
+        return ([ForcedTokens(forced)] if forced else []) + make_processors(self, vocab_size)
 
     def forcing_events(state, claim, request):
         if request.tools and scripts:

@@ -137,6 +137,37 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+async def test_logit_bias_bans_and_forces_tokens_in_one_batch(gemma):
+    p = prompt(gemma, 12, salt=7)
+    free = await gemma.generate(GenerationRequest(p, max_tokens=12, ignore_eos=True))
+    first = free.token_ids[0]
+    banned, forced, plain = await asyncio.gather(
+        *(
+            gemma.generate(GenerationRequest(p, max_tokens=12, ignore_eos=True, sampling=s))
+            for s in [
+                SamplingParams(logit_bias={first: -100}),
+                SamplingParams(logit_bias={42: 100}),
+                SamplingParams(),
+            ]
+        )
+    )
+    assert plain.token_ids == free.token_ids  # batch-mates with a bias change nothing here
+    assert banned.token_ids[0] != first
+    assert first not in banned.token_ids
+    assert forced.token_ids == [42] * 12
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(ValueError, match="logit_bias: token 5 has bias 101"):
+        SamplingParams(logit_bias={5: 101})
+    with pytest.raises(ValueError, match="logit_bias: token id -1 is negative"):
+        SamplingParams(logit_bias={-1: 1})
+    with pytest.raises(ValueError, match=r"token id 512 is not in the vocabulary \(ids 0..511\)"):
+        SamplingParams(logit_bias={512: 1}).make_logits_processors(512)
+    # A stored agent's sampling is JSON: its token ids come back as strings.
+    assert SamplingParams(logit_bias={"7": 2}).logit_bias == {7: 2.0}
+
+
 async def test_stop_string_ends_generation_and_is_not_returned(gemma):
     p = prompt(gemma, 10, salt=4)
     free = await gemma.generate(GenerationRequest(p, max_tokens=60))

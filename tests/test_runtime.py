@@ -685,3 +685,14 @@ async def test_a_turn_over_the_kv_budget_is_refused_and_stores_nothing(tmp_path)
         assert [m.content for m in await rt.transcript("a")] == ["hello there", first.text]
         again = await rt.chat("a", "tell me everything", max_tokens=6)
         assert again.cache_source == "hot"  # the agent is as it was before the refused turn
+
+
+async def test_an_agents_logit_bias_is_stored_and_used_after_a_restart(tmp_path):
+    forced = SamplingParams(logit_bias={42: 100})
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("biased", sampling=forced)
+        first = await rt.chat("biased", "hello", max_tokens=4)
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        assert (await rt.get_agent("biased")).sampling == {"logit_bias": {"42": 100.0}}
+        again = await rt.chat("biased", "again", max_tokens=4)
+    assert first.token_ids == again.token_ids == [42] * 4
