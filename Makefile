@@ -17,25 +17,22 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 # Debian's OpenBLAS: without it MLX's CPU matmuls on Linux run ~30x slower (agentkv preloads it,
-# see engine/models/blas.py). No wheel will do: MLX imports cblas_sgemm unprefixed, and the
-# scipy-openblas wheels export scipy_cblas_sgemm. Installed when this user can (root, or
-# passwordless sudo); otherwise one line says how. AGENTKV_NO_OPENBLAS=1 skips this.
-OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
-	/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 \
-	/usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0 \
-	/usr/lib64/libopenblas.so.0 /usr/lib/libopenblas.so.0
+# see engine/models/blas.py, which also says whether it is installed). No wheel will do: MLX
+# imports cblas_sgemm unprefixed, and the scipy-openblas wheels export scipy_cblas_sgemm.
+# Installed when this user can (root, or passwordless sudo); otherwise one line says how.
 blas:
-	@if [ "$$(uname -s)" != Linux ] || [ -n "$$AGENTKV_NO_OPENBLAS" ]; then exit 0; fi; \
-	for lib in $(OPENBLAS); do if [ -e "$$lib" ]; then exit 0; fi; done; \
+	@if $(PYTHON) -c "from engine.models import blas; raise SystemExit(not blas.wanted_but_missing())"; then \
 	if [ "$$(id -u)" = 0 ]; then as=""; \
 	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as="sudo -n"; \
 	else as=no; fi; \
 	if [ "$$as" != no ] && command -v apt-get >/dev/null; then \
 	  echo "installing Debian's libopenblas0-pthread (MLX's CPU matmuls are ~30x faster with it)"; \
-	  if $$as apt-get update -qq >/dev/null && $$as env DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq libopenblas0-pthread >/dev/null; then exit 0; fi; \
+	  if { timeout 300 $$as apt-get update -qq && timeout 300 $$as env \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread; } \
+	      >/dev/null 2>&1; then exit 0; fi; \
 	fi; \
-	echo "*** No OpenBLAS: MLX's CPU matmuls run ~30x slower. Install it: sudo apt-get install libopenblas0-pthread ***"
+	echo "*** No OpenBLAS: MLX's CPU matmuls run ~30x slower. Install it: sudo apt-get install libopenblas0-pthread ***"; \
+	fi
 
 test: blas setup lint
 	$(PY) -m pytest

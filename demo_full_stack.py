@@ -105,9 +105,10 @@ DOCUMENTS = {
 # The base model was never trained on the chat template's turn markers: where it means to end
 # its turn, <end_of_turn> gets log-probability -15 to -22 (-30 to -45 elsewhere) and a stray
 # word in some language wins instead ("competenze", "anaknya": what it writes for the untrained
-# token). A logit bias of +END_BIAS on <end_of_turn> lets it end its turns; a turn also ends at
+# token). A logit bias of +END_BIAS on <end_of_turn> (added after the repetition penalty, which
+# pushes it further down: it ends every earlier turn) lets it end its turns; a turn also ends at
 # a line break (one paragraph a turn).
-END_BIAS = 17.0
+END_BIAS = 25.0
 STOP = ["\n", "<start_of_turn>", "<end_of_turn>"]
 RECALL_TOKENS = 16
 
@@ -118,8 +119,9 @@ def sampling(rt: AgentRuntime, seed: int | None) -> SamplingParams:
     included) and sampling keep it writing on; min_p (unlike top_p) needs no sort over Gemma's
     262K-token vocabulary and drops the junk tail a temperature lifts. Recall (no seed):
     greedy, with no penalty on the tokens it should copy."""
-    end = rt.engine.tokenizer.convert_tokens_to_ids("<end_of_turn>")
-    bias = {end: END_BIAS} if isinstance(end, int) and end >= 0 else None
+    tokenizer = rt.engine.tokenizer
+    end = tokenizer.get_vocab().get("<end_of_turn>")  # None: the model has no such token
+    bias = None if end is None else {end: END_BIAS}
     if seed is None:
         return SamplingParams(logit_bias=bias)
     return SamplingParams(

@@ -70,7 +70,12 @@ class SamplingParams(BaseModel):
         return SeededSampler(self, self.seed if self.seed is not None else secrets.randbits(63))
 
     def make_logits_processors(self, vocab_size: int) -> list[LogitsProcessor]:
+        """The processors, the bias last (so +100 forces a token whatever else applies)."""
         processors: list[LogitsProcessor] = []
+        if self.repetition_penalty != 1.0:
+            processors.append(
+                make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)
+            )
         if self.logit_bias:
             if too_big := [t for t in self.logit_bias if t >= vocab_size]:
                 raise ValueError(
@@ -78,10 +83,6 @@ class SamplingParams(BaseModel):
                     f"(ids 0..{vocab_size - 1})"
                 )
             processors.append(LogitBias(self.logit_bias))
-        if self.repetition_penalty != 1.0:
-            processors.append(
-                make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)
-            )
         return processors
 
 

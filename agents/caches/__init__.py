@@ -1,4 +1,5 @@
-"""Agents' KV caches on disk: paged into content-addressed blocks shared between agents.
+"""Agents' KV caches: in memory (the hot tier) and on disk, paged into content-addressed
+blocks shared between agents.
 
 Layout under the cache root::
 
@@ -24,8 +25,9 @@ blocks, plus the tail) however small the blocks.
 One noun a module: ``layout`` (paths, names, block keys), ``writes`` (the writer thread and
 the writes in flight), ``save``, ``load`` (and verification), ``janitor`` (garbage
 collection, pins, the disk budget, the sweep), ``prefixes`` (shared prefixes and heads),
-``stats`` (``DiskStats``), ``shared`` (what the parts share), and ``disk``, the front
-(``DiskCaches``) the runtime holds.
+``stats`` (``DiskStats``), ``shared`` (what the parts share), and ``disk``, the disk's front
+(``DiskCaches``); ``hot`` (``HotTier``: recently used caches in memory, under a byte budget)
+and ``tiers`` (``CacheTiers``: both tiers as one, what the runtime and its turns hold).
 """
 
 from agents.caches.disk import DiskCaches

@@ -21,7 +21,7 @@ from agents.caches.layout import BLOCKS_DIR, remove_quietly
 from agents.caches.shared import Part
 from engine.errors import CacheFormatError, CacheUnusableError
 from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION, EncodedCache
+from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION, EncodedCache, block_tokens_of
 from engine.kv.load import BlockRun, LoadedFile, decode_paged
 from engine.kv.paged import split_blocks
 from engine.kv.quant import dequantize_on_host
@@ -99,7 +99,7 @@ class Loader(Part):
             if meta.get("model_fingerprint") != fingerprint:
                 raise StaleCacheError("file was written for another model")
             check_tail(meta)
-            block_tokens = tail_file.block_tokens
+            block_tokens = block_tokens_of(meta, tail.name)
             loaded = {path: _segment(Path(path), t, m, fingerprint) for path, t, m in segments}
             blocks = []
             for run, run_keys in runs:

@@ -1,13 +1,15 @@
 """An agent's KV cache in its two tiers: the copy in memory (``HotTier``) and the files on disk
 (``DiskCaches``). Turns resume from here and keep their caches here; the runtime's cache seams
-(``cache_info``, ``export_cache``, ``unload``, ``fork``) read and change both tiers through it.
+(``cache_info``, ``export_cache``, ``unload``) and ``fork`` and ``delete_agent`` read and change
+both tiers through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from agents.caches.disk import DiskCaches
 from agents.caches.hot import HotTier
@@ -50,7 +52,13 @@ class CacheTiers:
         loaded = await self.disk.load(agent_id)
         return (loaded.cache, loaded.message_count, "disk") if loaded else None
 
-    def keep(self, agent_id: str, cache: PromptCache, covered: int, then: Any = None) -> None:
+    def keep(
+        self,
+        agent_id: str,
+        cache: PromptCache,
+        covered: int,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         """A finished turn's cache, covering ``covered`` messages: into the hot tier, and a
         save to disk scheduled (``then`` is called when the save is over)."""
         self.hot.put(agent_id, cache, covered)

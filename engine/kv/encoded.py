@@ -55,12 +55,13 @@ class EncodedCache:
         return block_tokens_of(self.metadata)
 
 
-def block_tokens_of(metadata: dict[str, str]) -> int:
-    """A paged file's tokens per block; CacheFormatError when the metadata lacks it."""
+def block_tokens_of(metadata: dict[str, str], where: str = "tail") -> int:
+    """A paged file's tokens per block; CacheFormatError (naming ``where``) when the metadata
+    lacks it."""
     try:
         return int(metadata["block_tokens"])
     except (KeyError, ValueError) as exc:
-        raise CacheFormatError(f"metadata 'block_tokens': {exc}") from exc
+        raise CacheFormatError(f"{where}: metadata 'block_tokens': {exc}") from exc
 
 
 def consecutive_runs(indexes: Iterable[int]) -> list[range]:

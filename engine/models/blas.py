@@ -42,6 +42,22 @@ def loaded_library() -> str | None:
     return _loaded_path
 
 
+def opted_out() -> bool:
+    return os.environ.get(OPT_OUT_ENV, "").strip() not in ("", "0")
+
+
+def installed() -> str | None:
+    """The OpenBLAS library :func:`load` would load (``$AGENTKV_OPENBLAS_PATH`` or the first of
+    :data:`CANDIDATES` that exists), or None."""
+    override = os.environ.get(PATH_ENV)
+    return next((p for p in ((override,) if override else CANDIDATES) if os.path.exists(p)), None)
+
+
+def wanted_but_missing() -> bool:
+    """On Linux, not opted out, and no OpenBLAS installed: ``make`` should install it."""
+    return sys.platform.startswith("linux") and not opted_out() and installed() is None
+
+
 def load() -> str | None:
     """Preload OpenBLAS with ``RTLD_GLOBAL`` if we are on Linux and it is installed.
 
@@ -54,7 +70,7 @@ def load() -> str | None:
     _attempted = True
     if not sys.platform.startswith("linux"):
         return None
-    if os.environ.get(OPT_OUT_ENV, "").strip() not in ("", "0"):
+    if opted_out():
         log.debug("OpenBLAS preload disabled by %s", OPT_OUT_ENV)
         return None
     if "mlx.core" in sys.modules:
