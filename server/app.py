@@ -34,6 +34,7 @@ from server.api import agents as agents_api
 from server.api import anthropic as anthropic_api
 from server.api import openai as openai_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
+from server.hosts import HostCheck
 from server.identity import Identity
 from server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.metrics import RequestMetricsMiddleware, ServerMetrics
@@ -82,6 +83,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stateless_ttl_s: int | None = DEFAULT_STATELESS_TTL_S,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
@@ -91,6 +93,9 @@ def create_app(
         max_body_bytes: larger request bodies are refused with 413.
         stateless_ttl_s: agents created for requests that name no agent are deleted after this
             many seconds without a turn (None: kept). Named agents never expire.
+        allowed_hosts: the Host names requests may carry (any port), others get 421; None:
+            any (see ``server.hosts``: ``agentkv serve`` and ``serve_in_thread`` pass the
+            loopback names when bound to loopback).
     """
     metrics = ServerMetrics()
 
@@ -136,6 +141,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, hosts=allowed_hosts)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)

@@ -13,6 +13,7 @@ import uvicorn
 
 from agents import RuntimeConfig
 from server.app import create_app
+from server.hosts import allowed_hosts
 
 
 @contextlib.contextmanager
@@ -24,10 +25,12 @@ def serve_in_thread(
 ) -> Iterator[str]:
     """Start uvicorn with agentkv's app on 127.0.0.1; yields the base URL; stops on exit.
 
-    ``app_options`` go to :func:`server.app.create_app` (e.g. ``max_body_bytes``).
+    ``app_options`` go to :func:`server.app.create_app` (e.g. ``max_body_bytes``); requests
+    must name a loopback host unless ``allowed_hosts`` says otherwise (see ``server.hosts``).
 
     Stopping is graceful: the app's lifespan closes the runtime, which flushes cache writes.
     """
+    app_options.setdefault("allowed_hosts", allowed_hosts("127.0.0.1"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -83,10 +83,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.models.loading import resolve_model_path
     from server.app import create_app
+    from server.hosts import allowed_hosts, is_loopback
 
     resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server
     api_key = args.api_key or os.environ.get("AGENTKV_API_KEY") or None
-    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if api_key is None and not is_loopback(args.host):
         print(f"{PROG}: warning: serving on {args.host} without --api-key", file=sys.stderr)
     kv_bits = None if args.kv_bits == "none" else int(args.kv_bits)
     engine = EngineConfig(
@@ -102,6 +103,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine=engine,
     )
     options: dict = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    options["allowed_hosts"] = allowed_hosts(args.host, args.allowed_hosts)
     if args.stateless_ttl is not None:
         options["stateless_ttl_s"] = args.stateless_ttl or None  # 0: never expire
     app = create_app(config, api_key, **options)
@@ -212,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument(
+        "--allowed-hosts",
+        type=lambda value: value.split(","),
+        default=[],
+        metavar="NAMES",
+        help="Host names requests may carry besides the loopback ones, comma-separated ('*': "
+        "any). Bound to loopback, other names get 421 (DNS rebinding); bound elsewhere, "
+        "nothing is checked unless this is given",
+    )
     serve.add_argument(
         "--api-key",
         metavar="KEY",

@@ -84,6 +84,7 @@ CONTEXT_LENGTH = ErrorKind(
 AUTHENTICATION = ErrorKind(401, "authentication_error", "invalid_request_error", "invalid_api_key")
 NOT_FOUND = ErrorKind(404, "not_found_error", "invalid_request_error", "not_found")
 CONFLICT = ErrorKind(409, "invalid_request_error", "invalid_request_error", "conflict")
+MISDIRECTED = ErrorKind(421, "invalid_request_error", "invalid_request_error", "host_not_allowed")
 TOO_LARGE = ErrorKind(413, "request_too_large", "invalid_request_error", "request_too_large")
 KV_BUDGET = ErrorKind(413, "request_too_large", "invalid_request_error", "kv_budget_exceeded")
 OVERLOADED = ErrorKind(429, "overloaded_error", "rate_limit_error", "overloaded", 529)

@@ -3,7 +3,11 @@ invalid text, a client that goes away, the registry's disk. Real uvicorn on 127.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agents import AgentRuntime, RegistryStorageError, RuntimeConfig
 from server.background import serve_in_thread
 from server.errors import Dialect, api_error
+from server.hosts import allowed_hosts, host_of
 
 MODEL = "tiny:gemma3"
 MAX_BODY = 256 * 1024
@@ -308,3 +313,72 @@ def test_fork_over_http(http):
     assert again.json()["usage"]["cache_read_input_tokens"] > 0
     assert http.post("/v1/agents/fork-src/fork", json={"id": "fork-dst"}).status_code == 409
     assert http.post("/v1/agents/nope/fork", json={}).status_code == 404
+
+
+def test_a_foreign_host_is_refused_on_loopback(http: httpx.Client):
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 reaches the server with its
+    own name in Host. The default loopback server answers only loopback names (any port)."""
+    port = http.base_url.port
+    for host in ("evil.example.com", f"evil.example.com:{port}", "127.0.0.1.example.com", ""):
+        for path in ("/v1/models", "/v1/agents"):
+            response = http.get(path, headers={"host": host})
+            assert response.status_code == 421, (host, path)
+            message = response.json()["error"]["message"]
+            assert "is not allowed" in message and "--allowed-hosts" in message
+            assert (repr(host) if host else "no Host header") in message
+    openai = http.post("/v1/chat/completions", json={}, headers={"host": "evil.example.com"})
+    assert openai.status_code == 421
+    assert openai.json()["error"]["code"] == "host_not_allowed"
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_allowed_hosts_follow_the_bound_address_and_the_option():
+    assert allowed_hosts("127.0.0.1") == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts("127.0.0.2") == {"localhost", "127.0.0.1", "::1", "127.0.0.2"}
+    assert allowed_hosts("::1", ["Agents.Example.com"]) == {
+        "localhost",
+        "127.0.0.1",
+        "::1",
+        "agents.example.com",
+    }
+    assert allowed_hosts("0.0.0.0") is None  # bound elsewhere: an API key guards it instead
+    assert allowed_hosts("0.0.0.0", ["agents.example.com"]) == {"agents.example.com"}
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+    assert [host_of(h) for h in ("a.b:80", "[::1]:8000", "[::1]", "::1", "A.B")] == [
+        "a.b",
+        "::1",
+        "::1",
+        "::1",
+        "a.b",
+    ]
+
+
+def test_agentkv_serve_checks_the_host_unless_allowed(tmp_path: Path):
+    def serve(*extra: str) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = ["serve", "--model", MODEL, "--data-dir", str(tmp_path), "--port", str(port)]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", *args, *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    return process, url
+            time.sleep(0.1)
+        process.kill()
+        raise AssertionError("agentkv serve did not start")
+
+    evil = {"host": "evil.example.com"}
+    for extra, expected in [((), 421), (("--allowed-hosts", "evil.example.com"), 200)]:
+        process, url = serve(*extra)
+        try:
+            assert httpx.get(f"{url}/v1/models", headers=evil, timeout=30).status_code == expected
+        finally:
+            process.terminate()
+            process.wait(60)
