@@ -107,9 +107,10 @@ class DocumentTurn:
         runner = conversations.runner
         renderer = runner.renderer
         start = time.perf_counter()
+        # The cache's own tokens are compared with the document's: no digest check is needed.
         resumed = await runner.caches.resume(agent.id)
-        cache, _, source = resumed or (None, 0, "none")
-        source: CacheSource
+        cache = resumed.cache if resumed else None
+        source: CacheSource = resumed.source if resumed else "none"
         known = conversations.replies.get(agent.id)
 
         def render() -> tuple[DocumentPrompt, int]:
@@ -180,7 +181,9 @@ class DocumentTurn:
         await conversations.runner.registry.append_messages(
             agent.id, stored[keep:], replace_from=keep, system_prompt=system
         )
-        conversations.runner.keep(agent.id, result, plan, len(stored))
+        head = [{"role": "system", "content": system}] if system else []
+        covered = [*head, *({"role": m.role, "content": m.content} for m in stored)]
+        await conversations.runner.keep(agent.id, result, plan, covered, len(stored))
         conversations.replies[agent.id] = [*document.replies, reply]
 
     def reply(self, reply: Reply) -> Reply:

@@ -4,12 +4,23 @@ A cache's token list is the canonical history. Re-tokenizing a re-rendered trans
 reproduce the tokens the model generated (tokenization is not canonical), so a token-prefix
 match against the cache would silently miss. Instead we render the conversation as text and
 cut it where the cache ends: just after the content of the last assistant reply it covers.
+
+Message text stays text. A control string (one of the tokenizer's special tokens, such as
+``<end_of_turn>``) inside a message's content, a tool call's arguments or a tool definition is
+tokenized as the characters it is made of, never as the control token, so text from a user, a
+tool or a web page cannot open or close turns. Only the chat template's own markers become
+control tokens, and, in assistant messages, the model's tool-call markers (transcripts store an
+assistant's tool calls as that markup). Rendering swaps each control string in message text for
+an escape of two private-use characters; :meth:`ChatRenderer.encode` turns the escapes back
+into the string's text tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agents.errors import ChatTemplateError, InvalidMessageError, check_text
@@ -20,6 +31,11 @@ Message = dict[str, Any]
 # Stands in for the reply's content while rendering: templates that trim or rewrite content
 # leave a token like this alone, so the text after it is exactly what follows the reply.
 _CUT = "\u27e6agentkv-cache-ends-here\u27e7"
+# Starts an escape in rendered text: _ESC + _ESC is a literal _ESC, _ESC + chr(_FIRST + i) the
+# i-th control string as text (private-use code points of planes 15 and 16).
+_ESC = "\U000f0000"
+_FIRST = 0xF0001
+_ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -28,6 +44,26 @@ class ChatRenderer:
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    controls: tuple[str, ...] = field(init=False)
+    """The tokenizer's special tokens: what message text may not produce."""
+    _control_ids: frozenset[int] = field(init=False)
+    _index: dict[str, int] = field(init=False)
+    _in_text: re.Pattern[str] = field(init=False)
+    _in_replies: re.Pattern[str] = field(init=False)
+    _as_text: dict[int, list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        special = {i: t.content for i, t in added.items() if getattr(t, "special", False)}
+        self.controls = tuple(sorted(set(special.values())))
+        if len(self.controls) > 0x10FFFF - _FIRST:
+            raise ValueError(f"{len(self.controls)} special tokens: too many to escape")
+        self._control_ids = frozenset(special)
+        self._index = {s: i for i, s in enumerate(self.controls)}
+        markers = {getattr(self.tokenizer, a, None) for a in ("tool_call_start", "tool_call_end")}
+        self._in_text = _pattern(self.controls)
+        self._in_replies = _pattern([s for s in self.controls if s not in markers])
+        self._as_text = {}
 
     def render(
         self,
@@ -35,12 +71,14 @@ class ChatRenderer:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The conversation as the template writes it, control strings in message text and
+        tools escaped (for :meth:`encode`)."""
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages),
+                [self._escaped_message(m) for m in messages],
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                **({"tools": tools} if tools else {}),
+                **({"tools": self._escaped(tools, self._in_text)} if tools else {}),
             )
         except Exception as exc:  # jinja's TemplateError, or the template's raise_exception
             raise ChatTemplateError(
@@ -48,8 +86,60 @@ class ChatRenderer:
             ) from exc
 
     def encode(self, text: str) -> list[int]:
+        """Tokens of rendered text: control strings the template wrote become control tokens,
+        escaped ones (from message text) the tokens of their characters."""
         # The template writes special tokens (BOS included) itself.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if _ESC not in text:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        pieces = _ESCAPE.split(text)
+        tokens = self.encode(pieces[0])
+        for code, rest in zip(pieces[1::2], pieces[2::2], strict=True):
+            if code == _ESC:
+                tokens += self.tokenizer.encode(_ESC, add_special_tokens=False)
+            else:
+                tokens += self._text_tokens(self.controls[ord(code) - _FIRST])
+            tokens += self.encode(rest)
+        return tokens
+
+    def _text_tokens(self, control: str) -> list[int]:
+        """Tokens of a control string's characters (split until no piece is a control)."""
+        cached = self._as_text.get(self._index[control])
+        if cached is not None:
+            return cached
+
+        def split(text: str) -> list[int]:
+            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(text) < 2 or not self._control_ids.intersection(tokens):
+                return tokens
+            return split(text[:1]) + split(text[1:])
+
+        tokens = self._as_text[self._index[control]] = split(control)
+        return tokens
+
+    def _escaped_message(self, message: Message) -> Message:
+        pattern = self._in_replies if message.get("role") == "assistant" else self._in_text
+        return {
+            key: value
+            if key in ("role", "type")
+            else self._escaped(value, pattern if key == "content" else self._in_text)
+            for key, value in message.items()
+        }
+
+    def _escaped(self, value: Any, pattern: re.Pattern[str] | None) -> Any:
+        """``value`` (text, or lists and dicts of it) with its control strings escaped."""
+        if isinstance(value, str):
+            if pattern is None or not pattern.search(value):
+                return value
+            return pattern.sub(self._escape, value)
+        if isinstance(value, dict):
+            return {k: self._escaped(v, pattern) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escaped(v, pattern) for v in value]
+        return value
+
+    def _escape(self, match: re.Match[str]) -> str:
+        text = match.group()
+        return _ESC + (_ESC if text == _ESC else chr(_FIRST + self._index[text]))
 
     def full_prompt(
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
@@ -106,9 +196,42 @@ class ChatRenderer:
         return tokens or None
 
 
+def _pattern(strings: Sequence[str]) -> re.Pattern[str]:
+    """A regex matching _ESC or any of ``strings``: a trie, so a position costs one lookup per
+    character however many strings there are (Gemma 3 has over 6,000 special tokens)."""
+    trie: dict[str, Any] = {}
+    for s in [_ESC, *strings]:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def regex(node: dict[str, Any]) -> str:
+        ends = "" in node
+        branches = [re.escape(ch) + regex(child) for ch, child in node.items() if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        if ends:  # a string ends here and longer ones go on: prefer the longer
+            return f"(?:{body})?" if len(branches) == 1 else f"{body}?"
+        return body
+
+    return re.compile(regex(trie))
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def conversation_digest(messages: Sequence[Message]) -> str:
+    """A digest of messages' roles and text content: stored with a cache covering them, so
+    that a cache is used only for the conversation it was made from."""
+    digest = hashlib.blake2b(digest_size=16)
+    for m in messages:
+        data = str(m["content"]).encode("utf-8", "surrogatepass")
+        digest.update(b"%s\0%d\0%s" % (str(m["role"]).encode(), len(data), data))
+    return digest.hexdigest()
 
 
 def checked_texts(messages: Sequence[Message]) -> list[Message]:

@@ -316,7 +316,7 @@ class AgentRuntime:
         await self._registry.get_agent(agent_id)
         async with self._lock(agent_id):  # not while a turn changes it
             resumed = await self._caches.resume(agent_id)
-            return resumed[0] if resumed else None
+            return resumed.cache if resumed else None
 
     async def unload(self, agent_id: str) -> None:
         """Drop the agent's cache from memory (the hot tier) once its save has landed; its next

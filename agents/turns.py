@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agents.caches.tiers import CacheTiers
+from agents.caches.tiers import CacheTiers, Resumed
 from agents.config import RuntimeConfig
 from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
-from agents.prompt import ChatRenderer, Message, checked_history
+from agents.prompt import ChatRenderer, Message, checked_history, conversation_digest
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
 from engine.request import FinishReason, GenerationRequest, GenerationResult
@@ -225,10 +225,19 @@ class TurnRunner:
         task.add_done_callback(lambda _: self._end())
         await asyncio.shield(task)
 
-    def keep(self, agent_id: str, result: GenerationResult, plan: TurnPlan, covered: int) -> None:
+    async def keep(
+        self,
+        agent_id: str,
+        result: GenerationResult,
+        plan: TurnPlan,
+        messages: list[Message],
+        covered: int,
+    ) -> None:
         """After the transcript rows are stored: the turn's cache, covering ``covered``
-        messages, goes to the hot tier and is saved to disk."""
-        self.caches.keep(agent_id, result.cache, covered, then=plan.release)
+        transcript messages (``messages``: them, after the system prompt if any), goes to the
+        hot tier and is saved to disk."""
+        digest = await asyncio.to_thread(conversation_digest, messages)
+        self.caches.keep(agent_id, result.cache, covered, digest, then=plan.release)
 
     def _reply(
         self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
@@ -293,20 +302,51 @@ class ChatTurn:
         offset = len(messages) - n_history - 1  # the system message, if any
         resumed = await runner.caches.resume(agent.id)
         if resumed is not None:
-            cache, count, source = resumed
-            # (count > n_history: newer than the transcript, which only removed rows cause)
-            if count <= n_history:
-                # Rendering and tokenizing grow with the history: keep them off the event loop.
-                delta = await asyncio.to_thread(
-                    renderer.delta, messages, offset + count, cache.tokens[-1]
-                )
-                if delta is not None:
-                    return TurnPlan(delta, cache, source, time.perf_counter() - start)
-                log.warning("agent %r: template did not extend its cache; re-prefilling", agent.id)
+            # Hashing, rendering and tokenizing grow with the history: off the event loop.
+            delta = await asyncio.to_thread(
+                self._extend, agent.id, messages, offset, n_history, resumed
+            )
+            if delta is not None:
+                return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
         tokens = await asyncio.to_thread(renderer.full_prompt, messages)
         source = "rebuilt" if transcript else "none"
         head = functools.partial(renderer.shared_head, messages, tokens)
         return await runner.plan_from_prefix(tokens, head, source, start, priority)
+
+    def _extend(
+        self,
+        agent_id: str,
+        messages: list[Message],
+        offset: int,
+        n_history: int,
+        resumed: Resumed,
+    ) -> list[int] | None:
+        """The tokens that follow the resumed cache, or None (logged) when it cannot be used:
+        it was made from another conversation, or the template does not extend it."""
+        count = resumed.message_count
+        if count > n_history:  # newer than the transcript, which only removed rows cause
+            return None
+        digest = conversation_digest(messages[: offset + count])
+        if resumed.digest != digest:
+            made_from = (
+                f"a conversation with digest {resumed.digest}"
+                if resumed.digest
+                else "a conversation it did not record (saved by an older agentkv)"
+            )
+            log.warning(
+                "agent %r: its %s cache was made from %s, not from the %d messages of its "
+                "transcript it claims to cover (digest %s); rebuilding from the transcript",
+                agent_id,
+                resumed.source,
+                made_from,
+                count,
+                digest,
+            )
+            return None
+        delta = self.runner.renderer.delta(messages, offset + count, resumed.cache.tokens[-1])
+        if delta is None:
+            log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
+        return delta
 
     async def commit(
         self,
@@ -323,7 +363,13 @@ class ChatTurn:
                 NewMessage("assistant", result.text, len(result.token_ids)),
             ],
         )
-        self.runner.keep(agent.id, result, plan, stored[-1].position + 1)
+        messages = [
+            *transcript_messages(agent, transcript),
+            *self.history,
+            {"role": "user", "content": self.message},
+            {"role": "assistant", "content": result.text},
+        ]
+        await self.runner.keep(agent.id, result, plan, messages, stored[-1].position + 1)
 
     def reply(self, reply: Reply) -> Reply:
         return reply

@@ -337,7 +337,15 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
         async with await Registry.open(rt.config.database) as registry:
             await registry.caches.set(agent.id, entry)
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
-        reply = await rt.chat(agent.id, "And now?", max_tokens=8)
+        # A whole conversation checks the cache by its tokens: the format-1 file resumes. (A
+        # chat turn would rebuild once: such files carry no digest of their conversation.)
+        conversation = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Where is it?"},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And now?"},
+        ]
+        reply = [e async for e in rt.respond(agent.id, conversation, max_tokens=8)][-1]
         assert reply.cache_source == "disk"
         assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
         await rt.flush()

@@ -74,11 +74,13 @@ class DiskCaches:
         agent_id: str,
         cache: PromptCache,
         message_count: int,
+        digest: str,
         then: Callable[[], None] | None = None,
     ) -> None:
-        """Schedule a save; returns at once. ``wait`` or ``close`` waits for it. ``then`` is
-        called when it is over (saved or not)."""
-        self._saver.save(agent_id, cache, message_count, then)
+        """Schedule a save of a cache covering ``message_count`` messages (``digest``: their
+        ``conversation_digest``); returns at once. ``wait`` or ``close`` waits for it. ``then``
+        is called when it is over (saved or not)."""
+        self._saver.save(agent_id, cache, message_count, digest, then)
 
     async def wait(self, agent_id: str | None = None) -> None:
         """Wait for scheduled saves (of one agent, or all) to finish."""

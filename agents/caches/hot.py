@@ -12,6 +12,7 @@ from engine.request import PromptCache
 class HotEntry:
     cache: PromptCache
     message_count: int  # transcript messages the cache covers
+    digest: str  # agents.prompt.conversation_digest of those messages
     nbytes: int
 
 
@@ -37,12 +38,12 @@ class HotTier:
             self._entries.move_to_end(agent_id)
         return entry
 
-    def put(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
+    def put(self, agent_id: str, cache: PromptCache, message_count: int, digest: str) -> None:
         self.drop(agent_id)
         nbytes = cache.nbytes
         if nbytes > self.budget_bytes:
             return
-        self._entries[agent_id] = HotEntry(cache, message_count, nbytes)
+        self._entries[agent_id] = HotEntry(cache, message_count, digest, nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.budget_bytes:
             _, old = self._entries.popitem(last=False)

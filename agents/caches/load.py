@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class LoadedCache:
     cache: PromptCache
     message_count: int
+    digest: str | None  # conversation_digest of those messages (None: saved without one)
 
 
 class StaleCacheError(CacheUnusableError, ValueError):
@@ -53,12 +54,14 @@ class Loader(Part):
         try:
             if record.model_fingerprint != self._layout.fingerprint:
                 raise StaleCacheError("saved for another model")
+            meta: dict[str, str] = {}
             if record.format_version == PAGED_FORMAT_VERSION:
                 tail = self._layout.root / record.path
-                check = functools.partial(_check_tail, record)
+                check = functools.partial(_check_tail, record, meta)
                 cache = await self.load_paged(tail, list(record.blocks), record.checksum, check)
             elif record.format_version == FORMAT_VERSION:
                 encoded = await asyncio.to_thread(self._read_whole, record)
+                meta = encoded.metadata
                 cache = await self._decode(encoded)
             else:
                 raise StaleCacheError(f"format version {record.format_version}")
@@ -68,7 +71,7 @@ class Loader(Part):
                 "cache of agent %r unusable (%s); rebuilding from its transcript", agent_id, exc
             )
             return None
-        return LoadedCache(cache, record.message_count)
+        return LoadedCache(cache, record.message_count, meta.get("conversation_digest"))
 
     async def load_paged(
         self,
@@ -201,7 +204,9 @@ def _find_damage(paths: list[Path]) -> None:
             raise
 
 
-def _check_tail(record: CacheRecord, meta: dict[str, str]) -> None:
+def _check_tail(record: CacheRecord, seen: dict[str, str], meta: dict[str, str]) -> None:
+    """Check an agent's tail file against its registry entry; its metadata goes to ``seen``."""
+    seen.update(meta)
     if meta.get("message_count") != str(record.message_count):
         raise StaleCacheError("file does not match its registry entry")
     if meta.get("blocks") != str(len(record.blocks)):

@@ -44,26 +44,26 @@ class Saver(Part):
         agent_id: str,
         cache: PromptCache,
         message_count: int,
+        digest: str,
         then: Callable[[], None] | None = None,
     ) -> None:
         """Schedule a save; returns at once. ``then`` is called when it is over (saved or
         not)."""
-        task = self._writes.track(agent_id, self._save(agent_id, cache, message_count))
+        meta = {"message_count": str(message_count), "conversation_digest": digest}
+        task = self._writes.track(agent_id, self._save(agent_id, cache, meta))
         if then is not None:
             task.add_done_callback(lambda _: then())
 
-    async def _save(self, agent_id: str, cache: PromptCache, message_count: int) -> None:
+    async def _save(self, agent_id: str, cache: PromptCache, meta: dict[str, str]) -> None:
         try:
             keys = self._layout.keys(cache.tokens)
             for attempt in range(SAVE_ATTEMPTS):
                 paged = await self.encode(cache, keys)
-                name = f"{message_count:06d}-{uuid.uuid4().hex[:8]}.safetensors"
+                name = f"{int(meta['message_count']):06d}-{uuid.uuid4().hex[:8]}.safetensors"
                 keep = self._janitor.pinned()
                 job = self._writes.submit(
                     agent_id,
-                    functools.partial(
-                        self._write, agent_id, name, paged, keys, message_count, keep
-                    ),
+                    functools.partial(self._write, agent_id, name, paged, keys, meta, keep),
                 )
                 try:
                     await asyncio.wrap_future(job)
@@ -93,7 +93,7 @@ class Saver(Part):
         name: str,
         paged: PagedCache,
         keys: list[str],
-        message_count: int,
+        tail_meta: dict[str, str],
         keep: frozenset[str],
     ) -> None:
         """On the writer thread: write new blocks and the tail, record them, drop the old tail,
@@ -103,7 +103,7 @@ class Saver(Part):
         try:
             new_blocks = self.write_segments(paged, keys, written)
             rel = Path(agent_id) / name
-            meta = {"message_count": str(message_count), "blocks": str(len(keys))}
+            meta = tail_meta | {"blocks": str(len(keys))}
             info = self.write_file(layout.root / rel, paged.tail, meta)
             written.append(info.path)
             entry = NewCacheEntry(
@@ -115,7 +115,7 @@ class Saver(Part):
                 format_version=PAGED_FORMAT_VERSION,
                 kv_bits=layout.kv_bits,
                 group_size=layout.group_size if layout.kv_bits else None,
-                message_count=message_count,
+                message_count=int(tail_meta["message_count"]),
             )
             previous = self._writes.call(
                 self._registry.caches.set(agent_id, entry, blocks=keys, new_blocks=new_blocks)

@@ -34,6 +34,24 @@ class CacheInfo:
     hot_tokens: int | None
 
 
+@dataclass(slots=True, frozen=True)
+class Resumed:
+    """An agent's cache as a turn resumes it.
+
+    Attributes:
+        cache: the KV cache and its tokens.
+        message_count: transcript messages it covers.
+        source: the tier it came from.
+        digest: ``agents.prompt.conversation_digest`` of the messages it was made from (the
+            system prompt and those ``message_count``); None for a file saved without one.
+    """
+
+    cache: PromptCache
+    message_count: int
+    source: Literal["hot", "disk"]
+    digest: str | None
+
+
 class CacheTiers:
     """The hot tier and the disk caches, used as one."""
 
@@ -42,27 +60,31 @@ class CacheTiers:
         self.disk = disk
         self._registry = registry
 
-    async def resume(self, agent_id: str) -> tuple[PromptCache, int, Literal["hot", "disk"]] | None:
-        """The agent's cache, the messages it covers and where it came from: the hot tier,
-        else disk (after a save in flight has landed); None when it has none usable."""
+    async def resume(self, agent_id: str) -> Resumed | None:
+        """The agent's cache from the hot tier, else from disk (after a save in flight has
+        landed); None when it has none usable."""
         hot = self.hot.get(agent_id)
         if hot is not None:
-            return hot.cache, hot.message_count, "hot"
+            return Resumed(hot.cache, hot.message_count, "hot", hot.digest)
         await self.disk.wait(agent_id)  # a save in flight is the newest cache: let it land
         loaded = await self.disk.load(agent_id)
-        return (loaded.cache, loaded.message_count, "disk") if loaded else None
+        if loaded is None:
+            return None
+        return Resumed(loaded.cache, loaded.message_count, "disk", loaded.digest)
 
     def keep(
         self,
         agent_id: str,
         cache: PromptCache,
         covered: int,
+        digest: str,
         then: Callable[[], None] | None = None,
     ) -> None:
-        """A finished turn's cache, covering ``covered`` messages: into the hot tier, and a
-        save to disk scheduled (``then`` is called when the save is over)."""
-        self.hot.put(agent_id, cache, covered)
-        self.disk.save(agent_id, cache, covered, then=then)
+        """A finished turn's cache, covering ``covered`` messages (``digest``: their
+        ``conversation_digest``): into the hot tier, and a save to disk scheduled (``then`` is
+        called when the save is over)."""
+        self.hot.put(agent_id, cache, covered, digest)
+        self.disk.save(agent_id, cache, covered, digest, then=then)
 
     async def info(self, agent_id: str) -> CacheInfo:
         stored = await self._registry.caches.get(agent_id)
@@ -83,7 +105,7 @@ class CacheTiers:
         caches into its batch by copy, so sharing it is safe) and the same files on disk."""
         hot = self.hot.get(source_id)
         if hot is not None:
-            self.hot.put(agent_id, hot.cache, hot.message_count)
+            self.hot.put(agent_id, hot.cache, hot.message_count, hot.digest)
         await self.disk.fork(source_id, agent_id)
 
     async def remove(self, agent_id: str) -> None:
