@@ -125,7 +125,9 @@ class TurnRunner:
                     plan.release()
                 raise
             self.sources[plan.source] += 1
-            yield turn.reply(self._reply(agent_id, plan, result, started))
+            reply = self._reply(agent_id, plan, result, started)
+            _log_turn(reply)
+            yield turn.reply(reply)
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -263,6 +265,23 @@ class TurnRunner:
             ),
             stop_sequence=result.stop_sequence,
         )
+
+
+def _log_turn(reply: Reply) -> None:
+    """One line per turn: where its cache came from and what it cost (a miss shows here)."""
+    usage, timings = reply.usage, reply.timings
+    log.info(
+        "agent %r: cache %s, prompt %d tokens (%d cached, %d prefilled), %d generated, "
+        "ttft %.3f s, decode %.1f tok/s",
+        reply.agent_id,
+        reply.cache_source,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.prompt_tokens - usage.cached_tokens,
+        usage.completion_tokens,
+        timings.ttft_s,
+        timings.decode_tps or 0.0,
+    )
 
 
 def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> list[Message]:

@@ -121,3 +121,22 @@ async def test_a_fork_resumes_the_cache_it_shares(tmp_path, caplog):
             assert (await rt.chat("a0-fork", "More.", max_tokens=4)).cache_source == "disk"
             assert (await rt.chat("a0", "More.", max_tokens=4)).cache_source == "hot"
         assert caplog.text == ""
+
+
+async def test_every_turn_logs_one_line_with_its_cache_source_and_costs(tmp_path, caplog):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("a0")
+        with caplog.at_level(logging.INFO, logger="agents.turns"):
+            first = await rt.chat("a0", FIRST["a0"], max_tokens=4)
+            second = await rt.chat("a0", "More.", max_tokens=4)
+    lines = [r.getMessage() for r in caplog.records if r.name == "agents.turns"]
+    assert len(lines) == 2
+    for line, reply in zip(lines, (first, second), strict=True):
+        u = reply.usage
+        assert line.startswith(
+            f"agent 'a0': cache {reply.cache_source}, prompt {u.prompt_tokens} tokens "
+            f"({u.cached_tokens} cached, {u.prompt_tokens - u.cached_tokens} prefilled), "
+            f"{u.completion_tokens} generated, ttft "
+        )
+    assert (first.cache_source, second.cache_source) == ("none", "hot")
+    assert second.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
