@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
+
+# hot_cache_bytes="auto": this share of the physical memory, at most HOT_CACHE_MAX_BYTES (the
+# fallback where the platform does not say how much memory it has).
+HOT_CACHE_SHARE = 0.10
+HOT_CACHE_MAX_BYTES = 4 * 1024**3
+HOT_CACHE_FALLBACK_BYTES = 2 * 1024**3
+DISK_BUDGET_SHARE = 0.25
+"""``disk_budget_bytes="auto"``: this share of the space the cache directory may take when the
+runtime opens (what is free on its filesystem plus what its files hold already, so that a
+restart does not shrink the budget below what was stored)."""
+
+Bytes = Annotated[int, Field(ge=0)]
 
 
 class RuntimeConfig(BaseModel):
@@ -22,9 +36,13 @@ class RuntimeConfig(BaseModel):
         kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
-        hot_cache_bytes: memory budget for recently used agents' unquantized caches.
+        hot_cache_bytes: memory budget for recently used agents' unquantized caches. "auto":
+            ``HOT_CACHE_SHARE`` (10%) of the physical memory, at most ``HOT_CACHE_MAX_BYTES``
+            (4 GiB), measured when the runtime opens.
         disk_budget_bytes: when the cache files exceed it, the caches of the agents idle
             longest are evicted (their transcripts stay; they are rebuilt when they speak).
+            "auto": ``DISK_BUDGET_SHARE`` (25%) of the free space of the cache directory's
+            filesystem plus what the cache files hold, measured when the runtime opens.
             None: no budget.
         kv_block_tokens: tokens per stored block. Caches are saved as blocks shared by every
             agent whose tokens start alike, plus a small per-agent tail; a turn writes only its
@@ -44,8 +62,8 @@ class RuntimeConfig(BaseModel):
     cache_dir: Path | None = None
     kv_bits: Literal[8, 4] | None = 8
     kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
-    hot_cache_bytes: int = Field(default=2 * 1024**3, ge=0)
-    disk_budget_bytes: int | None = Field(default=None, ge=0)
+    hot_cache_bytes: Bytes | Literal["auto"] = "auto"
+    disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
     kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
     share_prefixes: bool = True
     default_max_tokens: int = Field(default=512, ge=1)
@@ -58,3 +76,46 @@ class RuntimeConfig(BaseModel):
     @property
     def caches_path(self) -> Path:
         return self.cache_dir or self.data_dir / "caches"
+
+    def resolved(self) -> RuntimeConfig:
+        """This config with its "auto" budgets measured now (itself when there are none):
+        ``AgentRuntime.open`` runs with the resolved config, ``runtime.config``."""
+        update: dict[str, int] = {}
+        if self.hot_cache_bytes == "auto":
+            update["hot_cache_bytes"] = default_hot_cache_bytes()
+        if self.disk_budget_bytes == "auto":
+            update["disk_budget_bytes"] = default_disk_budget_bytes(self.caches_path)
+        return self.model_copy(update=update) if update else self
+
+
+def default_hot_cache_bytes() -> int:
+    """``HOT_CACHE_SHARE`` of the physical memory, at most ``HOT_CACHE_MAX_BYTES``."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # a platform without these names
+        return HOT_CACHE_FALLBACK_BYTES
+    return min(int(memory * HOT_CACHE_SHARE), HOT_CACHE_MAX_BYTES)
+
+
+def default_disk_budget_bytes(cache_dir: Path) -> int:
+    """``DISK_BUDGET_SHARE`` of the space free on ``cache_dir``'s filesystem plus the bytes of
+    the files under it (which need not exist yet)."""
+    existing = next(p for p in (cache_dir, *cache_dir.absolute().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    return int(DISK_BUDGET_SHARE * (free + _bytes_under(cache_dir)))
+
+
+def _bytes_under(root: Path) -> int:
+    """Bytes of the regular files under ``root``, a hard-linked file (a fork's tail) once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            try:
+                stat = os.lstat(os.path.join(directory, name))
+            except OSError:  # removed meanwhile
+                continue
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
+    return total

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.errors import ChatTemplateError, InvalidMessageError, check_text
+from agents.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
 
 Message = dict[str, Any]
 """A chat message as templates read it: ``role``, ``content`` and, for tool calling,
@@ -44,6 +44,9 @@ class ChatRenderer:
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    max_context: int | None = None
+    """The model's context in tokens: a conversation whose text cannot fit is refused before
+    it is escaped or tokenized (None: no check)."""
     controls: tuple[str, ...] = field(init=False)
     """The tokenizer's special tokens: what message text may not produce."""
     _control_ids: frozenset[int] = field(init=False)
@@ -51,6 +54,7 @@ class ChatRenderer:
     _in_text: re.Pattern[str] = field(init=False)
     _in_replies: re.Pattern[str] = field(init=False)
     _as_text: dict[int, list[int]] = field(init=False)
+    _max_token_chars: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
@@ -72,7 +76,9 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as the template writes it, control strings in message text and
-        tools escaped (for :meth:`encode`)."""
+        tools escaped (for :meth:`encode`). Raises ContextLengthError for text that cannot fit
+        the model's context, ChatTemplateError when the template refuses the conversation."""
+        self._check_size(messages, tools)
         try:
             return self.tokenizer.apply_chat_template(
                 [self._escaped_message(m) for m in messages],
@@ -100,6 +106,26 @@ class ChatRenderer:
                 tokens += self._text_tokens(self.controls[ord(code) - _FIRST])
             tokens += self.encode(rest)
         return tokens
+
+    def _check_size(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> None:
+        """Refuse text that cannot fit the context whatever its tokens: each token holds at
+        most the longest vocabulary entry's characters. Cheap (string lengths only), so a
+        multi-megabyte message is refused before any C code scans it holding the GIL."""
+        if self.max_context is None:
+            return
+        chars = _text_chars(messages) + _text_chars(tools)
+        if chars <= self.max_context:  # a token is at least one character
+            return
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        at_least = -(-chars // self._max_token_chars)
+        if at_least >= self.max_context:
+            raise ContextLengthError(  # Anthropic's wording: clients parse it to compact
+                f"prompt is too long: {at_least} tokens > {self.max_context - 1} maximum (at "
+                f"least: the messages hold {chars} characters, a token at most "
+                f"{self._max_token_chars}; the model's context is {self.max_context} tokens); "
+                "shorten the conversation or start a new agent"
+            )
 
     def _text_tokens(self, control: str) -> list[int]:
         """Tokens of a control string's characters (split until no piece is a control)."""
@@ -194,6 +220,17 @@ class ChatRenderer:
                 tail = tail[len(eos_text) :]
         tokens = self.encode(tail)
         return tokens or None
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the text in ``value`` (text, or lists and dicts of it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def _pattern(strings: Sequence[str]) -> re.Pattern[str]:

@@ -36,10 +36,14 @@ class AgentRuntime:
     """
 
     def __init__(self, config: RuntimeConfig, registry: Registry, engine: Engine):
+        config = config.resolved()
         self.config = config
+        """The configuration, its "auto" budgets resolved to bytes."""
         self._registry = registry
         self._engine = engine
-        self._renderer = ChatRenderer(engine.tokenizer, engine.model.eos_token_ids)
+        self._renderer = ChatRenderer(
+            engine.tokenizer, engine.model.eos_token_ids, engine.model.max_context
+        )
         self.tool_format = ToolFormat.of(engine.tokenizer)
         """The model's tool-call markers and parser; None when it cannot call tools."""
         disk = DiskCaches(
@@ -60,7 +64,16 @@ class AgentRuntime:
 
     @classmethod
     async def open(cls, config: RuntimeConfig) -> AgentRuntime:
-        """Open the registry (migrating it), load the model on the generation thread."""
+        """Open the registry (migrating it), load the model on the generation thread.
+
+        The "auto" budgets are measured here (see ``RuntimeConfig.resolved``) and logged.
+        """
+        config = await asyncio.to_thread(config.resolved)
+        log.info(
+            "hot tier budget %d bytes, disk budget %s",
+            config.hot_cache_bytes,
+            "none" if config.disk_budget_bytes is None else f"{config.disk_budget_bytes} bytes",
+        )
         registry = await Registry.open(config.database)
         try:
             engine = await Engine.open(config.model, config.engine)
@@ -340,9 +353,10 @@ class AgentRuntime:
             "disk": disk.report(),
         }
 
-    async def flush(self) -> None:
-        """Wait until every scheduled cache write is on disk and in the registry."""
-        await self._caches.disk.wait()
+    async def flush(self, agent_id: str | None = None) -> None:
+        """Wait until every scheduled cache write (of one agent, or all) is on disk and in the
+        registry."""
+        await self._caches.disk.wait(agent_id)
 
     async def close(self) -> None:
         """Let turns in flight finish, flush cache writes, stop the engine, close the registry."""

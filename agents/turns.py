@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,9 @@ class TurnRunner:
         self.caches = caches
         self.renderer = renderer
         self.sources: Counter[str] = Counter()
-        self._locks: dict[str, asyncio.Lock] = {}
+        # An agent's lock lives while a turn holds or awaits it: ids of deleted or idle agents
+        # (thousands of stateless ones) leave nothing behind.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._in_flight = 0  # turns and their commits; close() lets them finish
         self.idle = asyncio.Event()
         self.idle.set()
@@ -91,7 +94,10 @@ class TurnRunner:
     def lock(self, agent_id: str) -> asyncio.Lock:
         """The agent's turn lock (turns of one agent run one after another)."""
         validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
-        return self._locks.setdefault(agent_id, asyncio.Lock())
+        lock = self._locks.get(agent_id)
+        if lock is None:
+            lock = self._locks[agent_id] = asyncio.Lock()
+        return lock
 
     async def run(
         self, agent_id: str, turn: Turn, options: TurnOptions, started: float

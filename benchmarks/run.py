@@ -14,6 +14,7 @@ from benchmarks import (
     bench_batching,
     bench_blocks,
     bench_budget,
+    bench_event_loop,
     bench_fidelity,
     bench_load,
     bench_mixed,
@@ -23,6 +24,7 @@ from benchmarks import (
     bench_resume,
     bench_roundtrip,
     bench_stall,
+    bench_stateless,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,6 +40,8 @@ SUITE = {
     "blocks": bench_blocks,
     "peer": bench_peer,
     "stall": bench_stall,
+    "event_loop": bench_event_loop,
+    "stateless": bench_stateless,
     "fidelity": bench_fidelity,
 }
 

@@ -170,7 +170,7 @@ class Engine:
             prompt=list(request.prompt_tokens),
             cache=request.cache.layers if request.cache else None,
         )
-        if any(t >= vocab_size for t in request.prompt_tokens):
+        if max(request.prompt_tokens) >= vocab_size:  # in C: submit runs on the event loop
             raise ValueError(
                 f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
             )

@@ -2,7 +2,7 @@
 
 Routes::
 
-    HEAD   /                            200 (clients' connectivity check)
+    HEAD   /, /api/hello                200 (clients' connectivity checks)
     POST   /v1/messages                 Anthropic Messages (stream: SSE)
     POST   /v1/messages/count_tokens    Anthropic token counting
     POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -35,15 +36,15 @@ from server.api import anthropic as anthropic_api
 from server.api import openai as openai_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.hosts import HostCheck
-from server.identity import Identity
-from server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
+from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, BodySizeLimit
 from server.metrics import RequestMetricsMiddleware, ServerMetrics
 from server.state import ModelInfo, ServerState, State
 
 log = logging.getLogger(__name__)
 
-
-DEFAULT_STATELESS_TTL_S = 7 * 24 * 3600
+PREFLIGHTS = frozenset({"/", "/api/hello"})
+"""Paths whose HEAD answers 200 without a key: clients' connectivity checks."""
 
 
 async def _expire_forever(runtime: AgentRuntime, identity: Identity, ttl_s: int) -> None:
@@ -82,8 +83,11 @@ def create_app(
     config: RuntimeConfig,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_messages: int = DEFAULT_MAX_MESSAGES,
     stateless_ttl_s: int | None = DEFAULT_STATELESS_TTL_S,
     allowed_hosts: frozenset[str] | None = None,
+    max_stateless_agents: int | None = DEFAULT_MAX_STATELESS_AGENTS,
+    keep_volatile: bool = False,
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
@@ -91,12 +95,20 @@ def create_app(
         config: the runtime to serve.
         api_key: when set, every request must carry it (``x-api-key`` or a bearer token).
         max_body_bytes: larger request bodies are refused with 413.
+        max_messages: chat requests with more messages are refused with 413.
         stateless_ttl_s: agents created for requests that name no agent are deleted after this
             many seconds without a turn (None: kept). Named agents never expire.
         allowed_hosts: the Host names requests may carry (any port), others get 421; None:
             any (see ``server.hosts``: ``agentkv serve`` and ``serve_in_thread`` pass the
             loopback names when bound to loopback).
+        max_stateless_agents: when creating an agent for a request that names none makes more
+            such agents, the idle ones used least recently are deleted (None: no cap).
+        keep_volatile: keep the per-request metadata lines clients put in system prompts
+            (``server.sessions.VOLATILE_LINES``: Claude Code's billing line), which are
+            otherwise dropped so that the prompt's prefix stays cached across requests.
     """
+    if max_messages < 1:
+        raise ValueError(f"max_messages must be positive, got {max_messages}")
     metrics = ServerMetrics()
 
     @asynccontextmanager
@@ -108,13 +120,20 @@ def create_app(
             raise
         expiry = None
         try:
-            identity = Identity(runtime, stateless_ttl_s)
+            identity = Identity(runtime, stateless_ttl_s, max_stateless_agents)
             await identity.load()
-            app.state.server = ServerState(runtime, identity, metrics, ModelInfo.of(runtime))
+            app.state.server = ServerState(
+                runtime, identity, metrics, ModelInfo.of(runtime), max_messages, keep_volatile
+            )
             if stateless_ttl_s is not None:
                 expiry = asyncio.create_task(_expire_forever(runtime, identity, stateless_ttl_s))
+            # What start-up made (the model, its tokenizer) lives as long as the server: full
+            # collections skip it. Each would hold the GIL ~100 ms, stalling every client.
+            gc.collect()
+            gc.freeze()
             yield
         finally:
+            gc.unfreeze()
             if expiry is not None:
                 expiry.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -122,7 +141,7 @@ def create_app(
             await runtime.close()  # flushes pending cache writes
 
     async def require_api_key(request: Request) -> None:
-        if api_key is None or (request.method == "HEAD" and request.url.path == "/"):
+        if api_key is None or (request.method == "HEAD" and request.url.path in PREFLIGHTS):
             return  # the preflight carries no key
         given = _given_key(request)
         if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
@@ -149,8 +168,10 @@ def create_app(
     app.include_router(agents_api.router)
 
     @app.head("/", include_in_schema=False)
+    @app.head("/api/hello", include_in_schema=False)
     async def preflight() -> Response:
-        # Claude Code checks that its base URL answers before the first request.
+        # Claude Code checks that its base URL answers: HEAD / before the first request, and
+        # HEAD /api/hello when an interactive session starts.
         return Response(status_code=200)
 
     @app.get("/v1/models")

@@ -8,9 +8,11 @@ it imports what it needs when it runs, so ``agentkv --help`` stays instant. Erro
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.errors import (
     KVBudgetError,
@@ -31,6 +33,9 @@ BAD_INPUT = (
     UnsupportedModelError,
 )
 EXIT_BAD_INPUT = 2
+
+if TYPE_CHECKING:
+    from agents.config import RuntimeConfig
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -84,6 +89,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.models.loading import resolve_model_path
     from server.app import create_app
     from server.hosts import allowed_hosts, is_loopback
+    from server.identity import DEFAULT_STATELESS_TTL_S
 
     resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server
     api_key = args.api_key or os.environ.get("AGENTKV_API_KEY") or None
@@ -95,17 +101,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         policy=args.policy,
         max_decode_stall=args.max_decode_stall,
     )
+    given_budget = args.disk_budget_bytes
     config = RuntimeConfig(
         model=args.model,
         data_dir=args.data_dir,
         kv_bits=kv_bits,
-        disk_budget_bytes=args.disk_budget_bytes,
+        disk_budget_bytes="auto" if given_budget is None else given_budget or None,  # 0: none
         engine=engine,
-    )
+    ).resolved()
+    print(f"{PROG}: {_budgets(config, given_budget is None)}", file=sys.stderr)
     options: dict = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    if args.max_messages:
+        options["max_messages"] = args.max_messages
     options["allowed_hosts"] = allowed_hosts(args.host, args.allowed_hosts)
-    if args.stateless_ttl is not None:
-        options["stateless_ttl_s"] = args.stateless_ttl or None  # 0: never expire
+    ttl = DEFAULT_STATELESS_TTL_S if args.stateless_ttl is None else args.stateless_ttl
+    options["stateless_ttl_s"] = ttl or None  # 0: never expire
+    if args.max_stateless_agents is not None:
+        options["max_stateless_agents"] = args.max_stateless_agents or None  # 0: no cap
+    options["keep_volatile"] = args.keep_volatile_metadata
+    _log_to_stderr()
     app = create_app(config, api_key, **options)
     try:
         uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
@@ -117,6 +131,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _budgets(config: RuntimeConfig, disk_auto: bool) -> str:
+    """The resolved memory and disk budgets, said at start-up."""
+    from agents.config import DISK_BUDGET_SHARE, HOT_CACHE_MAX_BYTES, HOT_CACHE_SHARE
+
+    def gib(n: int) -> str:
+        return f"{n / 1024**3:.2f} GiB"
+
+    disk = config.disk_budget_bytes
+    if disk is None:
+        disk_text = "none"
+    elif disk_auto:
+        disk_text = f"{gib(disk)} ({DISK_BUDGET_SHARE:.0%} of the space for {config.caches_path})"
+    else:
+        disk_text = gib(disk)
+    return (
+        f"hot tier budget {gib(config.hot_cache_bytes)} ({HOT_CACHE_SHARE:.0%} of memory, at "
+        f"most {gib(HOT_CACHE_MAX_BYTES)}), disk budget {disk_text}"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -148,6 +182,11 @@ def _stall_factor(text: str) -> float:
     if not 1.1 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be between 1.1 and 100, got {text}")
     return value
+
+
+def _byte_size_or_zero(text: str) -> int:
+    """Like :func:`_byte_size`, and 0."""
+    return 0 if text.strip() == "0" else _byte_size(text)
 
 
 def _non_negative_int(text: str) -> int:
@@ -241,11 +280,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse request bodies over N bytes with 413 (default: 32 MiB)",
     )
     serve.add_argument(
-        "--disk-budget-bytes",
+        "--keep-volatile-metadata",
+        action="store_true",
+        help="keep per-request metadata lines in system prompts (Claude Code's "
+        "x-anthropic-billing-header line); by default they are dropped, so that a new session "
+        "resumes the cached system prompt and tools instead of prefilling them again",
+    )
+    serve.add_argument(
+        "--max-messages",
         type=_positive_int,
         metavar="N",
-        help="keep cache files under N bytes, evicting the caches of the agents idle longest "
-        "(their transcripts stay); default: no budget",
+        help="refuse chat requests with more than N messages with 413 (default: 10000)",
+    )
+    serve.add_argument(
+        "--disk-budget-bytes",
+        type=_byte_size_or_zero,
+        metavar="SIZE",
+        help="keep cache files under SIZE (e.g. 20G), evicting the caches of the agents idle "
+        "longest (their transcripts stay); default: 25%% of the space free for the cache "
+        "directory at start-up (plus what it holds); 0: no budget",
     )
     serve.add_argument(
         "--kv-budget-bytes",
@@ -275,10 +328,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         metavar="SECONDS",
         help="delete agents created for requests that name no agent after this long without "
-        "a turn (default: 604800, a week; 0: never)",
+        "a turn (default: 3600, an hour; 0: never)",
+    )
+    serve.add_argument(
+        "--max-stateless-agents",
+        type=_non_negative_int,
+        metavar="N",
+        help="keep at most N agents created for requests that name no agent, deleting the idle "
+        "ones used least recently (default: 256; 0: no cap)",
     )
     serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _log_to_stderr() -> None:
+    """agentkv's own INFO lines (one per turn: its cache source and costs) on stderr, next to
+    uvicorn's."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    for name in ("agents", "engine", "server", "store"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if not logger.handlers:
+            logger.addHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, StringConstraints
+from pydantic_core import PydanticCustomError
 
 from agents import InvalidMessageError, SamplingParams
 from agents.errors import check_text
 from agents.prompt import Message
 from server.errors import APIError
+from server.limits import MAX_STOP_CHARS
 
 TEXT_JOINER = "\n"
 """Joins the text blocks of one message (or of a system prompt given as blocks)."""
@@ -75,14 +79,59 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
         return checked_text(content, where)
     texts = []
     for i, block in enumerate(content):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        at = f"{where}.content.{i}"
+        if block.get("type") != "text":
             raise APIError.invalid(
-                f"{where}.content.{i}: only text blocks are supported, got type "
-                f"{block.get('type')!r}",
-                param=f"{where}.content",
+                f"{at}: only text blocks are supported, got type {block.get('type')!r}", at
             )
-        texts.append(checked_text(block["text"], f"{where}.content.{i}.text"))
+        texts.append(text_field(block.get("text"), f"{at}.text"))
     return TEXT_JOINER.join(texts)
+
+
+def text_field(text: object, where: str) -> str:
+    """A text block's ``text``: a 400 naming ``where`` unless it is a string UTF-8 can encode."""
+    if not isinstance(text, str):
+        raise APIError.invalid(f"{where}: must be a string, got {_json_type(text)}", where)
+    return checked_text(text, where)
+
+
+def _json_type(value: object) -> str:
+    names = {bool: "boolean", int: "number", float: "number", dict: "object", list: "array"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+_NEEDS = {
+    "user": "a user message needs text",
+    "assistant": "an assistant message needs text or tool calls",
+}
+
+
+def refuse_empty(role: str, content: object, where: str) -> None:
+    """A 400 naming ``where`` for a user or assistant message with nothing in it (None, ``""``
+    or ``[]``), as Anthropic's API does; callers pass no assistant message with tool calls."""
+    if role in _NEEDS and content in (None, "", []):
+        raise APIError.invalid(f"{where}.content: is empty; {_NEEDS[role]}", where)
+
+
+def _encodable(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "string_unicode",
+                "not valid Unicode text: a lone surrogate {char} at character {at}; send UTF-8 "
+                "text (pair or drop the surrogate)",
+                {"char": repr(value[exc.start]), "at": exc.start},
+            ) from None
+    return value
+
+
+UTF8 = BeforeValidator(_encodable)
+"""Refuses a string field UTF-8 cannot encode (a lone surrogate), naming the field; pydantic's
+own message for it, on a field with constraints, says only that it is not a valid string."""
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS), UTF8]
+"""A stop string as a request field: UTF-8 text of at most ``MAX_STOP_CHARS`` characters."""
 
 
 def checked_text(text: str, where: str) -> str:

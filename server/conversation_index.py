@@ -2,14 +2,16 @@
 every agent the server may match a stateless request to, and the agents in each state.
 
 A request hashes each prefix of its history (:func:`prefix_digests`) and looks them up, longest
-first (see ``server.identity``).
+first (see ``server.identity``). An agent whose transcript ends with a reply is also found by
+its state before that reply (``asked``): a request that resends the very conversation it
+answered. The index keeps its agents in the order of their last use, oldest first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from server.conversation import ChatMessage
 from store import MessageRecord
@@ -35,30 +37,57 @@ def as_chat(transcript: Iterable[MessageRecord]) -> list[ChatMessage]:
 
 
 class ConversationIndex:
-    """Agent id -> digest of its (system, transcript), and back."""
+    """Agent id -> digest of its (system, transcript) and of the state before its last reply,
+    and back."""
 
     def __init__(self) -> None:
-        self._digest_of: dict[str, bytes] = {}
+        self._digest_of: dict[str, bytes] = {}  # in the order of last use, oldest first
+        self._asked_of: dict[str, bytes] = {}
         self._agents_at: dict[bytes, dict[str, int]] = {}  # digest -> {agent id: last use}
+        self._agents_asked: dict[bytes, dict[str, int]] = {}
         self._clock = itertools.count()
 
     def __len__(self) -> int:
         return len(self._digest_of)
 
-    def put(self, agent_id: str, digest: bytes) -> None:
+    def put(self, agent_id: str, digest: bytes, asked: bytes | None = None) -> None:
+        """Record the agent's state (``asked``: its state before its last message, when that
+        is a reply) as its latest use."""
         self.drop(agent_id)
+        use = next(self._clock)
         self._digest_of[agent_id] = digest
-        self._agents_at.setdefault(digest, {})[agent_id] = next(self._clock)
+        self._agents_at.setdefault(digest, {})[agent_id] = use
+        if asked is not None:
+            self._asked_of[agent_id] = asked
+            self._agents_asked.setdefault(asked, {})[agent_id] = use
 
     def drop(self, agent_id: str) -> None:
         old = self._digest_of.pop(agent_id, None)
         if old is not None:
-            at = self._agents_at[old]
-            del at[agent_id]
-            if not at:
-                del self._agents_at[old]
+            _remove(self._agents_at, old, agent_id)
+        asked = self._asked_of.pop(agent_id, None)
+        if asked is not None:
+            _remove(self._agents_asked, asked, agent_id)
 
     def agents_at(self, digest: bytes) -> list[str]:
         """Agents in that state, most recently used first."""
-        at = self._agents_at.get(digest, {})
-        return sorted(at, key=at.__getitem__, reverse=True)
+        return _newest_first(self._agents_at.get(digest, {}))
+
+    def agents_asked(self, digest: bytes) -> list[str]:
+        """Agents whose state before their last reply is that one, most recently used first."""
+        return _newest_first(self._agents_asked.get(digest, {}))
+
+    def oldest(self) -> Iterator[str]:
+        """Every agent, least recently used first."""
+        return iter(list(self._digest_of))
+
+
+def _remove(buckets: dict[bytes, dict[str, int]], digest: bytes, agent_id: str) -> None:
+    at = buckets[digest]
+    del at[agent_id]
+    if not at:
+        del buckets[digest]
+
+
+def _newest_first(at: dict[str, int]) -> list[str]:
+    return sorted(at, key=at.__getitem__, reverse=True)

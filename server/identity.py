@@ -27,8 +27,18 @@ never an agent created by name) whose system prompt (and tools) equal the reques
 transcript the request's history (``messages[:-1]``) extends by at least one message,
 comparing role and exact text, with the longest such transcript (ties: the most recently
 used). The history the agent lacks is imported with the turn (a whole conversation is
-answered as it is). When no agent matches, a new stateless agent is created (with the server's
-idle TTL) and the whole history imported with the turn.
+answered as it is). A request that resends a conversation an idle stateless agent answered
+last (its transcript is the request's messages plus one reply) goes to that agent before any
+other, and is answered as a whole conversation: the reply replaces the agent's last one and
+the cache is reused up to it, so identical requests keep resuming one agent. When no agent
+matches, a new stateless agent is created (with the server's idle TTL) and the whole history
+imported with the turn.
+
+Stateless agents are bounded: they expire after the server's idle TTL (an hour by default),
+and when creating one makes more than ``max_stateless_agents`` (256 by default), the idle
+ones used least recently are deleted first. Their cache blocks go only when no other cache
+lists them: a conversation that starts like a kept one (the same system prompt, say) still
+resumes from the stored blocks.
 
 Nothing of a turn that fails or is refused is stored: not its history, and not an agent the
 request created (that agent is deleted again).
@@ -58,7 +68,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import AgentNotFoundError, AgentRecord, AgentRuntime, MessageRecord, Reply
+from agents import (
+    AgentNotFoundError,
+    AgentRecord,
+    AgentRuntime,
+    MessageRecord,
+    Reply,
+    RuntimeClosedError,
+)
+from agents.prompt import Message
 from server.conversation import ChatMessage, TurnRequest
 from server.conversation_index import ConversationIndex, as_chat, extend_digest, prefix_digests
 from server.sessions import (
@@ -68,12 +86,35 @@ from server.sessions import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STATELESS_TTL_S = 3600
+"""Idle TTL of the agents made for requests without an id (and of Claude Code sessions)."""
+DEFAULT_MAX_STATELESS_AGENTS = 256
+"""Stateless agents kept at most (the idle ones used least recently go first)."""
+
 
 def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
     """What a stateless agent's system prompt is matched on: the prompt and the tools."""
     if not tools:
         return system
     return f"{system}\0tools\0{json.dumps(tools, sort_keys=True)}"
+
+
+def _states(system: str, chat: list[ChatMessage]) -> tuple[bytes, bytes | None]:
+    """An agent's index entry: the digest of its conversation and, when that ends with a
+    reply, the digest of the conversation before it."""
+    digests = prefix_digests(system, chat)
+    asked = digests[-2] if chat and chat[-1].role == "assistant" else None
+    return digests[-1], asked
+
+
+@dataclass(slots=True, frozen=True)
+class _Found:
+    """A matched agent: it holds ``conversation[:matched]``; ``resent``: and a reply after
+    the whole conversation, which the turn replaces."""
+
+    agent_id: str
+    matched: int
+    resent: bool = False
 
 
 @dataclass(slots=True)
@@ -87,7 +128,11 @@ class Claim:
         index: where to record the state after the turn; None: the agent is not tracked.
         stored: the reply's text as the transcript stores it.
         history: messages the turn imports before its own (``chat(..., history=...)``).
+        document: the conversation to answer whole (``AgentRuntime.respond``); None: the turn
+            is the next user message (``AgentRuntime.stream``).
         created: the agent was created for this request (deleted again if the turn fails).
+        retired: stateless agents over the cap, deleted once the turn is over (it may resume
+            from their blocks first).
         committed: the turn was stored.
     """
 
@@ -97,7 +142,9 @@ class Claim:
     index: ConversationIndex | None = None
     stored: Callable[[Reply], str] = field(default=lambda reply: reply.text)
     history: list[ChatMessage] = field(default_factory=list)
+    document: list[Message] | None = None
     created: bool = False
+    retired: list[str] = field(default_factory=list)
     committed: bool = False
 
     @property
@@ -109,33 +156,52 @@ class Claim:
         self.committed = True
         if self.index is None:
             return
-        for m in [*self.pending, ChatMessage("assistant", self.stored(reply))]:
+        for m in self.pending:
             self.digest = extend_digest(self.digest, m.role, m.content)
-        self.pending = []
-        self.index.put(self.agent_id, self.digest)
+        asked, self.pending = self.digest, []
+        self.digest = extend_digest(asked, "assistant", self.stored(reply))
+        self.index.put(self.agent_id, self.digest, asked)
 
 
 class Identity:
     """Resolves requests to agents and holds each agent for the length of its turn."""
 
-    def __init__(self, runtime: AgentRuntime, stateless_ttl_s: int | None = None):
-        """``stateless_ttl_s``: idle TTL of the agents created for requests without an id."""
+    def __init__(
+        self,
+        runtime: AgentRuntime,
+        stateless_ttl_s: int | None = None,
+        max_stateless_agents: int | None = DEFAULT_MAX_STATELESS_AGENTS,
+    ):
+        """
+        Args:
+            runtime: the runtime whose agents answer.
+            stateless_ttl_s: idle TTL of the agents created for requests without an id.
+            max_stateless_agents: when creating a stateless agent makes more, the idle ones
+                used least recently are deleted (None: no cap).
+        """
+        if max_stateless_agents is not None and max_stateless_agents < 1:
+            raise ValueError(
+                "max_stateless_agents must be at least 1 (None: no cap), "
+                f"got {max_stateless_agents}"
+            )
         self._runtime = runtime
         self._stateless_ttl_s = stateless_ttl_s
+        self._max_stateless_agents = max_stateless_agents
         self._index = ConversationIndex()
         self._match_lock = asyncio.Lock()
         self._agent_locks: dict[str, asyncio.Lock] = {}
         self._users: Counter[str] = Counter()  # requests holding or waiting for an agent
+        self._deleting: set[asyncio.Task] = set()  # deletions of agents over the cap
 
     async def load(self) -> None:
-        """Index every stateless agent in the registry (once, at startup; two queries)."""
+        """Index every stateless agent in the registry, least recently used first, and delete
+        the oldest beyond the cap (once, at startup; two queries)."""
         transcripts = await self._runtime.transcripts(STATELESS_PREFIX)
-        for agent in await self._runtime.list_agents():
-            if agent.id.startswith(STATELESS_PREFIX):
-                chat = [
-                    ChatMessage(str(role), text) for role, text in transcripts.get(agent.id, [])
-                ]
-                self._index.put(agent.id, prefix_digests(agent.system_prompt or "", chat)[-1])
+        agents = [a for a in await self._runtime.list_agents() if a.id.startswith(STATELESS_PREFIX)]
+        for agent in sorted(agents, key=lambda a: a.updated_at):
+            chat = [ChatMessage(str(role), text) for role, text in transcripts.get(agent.id, [])]
+            self._index.put(agent.id, *_states(agent.system_prompt or "", chat))
+        await self._delete(await self._beyond_cap())
 
     def deleted(self, agent_id: str) -> None:
         self._index.drop(agent_id)
@@ -168,6 +234,10 @@ class Identity:
                     await asyncio.shield(self._discard(claim.agent_id))
             finally:
                 self._leave(claim.agent_id)
+                if claim.retired:  # in the background: the reply need not wait for it
+                    task = asyncio.create_task(self._retire(claim))
+                    self._deleting.add(task)
+                    task.add_done_callback(self._deleting.discard)
 
     async def _discard(self, agent_id: str) -> None:
         """Delete an agent a failed request created, so a refused request leaves nothing."""
@@ -202,17 +272,17 @@ class Identity:
             )
             transcript, created = [], True
         imported = request.history if request.document is None and not transcript else []
-        return Claim(agent_id, history=list(imported), created=created)
+        return Claim(agent_id, history=list(imported), document=request.document, created=created)
 
     async def _match(self, request: TurnRequest) -> Claim:
-        """Take the idle agent with the longest matching transcript, or a new one (entered)."""
+        """Take the idle agent that resent the conversation, else the one with the longest
+        matching transcript, else a new one (entered)."""
         system, conversation = self._conversation(request)
-        history = conversation[:-1]
-        digests = prefix_digests(system, history)
+        # Hashing grows with the conversation (tens of thousands of messages): off the loop.
+        digests = await asyncio.to_thread(prefix_digests, system, conversation)
         while True:
             async with self._match_lock:
-                found = self._longest_idle(digests)
-                fresh = found is None
+                found = self._resent_idle(digests) or self._longest_idle(digests[:-1])
                 if found is None:
                     agent = await self._runtime.create_agent(
                         f"{STATELESS_PREFIX}{uuid.uuid4().hex[:24]}",
@@ -220,12 +290,15 @@ class Identity:
                         idle_ttl_s=self._stateless_ttl_s,
                     )
                     self._index.put(agent.id, digests[0])
-                    found = (agent.id, 0)
-                agent_id, matched = found
+                    await self._enter(agent.id)
+                    claim = self._claimed(_Found(agent.id, 0), request, digests, conversation)
+                    claim.created, claim.retired = True, await self._beyond_cap()
+                    return claim
+                agent_id = found.agent_id
                 await self._enter(agent_id)  # idle: returns at once, before anyone can match it
             try:
-                if fresh or await self._verified(agent_id, request, digests[matched]):
-                    return self._claimed(agent_id, request, digests, matched, conversation, fresh)
+                if await self._verified(found, request, digests):
+                    return self._claimed(found, request, digests, conversation)
             except BaseException:
                 self._leave(agent_id)
                 raise
@@ -233,33 +306,92 @@ class Identity:
 
     def _claimed(
         self,
-        agent_id: str,
+        found: _Found,
         request: TurnRequest,
         digests: list[bytes],
-        matched: int,
         conversation: list[ChatMessage],
-        created: bool,
     ) -> Claim:
         """The claim on a matched (or new) agent: the turn adds ``conversation[matched:]``, the
-        history the agent lacks imported with it (a whole conversation is answered as it is)."""
-        pending = conversation[matched:]
-        imported = [] if request.document is not None else pending[:-1]
-        claim = Claim(agent_id, digests[matched], pending, self._index)
-        if request.document is not None:
+        history the agent lacks imported with it (a whole conversation is answered as it is;
+        a resent one too, replacing the agent's last reply)."""
+        pending = conversation[found.matched :]
+        document = request.document
+        if found.resent and document is None:
+            document = self._document(request)
+        claim = Claim(found.agent_id, digests[found.matched], pending, self._index)
+        if document is not None:
             claim.stored = self._stored_reply
-        claim.history, claim.created = imported, created
+        else:
+            claim.history = pending[:-1]
+        claim.document = document
         return claim
 
-    def _longest_idle(self, digests: list[bytes]) -> tuple[str, int] | None:
+    @staticmethod
+    def _document(request: TurnRequest) -> list[Message]:
+        """A next-user-turn request as the whole conversation it is."""
+        head = [{"role": "system", "content": request.system}] if request.system else []
+        messages = [*request.history, ChatMessage("user", request.message)]
+        return [*head, *(m.as_dict() for m in messages)]
+
+    def _resent_idle(self, digests: list[bytes]) -> _Found | None:
+        """An idle agent whose transcript is the whole conversation and a reply."""
+        for agent_id in self._index.agents_asked(digests[-1]):
+            if not self._users[agent_id]:
+                return _Found(agent_id, len(digests) - 2, resent=True)
+        return None
+
+    def _longest_idle(self, digests: list[bytes]) -> _Found | None:
+        """The idle agent whose transcript is the longest prefix of the history (``digests``
+        of its prefixes)."""
         # At least one message: an agent with an empty transcript is nobody's conversation yet.
         for matched in range(len(digests) - 1, 0, -1):
             for agent_id in self._index.agents_at(digests[matched]):
                 if not self._users[agent_id]:
-                    return agent_id, matched
+                    return _Found(agent_id, matched)
         return None
 
-    async def _verified(self, agent_id: str, request: TurnRequest, expected: bytes) -> bool:
+    async def _beyond_cap(self) -> list[str]:
+        """The idle stateless agents used least recently, as many as there are beyond the
+        cap: taken out of the index and entered, for :meth:`_delete`."""
+        if self._max_stateless_agents is None:
+            return []
+        excess = len(self._index) - self._max_stateless_agents
+        oldest = [a for a in self._index.oldest() if not self._users[a]][: max(0, excess)]
+        for agent_id in oldest:
+            self._index.drop(agent_id)
+            await self._enter(agent_id)  # idle: returns at once
+        return oldest
+
+    async def _retire(self, claim: Claim) -> None:
+        """Delete the agents over the cap once the claim's turn has saved its cache: until
+        then they may be alone in listing the stored blocks that turn resumed from."""
+        try:
+            await self._runtime.flush(claim.agent_id)
+        finally:
+            await self._delete(claim.retired)
+
+    async def _delete(self, agent_ids: list[str]) -> None:
+        """Delete agents :meth:`_beyond_cap` took (their blocks stay while others list them)."""
+        for agent_id in agent_ids:
+            try:
+                await self._runtime.delete_agent(agent_id)
+            except (AgentNotFoundError, RuntimeClosedError):
+                pass  # expired meanwhile, or shutting down (the next start deletes it)
+            except Exception:  # a full disk, say: it expires with its TTL instead
+                log.exception("could not delete stateless agent %r over the cap", agent_id)
+            finally:
+                self._leave(agent_id)
+                self.deleted(agent_id)
+        if agent_ids:
+            log.info(
+                "deleted %d stateless agents used least recently (cap: %d)",
+                len(agent_ids),
+                self._max_stateless_agents,
+            )
+
+    async def _verified(self, found: _Found, request: TurnRequest, digests: list[bytes]) -> bool:
         """Whether the agent is in the state the index says; if not, fix its entry."""
+        agent_id = found.agent_id
         try:
             agent = await self._runtime.get_agent(agent_id)
         except AgentNotFoundError:
@@ -268,7 +400,9 @@ class Identity:
             return False
         transcript = await self._runtime.transcript(agent_id)
         system = _system_key(agent.system_prompt or "", request.tools)
-        if prefix_digests(system, as_chat(transcript))[-1] == expected:
+        digest, asked = await asyncio.to_thread(_states, system, as_chat(transcript))
+        state, expected = (asked, digests[-1]) if found.resent else (digest, digests[found.matched])
+        if state == expected:
             return True
         log.info("agent %r changed outside this server; re-indexed it", agent_id)
         await self._reindex(agent, transcript)
@@ -279,8 +413,8 @@ class Identity:
     ) -> None:
         if transcript is None:
             transcript = await self._runtime.transcript(agent.id)
-        digest = prefix_digests(agent.system_prompt or "", as_chat(transcript))[-1]
-        self._index.put(agent.id, digest)
+        states = await asyncio.to_thread(_states, agent.system_prompt or "", as_chat(transcript))
+        self._index.put(agent.id, *states)
 
     async def _enter(self, agent_id: str) -> None:
         """Wait for the agent's lock; the agent is not idle from this call on."""

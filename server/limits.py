@@ -1,8 +1,11 @@
-"""A cap on request body size, enforced before a byte of an oversized body is buffered.
+"""Limits on what one request may hold: its body's size, its messages, its stop strings.
 
-A body announced larger than the cap (``Content-Length``) is refused at once; a chunked body is
-counted as it arrives and refused as soon as it passes the cap. Either way the client gets 413
-in its API's error shape and nothing reaches the routes.
+The body's size is capped before a byte of an oversized body is buffered: a body announced
+larger than the cap (``Content-Length``) is refused at once; a chunked body is counted as it
+arrives and refused as soon as it passes the cap. Either way the client gets 413 in its API's
+error shape and nothing reaches the routes. The number of messages is checked as soon as the
+body is parsed, before any message is validated (413 too, see ``server.bodies``); stop strings
+are checked with the rest of the request (400).
 """
 
 from __future__ import annotations
@@ -14,12 +17,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import TOO_LARGE, APIError, Dialect
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_MESSAGES = 10_000
+"""Room for long agent sessions (each tool call and its result are two messages); a longer
+history is refused before it costs the server more than parsing."""
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+"""Stop strings are matched against every generated token's text: their number and length
+bound that work (and the text held back while a stop string may be starting)."""
 
 
 def too_large_message(limit: int) -> str:
     return (
         f"request body is larger than this server's limit of {limit} bytes; send a shorter "
         "conversation or raise the limit (agentkv serve --max-body-bytes)"
+    )
+
+
+def too_many_messages_message(count: int, limit: int) -> str:
+    return (
+        f"messages: {count} messages are more than this server's limit of {limit}; send a "
+        "shorter conversation (compact it) or raise the limit (agentkv serve --max-messages)"
     )
 
 

@@ -143,6 +143,11 @@ class ServerMetrics:
         self.hot_bytes = Gauge(
             "agentkv_cache_hot_bytes", "Bytes of caches held in memory (hot tier).", registry=r
         )
+        self.hot_budget = Gauge(
+            "agentkv_cache_hot_budget_bytes",
+            "The memory budget of the hot tier.",
+            registry=r,
+        )
         for kind in ("cached", "prefilled"):
             self.input_tokens.labels(kind)
         for source in CACHE_SOURCES:
@@ -170,6 +175,7 @@ class ServerMetrics:
         self.disk_budget.set(disk["budget_bytes"] or 0)
         self.evictions.set(disk["evictions"])
         self.hot_bytes.set(runtime_stats["hot_tier"]["bytes"])
+        self.hot_budget.set(runtime_stats["hot_tier"]["budget_bytes"])
         self.queue_depth.set(engine.queued)
         self.batch_size.set(engine.batch_size)
         self.active.set(engine.active)

@@ -1,5 +1,7 @@
 """Agent ids a request names or implies: a Claude Code session's agent, an agent named by
-``metadata.user_id`` / ``user``, and the prefixes of the agents the server creates itself."""
+``metadata.user_id`` / ``user``, and the prefixes of the agents the server creates itself; and
+the per-request metadata lines clients put in system prompts, which are dropped so that the
+prompt's prefix stays the same from one request to the next."""
 
 from __future__ import annotations
 
@@ -10,9 +12,34 @@ from typing import Any
 
 from store import is_valid_agent_id
 
+VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+"""Lines that carry no instruction and change from request to request: Claude Code's billing
+attribution (``x-anthropic-billing-header: cc_version=2.1.330.a1b; cc_entrypoint=cli;``, its
+suffix new for every prompt), the first block of its system prompt."""
+
 STATELESS_PREFIX = "stateless-"
 SESSION_PREFIX = "claude-code-"
 _LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
+
+
+def without_volatile_lines(system: Any) -> Any:
+    """A system prompt (a string or a list of text blocks) without :data:`VOLATILE_LINES`; a
+    block left with no text is dropped. Anything else is returned as it is (and refused later,
+    by whoever checks it)."""
+    if isinstance(system, str):
+        return VOLATILE_LINES.sub("", system)
+    if not isinstance(system, list):
+        return system
+    kept = []
+    for block in system:
+        text = block.get("text") if isinstance(block, dict) else None
+        if isinstance(text, str) and VOLATILE_LINES.search(text):
+            text = VOLATILE_LINES.sub("", text)
+            if not text:
+                continue
+            block = {**block, "text": text}
+        kept.append(block)
+    return kept
 
 
 def session_of(user_id: str | None) -> str | None:

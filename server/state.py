@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 
 from agents import AgentRuntime, Reply
 from server.identity import Identity
+from server.limits import DEFAULT_MAX_MESSAGES
 from server.metrics import ServerMetrics
 
 
@@ -42,6 +43,8 @@ class ServerState:
     identity: Identity
     metrics: ServerMetrics
     model: ModelInfo
+    max_messages: int = DEFAULT_MAX_MESSAGES  # a chat request's limit (413 beyond it)
+    keep_volatile: bool = False  # keep per-request metadata lines in system prompts
 
 
 def get_state(request: Request) -> ServerState:

@@ -36,9 +36,9 @@ SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER)]
 
 def _events(state: ServerState, claim: Claim, request: TurnRequest) -> AsyncIterator[Any]:
     """The runtime's stream for the request: a whole-conversation turn or a next user turn."""
-    if request.document is not None:
+    if claim.document is not None:
         return state.runtime.respond(
-            claim.agent_id, request.document, tools=request.tools, **request.options
+            claim.agent_id, claim.document, tools=request.tools, **request.options
         )
     return state.runtime.stream(
         claim.agent_id, request.message, history=claim.history_dicts, **request.options

@@ -94,18 +94,23 @@ _CODES_BY_MESSAGE = (
 )
 
 
-def storage_error(exc: OperationalError) -> RegistryStorageError:
-    """The RegistryStorageError an SQLite OperationalError stands for."""
+_CANNOT_WRITE = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_FULL", "SQLITE_IOERR")
+"""Codes that say the file cannot be opened or written, whatever the schema."""
+
+
+def storage_error(exc: OperationalError, path: str | None = None) -> RegistryStorageError:
+    """The RegistryStorageError an SQLite OperationalError stands for (naming ``path``)."""
+    at = f" ({path})" if path else ""
     cause: BaseException | None = exc.orig
     while cause is not None:  # aiosqlite's adapter wraps sqlite3's error
         if name := getattr(cause, "sqlite_errorname", None):
-            return RegistryStorageError(name, str(cause))
+            return RegistryStorageError(name, f"{cause}{at}")
         cause = cause.__cause__
     detail = str(exc.orig)
     for fragment, code in _CODES_BY_MESSAGE:
         if fragment in detail.lower():
-            return RegistryStorageError(code, detail)
-    return RegistryStorageError("SQLITE_ERROR", detail)
+            return RegistryStorageError(code, f"{detail}{at}")
+    return RegistryStorageError("SQLITE_ERROR", f"{detail}{at}")
 
 
 def database_url(target: str | os.PathLike[str]) -> URL:
@@ -225,6 +230,8 @@ async def upgrade(
     """Migrate the engine's database to ``revision`` on one of its own connections.
 
     Raises:
+        RegistryStorageError: The file cannot be opened or written (a read-only file or
+            directory, a full disk).
         MigrationError: Alembic, SQLite or a revision script failed; nothing was changed.
     """
     config = alembic_config(script_location)
@@ -233,11 +240,20 @@ async def upgrade(
             await connection.run_sync(_run_upgrade, config, revision)
     except MigrationError:
         raise
-    except Exception as exc:  # alembic, SQLite, or a bug in a revision script
-        raise MigrationError(
-            f"could not migrate {engine.url.render_as_string()} to {revision!r}: {exc}. If a "
-            "newer agentkv wrote this database, upgrade agentkv; otherwise restore a backup"
-        ) from exc
+    except OperationalError as exc:
+        error = storage_error(exc, engine.url.database)
+        if error.code.startswith(_CANNOT_WRITE):
+            raise error from exc
+        raise _not_migrated(engine, revision, exc) from exc
+    except Exception as exc:  # alembic, or a bug in a revision script
+        raise _not_migrated(engine, revision, exc) from exc
+
+
+def _not_migrated(engine: AsyncEngine, revision: str, exc: Exception) -> MigrationError:
+    return MigrationError(
+        f"could not migrate {engine.url.render_as_string()} to {revision!r}: {exc}. If a "
+        "newer agentkv wrote this database, upgrade agentkv; otherwise restore a backup"
+    )
 
 
 def _run_upgrade(connection: Connection, config: Config, revision: str) -> None:

@@ -105,7 +105,10 @@ class RegistryStorageError(StoreError):
         if self.is_full:
             advice = "free disk space (or raise the database's size limit) and retry"
         else:
-            advice = "check that the file is writable and not held by another process, then retry"
+            advice = (
+                "check that the file and its directory are writable and that no other process "
+                "holds the file, then retry"
+            )
         super().__init__(
             f"the registry database could not be written ({code}: {detail}); nothing of this "
             f"call was stored; {advice}"

@@ -12,6 +12,8 @@ from store.errors import InvalidRecordError
 from store.models import Agent, KVCache, Message
 
 MAX_FINGERPRINT_CHARS = 64
+MAX_NAME_CHARS = 256
+"""An agent's display name; its id is shorter still (see ``store.ids``)."""
 KV_BITS_CHOICES = (8, 4)
 """Quantized bit widths a cache entry may have; ``None`` means unquantized."""
 MAX_CHECKSUM_CHARS = 64

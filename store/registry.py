@@ -60,6 +60,8 @@ class Registry:
 
         Raises:
             ValueError: ``url`` is empty, in-memory or not SQLite.
+            RegistryStorageError: The file cannot be opened or written (a read-only file or
+                directory, a full disk).
             MigrationError: The database could not be migrated (e.g. a newer agentkv wrote it).
         """
         return cls(await database.Database.open(url))

@@ -10,15 +10,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from store.errors import InvalidRecordError
-from store.records import MAX_FINGERPRINT_CHARS, NewMessage, Role
+from store.records import MAX_FINGERPRINT_CHARS, MAX_NAME_CHARS, NewMessage, Role
 
 _ROLES = frozenset(role.value for role in Role)
 
 
 def agent_fields(**fields: Any) -> dict[str, Any]:
     """Validate agent columns given by keyword; return them (``sampling`` copied)."""
-    if "name" in fields and (not isinstance(fields["name"], str) or not fields["name"]):
-        raise InvalidRecordError(f"name={fields['name']!r}: expected a non-empty str")
+    name = fields.get("name")
+    if "name" in fields and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
+        shown = f"<{len(name)} characters>" if isinstance(name, str) and name else repr(name)
+        raise InvalidRecordError(f"name={shown}: expected a str of 1-{MAX_NAME_CHARS} characters")
     prompt = fields.get("system_prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidRecordError(f"system_prompt={prompt!r}: expected a str or None")

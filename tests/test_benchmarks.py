@@ -99,6 +99,28 @@ def test_stall_quick(tmp_path):
     assert report["count_tokens.ping_max_ms"] >= report["count_tokens.ping_median_ms"] > 0
 
 
+def test_event_loop_quick(tmp_path):
+    report = run_quick("bench_event_loop", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert (report["messages"], report["target_ms"]) == (2_000, 50.0)
+    requests = [row["request"] for row in report["rows"]]
+    assert requests == [
+        "idle (default)",
+        "anthropic messages (default)",
+        "anthropic megabytes (default)",
+        "openai messages (default)",
+        "openai megabytes (default)",
+        "idle (raised)",
+        "anthropic messages (raised)",
+        "openai messages (raised)",
+    ]
+    for row in report["rows"]:
+        assert row["pings"] > 0 and row["worst_ms"] >= row["median_ms"] > 0
+        # Refused as too long for the tiny model's context, once tokenized.
+        assert row.get("status", 400) == 400
+
+
 def test_resume_quick(tmp_path):
     report = run_quick("bench_resume", tmp_path)
 
@@ -216,3 +238,17 @@ def test_policies_quick(tmp_path):
     for row in report["rows"]:
         assert 0 < row["short_ttft_p50_s"] <= row["short_ttft_p95_s"]
         assert row["aggregate_tps"] > 0
+
+
+def test_stateless_quick(tmp_path):
+    report = run_quick("bench_stateless", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["failed"] == 0 and report["failures"] == []
+    assert [row["requests"] for row in report["rows"]] == [10, 20, 30, 40]
+    # The 20 distinct conversations each have an agent; the 20 identical requests share one
+    # (one more while two of them are in flight at once).
+    assert 21 <= report["rows"][-1]["agents"] <= 20 + report["concurrency"]
+    assert report["budgets"].startswith("agentkv: hot tier budget ")
+    assert sum(report["cache_sources"].values()) == 40
+    assert set(report["levels_off"]) == {"agents", "rss_mb", "disk_mb"}

@@ -194,6 +194,44 @@ def test_replayed_claude_code_session_resumes_from_cache(http):
     assert cached_fraction(again) > 0.99
 
 
+def billed(request: dict, suffix: str, session: str, prompt: str | None = None) -> dict:
+    """A captured request as another Claude Code invocation sends it: its own billing line
+    suffix (new for every prompt) and session, and perhaps another first prompt."""
+    request = copy.deepcopy(request)
+    system = request["body"]["system"]
+    assert system[0]["text"].startswith("x-anthropic-billing-header: cc_version=2.1.197.")
+    system[0]["text"] = (
+        f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=cli;"
+    )
+    request["headers"]["x-claude-code-session-id"] = session
+    if prompt is not None:
+        request["body"]["messages"][0]["content"][-1]["text"] = prompt
+    return request
+
+
+def test_a_new_session_resumes_the_instructions_and_tools_despite_the_billing_line(http):
+    first = billed(captured("first"), "a01", "5e55i0n-one", "say hello")
+    second = billed(captured("first"), "b02", "5e55i0n-two", "count to three")
+    # The billing line is dropped: both prompts count the same but for the user's words.
+    counts = [
+        http.post("/v1/messages/count_tokens", json=r["body"], headers=r["headers"]).json()
+        for r in (first, second)
+    ]
+    plain = copy.deepcopy(first["body"])
+    plain["system"] = plain["system"][1:]
+    unbilled = http.post("/v1/messages/count_tokens", json=plain, headers=first["headers"])
+    assert unbilled.json() == counts[0]
+    post_stream(http, first)
+    usage = final_message(post_stream(http, second)[0])["usage"]
+    assert cached_fraction(usage) >= 0.9, usage
+    # A title side request of another session resumes the whole blocks of its system prompt
+    # (768 of its 1,065 tokens; the rest holds the session's own first prompt).
+    titles = [billed(captured("title"), s, f"5e55i0n-{s}") for s in ("c03", "d04")]
+    post_stream(http, titles[0])
+    usage = final_message(post_stream(http, titles[1])[0])["usage"]
+    assert usage["cache_read_input_tokens"] == 768, usage
+
+
 def test_forced_tool_call_then_tool_result_resumes_from_cache(http, force_tool_call):
     request = captured("tool_result")
     *conversation, called, result = request["body"]["messages"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -215,6 +216,42 @@ async def test_a_database_from_a_newer_version_is_refused(tmp_path: Path) -> Non
         db.execute("UPDATE alembic_version SET version_num = '9999'")
     with pytest.raises(MigrationError, match=r"'9999'.*upgrade agentkv"):
         await Registry.open(path)
+
+
+OPEN_READ_ONLY = """
+import asyncio, sys
+from store import Registry, RegistryStorageError
+try:
+    asyncio.run(Registry.open(sys.argv[1]))
+except RegistryStorageError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+async def test_a_read_only_directory_is_named_as_such(tmp_path: Path, existing: bool) -> None:
+    """Not "upgrade agentkv": the file cannot be written, and the error says so."""
+    path = tmp_path / "data" / "agentkv.sqlite"
+    if existing:
+        async with await Registry.open(path):
+            pass
+    path.parent.mkdir(exist_ok=True)
+    path.parent.chmod(0o555)
+    # root writes anywhere unless it gives up the capability to ignore permissions
+    as_user = []
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv cannot make a directory read-only")
+        drop = "-dac_override,-dac_read_search"
+        as_user = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"]
+    try:
+        command = [*as_user, sys.executable, "-c", OPEN_READ_ONLY, str(path)]
+        said = subprocess.run(command, capture_output=True, text=True, cwd=REPO).stdout
+    finally:
+        path.parent.chmod(0o755)
+    code = "SQLITE_READONLY" if existing else "SQLITE_CANTOPEN"
+    assert said.startswith(f"the registry database could not be written ({code}")
+    assert f"({path})" in said and "check that the file and its directory are writable" in said
 
 
 async def test_open_leaves_logging_configuration_alone(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from agents import AgentRuntime, ChatTemplateError, RuntimeConfig
+from agents import AgentRuntime, ChatTemplateError, ContextLengthError, RuntimeConfig
 from agents.prompt import ChatRenderer
 from engine.models.loading import load_model
 from engine.models.tiny import tiny_model_dir
@@ -201,3 +201,31 @@ async def test_forged_turns_stay_text_in_chat_count_tokens_and_whole_conversatio
         assert _controls_in(renderer, prompt) == _controls_in(
             renderer, renderer.full_prompt(benign)
         )
+
+
+async def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(tmp_path, monkeypatch):
+    config = RuntimeConfig(model="tiny:gemma3", data_dir=tmp_path, kv_bits=None)
+    async with await AgentRuntime.open(config) as rt:
+        await rt.create_agent("a")
+        await rt.chat("a", "Hello.", max_tokens=2)
+        tokenizer = type(rt.engine.tokenizer._tokenizer)
+        encode = tokenizer.encode
+        seen: list[int] = []
+
+        def counting(self, text, *args, **kwargs):
+            seen.append(len(text))
+            return encode(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", counting)
+        huge = "word " * 1_000_000  # 5 MB: more than 8,192 tokens whatever the vocabulary
+        for attempt in (
+            rt.chat("a", huge, max_tokens=2),
+            rt.count_tokens([{"role": "user", "content": huge}]),
+            anext(rt.respond("a", [{"role": "user", "content": huge}], max_tokens=2)),
+        ):
+            with pytest.raises(ContextLengthError, match=r"^prompt is too long: \d+ tokens > 8191"):
+                await attempt
+        assert max(seen, default=0) < 100  # nothing big reached the tokenizer...
+        await rt.count_tokens([{"role": "user", "content": "word " * 100}])
+        assert max(seen) > 500  # ...which a text that can fit does reach
+        assert len(await rt.transcript("a")) == 2

@@ -620,6 +620,31 @@ async def test_disk_budget_evicts_the_caches_of_the_agents_idle_longest(tmp_path
         assert (await rt.chat("c", "And then?", **turn)).cache_source == "disk"
 
 
+async def test_auto_budgets_are_shares_of_memory_and_free_space(tmp_path, monkeypatch):
+    free = 10**9
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+    held = tmp_path / "caches" / "a" / "x.bin"
+    held.parent.mkdir(parents=True)
+    held.write_bytes(b"x" * 1000)
+    os.link(held, held.with_name("y.bin"))  # a fork's hard-linked tail counts once
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hot = min(int(memory * 0.10), 4 * 1024**3)
+    auto = config(tmp_path)
+    assert (auto.hot_cache_bytes, auto.disk_budget_bytes) == ("auto", "auto")
+    async with await AgentRuntime.open(auto) as rt:
+        assert (rt.config.hot_cache_bytes, rt.config.disk_budget_bytes) == (
+            hot,
+            int(0.25 * (free + 1000)),
+        )
+        assert rt.stats()["hot_tier"]["budget_bytes"] == hot
+        assert rt.stats()["disk"]["budget_bytes"] == int(0.25 * (free + 1000))
+    given = config(tmp_path, hot_cache_bytes=5, disk_budget_bytes=None).resolved()
+    assert (given.hot_cache_bytes, given.disk_budget_bytes) == (5, None)
+    with pytest.raises(ValidationError, match="disk_budget_bytes"):
+        config(tmp_path, disk_budget_bytes="lots")
+
+
 async def test_agents_with_an_idle_ttl_expire_and_others_stay(tmp_path):
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         await rt.create_agent("keeps")

@@ -8,6 +8,9 @@ import itertools
 import json
 import logging
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents import EngineConfig, RuntimeConfig
+from agents.config import default_hot_cache_bytes
 from server.background import serve_in_thread
 from server.cli import build_parser, main
 from store import NewMessage, Registry
@@ -509,6 +513,38 @@ def test_stateless_requests_never_match_agents_created_by_name(claude, http):
     assert transcript(http, named["id"]) == []
 
 
+def test_identical_stateless_requests_resume_one_agent(claude, gpt, http):
+    messages, before = [user(unique("Same"))], agent_count(http)
+    raws = [
+        claude.messages.with_raw_response.create(model="m", max_tokens=4, messages=messages)
+        for _ in range(3)
+    ]
+    agent_id = raws[0].headers["x-agent-id"]
+    assert [raw.headers["x-agent-id"] for raw in raws] == [agent_id] * 3
+    assert agent_count(http) == before + 1
+    first, *again = [raw.parse() for raw in raws]
+    for reply in again:  # the last reply is replaced, the cache reused up to it
+        usage = reply.usage
+        assert (usage.cache_read_input_tokens, usage.input_tokens) == (
+            first.usage.input_tokens - 1,
+            1,
+        )
+    assert transcript(http, agent_id) == [
+        ("user", messages[0]["content"]),
+        ("assistant", again[-1].content[0].text),
+    ]
+    # A whole conversation (a system message among the messages) resent: the same.
+    late = {"role": "system", "content": "Be brief."}
+    conversation = [user(unique("Doc")), late]
+    ids = [
+        gpt.chat.completions.with_raw_response.create(
+            model="m", max_tokens=4, messages=conversation
+        ).headers["x-agent-id"]
+        for _ in range(2)
+    ]
+    assert ids[0] == ids[1] and agent_count(http) == before + 2
+
+
 # ---- Claude Code shapes (the model without tools; tool calls: tests/test_claude_code.py) -------
 
 
@@ -580,6 +616,7 @@ def test_prompt_too_long_has_anthropics_wording(claude, gpt):
 def test_head_preflight_needs_no_key(keyed):
     with httpx.Client(base_url=keyed.url) as bare:
         assert bare.head("/").status_code == 200
+        assert bare.head("/api/hello").status_code == 200  # Claude Code's interactive start
         assert bare.get("/v1/models").status_code == 401
 
 
@@ -823,6 +860,50 @@ def test_cli_serve_arguments(tmp_path, capsys):
     assert not Path(tmp_path, "agentkv.sqlite").exists()
 
 
+def test_cli_budget_and_stateless_flags():
+    def parse(*flags: str):
+        return build_parser().parse_args(["serve", "--model", MODEL, *flags])
+
+    defaults = parse()
+    assert (defaults.disk_budget_bytes, defaults.stateless_ttl) == (None, None)
+    assert defaults.max_stateless_agents is None
+    given = parse("--disk-budget-bytes", "20G", "--max-stateless-agents", "0")
+    assert (given.disk_budget_bytes, given.max_stateless_agents) == (20 * 1024**3, 0)
+    assert parse("--disk-budget-bytes", "0").disk_budget_bytes == 0  # no budget
+
+
+def test_agentkv_serve_reports_its_budgets_and_stateless_agents_expire_in_an_hour(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data, log = tmp_path / "data", tmp_path / "serve.log"
+    args = ["serve", "--model", MODEL, "--data-dir", str(data), "--port", str(port)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", *args], stdout=subprocess.DEVNULL, stderr=out
+        )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            for _ in range(600):
+                with contextlib.suppress(httpx.TransportError):
+                    if http.get("/v1/models").status_code == 200:
+                        break
+                time.sleep(0.1)
+            body = {"model": "m", "max_tokens": 4, "messages": [user("Hi")]}
+            agent_id = http.post("/v1/messages", json=body).headers["x-agent-id"]
+            assert http.get(f"/v1/agents/{agent_id}").json()["idle_ttl_s"] == 3600
+            hot = metric(http, "agentkv_cache_hot_budget_bytes")
+            disk = metric(http, "agentkv_cache_disk_budget_bytes")
+    finally:
+        process.terminate()
+        process.wait(60)
+    assert hot == default_hot_cache_bytes() > 0 and disk > 0
+    assert log.read_text().splitlines()[0] == (
+        f"agentkv: hot tier budget {hot / 1024**3:.2f} GiB (10% of memory, at most 4.00 GiB), "
+        f"disk budget {disk / 1024**3:.2f} GiB (25% of the space for {data / 'caches'})"
+    )
+
+
 def test_conversations_with_one_long_system_prompt_share_it(claude, http):
     system = " ".join(f"Rule {i}: answer politely and briefly about parcels." for i in range(40))
     prefix = metric(http, "agentkv_turns_total", cache_source="prefix")
@@ -891,3 +972,20 @@ def test_cli_batch_flags_are_checked_and_named(tmp_path, capsys):
     tiny = ["serve", "--model", MODEL, "--data-dir", str(data), "--port", "0"]
     assert main([*tiny, "--kv-budget-bytes", "1000"]) == 2
     assert "kv_budget_bytes=1000 is smaller than the smallest turn" in capsys.readouterr().err
+
+
+def test_volatile_lines_are_dropped_from_system_prompts_only():
+    from server.sessions import without_volatile_lines
+
+    line = "x-anthropic-billing-header: cc_version=2.1.330.7c2; cc_entrypoint=cli;"
+    blocks = [{"type": "text", "text": line}, {"type": "text", "text": "Be brief.", "x": 1}]
+    assert without_volatile_lines(blocks) == [blocks[1]]
+    assert without_volatile_lines(f"{line}\nBe brief.") == "Be brief."
+    assert without_volatile_lines(f"Be brief.\n{line}") == "Be brief.\n"
+    # Only whole lines that start with the header name go; instructions mentioning it stay.
+    kept = f"Never print {line}"
+    assert without_volatile_lines(kept) == kept
+    assert without_volatile_lines([{"type": "text", "text": f"{line}\nRules."}]) == [
+        {"type": "text", "text": "Rules."}
+    ]
+    assert without_volatile_lines(None) is None

@@ -201,6 +201,7 @@ def test_id_validator_accepts_exactly_the_rule(candidate: str) -> None:
     ("fields", "match"),
     [
         ({"name": ""}, "name=''"),
+        ({"name": "n" * 257}, "name=<257 characters>: expected a str of 1-256 characters"),
         ({"sampling": {"bad": object()}}, "sampling="),
         ({"sampling": {1: "int key"}}, "sampling="),
         ({"system_prompt": 3}, "system_prompt=3"),

@@ -3,7 +3,9 @@
 GET    /v1/agents?limit=&after_id=    one page, oldest first: {"object": "list",
                                    "data": [agent, ...], "has_more", "first_id", "last_id"};
                                    the next page is ?after_id=<last_id>
-POST   /v1/agents                  {id?, name?, system_prompt?} -> 201 agent (409: id taken)
+POST   /v1/agents                  {id?, name?, system_prompt?} -> 201 agent (409: id taken;
+                                   400: an id off the rule of ``store.ids``, a name over
+                                   256 characters)
 GET    /v1/agents/{id}             agent, with "message_count" (404: no such agent)
 DELETE /v1/agents/{id}             {"id", "object": "agent.deleted", "deleted": true}
 POST   /v1/agents/{id}/fork        {id?, name?} -> 201 a new agent continuing this one's
@@ -18,21 +20,24 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from agents import AgentRecord, MessageRecord
+from server.conversation import UTF8
 from server.state import State
+from store.records import MAX_NAME_CHARS
 
 router = APIRouter(prefix="/v1/agents")
 DEFAULT_PAGE, MAX_PAGE = 20, 1000
 MAX_MESSAGES_PAGE = 1000
+AgentName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS), UTF8]
 
 
 class NewAgent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(default=None, min_length=1)
-    name: str | None = None
+    name: AgentName | None = None
     system_prompt: str | None = None
 
 
@@ -95,7 +100,7 @@ class Fork(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(default=None, min_length=1)
-    name: str | None = None
+    name: AgentName | None = None
 
 
 @router.post("/{agent_id}/fork", status_code=201)

@@ -16,6 +16,10 @@ text block (text from a tool call's start marker on is held back while streaming
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0
 (Anthropic's default) for an unset temperature.
+
+Bodies are parsed off the event loop (``server.bodies``). Numbers and flags are strict: ``true``
+is no ``max_tokens`` and ``"yes"`` no ``stream``; NaN and infinities are refused. At most
+``MAX_STOP_SEQUENCES`` stop sequences of at most ``MAX_STOP_CHARS`` characters each.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from agents import Reply
 from agents.prompt import Message
@@ -38,16 +42,19 @@ from server.api.anthropic_content import (
     template_tools,
     tool_input_json,
 )
+from server.bodies import parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
+    StopString,
     TurnRequest,
     sampling_from,
     split_turn,
     text_of,
 )
 from server.errors import Dialect, api_error
-from server.sessions import named_agent, session_of
+from server.limits import MAX_STOP_SEQUENCES
+from server.sessions import named_agent, session_of, without_volatile_lines
 from server.state import ServerState, State
 from server.turns import (
     AGENT_HEADER,
@@ -88,9 +95,14 @@ class CountTokensRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
 
-    def conversation(self) -> tuple[str, list[Message], list[dict[str, Any]] | None]:
-        """(system prompt, messages in chat-template shape, tools)."""
-        system = "" if self.system is None else text_of(self.system, "system")
+    def conversation(
+        self, keep_volatile: bool = False
+    ) -> tuple[str, list[Message], list[dict[str, Any]] | None]:
+        """(system prompt, messages in chat-template shape, tools). The system prompt loses
+        its per-request metadata lines (``server.sessions.VOLATILE_LINES``) unless
+        ``keep_volatile``."""
+        system = self.system if keep_volatile else without_volatile_lines(self.system)
+        system = "" if system is None else text_of(system, "system")
         messages: list[Message] = []
         for i, m in enumerate(self.messages):
             for message in template_messages(m.role, m.content, f"messages.{i}"):
@@ -116,16 +128,18 @@ def echoed_model(model: str, betas: str | None) -> str:
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    stop_sequences: list[str] | None = None
+    max_tokens: StrictInt = Field(ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     metadata: Metadata | None = None
-    stream: bool = False
+    stream: StrictBool = False
 
-    def turn(self, agent_header: str | None, session_header: str | None) -> TurnRequest:
-        system, messages, tools = self.conversation()
+    def turn(
+        self, agent_header: str | None, session_header: str | None, keep_volatile: bool = False
+    ) -> TurnRequest:
+        system, messages, tools = self.conversation(keep_volatile)
         user_id = self.metadata.user_id if self.metadata else None
         session = session_header or session_of(user_id)
         request = TurnRequest(
@@ -235,14 +249,18 @@ async def _events(
 @router.post("/v1/messages")
 async def create_message(
     http: Request,
-    body: MessagesRequest,
     state: State,
     x_agent_id: AgentHeader = None,
     x_claude_code_session_id: SessionHeader = None,
     anthropic_beta: Annotated[str | None, Header()] = None,
 ) -> Response:
+    body, request = await parse_off_loop(
+        http,
+        MessagesRequest,
+        state.max_messages,
+        lambda body: body.turn(x_agent_id, x_claude_code_session_id, state.keep_volatile),
+    )
     model = echoed_model(body.model, anthropic_beta)
-    request = body.turn(x_agent_id, x_claude_code_session_id)
     if body.stream:
         turn = await TurnStream(state, request).start()
         return TurnStreamingResponse(_events(model, turn, state, bool(request.tools)), turn)
@@ -252,7 +270,12 @@ async def create_message(
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, state: State) -> dict[str, int]:
-    system, messages, tools = body.conversation()
+async def count_tokens(http: Request, state: State) -> dict[str, int]:
+    _, (system, messages, tools) = await parse_off_loop(
+        http,
+        CountTokensRequest,
+        state.max_messages,
+        lambda body: body.conversation(state.keep_volatile),
+    )
     count = await state.runtime.count_tokens(messages, system or None, tools)
     return {"input_tokens": count}

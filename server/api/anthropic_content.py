@@ -4,7 +4,9 @@ Blocks: ``text`` is rendered; ``tool_use`` (assistant) becomes a tool call and `
 (user) a ``tool`` message, in the order they come; ``thinking`` / ``redacted_thinking`` are
 dropped (a local model does not read Anthropic's thinking); ``cache_control`` and other block
 fields are ignored. ``image`` and ``document`` blocks are refused: the models served read text.
-``role: "system"`` messages may appear anywhere, the last place included.
+``role: "system"`` messages may appear anywhere, the last place included: Anthropic's API has
+no such role, but Claude Code sends one (its list of agent types) after the first user message.
+A user or assistant message with empty content (``""``, ``[]``) is refused, as Anthropic does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from typing import Any
 
 from agents.prompt import Message
-from server.conversation import TEXT_JOINER, checked_text
+from server.conversation import TEXT_JOINER, checked_text, refuse_empty, text_field
 from server.errors import APIError
 
 UNREADABLE_BLOCKS = ("image", "document", "search_result", "container_upload")
@@ -31,17 +33,16 @@ def _refuse(where: str, block_type: object) -> APIError:
 
 
 def _text(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise APIError.invalid(f"{where}.text: a text block needs a string 'text'", where)
-    return checked_text(text, f"{where}.text")
+    return text_field(block.get("text"), f"{where}.text")
 
 
 def _result_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return checked_text(content, f"{where}.content")
+    if not isinstance(content, list):
+        raise APIError.invalid(f"{where}.content: must be a string or a list of blocks", where)
     texts = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -54,6 +55,7 @@ def _result_text(content: Any, where: str) -> str:
 def template_messages(role: str, content: str | list[dict[str, Any]], where: str) -> list[Message]:
     """One Anthropic message as chat-template messages (a user message with tool results
     becomes ``tool`` messages and a user message)."""
+    refuse_empty(role, content, where)
     if isinstance(content, str):
         return [{"role": role, "content": checked_text(content, where)}]
     out: list[Message] = []

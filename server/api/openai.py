@@ -8,6 +8,14 @@ assistant ``tool_calls`` and role ``tool`` messages make the request a whole con
 ``finish_reason: "tool_calls"``. Sampling: a request with none of ``temperature``,
 ``top_p``, ``seed`` uses the agent's defaults (greedy unless the agent was created otherwise);
 one with any of them gets temperature 1.0 (OpenAI's default) for an unset temperature.
+
+Bodies are parsed off the event loop (``server.bodies``). Numbers and flags are strict (``true``
+is no ``max_tokens``, ``"yes"`` no ``stream``; no NaN or infinities). A ``tool`` message must
+answer a call of the assistant message before it (by ``tool_call_id``). A user message needs
+content; so does an assistant message without ``tool_calls``, though ``""`` will do (an empty
+reply comes back as ``""``, from this server too, and clients replay it). At most
+``MAX_STOP_SEQUENCES`` stop strings of at most ``MAX_STOP_CHARS`` characters each (OpenAI's API
+takes 4).
 """
 
 from __future__ import annotations
@@ -20,21 +28,33 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+)
 
 from agents import Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
+from server.bodies import parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
+    StopString,
     TurnRequest,
+    refuse_empty,
     sampling_from,
     split_turn,
     text_of,
 )
 from server.errors import APIError, Dialect, api_error
+from server.limits import MAX_STOP_SEQUENCES
 from server.sessions import named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
@@ -53,12 +73,20 @@ class InputMessage(BaseModel):
     def template_message(self, where: str) -> Message:
         """This message in chat-template shape (tool call arguments decoded)."""
         role = "system" if self.role == "developer" else self.role
-        if role == "assistant" and self.content is None:
+        calls = self.tool_calls if role == "assistant" else None
+        if calls and self.content is None:
             message: Message = {"role": role, "content": ""}
         else:
+            if not calls and not (role == "assistant" and self.content == ""):
+                refuse_empty(role, self.content, where)  # "": an empty reply, as clients replay it
             message = {"role": role, "content": text_of(self.content, where)}
         if role == "tool":
-            message["tool_call_id"] = self.tool_call_id or ""
+            if not self.tool_call_id:
+                raise APIError.invalid(
+                    f"{where}.tool_call_id: required: a tool message answers a tool call by its id",
+                    f"{where}.tool_call_id",
+                )
+            message["tool_call_id"] = self.tool_call_id
         if self.tool_calls and role == "assistant":
             message["tool_calls"] = [
                 _template_call(call, f"{where}.tool_calls.{i}")
@@ -88,7 +116,7 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
@@ -96,24 +124,38 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     user: str | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
-    stream: bool = False
+    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop
+
     def turn(self, agent_header: str | None) -> TurnRequest:
         systems: list[str] = []
         messages: list[Message] = []
+        calls: set[str] = set()  # the ids of the last assistant message's tool calls
         for i, m in enumerate(self.messages):
             message = m.template_message(f"messages.{i}")
+            if message["role"] == "assistant":
+                calls = {call["id"] for call in message.get("tool_calls", ())}
+            elif message["role"] == "tool" and message["tool_call_id"] not in calls:
+                raise APIError.invalid(
+                    f"messages.{i}.tool_call_id: {message['tool_call_id']!r} names no tool call "
+                    "of the assistant message before it",
+                    f"messages.{i}.tool_call_id",
+                )
             if message["role"] == "system" and not messages:
                 systems.append(message["content"])
             else:
@@ -126,7 +168,7 @@ class ChatCompletionRequest(BaseModel):
             message="",
             max_tokens=self.max_completion_tokens or self.max_tokens,
             sampling=sampling_from(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=list(self.stop or []),
             tools=tools,
         )
         if tools is None and is_plain(messages):
@@ -237,11 +279,12 @@ async def _chunks(
 @router.post("/v1/chat/completions")
 async def create_chat_completion(
     http: Request,
-    body: ChatCompletionRequest,
     state: State,
     x_agent_id: AgentHeader = None,
 ) -> Response:
-    request = body.turn(x_agent_id)
+    body, request = await parse_off_loop(
+        http, ChatCompletionRequest, state.max_messages, lambda body: body.turn(x_agent_id)
+    )
     if body.stream:
         turn = await TurnStream(state, request).start()
         tool_format = state.runtime.tool_format if request.tools else None

@@ -1,0 +1,122 @@
+"""Chat request bodies, parsed and validated off the event loop.
+
+FastAPI parses and validates a route's body model on the event loop, where a history of tens
+of thousands of messages takes a good part of a second in which no other client is answered.
+The chat routes read their body's bytes instead and hand them to :func:`parse_off_loop`. A
+body over :data:`INLINE_BYTES` is parsed in a worker thread, where:
+
+- a ``messages`` list longer than the server's limit is refused (413) before any of it is
+  validated;
+- the messages are validated :data:`CHUNK` at a time: one pydantic call holds the GIL until it
+  returns, so short calls let the event loop's thread run between them;
+- the route's own conversion of the request (its messages into a turn) runs next, in the same
+  thread.
+
+Smaller bodies take the same steps on the event loop, where they cost less than a thread hop.
+Errors read as FastAPI's own: a field path and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from server.errors import TOO_LARGE, APIError
+from server.limits import too_many_messages_message
+
+INLINE_BYTES = 64 * 1024
+CHUNK = 256
+
+Body = TypeVar("Body", bound=BaseModel)
+Result = TypeVar("Result")
+
+
+async def parse_off_loop(
+    http: Request,
+    model: type[Body],
+    max_messages: int,
+    then: Callable[[Body], Result],
+) -> tuple[Body, Result]:
+    """Read the request's body, parse it as ``model`` and apply ``then`` to it.
+
+    Args:
+        http: the request; its body is read here.
+        model: a pydantic model with a ``messages`` list field.
+        max_messages: more messages than this are refused with 413.
+        then: the route's conversion of the parsed body (errors it raises pass through).
+
+    Returns:
+        The parsed body and what ``then`` made of it.
+
+    Raises:
+        APIError: the body is not JSON (400) or has too many messages (413).
+        RequestValidationError: a field is invalid (400, naming the field).
+    """
+    raw = await http.body()
+
+    def parse_then() -> tuple[Body, Result]:
+        body = parse(raw, model, max_messages)
+        return body, then(body)
+
+    if len(raw) <= INLINE_BYTES:
+        return parse_then()
+    return await asyncio.to_thread(parse_then)
+
+
+def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
+    """``raw`` JSON as ``model``, its messages validated in chunks (see the module docstring)."""
+    try:
+        # A Python hook runs between objects, where the interpreter can hand the GIL over:
+        # a body of many small objects does not hold it for the whole parse.
+        data = json.loads(raw, object_pairs_hook=_dict)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise APIError.invalid(f"body: not valid JSON: {exc}") from None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list):
+        if len(messages) > max_messages:
+            message = too_many_messages_message(len(messages), max_messages)
+            raise APIError(TOO_LARGE, message, "messages")
+        data["messages"] = _validated_messages(model, messages)
+    try:
+        return model.model_validate(data)  # validated messages pass through as they are
+    except ValidationError as exc:
+        raise RequestValidationError(_located(exc, ("body",))) from None
+
+
+def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)
+
+
+@functools.cache
+def _messages_adapter(model: type[BaseModel]) -> TypeAdapter:
+    return TypeAdapter(model.model_fields["messages"].annotation)
+
+
+def _validated_messages(model: type[BaseModel], messages: list[Any]) -> list[Any]:
+    adapter = _messages_adapter(model)
+    validated: list[Any] = []
+    for start in range(0, len(messages), CHUNK):
+        try:
+            validated += adapter.validate_python(messages[start : start + CHUNK])
+        except ValidationError as exc:
+            raise RequestValidationError(_located(exc, ("body", "messages"), start)) from None
+    return validated
+
+
+def _located(exc: ValidationError, prefix: tuple[Any, ...], offset: int = 0) -> list[dict]:
+    """The errors with their locations under ``prefix``, the first index shifted by ``offset``
+    (a chunk's position in the whole list)."""
+    errors = []
+    for error in exc.errors(include_url=False, include_input=False):
+        loc = tuple(error["loc"])
+        if offset and loc and isinstance(loc[0], int):
+            loc = (loc[0] + offset, *loc[1:])
+        errors.append({**error, "loc": (*prefix, *loc)})
+    return errors

@@ -1,0 +1,87 @@
+"""Which agent answers a stateless request, and how many such agents are kept: the resolver over
+a real runtime (real SQLite file, real tiny model, real cache files), without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from agents import AgentRuntime, Reply, RuntimeConfig
+from server.conversation import TurnRequest
+from server.identity import DEFAULT_MAX_STATELESS_AGENTS, Identity
+from server.metrics import ServerMetrics
+from server.state import ModelInfo, ServerState
+from server.turns import TurnStream
+
+MODEL = "tiny:gemma3"
+LONG_SYSTEM = " ".join(f"Rule {i}: answer politely and briefly about parcels." for i in range(40))
+
+
+@asynccontextmanager
+async def serving(data_dir, max_stateless_agents: int | None) -> AsyncIterator[ServerState]:
+    async with await AgentRuntime.open(RuntimeConfig(model=MODEL, data_dir=data_dir)) as rt:
+        identity = Identity(rt, 3600, max_stateless_agents)
+        await identity.load()
+        yield ServerState(rt, identity, ServerMetrics(), ModelInfo.of(rt))
+
+
+async def ask(state: ServerState, text: str, system: str = "") -> tuple[str, Reply]:
+    """A stateless request of one user message: the agent that answered, and its reply."""
+    turn = await TurnStream(state, TurnRequest(None, system, [], text, max_tokens=4)).start()
+    try:
+        events = [event async for event in turn.events()]
+    finally:
+        await turn.aclose()
+    assert isinstance(events[-1], Reply)
+    return turn.agent_id, events[-1]
+
+
+async def agent_ids(rt: AgentRuntime, expected: int) -> list[str]:
+    """The agents, once there are ``expected`` (agents over the cap go in the background)."""
+    deadline = time.monotonic() + 30
+    while len(agents := await rt.list_agents()) != expected:
+        assert time.monotonic() < deadline, [a.id for a in agents]
+        await asyncio.sleep(0.02)
+    return [a.id for a in agents]
+
+
+async def test_the_cap_deletes_the_stateless_agents_used_least_recently(tmp_path):
+    async with serving(tmp_path, max_stateless_agents=2) as state:
+        a, _ = await ask(state, "First")
+        b, _ = await ask(state, "Second")
+        again, reply = await ask(state, "First")  # resent: a answers again, used last now
+        assert again == a and reply.cache_source == "hot"
+        c, _ = await ask(state, "Third")
+        assert sorted(await agent_ids(state.runtime, 2)) == sorted([a, c])
+        assert not (tmp_path / "caches" / b).exists()
+        # b is gone from the index too: its conversation starts a new agent (and a goes).
+        d, _ = await ask(state, "Second")
+        assert d not in (a, b, c)
+        assert sorted(await agent_ids(state.runtime, 2)) == sorted([c, d])
+        assert (await state.runtime.transcript(c))[0].content == "Third"
+
+
+async def test_blocks_of_deleted_stateless_agents_stay_while_others_list_them(tmp_path):
+    async with serving(tmp_path, max_stateless_agents=1) as state:
+        first, one = await ask(state, "Where is parcel one?", LONG_SYSTEM)
+        second, two = await ask(state, "And parcel two?", LONG_SYSTEM)
+        await agent_ids(state.runtime, 1)  # the first is deleted
+        await state.runtime.flush()
+        third, three = await ask(state, "And parcel three?", LONG_SYSTEM)
+        await agent_ids(state.runtime, 1)
+        assert len({first, second, third}) == 3
+        assert one.cache_source == "none"
+        # Each new conversation starts from the system prompt the agents before it stored.
+        assert (two.cache_source, three.cache_source) == ("prefix", "prefix")
+        assert two.usage.cached_tokens == three.usage.cached_tokens >= 256
+
+
+async def test_a_restart_with_a_lower_cap_keeps_the_agents_used_last(tmp_path):
+    async with serving(tmp_path / "data", max_stateless_agents=None) as state:
+        ids = [(await ask(state, text))[0] for text in ("One", "Two", "Three")]
+        await ask(state, "One")  # the first is used last now
+    async with serving(tmp_path / "data", max_stateless_agents=2) as state:
+        assert sorted(await agent_ids(state.runtime, 2)) == sorted([ids[0], ids[2]])
+    assert DEFAULT_MAX_STATELESS_AGENTS == 256
