@@ -27,7 +27,7 @@ from agents.document import (
 from agents.errors import EmptyMessageError, ToolsUnsupportedError, check_text
 from agents.prompt import Message, checked_texts
 from agents.tool_calls import ParsedReply, ToolFormat
-from agents.turns import TurnRunner
+from agents.turns import TurnRunner, off_loop
 from agents.types import CacheSource, Reply, TurnPlan
 from engine.request import GenerationResult
 from store import AgentRecord, MessageRecord, NewMessage
@@ -42,11 +42,13 @@ class Conversations:
         self.tool_format = tool_format
         self.replies: dict[str, list[CachedReply]] = {}
 
-    def turn(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> DocumentTurn:
+    async def turn(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> DocumentTurn:
         """The turn answering ``messages`` (checked: usable text, not ending with an assistant
         message, tools only for a model that can call them)."""
         self.check_tools(tools)
-        messages = checked_texts(messages)
+        messages = await off_loop(checked_texts, messages)
         if not messages or messages[-1]["role"] == "assistant":
             raise EmptyMessageError("the conversation must end with a non-assistant message")
         return DocumentTurn(self, messages, tools)
@@ -57,7 +59,7 @@ class Conversations:
         """Tokens of the conversation rendered ready to answer (in a worker thread)."""
         self.check_tools(tools)
         head = [{"role": "system", "content": check_text(system, "system")}] if system else []
-        conversation = [*head, *checked_texts(messages)]
+        conversation = [*head, *await off_loop(checked_texts, messages)]
         renderer = self.runner.renderer
         return len(await asyncio.to_thread(renderer.full_prompt, conversation, tools))
 

@@ -263,7 +263,7 @@ class AgentRuntime:
         nothing of it, the history included, is stored and the agent's cache stays as it was.
         """
         self._check_open()
-        turn = ChatTurn.checked(self._turns, message, history)
+        turn = await ChatTurn.checked(self._turns, message, history)
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -295,7 +295,7 @@ class AgentRuntime:
             max_tokens, sampling, stop, priority: as for :meth:`stream`.
         """
         self._check_open()
-        turn = self._conversations.turn(messages, tools)
+        turn = await self._conversations.turn(messages, tools)
         options = TurnOptions(max_tokens, sampling, stop, priority)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event

@@ -34,6 +34,9 @@ from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_age
 
 log = logging.getLogger(__name__)
 
+OFF_LOOP_MESSAGES = 256
+"""Conversations at least this long are checked in a worker thread (see :func:`off_loop`)."""
+
 
 @dataclass(slots=True)
 class TurnOptions:
@@ -273,6 +276,16 @@ class TurnRunner:
         )
 
 
+async def off_loop(
+    check: Callable[[Sequence[Message]], list[Message]], messages: Sequence[Message]
+) -> list[Message]:
+    """``check(messages)``, in a worker thread for a long list (thousands of messages): it
+    grows with the list, and other turns' clients wait while the event loop runs it."""
+    if len(messages) < OFF_LOOP_MESSAGES:
+        return check(messages)
+    return await asyncio.to_thread(check, messages)
+
+
 def _log_turn(reply: Reply) -> None:
     """One line per turn: where its cache came from and what it cost (a miss shows here)."""
     usage, timings = reply.usage, reply.timings
@@ -305,11 +318,13 @@ class ChatTurn:
     history: list[Message]
 
     @classmethod
-    def checked(cls, runner: TurnRunner, message: str, history: Sequence[Message]) -> ChatTurn:
+    async def checked(
+        cls, runner: TurnRunner, message: str, history: Sequence[Message]
+    ) -> ChatTurn:
         """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
         if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
-        return cls(runner, message, checked_history(history))
+        return cls(runner, message, await off_loop(checked_history, history))
 
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
