@@ -131,7 +131,8 @@ class DocumentTurn:
 
         document, shared = await asyncio.to_thread(render)
         self.document = document
-        kept = cache.prefix(shared) if cache else None
+        # A rewritten last turn: back to where it differs, else to the last turn boundary.
+        kept = cache.longest_prefix(shared) if cache else None
         if kept is None and cache is not None:
             source = "rebuilt"
         if kept is None or kept.num_tokens < runner.caches.disk.block_tokens:

@@ -246,9 +246,14 @@ class TurnRunner:
     ) -> None:
         """After the transcript rows are stored: the turn's cache, covering ``covered``
         transcript messages (``messages``: them, after the system prompt if any), goes to the
-        hot tier and is saved to disk."""
+        hot tier and is saved to disk. In memory it keeps a checkpoint where the cache it
+        resumed ended (the previous turn boundary), so that a client rewriting this turn
+        resumes from there."""
         digest = await asyncio.to_thread(conversation_digest, messages)
-        self.caches.keep(agent_id, result.cache, covered, digest, then=plan.release)
+        cache = result.cache
+        if cache is not None and plan.cache is not None:
+            cache = cache.checkpointed(plan.cache)
+        self.caches.keep(agent_id, cache, covered, digest, then=plan.release)
 
     def _reply(
         self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float

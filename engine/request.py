@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -11,26 +12,97 @@ from typing import Any
 
 from engine.sampling import SamplingParams
 
+CHECKPOINTS_KEPT = 2
+"""Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Checkpoint:
+    """The sliding-window layers' state after a cache's first ``num_tokens`` tokens: with the
+    global layers cut to that length, the cache as it was there, exactly."""
+
+    num_tokens: int
+    windows: dict[int, Any]  # layer index -> the RotatingKVCache as it was then (never changed)
+    nbytes: int
+
 
 @dataclass(slots=True)
 class PromptCache:
     """Per-layer mlx-lm caches (KVCache / RotatingKVCache) and the exact tokens they hold.
 
-    Made on the generation thread, which also sizes it (``nbytes``), so that code on other
-    threads (the hot tier's byte budget) never calls into MLX.
+    Made on the generation thread, which also sizes it (``nbytes``, and ``window_nbytes`` for
+    its sliding-window layers), so that code on other threads (the hot tier's byte budget)
+    never calls into MLX. ``checkpoints``: earlier points it can be cut back to although its
+    sliding windows have moved on (most recent first; see :meth:`checkpointed`).
     """
 
     layers: list[Any]
     tokens: list[int]
     nbytes: int | None = None  # computed on construction when not given
+    window_nbytes: int | None = None
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nbytes is None:
             self.nbytes = sum(layer.nbytes for layer in self.layers)
+        if self.window_nbytes is None:
+            self.window_nbytes = sum(layer.nbytes for layer in self.layers if _is_window(layer))
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes it keeps alive: its layers and its checkpoints' windows."""
+        return self.nbytes + sum(point.nbytes for point in self.checkpoints)
+
+    def checkpointed(self, earlier: PromptCache) -> PromptCache:
+        """This cache, able to be cut back to where ``earlier`` ends (and to ``earlier``'s own
+        checkpoints, :data:`CHECKPOINTS_KEPT` in all), although its sliding windows moved on.
+
+        ``earlier`` is the cache this one was resumed from: its first tokens are this one's,
+        and this one's global layers hold the same keys and values for them, so only
+        ``earlier``'s sliding-window layers are kept (a window each, not a history). A client
+        that rewrites its last turn (resends it changed) then resumes from the turn before.
+        """
+        windows = {i: layer for i, layer in enumerate(earlier.layers) if _is_window(layer)}
+        if not windows or not 0 < earlier.num_tokens < self.num_tokens:
+            return self
+        point = Checkpoint(earlier.num_tokens, windows, earlier.window_nbytes or 0)
+        kept = (point, *(c for c in earlier.checkpoints if c.num_tokens < point.num_tokens))
+        return dataclasses.replace(self, checkpoints=kept[:CHECKPOINTS_KEPT])
+
+    def longest_prefix(self, keep: int) -> PromptCache | None:
+        """The cache of the first ``keep`` tokens if it can be had (:meth:`prefix`), else of
+        the longest checkpoint within them; None when neither can."""
+        cut = self.prefix(keep)
+        if cut is not None:
+            return cut
+        from mlx_lm.models.cache import KVCache
+
+        for point in sorted(self.checkpoints, key=lambda c: -c.num_tokens):
+            if not 0 < point.num_tokens <= keep:
+                continue
+            layers = []
+            for i, layer in enumerate(self.layers):
+                if i in point.windows:
+                    layers.append(point.windows[i])
+                elif type(layer) is KVCache:
+                    trimmed = copy.copy(layer)  # as in prefix(): the arrays are shared, intact
+                    trimmed.offset = point.num_tokens
+                    layers.append(trimmed)
+                else:
+                    return None
+            earlier = tuple(c for c in self.checkpoints if c.num_tokens < point.num_tokens)
+            return PromptCache(
+                layers,
+                self.tokens[: point.num_tokens],
+                nbytes=self.nbytes,
+                window_nbytes=point.nbytes,
+                checkpoints=earlier,
+            )
+        return None
 
     def prefix(self, keep: int) -> PromptCache | None:
         """The cache of the first ``keep`` tokens, sharing this one's arrays (which it leaves
@@ -59,7 +131,15 @@ class PromptCache:
             if kind is RotatingKVCache:
                 trimmed._idx = keep
             layers.append(trimmed)
-        return PromptCache(layers, self.tokens[:keep], nbytes=self.nbytes)  # the same arrays
+        return PromptCache(  # the same arrays
+            layers, self.tokens[:keep], nbytes=self.nbytes, window_nbytes=self.window_nbytes
+        )
+
+
+def _is_window(layer: Any) -> bool:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return type(layer) is RotatingKVCache
 
 
 class FinishReason(StrEnum):

@@ -107,3 +107,34 @@ async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path):
         await respond(rt, "doc", [system(long + "A."), user("Hello")])
         edited = await respond(rt, "doc", [system(long + "B."), user("Hello")])
     assert edited.cache_source == "rebuilt" and edited.usage.cached_tokens == 0
+
+
+async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_path):
+    # Sliding windows of 32 tokens: once the last turn moved them on, the cache cannot be cut
+    # back inside it; the checkpoint kept where the turn began can.
+    cfg = RuntimeConfig(model="tiny:gemma3", data_dir=tmp_path, kv_bits=None)
+    head = [system("Answer briefly."), user("Tell me about the sea and the sky.")]
+    question = " ".join(f"Then say what colour the water is on day {i}." for i in range(8))
+    async with await AgentRuntime.open(cfg) as rt:
+        for agent_id in ("rewritten", "fresh"):
+            await rt.create_agent(agent_id)
+        first = await respond(rt, "rewritten", head)
+        assert (await respond(rt, "fresh", head)).token_ids == first.token_ids
+        asked = [*head, {"role": "assistant", "content": first.text}, user(question)]
+        second = await respond(rt, "rewritten", asked)
+        assert second.cache_source == "hot" and second.usage.prompt_tokens > (
+            second.usage.cached_tokens + 32
+        )
+        # Resent with the last user turn changed (as Claude Code adds a nudge to a turn whose
+        # reply was empty): resumed from the turn before, not rebuilt from a shared head.
+        rewritten = [*asked[:-1], user(question + " Answer now, please.")]
+        again = await respond(rt, "rewritten", rewritten)
+        assert again.cache_source == "hot"
+        assert again.usage.cached_tokens == second.usage.cached_tokens
+        # Exactly the tokens of an agent that never had the rewritten turn.
+        alone = await respond(rt, "fresh", rewritten)
+        assert alone.cache_source == "hot"
+        assert alone.usage.cached_tokens == again.usage.cached_tokens
+        assert again.token_ids == alone.token_ids
+        # The reply to the rewrite is the turn now: its own boundary is kept in turn.
+        assert (await respond(rt, "rewritten", [*rewritten, user("And?")])).cache_source == "hot"

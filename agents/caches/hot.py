@@ -40,7 +40,7 @@ class HotTier:
 
     def put(self, agent_id: str, cache: PromptCache, message_count: int, digest: str) -> None:
         self.drop(agent_id)
-        nbytes = cache.nbytes
+        nbytes = cache.held_nbytes  # its checkpoints' windows too
         if nbytes > self.budget_bytes:
             return
         self._entries[agent_id] = HotEntry(cache, message_count, digest, nbytes)
