@@ -186,7 +186,10 @@ class DocumentTurn:
         )
         head = [{"role": "system", "content": system}] if system else []
         covered = [*head, *({"role": m.role, "content": m.content} for m in stored)]
-        await conversations.runner.keep(agent.id, result, plan, covered, len(stored))
+        # Clients that resend whole conversations rewrite their last turn: keep its start.
+        await conversations.runner.keep(
+            agent.id, result, plan, covered, len(stored), self.tools, checkpoint=True
+        )
         conversations.replies[agent.id] = [*document.replies, reply]
 
     def reply(self, reply: Reply) -> Reply:

@@ -18,6 +18,7 @@ into the string's text tokens.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,13 +59,24 @@ class ChatRenderer:
 
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
-        special = {i: t.content for i, t in added.items() if getattr(t, "special", False)}
-        self.controls = tuple(sorted(set(special.values())))
-        if len(self.controls) > 0x10FFFF - _FIRST:
-            raise ValueError(f"{len(self.controls)} special tokens: too many to escape")
-        self._control_ids = frozenset(special)
-        self._index = {s: i for i, s in enumerate(self.controls)}
+        # Special tokens, and the tool-call and thinking markers mlx-lm knows for the model
+        # (Qwen's <tool_call> or <think> are added tokens not marked special, matched in text
+        # all the same). Other added tokens (runs of spaces, HTML tags) are plain text.
         markers = {getattr(self.tokenizer, a, None) for a in ("tool_call_start", "tool_call_end")}
+        thinking = {getattr(self.tokenizer, a, None) for a in ("think_start", "think_end")}
+        named = markers | thinking
+        controls = {
+            i: t.content
+            for i, t in added.items()
+            if getattr(t, "special", False) or t.content in named
+        }
+        self.controls = tuple(sorted(set(controls.values())))
+        if len(self.controls) > 0x10FFFF - _FIRST:
+            raise ValueError(
+                f"tokenizer: {len(self.controls)} control tokens, too many to escape in text"
+            )
+        self._control_ids = frozenset(controls)
+        self._index = {s: i for i, s in enumerate(self.controls)}
         self._in_text = _pattern(self.controls)
         self._in_replies = _pattern([s for s in self.controls if s not in markers])
         self._as_text = {}
@@ -79,12 +91,24 @@ class ChatRenderer:
         tools escaped (for :meth:`encode`). Raises ContextLengthError for text that cannot fit
         the model's context, ChatTemplateError when the template refuses the conversation."""
         self._check_size(messages, tools)
+        return self._apply(
+            [self._escaped_message(m) for m in messages],
+            add_generation_prompt,
+            self._escaped(tools, self._in_text) if tools else None,
+        )
+
+    def check(self, messages: Sequence[Message]) -> None:
+        """Raise ChatTemplateError if the template refuses the conversation (of any length:
+        a transcript may be stored longer than the context)."""
+        self._apply(list(messages), False, None)
+
+    def _apply(self, messages: list[Message], add_generation_prompt: bool, tools: Any) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                [self._escaped_message(m) for m in messages],
+                messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                **({"tools": self._escaped(tools, self._in_text)} if tools else {}),
+                **({"tools": tools} if tools else {}),
             )
         except Exception as exc:  # jinja's TemplateError, or the template's raise_exception
             raise ChatTemplateError(
@@ -97,15 +121,22 @@ class ChatRenderer:
         # The template writes special tokens (BOS included) itself.
         if _ESC not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
-        pieces = _ESCAPE.split(text)
-        tokens = self.encode(pieces[0])
-        for code, rest in zip(pieces[1::2], pieces[2::2], strict=True):
-            if code == _ESC:
-                tokens += self.tokenizer.encode(_ESC, add_special_tokens=False)
+        tokens: list[int] = []
+        start = 0
+        for match in _ESCAPE.finditer(text):
+            code = ord(match.group(1)) - _FIRST
+            if match.group(1) != _ESC and not 0 <= code < len(self.controls):
+                continue  # not an escape of ours (a template cut one up): plain text
+            tokens += self._plain(text[start : match.start()])
+            if match.group(1) == _ESC:
+                tokens += self._plain(_ESC)
             else:
-                tokens += self._text_tokens(self.controls[ord(code) - _FIRST])
-            tokens += self.encode(rest)
-        return tokens
+                tokens += self._text_tokens(self.controls[code])
+            start = match.end()
+        return tokens + self._plain(text[start:])
+
+    def _plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def _check_size(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> None:
         """Refuse text that cannot fit the context whatever its tokens: each token holds at
@@ -261,10 +292,15 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def conversation_digest(messages: Sequence[Message]) -> str:
-    """A digest of messages' roles and text content: stored with a cache covering them, so
-    that a cache is used only for the conversation it was made from."""
+def conversation_digest(
+    messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """A digest of messages' roles and text content (and of the tools they were rendered
+    with): stored with a cache covering them, so that a cache is used only for the
+    conversation it was made from."""
     digest = hashlib.blake2b(digest_size=16)
+    if tools:
+        digest.update(b"tools\0%s\0" % json.dumps(tools, sort_keys=True, default=str).encode())
     for m in messages:
         data = str(m["content"]).encode("utf-8", "surrogatepass")
         digest.update(b"%s\0%d\0%s" % (str(m["role"]).encode(), len(data), data))

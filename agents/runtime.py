@@ -16,7 +16,7 @@ from agents.conversations import Conversations
 from agents.errors import RuntimeClosedError, check_text
 from agents.prompt import ChatRenderer, Message, checked_history
 from agents.tool_calls import ToolFormat
-from agents.turns import ChatTurn, TurnOptions, TurnRunner
+from agents.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
 from agents.types import Reply, TextDelta
 from engine.engine import Engine
 from engine.request import PromptCache
@@ -158,7 +158,7 @@ class AgentRuntime:
         To import history and run a turn atomically, pass it as ``chat(..., history=...)``.
         """
         self._check_open()
-        await self._turns.append(agent_id, checked_history(messages))
+        await self._turns.append(agent_id, await off_loop(checked_history, messages))
 
     async def count_tokens(
         self,

@@ -118,7 +118,10 @@ class TurnRunner:
     async def _run(
         self, agent_id: str, turn: Turn, options: TurnOptions, started: float
     ) -> AsyncIterator[TextDelta | Reply]:
-        async with self.lock(agent_id):
+        lock = self.lock(agent_id)
+        await lock.acquire()
+        unlock: Callable[[], None] | None = lock.release
+        try:
             agent = await self.registry.get_agent(agent_id)
             transcript = await self.registry.transcript(agent_id)
             plan = await turn.plan(agent, transcript, options.priority)
@@ -128,7 +131,14 @@ class TurnRunner:
                         yield event
                     else:
                         result = event
-                await self._shielded(turn.commit(agent, transcript, plan, result))
+                commit = self._shielded(turn.commit(agent, transcript, plan, result))
+                try:
+                    await asyncio.shield(commit)
+                except asyncio.CancelledError:
+                    if not commit.done():  # the caller goes; the agent stays locked until the
+                        commit.add_done_callback(lambda _: lock.release())  # turn is stored
+                        unlock = None
+                    raise
             except BaseException:
                 if plan.release:  # idempotent: a save already scheduled calls it again, harmless
                     plan.release()
@@ -137,6 +147,9 @@ class TurnRunner:
             reply = self._reply(agent_id, plan, result, started)
             _log_turn(reply)
             yield turn.reply(reply)
+        finally:
+            if unlock is not None:
+                unlock()
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -154,7 +167,7 @@ class TurnRunner:
             history = await self.registry.transcript(agent_id)
             # Store nothing the chat template would refuse later (e.g. two user turns in a row).
             conversation = [*transcript_messages(agent, history), *messages]
-            await asyncio.to_thread(self.renderer.render, conversation, False)
+            await asyncio.to_thread(self.renderer.check, conversation)
             await self.registry.append_messages(
                 agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
             )
@@ -224,17 +237,18 @@ class TurnRunner:
             )
         request.max_tokens = min(request.max_tokens, limit - prompt)
 
-    async def _shielded(self, commit: Coroutine[Any, Any, None]) -> None:
-        """Store a finished turn, uninterruptibly.
+    def _shielded(self, commit: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        """Store a finished turn, uninterruptibly: the task to await (shielded).
 
         Once the reply exists, storing it and its cache must not be cut short: a caller
         cancelled now cannot leave the transcript stored but the cache unrecorded. The commit
-        counts as in flight on its own, so close() waits for it even when its caller is gone.
+        counts as in flight on its own, so close() waits for it even when its caller is gone,
+        and the agent's lock is released only when it is over (see ``_run``).
         """
         task = asyncio.ensure_future(commit)
         self._begin()
         task.add_done_callback(lambda _: self._end())
-        await asyncio.shield(task)
+        return task
 
     async def keep(
         self,
@@ -243,15 +257,17 @@ class TurnRunner:
         plan: TurnPlan,
         messages: list[Message],
         covered: int,
+        tools: list[dict[str, Any]] | None = None,
+        checkpoint: bool = False,
     ) -> None:
         """After the transcript rows are stored: the turn's cache, covering ``covered``
-        transcript messages (``messages``: them, after the system prompt if any), goes to the
-        hot tier and is saved to disk. In memory it keeps a checkpoint where the cache it
-        resumed ended (the previous turn boundary), so that a client rewriting this turn
-        resumes from there."""
-        digest = await asyncio.to_thread(conversation_digest, messages)
+        transcript messages (``messages``: them, after the system prompt if any; ``tools``:
+        those it was rendered with), goes to the hot tier and is saved to disk. With
+        ``checkpoint``, in memory it keeps a checkpoint where the cache it resumed ended (the
+        previous turn boundary), so that a client rewriting this turn resumes from there."""
+        digest = await asyncio.to_thread(conversation_digest, messages, tools)
         cache = result.cache
-        if cache is not None and plan.cache is not None:
+        if checkpoint and cache is not None and plan.cache is not None:
             cache = cache.checkpointed(plan.cache)
         self.caches.keep(agent_id, cache, covered, digest, then=plan.release)
 

@@ -6,7 +6,8 @@ how long a tiny request takes (server):
 - ``import``: ``AgentRuntime.append_messages`` of N user/assistant messages (the history a
   stateless client imports), worst event-loop stall and wall time;
 - ``count_tokens``: ``POST /v1/messages/count_tokens`` of a multi-megabyte conversation on a
-  real server, while a second client pings ``GET /v1/models``: the slowest and median ping.
+  real server, while a second client pings ``GET /v1/models``: the slowest and median ping,
+  and the answer (a count, or 400 "prompt is too long" when the text cannot fit the context).
 
 Run: ``python -m benchmarks.bench_stall`` (``--quick`` for a smoke run).
 """
@@ -85,10 +86,14 @@ def count_stall(model: str, megabytes: float, data_dir: Path) -> dict[str, Any]:
             wall = time.perf_counter() - start
             done.set()
             pinger.join()
-    response.raise_for_status()
+    if response.status_code not in (200, 400):
+        response.raise_for_status()
+    answer = response.json()
     return {
         "body_mb": round(len(httpx.Request("POST", "/", json=body).content) / 1e6, 2),
-        "input_tokens": response.json()["input_tokens"],
+        "status": response.status_code,
+        "input_tokens": answer.get("input_tokens"),
+        "error": answer.get("error", {}).get("message", "")[:80] or None,
         "wall_s": round(wall, 3),
         "pings": len(pings),
         "ping_max_ms": round(max(pings) * 1e3, 1),

@@ -12,7 +12,7 @@ import logging
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     KVBudgetError,
@@ -341,10 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (not the stream it was then)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def _log_to_stderr() -> None:
     """agentkv's own INFO lines (one per turn: its cache source and costs) on stderr, next to
     uvicorn's."""
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
     for name in ("agents", "engine", "server", "store"):
         logger = logging.getLogger(name)

@@ -95,7 +95,10 @@ def test_stall_quick(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
     assert report["import.messages"] == 2_000 and report["import.wall_s"] > 0
     assert report["import.worst_stall_s"] >= 0
-    assert report["count_tokens.input_tokens"] > 10_000 and report["count_tokens.pings"] > 0
+    # Its text cannot fit tiny:gemma3's 8K context: refused before it is tokenized.
+    assert report["count_tokens.status"] == 400 and report["count_tokens.input_tokens"] is None
+    assert report["count_tokens.error"].startswith("prompt is too long: ")
+    assert report["count_tokens.pings"] > 0
     assert report["count_tokens.ping_max_ms"] >= report["count_tokens.ping_median_ms"] > 0
 
 
@@ -117,8 +120,8 @@ def test_event_loop_quick(tmp_path):
     ]
     for row in report["rows"]:
         assert row["pings"] > 0 and row["worst_ms"] >= row["median_ms"] > 0
-        # Refused as too long for the tiny model's context, once tokenized.
-        assert row.get("status", 400) == 400
+        # Each big request is refused as too long for the tiny model's context.
+        assert row.get("status") == (None if row["request"].startswith("idle") else 400)
 
 
 def test_resume_quick(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ class HotTier:
 
     def put(self, agent_id: str, cache: PromptCache, message_count: int, digest: str) -> None:
         self.drop(agent_id)
+        if cache.held_nbytes > self.budget_bytes >= cache.nbytes:
+            cache = dataclasses.replace(cache, checkpoints=())  # the cache before its extras
         nbytes = cache.held_nbytes  # its checkpoints' windows too
         if nbytes > self.budget_bytes:
             return
