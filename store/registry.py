@@ -8,6 +8,7 @@ however many tasks, registries or processes append at once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import fields
@@ -247,7 +248,7 @@ class Registry:
             AgentNotFoundError: No such agent.
         """
         validate_agent_id(agent_id)
-        batch = validation.new_messages(messages)
+        batch = await _off_loop(len(messages), validation.new_messages, messages)
         if replace_from is not None:
             validation.check_count("replace_from", replace_from)
         changes = {} if system_prompt is KEEP else {"system_prompt": system_prompt}
@@ -264,17 +265,7 @@ class Registry:
                 select(func.max(Message.position)).where(Message.agent_id == agent_id)
             )
             first = 0 if last is None else last + 1
-            rows = [
-                {
-                    "agent_id": agent_id,
-                    "position": first + offset,
-                    "role": message.role,
-                    "content": message.content,
-                    "token_count": message.token_count,
-                    "created_at": now,
-                }
-                for offset, message in enumerate(batch)
-            ]
+            rows = await _off_loop(len(batch), _message_rows, agent_id, first, now, batch)
             # One executemany per chunk, not one ORM object per row: an import can be 10^4+
             # messages, and each chunk gives the event loop a turn.
             for i in range(0, len(rows), INSERT_CHUNK):
@@ -284,10 +275,7 @@ class Registry:
                 .where(Message.agent_id == agent_id, Message.position >= first)
                 .order_by(Message.position)
             )
-            return [
-                MessageRecord(id=i, **row | {"role": Role(row["role"])})
-                for i, row in zip(ids, rows, strict=True)
-            ]
+            return await _off_loop(len(rows), _message_records, list(ids), rows)
 
     async def transcript(
         self, agent_id: str, *, start: int = 0, limit: int | None = None
@@ -368,3 +356,35 @@ async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> dateti
     if touched is None:
         raise AgentNotFoundError(agent_id)
     return now
+
+
+OFF_LOOP_ROWS = 1000
+"""Imports of at least this many messages are validated and turned into rows and records in a
+worker thread: Python work growing with them would stall every other client's event loop."""
+
+
+async def _off_loop(n: int, work: Any, *args: Any) -> Any:
+    return work(*args) if n < OFF_LOOP_ROWS else await asyncio.to_thread(work, *args)
+
+
+def _message_rows(
+    agent_id: str, first: int, now: datetime, batch: Sequence[NewMessage]
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "agent_id": agent_id,
+            "position": first + offset,
+            "role": message.role,
+            "content": message.content,
+            "token_count": message.token_count,
+            "created_at": now,
+        }
+        for offset, message in enumerate(batch)
+    ]
+
+
+def _message_records(ids: list[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
+    return [
+        MessageRecord(id=i, **row | {"role": Role(row["role"])})
+        for i, row in zip(ids, rows, strict=True)
+    ]
