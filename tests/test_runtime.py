@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -494,37 +495,65 @@ async def test_lone_surrogates_are_invalid_input_and_store_nothing(tmp_path, whe
         assert reply.finish_reason in ("stop", "length")
 
 
-async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path):
+@pytest.fixture
+def held_commits(monkeypatch) -> SimpleNamespace:
+    """Turns' commits held at the registry write: ``entered`` is set when one gets there, and
+    it (and every later one) goes on once ``release`` is set."""
+    real_append = Registry.append_messages
+    held = SimpleNamespace(entered=asyncio.Event(), release=asyncio.Event())
+
+    async def held_append(*args, **kwargs):
+        held.entered.set()
+        await held.release.wait()
+        return await real_append(*args, **kwargs)
+
+    monkeypatch.setattr(Registry, "append_messages", held_append)
+    return held
+
+
+async def test_close_waits_for_the_commit_of_a_cancelled_caller(tmp_path, held_commits):
     """A caller cancelled while its finished turn is being stored: close() must not close the
     registry under that commit, and the turn must be there after a restart."""
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         await rt.create_agent("c")
-        real_append = Registry.append_messages  # hold the commit at the registry write
-        entered, release = asyncio.Event(), asyncio.Event()
-
-        async def held_append(*args, **kwargs):
-            entered.set()
-            await release.wait()
-            return await real_append(*args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Registry, "append_messages", held_append)
-            caller = asyncio.create_task(rt.chat("c", "hello there", max_tokens=4))
-            await entered.wait()
-            caller.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await caller
-            closing = asyncio.create_task(rt.close())
-            await asyncio.sleep(0.05)
-            assert not closing.done()  # waiting for the commit, not closing the registry
-            release.set()
-            await closing
+        caller = asyncio.create_task(rt.chat("c", "hello there", max_tokens=4))
+        await held_commits.entered.wait()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        closing = asyncio.create_task(rt.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # waiting for the commit, not closing the registry
+        held_commits.release.set()
+        await closing
     async with await AgentRuntime.open(config(tmp_path)) as rt:
         transcript = await rt.transcript("c")
         assert [(str(m.role), m.content) for m in transcript][:1] == [("user", "hello there")]
         assert len(transcript) == 2
         again = await rt.chat("c", "more", max_tokens=2)
         assert again.cache_source == "disk"
+
+
+async def test_a_cancelled_callers_commit_keeps_the_agent_until_it_is_stored(
+    tmp_path, held_commits
+):
+    entered, release = held_commits.entered, held_commits.release
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("c")
+        caller = asyncio.create_task(rt.chat("c", "first", max_tokens=4))
+        await entered.wait()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller  # the caller goes at once...
+        entered.clear()
+        following = asyncio.create_task(rt.chat("c", "second", max_tokens=4))
+        await asyncio.sleep(0.1)
+        assert not entered.is_set()  # ...but the next turn waits for its commit
+        release.set()
+        reply = await following
+        assert reply.cache_source == "hot"  # it planned from the stored first turn
+        contents = [m.content for m in await rt.transcript("c")]
+        assert contents[0::2] == ["first", "second"]
 
 
 async def test_count_tokens_renders_off_the_event_loop(tmp_path):

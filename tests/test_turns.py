@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import sqlite3
 from pathlib import Path
-
-import pytest
 
 from agents import AgentRuntime, RuntimeConfig
 from agents.prompt import ChatRenderer
@@ -151,34 +148,3 @@ async def test_every_turn_logs_one_line_with_its_cache_source_and_costs(tmp_path
         )
     assert (first.cache_source, second.cache_source) == ("none", "hot")
     assert second.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
-
-
-async def test_a_cancelled_callers_commit_keeps_the_agent_until_it_is_stored(tmp_path):
-    from store import Registry
-
-    async with await AgentRuntime.open(config(tmp_path)) as rt:
-        await rt.create_agent("c")
-        real_append = Registry.append_messages  # hold the commit at the registry write
-        entered, release = asyncio.Event(), asyncio.Event()
-
-        async def held_append(*args, **kwargs):
-            entered.set()
-            await release.wait()
-            return await real_append(*args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Registry, "append_messages", held_append)
-            caller = asyncio.create_task(rt.chat("c", "first", max_tokens=4))
-            await entered.wait()
-            caller.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await caller  # the caller goes at once...
-            entered.clear()
-            following = asyncio.create_task(rt.chat("c", "second", max_tokens=4))
-            await asyncio.sleep(0.1)
-            assert not entered.is_set()  # ...but the next turn waits for its commit
-            release.set()
-            reply = await following
-        assert reply.cache_source == "hot"  # it planned from the stored first turn
-        contents = [m.content for m in await rt.transcript("c")]
-        assert contents[0::2] == ["first", "second"]
