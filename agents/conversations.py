@@ -135,13 +135,14 @@ class DocumentTurn:
         kept = cache.longest_prefix(shared) if cache else None
         if kept is None and cache is not None:
             source = "rebuilt"
-        if kept is None or kept.num_tokens < runner.caches.disk.block_tokens:
-            # A stored prefix (at least a block) beats less than a block of the agent's own.
-            head = functools.partial(renderer.shared_head, self.messages, document.tokens, tools)
-            plan = await runner.plan_from_prefix(document.tokens, head, source, start, priority)
-            if plan.cache is not None or kept is None:
-                return plan
         n = kept.num_tokens if kept else 0
+        if n < max(shared, runner.caches.disk.block_tokens):
+            # Its own cache falls short of where the conversation differs from it (or holds
+            # less than a block): other conversations' caches may hold more.
+            heads = functools.partial(renderer.shared_heads, self.messages, document.tokens, tools)
+            return await runner.plan_from_prefix(
+                document.tokens, heads, source, start, priority, own=kept
+            )
         return TurnPlan(document.tokens[n:], kept, source, time.perf_counter() - start)
 
     async def commit(

@@ -39,6 +39,10 @@ _FIRST = 0xF0001
 _ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
 
 
+HEADS_REMEMBERED = 64
+"""System messages and tool sets whose shared heads a renderer remembers (see shared_heads)."""
+
+
 @dataclass(slots=True)
 class ChatRenderer:
     """Renders conversations with the model's chat template."""
@@ -56,6 +60,7 @@ class ChatRenderer:
     _in_replies: re.Pattern[str] = field(init=False)
     _as_text: dict[int, list[int]] = field(init=False)
     _max_token_chars: int | None = field(init=False, default=None)
+    _heads: dict[bytes, list[int]] = field(init=False)  # see shared_heads
 
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
@@ -80,6 +85,7 @@ class ChatRenderer:
         self._in_text = _pattern(self.controls)
         self._in_replies = _pattern([s for s in self.controls if s not in markers])
         self._as_text = {}
+        self._heads = {}
 
     def render(
         self,
@@ -204,28 +210,49 @@ class ChatRenderer:
         """Tokens of the whole conversation, ready for the assistant to answer."""
         return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
-    def shared_head(
+    def shared_heads(
         self,
         messages: Sequence[Message],
         tokens: Sequence[int],
         tools: list[dict[str, Any]] | None = None,
-    ) -> int:
-        """How many leading ``tokens`` (the conversation's full prompt) depend only on its
-        system message and tools: what every conversation with the same ones starts with.
-        0 when there is neither, or the template refuses the probe conversations."""
+    ) -> list[int]:
+        """Where the leading ``tokens`` (the conversation's full prompt) stop depending only on
+        what other conversations share, ascending: the end of the tool definitions when the
+        template renders them before the system prompt's text (conversations with the same
+        tools and another system prompt share them), then the end of the system message and
+        tools (every conversation with the same ones starts with them). Empty when there is
+        neither, or the template refuses the probe conversations.
+
+        Rendering the probes grows with the tools (tens of thousands of tokens for Claude
+        Code): the points are remembered per system message and tools."""
         first = 1 if messages and messages[0]["role"] == "system" else 0
         if not first and not tools:
-            return 0
-        shared = len(tokens)
-        for probe in ("0", "1"):  # two probes: a conversation may start with either text
-            try:
-                other = self.full_prompt(
-                    [*messages[:first], {"role": "user", "content": probe}], tools
-                )
-            except ChatTemplateError:
-                return 0
-            shared = min(shared, _common_prefix(tokens, other))
-        return shared
+            return []
+        key = hashlib.blake2b(
+            json.dumps([messages[:first], tools], sort_keys=True, default=str).encode(),
+            digest_size=16,
+        ).digest()
+        if (known := self._heads.get(key)) is not None:
+            return [n for n in known if n <= len(tokens)]
+        head = messages[:first]
+        probes = [[*head, {"role": "user", "content": text}] for text in ("0", "1")]
+        if first and tools:  # another system prompt, the same tools
+            other = [{**head[0], "content": text} for text in ("0", "1")]
+            probes += [[system, {"role": "user", "content": "0"}] for system in other]
+        ends = []
+        try:
+            for pair in (probes[:2], probes[2:]):  # two probes: either text may follow
+                if pair:
+                    ends.append(
+                        min(_common_prefix(tokens, self.full_prompt(m, tools)) for m in pair)
+                    )
+        except ChatTemplateError:
+            return []
+        points = sorted(set(ends))
+        if len(self._heads) >= HEADS_REMEMBERED:
+            self._heads.pop(next(iter(self._heads)))
+        self._heads[key] = points
+        return points
 
     def delta(
         self, messages: Sequence[Message], covered: int, last_cached_token: int

@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agents.caches.tiers import CacheTiers, Resumed
+from agents.caches.tiers import CacheTiers, Resumed, Start
 from agents.config import RuntimeConfig
 from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
 from agents.prompt import ChatRenderer, Message, checked_history, conversation_digest
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
-from engine.request import FinishReason, GenerationRequest, GenerationResult
+from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
 from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 
@@ -177,23 +177,28 @@ class TurnRunner:
     async def plan_from_prefix(
         self,
         tokens: list[int],
-        head: Callable[[], int],
+        heads: Callable[[], list[int]],
         source: CacheSource,
         start: float,
         priority: float,
+        own: PromptCache | None = None,
     ) -> TurnPlan:
-        """A plan for prefilling ``tokens`` (no cache of the agent's own), starting from a
-        stored prefix or a shared head when there is one (``agents.caches.prefixes``)."""
-        cache, fresh, release = await self.caches.disk.prefix(tokens, head, priority)
-        if cache is None:
-            return TurnPlan(tokens, None, source, time.perf_counter() - start)
+        """A plan for prefilling ``tokens`` from ``own`` (the turn's own cache, of a prefix of
+        them) or, where they hold more, other conversations' caches and shared heads
+        (``heads``: their ends; :meth:`CacheTiers.prefix`)."""
+        limit = self.engine.model.max_context
+        if limit and len(tokens) >= limit:  # refused when it runs: store no head for it
+            begin = Start(own)
+        else:
+            begin = await self.caches.prefix(tokens, heads, priority, own)
+        n = begin.cache.num_tokens if begin.cache else 0
         return TurnPlan(
-            tokens[cache.num_tokens :],
-            cache,
-            source if fresh else "prefix",
+            tokens[n:],
+            begin.cache,
+            "prefix" if begin.borrowed else source,
             time.perf_counter() - start,
-            fresh=fresh,
-            release=release,
+            fresh=begin.fresh,
+            release=begin.release,
         )
 
     # ---- generating and storing --------------------------------------------------------------
@@ -264,11 +269,12 @@ class TurnRunner:
         transcript messages (``messages``: them, after the system prompt if any; ``tools``:
         those it was rendered with), goes to the hot tier and is saved to disk. With
         ``checkpoint``, in memory it keeps a checkpoint where the cache it resumed ended (the
-        previous turn boundary), so that a client rewriting this turn resumes from there."""
+        previous turn boundary), so that a client rewriting this turn resumes from there; the
+        end of a shared head it started from is kept in any case."""
         digest = await asyncio.to_thread(conversation_digest, messages, tools)
         cache = result.cache
-        if checkpoint and cache is not None and plan.cache is not None:
-            cache = cache.checkpointed(plan.cache)
+        if cache is not None and plan.cache is not None:
+            cache = cache.checkpointed(plan.cache, recent=checkpoint)
         self.caches.keep(agent_id, cache, covered, digest, then=plan.release)
 
     def _reply(
@@ -371,8 +377,8 @@ class ChatTurn:
                 return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
         tokens = await asyncio.to_thread(renderer.full_prompt, messages)
         source = "rebuilt" if transcript else "none"
-        head = functools.partial(renderer.shared_head, messages, tokens)
-        return await runner.plan_from_prefix(tokens, head, source, start, priority)
+        heads = functools.partial(renderer.shared_heads, messages, tokens)
+        return await runner.plan_from_prefix(tokens, heads, source, start, priority)
 
     def _extend(
         self,

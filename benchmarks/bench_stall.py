@@ -71,7 +71,7 @@ def count_stall(model: str, megabytes: float, data_dir: Path) -> dict[str, Any]:
 
         def ping() -> None:
             with httpx.Client(base_url=url, timeout=60) as client:
-                while not done.is_set():
+                while not done.is_set() or not pings:  # one ping at least, however quick
                     start = time.perf_counter()
                     client.get("/v1/models")
                     pings.append(time.perf_counter() - start)

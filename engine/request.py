@@ -13,17 +13,23 @@ from typing import Any
 from engine.sampling import SamplingParams
 
 CHECKPOINTS_KEPT = 2
-"""Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`)."""
+"""Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`);
+shared heads (``Checkpoint.head``) are kept besides."""
 
 
 @dataclass(slots=True, frozen=True)
 class Checkpoint:
     """The sliding-window layers' state after a cache's first ``num_tokens`` tokens: with the
-    global layers cut to that length, the cache as it was there, exactly."""
+    global layers cut to that length, the cache as it was there, exactly.
+
+    ``head``: the end of a shared head (a system prompt and tools other conversations start
+    with, see ``agents.caches.tiers``): carried on through every later turn, where turn
+    boundaries are kept only while recent."""
 
     num_tokens: int
     windows: dict[int, Any]  # layer index -> the RotatingKVCache as it was then (never changed)
     nbytes: int
+    head: bool = False
 
 
 @dataclass(slots=True)
@@ -54,12 +60,26 @@ class PromptCache:
 
     @property
     def held_nbytes(self) -> int:
-        """Bytes it keeps alive: its layers and its checkpoints' windows."""
-        return self.nbytes + sum(point.nbytes for point in self.checkpoints)
+        """Bytes it keeps alive: its layers and its turn checkpoints' windows. Shared heads'
+        windows are not counted: many caches hold the same ones (the hot tier counts them
+        once, see ``agents.caches.hot``)."""
+        return self.nbytes + sum(point.nbytes for point in self.checkpoints if not point.head)
 
-    def checkpointed(self, earlier: PromptCache) -> PromptCache:
+    def as_head(self) -> PromptCache:
+        """This cache, marked as a shared head: caches resumed from it keep a checkpoint where
+        it ends (see :meth:`checkpointed`), so other conversations that start with the same
+        tokens can be cut back to it exactly."""
+        windows = {i: layer for i, layer in enumerate(self.layers) if _is_window(layer)}
+        if not windows or not self.tokens:
+            return self  # every layer is global: any prefix can be had anyway
+        point = Checkpoint(self.num_tokens, windows, self.window_nbytes or 0, head=True)
+        earlier = tuple(c for c in self.checkpoints if c.num_tokens < self.num_tokens)
+        return dataclasses.replace(self, checkpoints=(point, *earlier))
+
+    def checkpointed(self, earlier: PromptCache, recent: bool = True) -> PromptCache:
         """This cache, able to be cut back to where ``earlier`` ends (and to ``earlier``'s own
-        checkpoints, :data:`CHECKPOINTS_KEPT` in all), although its sliding windows moved on.
+        checkpoints, :data:`CHECKPOINTS_KEPT` in all), although its sliding windows moved on;
+        ``earlier``'s shared heads are kept whatever ``recent`` says.
 
         ``earlier`` is the cache this one was resumed from: its first tokens are this one's,
         and this one's global layers hold the same keys and values for them, so only
@@ -69,9 +89,15 @@ class PromptCache:
         windows = {i: layer for i, layer in enumerate(earlier.layers) if _is_window(layer)}
         if not windows or not 0 < earlier.num_tokens < self.num_tokens:
             return self
-        point = Checkpoint(earlier.num_tokens, windows, earlier.window_nbytes or 0)
-        kept = (point, *(c for c in earlier.checkpoints if c.num_tokens < point.num_tokens))
-        return dataclasses.replace(self, checkpoints=kept[:CHECKPOINTS_KEPT])
+        heads = [c for c in earlier.checkpoints if c.head]
+        points: list[Checkpoint] = []
+        if recent:
+            turns = [c for c in earlier.checkpoints if not c.head]
+            points = [Checkpoint(earlier.num_tokens, windows, earlier.window_nbytes or 0), *turns]
+            points = points[:CHECKPOINTS_KEPT]
+        at = {c.num_tokens: c for c in points} | {c.num_tokens: c for c in heads}
+        kept = tuple(at[n] for n in sorted(at, reverse=True))
+        return dataclasses.replace(self, checkpoints=kept)
 
     def longest_prefix(self, keep: int) -> PromptCache | None:
         """The cache of the first ``keep`` tokens if it can be had (:meth:`prefix`), else of
@@ -100,7 +126,7 @@ class PromptCache:
                 self.tokens[: point.num_tokens],
                 nbytes=self.nbytes,
                 window_nbytes=point.nbytes,
-                checkpoints=earlier,
+                checkpoints=(point, *earlier) if point.head else earlier,
             )
         return None
 
@@ -132,7 +158,11 @@ class PromptCache:
                 trimmed._idx = keep
             layers.append(trimmed)
         return PromptCache(  # the same arrays
-            layers, self.tokens[:keep], nbytes=self.nbytes, window_nbytes=self.window_nbytes
+            layers,
+            self.tokens[:keep],
+            nbytes=self.nbytes,
+            window_nbytes=self.window_nbytes,
+            checkpoints=tuple(c for c in self.checkpoints if c.num_tokens <= keep),
         )
 
 

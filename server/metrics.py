@@ -117,12 +117,12 @@ class ServerMetrics:
         )
         self.prefix_lookups = Gauge(
             "agentkv_cache_prefix_lookups",
-            "Turns without a cache of their own that looked for a shared prefix.",
+            "Turns that looked for another conversation's cache to start from.",
             registry=r,
         )
         self.prefix_hits = Gauge(
             "agentkv_cache_prefix_hits",
-            "Turns that started from another agent's stored or in-flight prefix.",
+            "Turns that started from another conversation's cache (stored or in memory).",
             registry=r,
         )
         self.prefix_tokens = Gauge(

@@ -1,3 +1,66 @@
 """Shared fixtures. `engine` is imported first so OpenBLAS is preloaded before mlx.core."""
 
 import engine  # noqa: F401  (side effect: OpenBLAS preload, must precede any mlx import)
+
+# isort: split
+import contextvars
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from engine.models.tiny import tiny_model_dir
+from engine.sampling import SamplingParams
+from server import turns
+
+TOOLS_MODEL = "tiny:tools"  # the tiny model with a tool-call format (Hermes-style <tool_call>)
+
+
+class ForcedTokens:
+    """A logits processor that makes the model emit the given tokens, one per step."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = list(tokens)
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if not self.tokens:
+            return logits
+        forced = mx.full(logits.shape, -1e9, dtype=logits.dtype)
+        forced[..., self.tokens.pop(0)] = 0.0
+        return forced
+
+
+_FORCED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("forced", default=None)
+
+
+@pytest.fixture
+def force_tool_call(monkeypatch):
+    """``force_tool_call(name, arguments)``: the next request with tools is answered with that
+    tool call (forced token by token). A context variable carries the tokens from the request's
+    turn to its logits processors, so concurrent requests (Claude Code's title requests) are
+    left alone."""
+    tokenizer = load_tokenizer(tiny_model_dir(TOOLS_MODEL))
+    scripts: list[list[int]] = []
+    make_processors, events = SamplingParams.make_logits_processors, turns._events
+
+    def processors(self: SamplingParams, vocab_size: int) -> list:
+        forced = _FORCED.get()
+        _FORCED.set(None)
+        return ([ForcedTokens(forced)] if forced else []) + make_processors(self, vocab_size)
+
+    def forcing_events(state, claim, request):
+        if request.tools and scripts:
+            _FORCED.set(scripts.pop(0))
+        return events(state, claim, request)
+
+    monkeypatch.setattr(SamplingParams, "make_logits_processors", processors)
+    monkeypatch.setattr(turns, "_events", forcing_events)
+
+    def force(name: str, arguments: dict, text: str = "") -> None:
+        call = json.dumps({"name": name, "arguments": arguments})
+        reply = f"{text}<tool_call>\n{call}\n</tool_call>"
+        tokens = tokenizer.encode(reply, add_special_tokens=False)
+        scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
+
+    return force

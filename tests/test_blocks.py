@@ -10,15 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mlx_lm.utils import load_tokenizer
 from sqlalchemy import func, select
 
-from agents import AgentRuntime, RuntimeConfig
+from agents import AgentRuntime, Reply, RuntimeConfig
 from agents.caches import BLOCKS_DIR, DiskStats, chain_keys
+from agents.caches.hot import HotTier
 from agents.caches.janitor import Janitor
 from agents.caches.layout import CacheLayout
 from agents.caches.save import Saver
 from agents.caches.shared import Shared
 from agents.caches.writes import Writes
+from agents.document import common_prefix
+from engine.models.tiny import tiny_model_dir
+from engine.request import Checkpoint, PromptCache
 from store import Registry
 from store.cache_files import read_cache_file
 from store.database import Database
@@ -172,6 +177,177 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert reply.cache_source == "prefix"
         assert reply.usage.cached_tokens == head
         assert reply.token_ids == alone[0].token_ids
+
+
+def prompt_tokens(model: str, messages: list[dict]) -> list[int]:
+    """The tokens the model's chat template makes of ``messages``, ready for the answer."""
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def head_length(model: str, system: str, question: str) -> int:
+    """Where the user's turn begins: the tokens every conversation with ``system`` shares."""
+    ask = prompt_tokens(model, asked(system, question))
+    probes = [prompt_tokens(model, asked(system, probe)) for probe in "01"]
+    return min(common_prefix(ask, probe) for probe in probes)
+
+
+def user_turn(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def asked(system: str, text: str) -> list[dict]:
+    return [{"role": "system", "content": system}, user_turn(text)]
+
+
+async def test_new_conversations_resume_all_of_a_shared_head_exactly(tmp_path):
+    # Sliding windows of 32 tokens: a cache cannot be cut back where a window moved on, so the
+    # head's end is kept as a checkpoint. Stored blocks end at a block boundary short of it.
+    questions = [f"Parcel {i} is late." for i in range(4)]
+    async with await AgentRuntime.open(config(tmp_path / "alone", share_prefixes=False)) as rt:
+        alone = []
+        for question in questions:
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            alone.append((await rt.chat(agent.id, question, max_tokens=12)).token_ids)
+    head = head_length("tiny:gemma3", SYSTEM, questions[0])
+    whole_blocks = head // BLOCK * BLOCK
+    assert head % BLOCK and whole_blocks >= 6 * BLOCK
+
+    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+        replies = []
+        for question in questions[:2]:
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            replies.append(await rt.chat(agent.id, question, max_tokens=12))
+        # The first stored the head's whole blocks and prefilled the rest of it alone, once;
+        # the second resumes all of the head from the first one's cache in memory.
+        assert [r.cache_source for r in replies] == ["none", "prefix"]
+        assert [r.usage.cached_tokens for r in replies] == [0, head]
+        assert [r.token_ids for r in replies] == alone[:2]
+    # After a restart (nothing in memory) the stored blocks are read, the head's end is
+    # prefilled once more, and from then on conversations resume all of it again.
+    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+        replies = []
+        for question in questions[2:]:
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            replies.append(await rt.chat(agent.id, question, max_tokens=12))
+        assert [r.cache_source for r in replies] == ["prefix", "prefix"]
+        assert [r.usage.cached_tokens for r in replies] == [whole_blocks, head]
+        assert [r.token_ids for r in replies] == alone[2:]
+
+
+async def test_a_compacted_conversation_resumes_its_shared_head(tmp_path):
+    # Claude Code's /compact: the conversation is replaced by the system prompt and tools and a
+    # summary. The agent's own cache has moved on by many turns; the head's end is still kept.
+    turns = [f"Where is parcel {i}, and when does it arrive?" for i in range(4)]
+    summary = asked(SYSTEM, "Summary: four parcels asked.")
+
+    async def converse(rt: AgentRuntime, agent_id: str) -> list[Reply]:
+        messages, replies = [{"role": "system", "content": SYSTEM}], []
+        for text in turns:
+            messages.append(user_turn(text))
+            replies.append(await respond(rt, agent_id, messages))
+            messages.append({"role": "assistant", "content": replies[-1].text})
+        return [*replies, await respond(rt, agent_id, summary)]
+
+    async with await AgentRuntime.open(config(tmp_path / "alone", share_prefixes=False)) as rt:
+        await rt.create_agent("a")
+        await converse(rt, "a")
+        await rt.create_agent("b")
+        alone = await respond(rt, "b", summary)
+    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+        await rt.create_agent("a")
+        *talk, compacted = await converse(rt, "a")
+    assert [r.cache_source for r in talk] == ["none", "hot", "hot", "hot"]
+    assert compacted.cache_source == "hot"
+    assert compacted.usage.cached_tokens == head_length("tiny:gemma3", SYSTEM, "Summary")
+    assert compacted.token_ids == alone.token_ids
+
+
+def tool(name: str, what: str) -> dict:
+    properties = {"parcel": {"type": "string", "description": f"The parcel to {what}."}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{what.capitalize()} a parcel by its tracking number; say why.",
+            "parameters": {"type": "object", "properties": properties, "required": ["parcel"]},
+        },
+    }
+
+
+async def test_another_system_prompt_with_the_same_tools_resumes_the_tools(tmp_path):
+    # Claude Code in another project: the same tools, rendered before a system prompt that
+    # differs early on (the project's paths). The end of the tools is kept as a head of its own.
+    model = "tiny:tools"  # tools rendered first; a sliding window of 128 tokens
+    tools = [tool(name, what) for name, what in (("track", "track"), ("hold", "hold back"))]
+    asks = [
+        [{"role": "system", "content": f"Project {p}. {SYSTEM}"}, user_turn("List them.")]
+        for p in ("alpha", "beta")
+    ]
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+
+    def rendered(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    probes = [rendered([{"role": "system", "content": t}, user_turn("0")]) for t in "01"]
+    tools_end = common_prefix(*probes)
+    assert common_prefix(rendered(asks[0]), rendered(asks[1])) > tools_end > 10 * BLOCK
+
+    async def answers(settings: RuntimeConfig) -> list[Reply]:
+        async with await AgentRuntime.open(settings) as rt:
+            replies = []
+            for messages in asks:
+                agent = await rt.create_agent()
+                async for event in rt.respond(agent.id, messages, tools=tools, max_tokens=8):
+                    reply = event
+                replies.append(reply)
+            return replies
+
+    alone = await answers(config(tmp_path / "alone", model, share_prefixes=False))
+    shared = await answers(config(tmp_path / "shared", model, kv_bits=None))
+    assert [r.cache_source for r in shared] == ["none", "prefix"]
+    assert shared[1].usage.cached_tokens == tools_end
+    assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
+
+
+async def test_global_attention_conversations_share_up_to_where_they_differ(tmp_path):
+    # Every layer global (tiny:llama): any cache in memory can be cut at any token, so a new
+    # conversation resumes another's up to the first token they differ in, past the head.
+    report = " ".join(f"Parcel {i} left the depot at {i + 7} o'clock." for i in range(12))
+    asks = [f"{report} Which parcel left {w}?" for w in ("first", "last")]
+    model = "tiny:llama"
+    async with await AgentRuntime.open(
+        config(tmp_path / "alone", model, share_prefixes=False)
+    ) as rt:
+        alone = []
+        for text in asks:
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            alone.append((await rt.chat(agent.id, text, max_tokens=12)).token_ids)
+    async with await AgentRuntime.open(config(tmp_path / "shared", model, kv_bits=None)) as rt:
+        replies = []
+        for text in asks:
+            agent = await rt.create_agent(system_prompt=SYSTEM)
+            replies.append(await rt.chat(agent.id, text, max_tokens=12))
+    prompts = [
+        prompt_tokens(model, [{"role": "system", "content": SYSTEM}, user_turn(t)]) for t in asks
+    ]
+    shared = common_prefix(*prompts)
+    assert shared > head_length(model, SYSTEM, asks[0]) + 8 * BLOCK  # the report is shared
+    assert replies[1].cache_source == "prefix"
+    assert replies[1].usage.cached_tokens == shared
+    assert [r.token_ids for r in replies] == alone
+
+
+async def respond(rt: AgentRuntime, agent_id: str, messages: list[dict]) -> Reply:
+    reply = None
+    async for event in rt.respond(agent_id, messages, max_tokens=8):
+        reply = event
+    assert isinstance(reply, Reply)
+    return reply
 
 
 async def test_whole_conversations_share_a_stored_system_prompt(tmp_path):
@@ -530,7 +706,7 @@ async def test_a_damaged_window_is_removed_and_stored_again(tmp_path, caplog):
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         first = await rt.create_agent(system_prompt=SYSTEM)
         await rt.chat(first.id, "Parcel 1?", max_tokens=8)
-        await rt.flush()
+        await rt.unload(first.id)  # (in memory, its cache would hold the head for others)
         [window] = [f for f in (rt.config.caches_path / BLOCKS_DIR).glob("*/*.window.*")]
         # The header says something else than what was checksummed (same length, valid JSON).
         data = window.read_bytes()
@@ -540,7 +716,33 @@ async def test_a_damaged_window_is_removed_and_stored_again(tmp_path, caplog):
         second = await rt.create_agent(system_prompt=SYSTEM)
         reply = await rt.chat(second.id, "Parcel 2?", max_tokens=8)
         assert reply.cache_source == "none" and "unusable" in caplog.text
-        await rt.flush()
+        await rt.unload(second.id)
         assert read_cache_file(window).metadata["block_tokens"] == "16"  # stored again, intact
         third = await rt.create_agent(system_prompt=SYSTEM)
         assert (await rt.chat(third.id, "Parcel 3?", max_tokens=8)).cache_source == "prefix"
+
+
+def test_the_hot_tier_counts_a_shared_head_once_while_an_entry_holds_it():
+    head = Checkpoint(5, {}, 40, head=True)
+    turn = Checkpoint(7, {}, 30)
+
+    def cache(nbytes: int, *points: Checkpoint) -> PromptCache:
+        return PromptCache([], list(range(9)), nbytes=nbytes, window_nbytes=0, checkpoints=points)
+
+    hot = HotTier(budget_bytes=1000)
+    hot.put("a", cache(100, turn, head), 2, "")
+    hot.put("b", cache(200, head), 2, "")
+    assert hot.nbytes == 100 + 30 + 200 + 40
+    assert hot.report()["shared_heads"] == 1
+    hot.drop("a")
+    assert hot.nbytes == 200 + 40
+    hot.put("b", cache(250, head), 4, "")  # replaced: the head is still held, once
+    assert hot.nbytes == 250 + 40
+    hot.drop("b")
+    assert hot.nbytes == 0 and hot.report()["shared_heads"] == 0
+    # Over the budget with its checkpoints, an entry is kept without them.
+    hot.put("c", cache(990, turn, head), 2, "")
+    assert hot.nbytes == 990 and hot.get("c").cache.checkpoints == ()
+    # Holding a new entry evicts the least recently used ones, heads included.
+    hot.put("d", cache(500, head), 2, "")
+    assert len(hot) == 1 and hot.nbytes == 540 and hot.evictions == 1

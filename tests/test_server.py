@@ -915,9 +915,14 @@ def test_conversations_with_one_long_system_prompt_share_it(claude, http):
         model="m", max_tokens=4, system=system, messages=[user("And parcel two?")]
     )
     assert first.usage.cache_read_input_tokens == 0
-    # No agent named, a new conversation: it starts from the first one's stored system prompt.
-    assert second.usage.cache_read_input_tokens >= 256
-    assert second.usage.cache_read_input_tokens % 256 == 0
+    # No agent named, a new conversation: it starts from all of the first one's system prompt,
+    # to the token where the user's turn begins, not only its whole blocks of 256.
+    count = claude.messages.count_tokens(
+        model="m", system=system, messages=[user("And parcel two?")]
+    )
+    assert second.usage.cache_read_input_tokens + second.usage.input_tokens == count.input_tokens
+    assert second.usage.cache_read_input_tokens > 5 * 256
+    assert second.usage.input_tokens == 18  # "<start_of_turn>user\nAnd parcel two?..." only
     assert metric(http, "agentkv_turns_total", cache_source="prefix") == prefix + 1
     assert metric(http, "agentkv_cache_prefix_hits") == hits + 1
 

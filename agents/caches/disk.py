@@ -90,13 +90,30 @@ class DiskCaches:
         """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
         return await self._loader.load(agent_id)
 
-    async def prefix(self, tokens: list[int], head: Callable[[], int], priority: float) -> Prefix:
-        """A cache for the start of ``tokens`` from stored blocks or a head another turn is
-        prefilling (see ``agents.caches.prefixes``); (None, 0, None) when prefixes are not
-        shared."""
+    @property
+    def shares_prefixes(self) -> bool:
+        return self._share_prefixes
+
+    async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
+        """Stored blocks for the start of ``tokens`` longer than ``at_least`` tokens, or a head
+        another turn is storing now (see ``agents.caches.prefixes``); None when there are none
+        or prefixes are not shared."""
         if not self._share_prefixes:
-            return None, 0, None
-        return await self._prefixes.start(tokens, head, priority)
+            return None
+        return await self._prefixes.stored(tokens, at_least)
+
+    async def store_head(
+        self, tokens: list[int], end: int, priority: float, start: PromptCache | None
+    ) -> Prefix:
+        """Prefill and store the whole blocks of the shared head ``tokens[:end]`` after
+        ``start`` (see ``Prefixes.store_head``)."""
+        return await self._prefixes.store_head(tokens, end, priority, start)
+
+    async def extend(
+        self, cache: PromptCache | None, tokens: list[int], priority: float
+    ) -> PromptCache | None:
+        """The cache of ``tokens``: ``cache`` (of a prefix of them) and the rest prefilled."""
+        return await self._prefixes.extend(cache, tokens, priority)
 
     async def block_files(self, keys: Sequence[str]) -> list[Path]:
         """The files holding these recorded blocks (each once, in order)."""

@@ -1,12 +1,17 @@
-"""Recently used agents' unquantized caches, in memory, under a byte budget (LRU)."""
+"""Recently used agents' unquantized caches, in memory, under a byte budget (LRU).
+
+Other conversations start from them too: :func:`longest_shared` finds the entry sharing the
+longest token prefix with a new prompt and cuts it back there (exactly: see
+``PromptCache.longest_prefix``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.request import PromptCache
+from engine.request import Checkpoint, PromptCache
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,12 +26,14 @@ class HotTier:
     """An LRU map agent id -> HotEntry holding at most ``budget_bytes`` of caches.
 
     Entries are never mutated: the engine merges a cache into its batch by copy, so the same
-    entry can be resumed again.
+    entry can be resumed again. A shared head's checkpoint (the same windows in every cache
+    resumed from it) counts once, while an entry holds it.
     """
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, HotEntry] = OrderedDict()
+        self._heads: dict[int, tuple[Checkpoint, int]] = {}  # id -> (head, entries holding it)
         self.nbytes = 0
         self.evictions = 0
 
@@ -41,23 +48,48 @@ class HotTier:
 
     def put(self, agent_id: str, cache: PromptCache, message_count: int, digest: str) -> None:
         self.drop(agent_id)
-        if cache.held_nbytes > self.budget_bytes >= cache.nbytes:
+        if self._cost(cache) > self.budget_bytes >= cache.nbytes:
             cache = dataclasses.replace(cache, checkpoints=())  # the cache before its extras
-        nbytes = cache.held_nbytes  # its checkpoints' windows too
-        if nbytes > self.budget_bytes:
+        if self._cost(cache) > self.budget_bytes:
             return
-        self._entries[agent_id] = HotEntry(cache, message_count, digest, nbytes)
-        self.nbytes += nbytes
+        entry = HotEntry(cache, message_count, digest, cache.held_nbytes)
+        self._entries[agent_id] = entry
+        self._hold(entry, 1)
         while self.nbytes > self.budget_bytes:
             _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self._hold(old, -1)
             self.evictions += 1
 
+    def _cost(self, cache: PromptCache) -> int:
+        """What holding ``cache`` would add: its own bytes and the heads no entry holds yet."""
+        new_heads = (c for c in cache.checkpoints if c.head and id(c) not in self._heads)
+        return cache.held_nbytes + sum(c.nbytes for c in new_heads)
+
+    def _hold(self, entry: HotEntry, change: int) -> None:
+        """Count an entry in (``change`` 1) or out (-1), its shared heads once across entries."""
+        self.nbytes += change * entry.nbytes
+        for point in entry.cache.checkpoints:
+            if not point.head:
+                continue
+            _, holders = self._heads.get(id(point), (point, 0))
+            if holders == 0:
+                self.nbytes += point.nbytes
+            if holders + change == 0:
+                del self._heads[id(point)]
+                self.nbytes -= point.nbytes
+            else:
+                self._heads[id(point)] = (point, holders + change)
+
+    def entries(self) -> list[HotEntry]:
+        """The entries now (a snapshot another thread may read: entries are never changed)."""
+        return list(self._entries.values())
+
     def report(self) -> dict[str, int]:
-        """Agents and bytes held, the budget, evictions so far."""
+        """Agents and bytes held (shared heads' windows once), the budget, evictions so far."""
         return {
             "agents": len(self._entries),
             "bytes": self.nbytes,
+            "shared_heads": len(self._heads),
             "budget_bytes": self.budget_bytes,
             "evictions": self.evictions,
         }
@@ -65,4 +97,38 @@ class HotTier:
     def drop(self, agent_id: str) -> None:
         entry = self._entries.pop(agent_id, None)
         if entry is not None:
-            self.nbytes -= entry.nbytes
+            self._hold(entry, -1)
+
+
+COMPARED = 1024  # tokens compared at once while looking for where two prompts differ
+
+
+def shared_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of two token lists, at most ``limit`` (chunks compared in
+    C, then the differing chunk token by token)."""
+    n = min(len(a), len(b), limit)
+    at = 0
+    while at < n and a[at : at + COMPARED] == b[at : at + COMPARED]:
+        at += COMPARED
+    while at < n and a[at] == b[at]:
+        at += 1
+    return min(at, n)
+
+
+def longest_shared(
+    entries: Sequence[HotEntry], tokens: Sequence[int], limit: int
+) -> PromptCache | None:
+    """The longest cache of a prefix of ``tokens`` (at most ``limit`` of them) that an entry
+    can be cut back to, or None. Runs in a worker thread: no MLX work, shares the arrays."""
+    best: PromptCache | None = None
+    for entry in entries:
+        cached = entry.cache.tokens
+        if not cached or cached[0] != tokens[0]:
+            continue
+        n = shared_length(cached, tokens, limit)
+        if n == 0 or (best is not None and n <= best.num_tokens):
+            continue
+        cut = entry.cache.longest_prefix(n)
+        if cut is not None and (best is None or cut.num_tokens > best.num_tokens):
+            best = cut
+    return best

@@ -1,10 +1,12 @@
-"""Shared prefixes: a cache that starts with stored blocks whose last one has a window file
-can be built from them, so a new agent with a stored system prompt prefills only the rest.
+"""Shared prefixes on disk: a cache that starts with stored blocks whose last one has a window
+file can be built from them, so a new agent with a stored system prompt prefills only the rest.
 
-A turn without a cache of its own looks for the longest stored prefix of its prompt; failing
-that, when its head (the system prompt and tools) spans a block, it prefills the head alone
-first and stores it as blocks plus a window (pinned until the turn has saved its own cache).
-Turns that start the same way meanwhile wait for that head instead of prefilling it again."""
+A turn without a cache of its own looks for the longest stored prefix of its prompt
+(:meth:`Prefixes.stored`); failing that, when its head (the system prompt and tools) spans a
+block, it prefills the head's whole blocks alone first and stores them as blocks plus a window
+(:meth:`Prefixes.store_head`; pinned until the turn has saved its own cache). Turns that start
+the same way meanwhile wait for that head instead of prefilling it again. ``CacheTiers.prefix``
+decides between these and the caches in memory."""
 
 from __future__ import annotations
 
@@ -44,62 +46,83 @@ class Prefixes(Part):
         # the same way wait for them instead of prefilling the same tokens again.
         self.heads: dict[str, asyncio.Future[PromptCache | None]] = {}
 
-    async def start(self, tokens: list[int], head: Callable[[], int], priority: float) -> Prefix:
-        """A cache for the start of ``tokens``: stored blocks, or a shared head another turn
-        is prefilling now. Failing both, when the head (``head()`` tokens) spans a block, this
-        turn prefills the head alone first and stores it."""
-        size = self._layout.block_tokens
-        usable = (len(tokens) - 1) // size  # at least one token is left to prefill
+    def _usable(self, tokens: list[int]) -> int:
+        """Full blocks of ``tokens`` a prefix may cover (at least one token is left to
+        prefill); 0 for a prompt over the context (it is refused: nothing is prefilled)."""
         limit = self._engine.model.max_context
-        if usable == 0 or (limit and len(tokens) >= limit):
-            return None, 0, None  # (a prompt over the context is refused: prefill nothing)
+        if limit and len(tokens) >= limit:
+            return 0
+        return (len(tokens) - 1) // self._layout.block_tokens
+
+    async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
+        """Stored blocks for the start of ``tokens``, or a head another turn is storing now,
+        longer than ``at_least`` tokens; None when there are none."""
+        size = self._layout.block_tokens
+        usable = self._usable(tokens)
+        if usable * size <= at_least:
+            return None
         keys = self._layout.keys(tokens[: usable * size])
-        self._stats.prefix_lookups += 1
         stored = await self._stored(keys)
         for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
             pending = self.heads.get(keys[n - 1])
-            if pending is not None and (cache := await asyncio.shield(pending)) is not None:
-                return self._shared(cache)
-        if stored:
-            cache = await self._load(tokens[: stored * size], keys[:stored])
-            if cache is not None:
-                return cache, 0, None
-            stored = 0  # unusable (logged; a damaged file was removed): store the head anew
-        n = min(await asyncio.to_thread(head) // size, usable)
-        if n <= stored:
-            return None, 0, None
-        pending = self.heads.get(keys[n - 1])  # another turn began storing it meanwhile
-        if pending is None:
-            return await self._store_head(tokens[: n * size], keys[:n], priority)
-        if (cache := await asyncio.shield(pending)) is None:
-            return None, 0, None  # it failed: prefill everything
-        return self._shared(cache)
+            if n * size > at_least and pending is not None:  # noqa: SIM102 (awaits only then)
+                if (cache := await asyncio.shield(pending)) is not None:
+                    return cache
+        if stored * size > at_least:
+            return await self._load(tokens[: stored * size], keys[:stored])
+        return None
 
-    def _shared(self, cache: PromptCache) -> Prefix:
-        """A head another turn prefilled, as this turn's start (counted as a prefix hit)."""
-        self._stats.prefix_hits += 1
-        self._stats.prefix_tokens += cache.num_tokens
+    async def store_head(
+        self, tokens: list[int], end: int, priority: float, start: PromptCache | None
+    ) -> Prefix:
+        """Prefill the whole blocks of ``tokens[:end]`` (a shared head) after ``start`` (a
+        cache of a prefix of them, left intact; None: from the first token) and store them as
+        blocks plus a window, for the turns that follow; a turn storing the same head now is
+        waited for instead. Returns ``start`` when there is no whole block more to store."""
+        size = self._layout.block_tokens
+        n = min(end // size, self._usable(tokens))
+        if n * size <= (start.num_tokens if start else 0):
+            return start, 0, None
+        keys = self._layout.keys(tokens[: n * size])
+        pending = self.heads.get(keys[-1])  # another turn began storing it meanwhile
+        if pending is None:
+            return await self._store_head(tokens[: n * size], keys, priority, start)
+        if (cache := await asyncio.shield(pending)) is None:
+            return start, 0, None  # it failed: go on from where this turn was
         return cache, 0, None
 
-    async def _store_head(self, tokens: list[int], keys: list[str], priority: float) -> Prefix:
-        """Prefill a shared head alone (its last token forced, so the cache ends exactly at
-        its last block) and store it as blocks plus a window, for the turns that follow."""
+    async def extend(
+        self, cache: PromptCache | None, tokens: list[int], priority: float
+    ) -> PromptCache | None:
+        """The cache of ``tokens``: ``cache`` (of a prefix of them, left intact; None: none)
+        and the rest prefilled alone, its last token forced so that the cache ends exactly
+        there; None (logged) when that fails. ``cache``'s shared heads are carried on."""
+        rest = tokens[cache.num_tokens :] if cache else tokens
+        request = GenerationRequest(
+            rest[:-1], max_tokens=1, forced_token=rest[-1], priority=priority, cache=cache
+        )
+        result = await self._engine.generate(request)
+        if result.is_error or result.cache is None or result.cache.tokens != tokens:
+            log.warning("prefilling a shared head failed (%s)", result.error)
+            return None
+        return result.cache.checkpointed(cache, recent=False) if cache else result.cache
+
+    async def _store_head(
+        self, tokens: list[int], keys: list[str], priority: float, start: PromptCache | None
+    ) -> Prefix:
+        """Prefill a shared head after ``start`` alone (its last token forced, so the cache
+        ends exactly at its last block) and store it as blocks plus a window."""
         future: asyncio.Future[PromptCache | None] = asyncio.get_running_loop().create_future()
         self.heads[keys[-1]] = future
         release = self._janitor.pin(keys)
         cache = None
         try:
-            request = GenerationRequest(
-                tokens[:-1], max_tokens=1, forced_token=tokens[-1], priority=priority
-            )
-            result = await self._engine.generate(request)
-            if result.is_error or result.cache is None or result.cache.tokens != tokens:
-                log.warning("prefilling a shared head failed (%s); prefilling whole", result.error)
+            cache = await self.extend(start, tokens, priority)
+            if cache is None:
                 release()
-                return None, 0, None
-            cache = result.cache
+                return start, 0, None
             self._store(cache, keys)
-            return cache, cache.num_tokens, release
+            return cache, cache.num_tokens - (start.num_tokens if start else 0), release
         except BaseException:
             release()
             raise
@@ -183,6 +206,4 @@ class Prefixes(Part):
         if cache.tokens != list(tokens):
             log.warning("stored prefix holds other tokens than its keys say; prefilling it")
             return None
-        self._stats.prefix_hits += 1
-        self._stats.prefix_tokens += cache.num_tokens
         return cache

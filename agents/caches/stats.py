@@ -18,9 +18,11 @@ class DiskStats:
         blocks_written: blocks written (new to the store).
         blocks_shared: blocks a save found already stored.
         bytes_written: bytes of the blocks, windows and tails written.
-        prefix_lookups: turns without a cache of their own that looked for a stored prefix.
-        prefix_hits: of those, the ones that started from one (or from a shared head).
-        prefix_tokens: tokens taken from stored prefixes instead of prefilled.
+        prefix_lookups: turns that looked for another conversation's cache to start from (no
+            cache of their own, or one sharing less with the prompt).
+        prefix_hits: of those, the ones that started from one (stored blocks, a shared head
+            being prefilled, a cache in memory).
+        prefix_tokens: tokens taken from them instead of prefilled.
         usage: the files' bytes, count and blocks, as last counted.
     """
 

@@ -2,17 +2,25 @@
 (``DiskCaches``). Turns resume from here and keep their caches here; the runtime's cache seams
 (``cache_info``, ``export_cache``, ``unload``) and ``fork`` and ``delete_agent`` read and change
 both tiers through it.
+
+A turn without a cache of its own (or whose own shares less) starts from another
+conversation's (:meth:`CacheTiers.prefix`): the longest prefix of its prompt that a cache in
+memory can be cut back to exactly, or stored blocks on disk. Where a sliding-window layer has
+moved on, a cache can be cut back only at its checkpoints: the previous turn boundaries and the
+end of its shared head (system prompt and tools), which a turn that started from stored blocks
+prefills exactly to, once, and keeps as a checkpoint for the conversations that follow.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from agents.caches.disk import DiskCaches
-from agents.caches.hot import HotTier
+from agents.caches.hot import HotTier, longest_shared
 from engine.request import PromptCache
 from store import CacheRecord, Registry
 
@@ -52,6 +60,31 @@ class Resumed:
     digest: str | None
 
 
+@dataclass(slots=True, frozen=True)
+class Start:
+    """Where a turn starts (``CacheTiers.prefix``).
+
+    Attributes:
+        cache: the cache to resume (None: prefill everything).
+        fresh: its tokens this turn prefilled itself (shared heads it stored or marked).
+        borrowed: its tokens taken from other conversations' caches.
+        release: unpins the blocks of a head this turn stored, once the turn has saved.
+    """
+
+    cache: PromptCache | None
+    fresh: int = 0
+    borrowed: int = 0
+    release: Callable[[], None] | None = None
+
+    def grown(self, cache: PromptCache, added: int, release: Callable[[], None] | None) -> Start:
+        """This start, now ``cache``: ``added`` more tokens prefilled after it, or (0) a head
+        another turn prefilled meanwhile."""
+        release = release or self.release
+        if added:
+            return Start(cache, self.fresh + added, self.borrowed, release)
+        return Start(cache, 0, cache.num_tokens, release)
+
+
 class CacheTiers:
     """The hot tier and the disk caches, used as one."""
 
@@ -71,6 +104,72 @@ class CacheTiers:
         if loaded is None:
             return None
         return Resumed(loaded.cache, loaded.message_count, "disk", loaded.digest)
+
+    async def prefix(
+        self,
+        tokens: list[int],
+        heads: Callable[[], list[int]],
+        priority: float,
+        own: PromptCache | None = None,
+    ) -> Start:
+        """The longest cache for the start of ``tokens`` (at least one token left to prefill):
+        ``own`` (the turn's own cache, cut back) unless other conversations' caches hold more,
+        carried on to the ends of the shared heads (``heads()``, ascending) it falls short of.
+        See the module docstring."""
+        start = Start(own)
+        if not self.disk.shares_prefixes or len(tokens) < 2:
+            return start
+        limit, block, stats = len(tokens) - 1, self.disk.block_tokens, self.disk.stats
+        stats.prefix_lookups += 1
+        # Like a stored prefix, at least a block: merging less saves less than it costs.
+        have = max(own.num_tokens if own else 0, block - 1)
+        hot = await asyncio.to_thread(longest_shared, self.hot.entries(), tokens, limit)
+        if hot is not None and hot.num_tokens > have:
+            start, have = Start(hot, borrowed=hot.num_tokens), hot.num_tokens
+        stored = await self.disk.stored(tokens, have)
+        if stored is not None:
+            start = Start(stored, borrowed=stored.num_tokens)
+        try:
+            start = await self._to_heads(start, tokens, heads, priority, stored is None)
+        except BaseException:
+            if start.release:
+                start.release()
+            raise
+        if start.borrowed:
+            stats.prefix_hits += 1
+            stats.prefix_tokens += start.borrowed
+        return start
+
+    async def _to_heads(
+        self,
+        start: Start,
+        tokens: list[int],
+        heads: Callable[[], list[int]],
+        priority: float,
+        store: bool,
+    ) -> Start:
+        """``start`` carried on to each shared head's end beyond it, each prefilled alone and
+        marked (``PromptCache.as_head``); on the way to the last one, its whole blocks are
+        stored first when ``store`` (nothing was stored for them)."""
+        cuts = await asyncio.to_thread(heads)
+        at = start.cache.num_tokens if start.cache else 0
+        cuts = [end for end in cuts if at < end < len(tokens)]
+        for i, end in enumerate(cuts):
+            last = i == len(cuts) - 1
+            if last and store:
+                cache, added, release = await self.disk.store_head(
+                    tokens, end, priority, start.cache
+                )
+                if cache is not start.cache:
+                    start = start.grown(cache, added, release)
+            at = start.cache.num_tokens if start.cache else 0
+            # An inner head (tools before the system prompt) is worth a checkpoint past a block.
+            if end - at >= (2 if last else self.disk.block_tokens):
+                cache = await self.disk.extend(start.cache, tokens[:end], priority)
+                if cache is None:
+                    break
+                start = start.grown(cache.as_head(), end - at, None)
+        return start
 
     def keep(
         self,
