@@ -6,6 +6,8 @@ Routes::
     POST   /v1/messages                 Anthropic Messages (stream: SSE)
     POST   /v1/messages/count_tokens    Anthropic token counting
     POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
+    POST   /v1/responses                OpenAI Responses (stream: SSE; see server.api.responses)
+    POST   /v1/responses/input_tokens   its token counting
     GET    /v1/models, /v1/models/{id}  the loaded model, readable by both SDKs
     *      /v1/agents...                agents REST (see server.api.agents)
     GET    /metrics                     Prometheus text format
@@ -34,6 +36,7 @@ from agents import AgentKVError, AgentRuntime, RuntimeConfig
 from server.api import agents as agents_api
 from server.api import anthropic as anthropic_api
 from server.api import openai as openai_api
+from server.api import responses as responses_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.hosts import HostCheck
 from server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
@@ -165,6 +168,7 @@ def create_app(
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(agents_api.router)
 
     @app.head("/", include_in_schema=False)

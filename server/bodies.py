@@ -48,8 +48,8 @@ async def parse_off_loop(
 
     Args:
         http: the request; its body is read here.
-        model: a pydantic model with a ``messages`` list field.
-        max_messages: more messages than this are refused with 413.
+        model: a pydantic model with a ``messages`` (or, Responses API, ``input``) list field.
+        max_messages: more messages (input items) than this are refused with 413.
         then: the route's conversion of the parsed body (errors it raises pass through).
 
     Returns:
@@ -78,12 +78,13 @@ def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
         data = json.loads(raw, object_pairs_hook=_dict)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError.invalid(f"body: not valid JSON: {exc}") from None
-    messages = data.get("messages") if isinstance(data, dict) else None
+    key = "messages" if "messages" in model.model_fields else "input"  # (Responses API)
+    messages = data.get(key) if isinstance(data, dict) else None
     if isinstance(messages, list):
         if len(messages) > max_messages:
-            message = too_many_messages_message(len(messages), max_messages)
-            raise APIError(TOO_LARGE, message, "messages")
-        data["messages"] = _validated_messages(model, messages)
+            message = too_many_messages_message(len(messages), max_messages, key)
+            raise APIError(TOO_LARGE, message, key)
+        data[key] = _validated_messages(model, key, messages)
     try:
         return model.model_validate(data)  # validated messages pass through as they are
     except ValidationError as exc:
@@ -95,18 +96,18 @@ def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 @functools.cache
-def _messages_adapter(model: type[BaseModel]) -> TypeAdapter:
-    return TypeAdapter(model.model_fields["messages"].annotation)
+def _messages_adapter(model: type[BaseModel], key: str) -> TypeAdapter:
+    return TypeAdapter(model.model_fields[key].annotation)
 
 
-def _validated_messages(model: type[BaseModel], messages: list[Any]) -> list[Any]:
-    adapter = _messages_adapter(model)
+def _validated_messages(model: type[BaseModel], key: str, messages: list[Any]) -> list[Any]:
+    adapter = _messages_adapter(model, key)
     validated: list[Any] = []
     for start in range(0, len(messages), CHUNK):
         try:
             validated += adapter.validate_python(messages[start : start + CHUNK])
         except ValidationError as exc:
-            raise RequestValidationError(_located(exc, ("body", "messages"), start)) from None
+            raise RequestValidationError(_located(exc, ("body", key), start)) from None
     return validated
 
 

@@ -13,6 +13,7 @@ from agents.errors import check_text
 from agents.prompt import Message
 from server.errors import APIError
 from server.limits import MAX_STOP_CHARS
+from server.sessions import SESSION_PREFIX
 
 TEXT_JOINER = "\n"
 """Joins the text blocks of one message (or of a system prompt given as blocks)."""
@@ -43,7 +44,8 @@ class TurnRequest:
         max_tokens: None means the runtime's default.
         sampling: None means the agent's own defaults.
         stop: stop strings.
-        session: a client session (Claude Code's session id): it has an agent of its own.
+        session: a client session (Claude Code's session id, a Responses API client's
+            ``prompt_cache_key``): it has an agent of its own, named with ``session_prefix``.
         document: set for a whole-conversation turn (tools, tool calls and results, system
             messages anywhere): the conversation in chat-template shape, system prompt first,
             answered by ``AgentRuntime.respond``.
@@ -58,6 +60,7 @@ class TurnRequest:
     sampling: SamplingParams | None = None
     stop: list[str] = field(default_factory=list)
     session: str | None = None
+    session_prefix: str = SESSION_PREFIX
     document: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
 

@@ -214,7 +214,7 @@ class Identity:
         hold it until the block ends."""
         named = request.agent_id
         if named is None and request.session is not None:
-            named = session_agent_id(request.session, request.tools)
+            named = session_agent_id(request.session, request.tools, request.session_prefix)
         if named is not None:
             await self._enter(named)
             try:

@@ -33,9 +33,9 @@ def too_large_message(limit: int) -> str:
     )
 
 
-def too_many_messages_message(count: int, limit: int) -> str:
+def too_many_messages_message(count: int, limit: int, field: str = "messages") -> str:
     return (
-        f"messages: {count} messages are more than this server's limit of {limit}; send a "
+        f"{field}: {count} messages are more than this server's limit of {limit}; send a "
         "shorter conversation (compact it) or raise the limit (agentkv serve --max-messages)"
     )
 

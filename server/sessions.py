@@ -19,6 +19,7 @@ suffix new for every prompt), the first block of its system prompt."""
 
 STATELESS_PREFIX = "stateless-"
 SESSION_PREFIX = "claude-code-"
+RESPONSES_SESSION_PREFIX = "session-"  # sessions named by Responses API clients (Codex)
 _LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 
 
@@ -61,11 +62,14 @@ def named_agent(user_id: str | None) -> str | None:
     return user_id if user_id is not None and is_valid_agent_id(user_id) else None
 
 
-def session_agent_id(session: str, tools: list[dict[str, Any]] | None) -> str:
-    """``claude-code-<session>-<tool set>``: a session's main conversation and its side requests
-    (titles, summaries: other prompts, no tools) each keep their own agent and cache."""
+def session_agent_id(
+    session: str, tools: list[dict[str, Any]] | None, prefix: str = SESSION_PREFIX
+) -> str:
+    """``<prefix><session>-<tool set>`` (``claude-code-`` for Claude Code): a session's main
+    conversation and its side requests (titles, summaries: other prompts, no tools) each keep
+    their own agent and cache."""
     names = sorted(t.get("function", t).get("name", "") for t in tools or [])
     tool_set = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:8]
-    if not is_valid_agent_id(f"{SESSION_PREFIX}{session}-{tool_set}"):
+    if not is_valid_agent_id(f"{prefix}{session}-{tool_set}"):
         session = hashlib.sha256(session.encode()).hexdigest()[:40]
-    return f"{SESSION_PREFIX}{session}-{tool_set}"
+    return f"{prefix}{session}-{tool_set}"

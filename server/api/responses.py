@@ -1,0 +1,387 @@
+"""OpenAI Responses API: ``POST /v1/responses`` (plain and streamed) and
+``POST /v1/responses/input_tokens``.
+
+Each request is a whole conversation (``input`` and ``instructions``, see
+:mod:`server.api.responses_input`), answered by ``AgentRuntime.respond``: the agent's cache
+is reused up to the longest common token prefix. Which agent answers: the ``x-agent-id``
+header; else a session, named by ``prompt_cache_key`` or the ``session-id`` header (Codex sends
+its session id in both), which has an agent of its own (``session-<id>-<tool set>``, expiring
+like stateless agents); else the stateless agent whose transcript the conversation extends
+(see :mod:`server.identity`).
+
+Fields are read, honoured, or refused, never dropped unread:
+
+- honoured: ``model`` (echoed), ``input``, ``instructions``, ``tools``, ``tool_choice``
+  (``"auto"``, ``"none"``), ``parallel_tool_calls`` (false: at most one call per turn),
+  ``max_output_tokens``, ``max_tool_calls``, ``temperature``, ``top_p``, ``stream``,
+  ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` ``{"type": "text"}``,
+  ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
+- accepted, without effect: ``reasoning`` (the reply has no reasoning items),
+  ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``store`` (the
+  conversation is kept as the agent's transcript either way; responses cannot be retrieved by
+  id), ``user``, ``safety_identifier``, ``service_tier``, ``client_metadata``,
+  ``stream_options``;
+- refused with a 400 naming the field: ``previous_response_id`` and ``conversation`` (send the
+  conversation, or name an agent), ``tool_choice`` ``"required"`` or a named function,
+  structured ``text.format``, ``top_logprobs`` and other ``include`` values, ``background``,
+  ``truncation: "auto"``, ``prompt`` templates;
+- any other field: logged once by name and not used.
+
+Usage counts every input token; ``input_tokens_details.cached_tokens`` those resumed from a
+cache. A reply cut by ``max_output_tokens`` comes back ``incomplete``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
+
+from agents import Reply
+from agents.tool_calls import ToolCall, ToolFormat
+from server.api.responses_input import Conversation, conversation
+from server.bodies import parse_off_loop
+from server.conversation import TurnRequest, sampling_from
+from server.errors import APIError, Dialect, api_error
+from server.sessions import RESPONSES_SESSION_PREFIX
+from server.state import State
+from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+SessionId = Annotated[str | None, Header(alias="session-id")]
+"""Route parameter type: Codex's session id header."""
+
+ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content"})
+_ignored: set[str] = set()  # unknown fields already logged
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tool_calls: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    prompt: Any = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    client_metadata: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    _read: Conversation | None = PrivateAttr(default=None)
+
+    def turn(self, agent_header: str | None, session_header: str | None) -> TurnRequest:
+        """The turn this request asks for. Raises APIError (400) for what it cannot honour."""
+        self._refuse_unsupported()
+        for name in sorted(set(self.model_extra or ()) - _ignored):
+            _ignored.add(name)
+            log.info("Responses API: field %r is not known to this server: not used", name)
+        read = conversation(self.input, self.instructions, self.tools)
+        if not read.messages or read.messages[-1]["role"] == "assistant":
+            raise APIError.invalid(
+                "input: the conversation must end with a user message or a function_call_output "
+                "(continuing an assistant message is not supported)",
+                "input",
+            )
+        self._read = read
+        return TurnRequest(
+            agent_id=agent_header,
+            system=read.system,
+            history=[],
+            message="",
+            max_tokens=self.max_output_tokens,
+            sampling=sampling_from(temperature=self.temperature, top_p=self.top_p),
+            session=None if agent_header else (self.prompt_cache_key or session_header),
+            session_prefix=RESPONSES_SESSION_PREFIX,
+            document=read.document,
+            tools=read.tools if self.tool_choice != "none" else None,
+        )
+
+    def _refuse_unsupported(self) -> None:
+        def refuse(field: str, why: str) -> None:
+            raise APIError.invalid(f"{field}: {why}", field)
+
+        if self.previous_response_id is not None:
+            refuse(
+                "previous_response_id",
+                "not supported: responses are not stored by id; send the whole conversation "
+                "(store: false, as Codex does) or name an agent with the x-agent-id header",
+            )
+        if self.conversation is not None:
+            refuse("conversation", "not supported: send the whole conversation as input")
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "auto", "none"):
+            refuse(
+                "tool_choice",
+                f"{self.tool_choice!r} is not supported: this server cannot force a tool call "
+                "yet; use 'auto' or 'none'",
+            )
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") != "text":
+            refuse(
+                "text.format",
+                f"{fmt.get('type')!r} is not supported: this server produces plain text (no "
+                "structured outputs yet)",
+            )
+        if self.top_logprobs is not None:
+            refuse("top_logprobs", "not supported: this server returns no log probabilities")
+        for value in self.include or []:
+            if value not in ACCEPTED_INCLUDES:
+                refuse("include", f"{value!r} is not supported")
+        if self.background:
+            refuse("background", "not supported: responses run in the request")
+        if self.truncation == "auto":
+            refuse(
+                "truncation",
+                "'auto' is not supported: a conversation over the context is refused, not cut",
+            )
+        if self.prompt is not None:
+            refuse("prompt", "not supported: prompt templates are stored by OpenAI")
+
+    @property
+    def read(self) -> Conversation:
+        """The conversation :meth:`turn` read."""
+        assert self._read is not None
+        return self._read
+
+
+class _Ids:
+    """The ids of one response and its output items."""
+
+    def __init__(self) -> None:
+        self.response = f"resp_{uuid.uuid4().hex}"
+        self.message = f"msg_{uuid.uuid4().hex}"
+
+
+def _calls(body: ResponsesRequest, reply: Reply) -> list[ToolCall]:
+    calls = list(reply.content.tool_calls)
+    if body.parallel_tool_calls is False:
+        calls = calls[:1]
+    if body.max_tool_calls is not None:
+        calls = calls[: body.max_tool_calls]
+    return calls
+
+
+def _message_item(ids: _Ids, text: str, status: str) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_text_part(text)]
+    return {
+        "type": "message",
+        "id": ids.message,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(
+    body: ResponsesRequest, call: ToolCall, status: str, arguments: str | None = None
+) -> dict[str, Any]:
+    item = {
+        "type": "function_call",
+        "id": f"fc_{call.id.removeprefix('call_')}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": json.dumps(call.arguments) if arguments is None else arguments,
+        "status": status,
+    }
+    if (namespace := body.read.namespaces.get(call.name)) is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def _output(body: ResponsesRequest, ids: _Ids, reply: Reply) -> list[dict[str, Any]]:
+    calls = _calls(body, reply)
+    items = []
+    if reply.content.text or not calls:
+        items.append(_message_item(ids, reply.content.text, "completed"))
+    items += [_call_item(body, call, "completed") for call in calls]
+    return items
+
+
+def _usage(reply: Reply) -> dict[str, Any]:
+    u = reply.usage
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def _response(
+    body: ResponsesRequest, ids: _Ids, created: int, reply: Reply | None
+) -> dict[str, Any]:
+    """The response object: in progress (no reply yet), completed or incomplete."""
+    status, incomplete = "in_progress", None
+    if reply is not None:
+        status = "incomplete" if reply.finish_reason == "length" else "completed"
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+    return {
+        "id": ids.response,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "model": body.model,
+        "instructions": body.instructions,
+        "output": _output(body, ids, reply) if reply is not None else [],
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": body.store is not False,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": body.metadata or {},
+        "usage": _usage(reply) if reply is not None else None,
+    }
+
+
+async def _events(
+    body: ResponsesRequest,
+    turn: TurnStream,
+    tool_format: ToolFormat | None,
+    ids: _Ids,
+    created: int,
+) -> AsyncIterator[str]:
+    """The response as server-sent events, in the order the OpenAI SDKs and Codex read."""
+    sequence = 0
+
+    def event(kind: str, **data: Any) -> str:
+        nonlocal sequence
+        data = {"type": kind, "sequence_number": sequence, **data}
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
+
+    def open_message() -> list[str]:
+        item = _message_item(ids, "", "in_progress")
+        return [
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", **text_at, part=_text_part("")),
+        ]
+
+    def delta(piece: str) -> str:
+        return event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
+
+    yield event("response.created", response=_response(body, ids, created, None))
+    yield event("response.in_progress", response=_response(body, ids, created, None))
+    opened, text, reply = False, "", None
+    try:
+        async for piece in turn.visible_text(tool_format):
+            if isinstance(piece, Reply):
+                reply = piece
+                continue
+            if not opened:
+                for line in open_message():
+                    yield line
+                opened = True
+            text += piece
+            yield delta(piece)
+    except Exception as exc:  # the turn failed after it started: tell the client in-stream
+        error = api_error(exc).body(Dialect.OPENAI)["error"]
+        yield event("error", code=error.get("type"), message=error["message"], param=None)
+        failed = _response(body, ids, created, None) | {"status": "failed", "error": error}
+        yield event("response.failed", response=failed)
+        return
+    assert reply is not None
+    calls, final, index = _calls(body, reply), reply.content.text, 0
+    if opened or final or not calls:
+        if not opened:
+            for line in open_message():
+                yield line
+        if len(final) > len(text):
+            yield delta(final[len(text) :])
+        yield event("response.output_text.done", **text_at, text=final, logprobs=[])
+        yield event("response.content_part.done", **text_at, part=_text_part(final))
+        done = _message_item(ids, final, "completed")
+        yield event("response.output_item.done", output_index=0, item=done)
+        index = 1
+    for call in calls:
+        item, arguments = _call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
+        at = {"item_id": item["id"], "output_index": index}
+        yield event("response.output_item.added", output_index=index, item=item)
+        yield event("response.function_call_arguments.delta", **at, delta=arguments)
+        yield event("response.function_call_arguments.done", **at, arguments=arguments)
+        done = _call_item(body, call, "completed")
+        yield event("response.output_item.done", output_index=index, item=done)
+        index += 1
+    finished = _response(body, ids, created, reply)
+    kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=finished)
+
+
+@router.post("/v1/responses")
+async def create_response(
+    http: Request, state: State, x_agent_id: AgentHeader = None, session_id: SessionId = None
+) -> Response:
+    body, request = await parse_off_loop(
+        http, ResponsesRequest, state.max_messages, lambda body: body.turn(x_agent_id, session_id)
+    )
+    ids, created = _Ids(), int(time.time())
+    if body.stream:
+        turn = await TurnStream(state, request).start()
+        tool_format = state.runtime.tool_format if request.tools else None
+        return TurnStreamingResponse(_events(body, turn, tool_format, ids, created), turn)
+    reply = await run_turn(state, request, http)
+    return JSONResponse(
+        _response(body, ids, created, reply), headers={AGENT_HEADER: reply.agent_id}
+    )
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(http: Request, state: State) -> dict[str, Any]:
+    """Tokens of the request's input as it would be prompted (tools and instructions too)."""
+    _, read = await parse_off_loop(http, ResponsesRequest, state.max_messages, _counted)
+    count = await state.runtime.count_tokens(read.messages, read.system or None, read.tools)
+    return {"object": "response.input_tokens", "input_tokens": count}
+
+
+def _counted(body: ResponsesRequest) -> Conversation:
+    return conversation(body.input, body.instructions, body.tools)

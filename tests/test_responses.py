@@ -1,0 +1,271 @@
+"""OpenAI Responses API end to end: the official SDK, a replayed Codex request, and the real
+``codex`` CLI when it is installed, against a real server on tiny:tools.
+
+``tests/data/codex/exec.json`` is the request Codex CLI 0.169.0 sent for ``codex exec "say
+hi"`` (body and the headers that matter: ``session-id``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server import metric
+
+from agents import RuntimeConfig
+from server.background import serve_in_thread
+
+MODEL = "tiny:tools"
+DATA = Path(__file__).parent / "data" / "codex"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    config = RuntimeConfig(model=MODEL, data_dir=tmp_path_factory.mktemp("responses"))
+    with serve_in_thread(config) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="sk-local", max_retries=0) as gpt:
+        yield gpt
+
+
+@pytest.fixture
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, timeout=300, headers={"x-api-key": "sk-local"}) as c:
+        yield c
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    return [
+        json.loads(line.removeprefix("data: "))
+        for line in response.iter_lines()
+        if line.startswith("data: ")
+    ]
+
+
+def test_a_response_and_a_follow_up_resumed_from_its_session(client):
+    first = client.responses.create(
+        model="m",
+        instructions="Answer briefly.",
+        input="Say hi",
+        max_output_tokens=1,
+        prompt_cache_key="s-follow-up",
+    )
+    assert first.object == "response" and first.status == "incomplete"  # cut at 1 token
+    assert first.incomplete_details.reason == "max_output_tokens"
+    [message] = first.output
+    assert message.type == "message" and message.role == "assistant"
+    assert first.output_text == message.content[0].text
+    assert first.usage.output_tokens == 1 and first.usage.input_tokens_details.cached_tokens == 0
+    count = client.responses.input_tokens.count(
+        model="m", instructions="Answer briefly.", input="Say hi"
+    )
+    assert first.usage.input_tokens == count.input_tokens
+    # The whole conversation again, with the reply as the client got it: the session's agent
+    # resumes its cache, reply included, and prefills only the new user turn.
+    history = [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "And again"},
+    ]
+    second = client.responses.create(
+        model="m",
+        instructions="Answer briefly.",
+        input=history,
+        max_output_tokens=6,
+        prompt_cache_key="s-follow-up",
+    )
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached == first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_streamed_events_carry_the_text_and_end_with_completed(client, http):
+    with client.responses.stream(model="m", input="Say hi", max_output_tokens=50) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()  # (the SDK's helper needs response.completed)
+    assert final.status == "completed" and final.output_text == "".join(deltas)
+    # Cut by max_output_tokens: response.incomplete, as OpenAI's API ends such a stream.
+    # The order Codex needs: the item is added before any delta, done before the end.
+    body = {"model": "m", "input": "Say hi", "stream": True, "max_output_tokens": 1}
+    body["instructions"] = "Answer briefly."
+    with http.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == 200
+        events = sse(response)
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["response"]["id"].startswith("resp_")
+
+
+def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, caplog):
+    namespace = {
+        "type": "namespace",
+        "name": "travel",
+        "description": "Travel tools.",
+        "tools": [{**WEATHER, "name": "book_train"}],
+    }
+    tools = [WEATHER, namespace, {"type": "web_search", "external_web_access": False}]
+    force_tool_call("book_train", {"city": "Lyon"}, text="Booking. ")
+    with caplog.at_level(logging.INFO, logger="server.api.responses_input"):
+        called = client.responses.create(
+            model="m", input="A train to Lyon?", tools=tools, prompt_cache_key="s-tools"
+        )
+    assert "a 'web_search' tool is hosted by OpenAI, not run here: left out" in caplog.text
+    message, call = called.output
+    assert message.content[0].text == "Booking. "
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "book_train",
+        {"city": "Lyon"},
+    )
+    assert call.to_dict()["namespace"] == "travel" and call.call_id.startswith("call_")
+    # The call's result, sent back with the conversation (as Codex does, store: false).
+    answered = client.responses.create(
+        model="m",
+        input=[
+            {"role": "user", "content": "A train to Lyon?"},
+            *(item.to_dict() for item in called.output),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Booked: 9:04."},
+        ],
+        tools=tools,
+        store=False,
+        prompt_cache_key="s-tools",
+        max_output_tokens=4,
+    )
+    assert answered.usage.input_tokens_details.cached_tokens == (
+        called.usage.input_tokens + called.usage.output_tokens
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "says"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored by id"),
+        ({"tool_choice": "required"}, "tool_choice", "cannot force a tool call"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format", "no structured outputs"),
+        ({"top_logprobs": 2}, "top_logprobs", "no log probabilities"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+        ({"truncation": "auto"}, "truncation", "not cut"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0",
+            "'input_image' parts are not supported",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
+            "input.0.call_id",
+            "names no function_call",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type", "not supported"),
+        ({"input": [{"role": "assistant", "content": "hi"}]}, "input", "must end with a user"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_naming_the_field(http, extra, field, says):
+    body = {"model": "m", "input": "Hi", **extra}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and says in error["message"], error
+
+
+def test_unknown_fields_are_logged_not_silently_dropped(http, caplog):
+    with caplog.at_level(logging.INFO, logger="server.api.responses"):
+        response = http.post(
+            "/v1/responses",
+            json={"model": "m", "input": "Hi", "max_output_tokens": 2, "future_knob": 1},
+        )
+    assert response.status_code == 200
+    assert "field 'future_knob' is not known to this server: not used" in caplog.text
+
+
+def test_a_replayed_codex_request_is_answered_as_codex_reads_it(http):
+    captured = json.loads((DATA / "exec.json").read_text(encoding="utf-8"))
+    body = copy.deepcopy(captured["body"]) | {"max_output_tokens": 4}
+    with http.stream("POST", "/v1/responses", json=body, headers=captured["headers"]) as response:
+        assert response.status_code == 200, response.read()
+        agent_id = response.headers["x-agent-id"]
+        events = sse(response)
+    # Codex's session id names the agent (its tools in the name: side requests differ).
+    assert agent_id.startswith(f"session-{captured['headers']['session-id']}-")
+    done = events[-1]
+    assert done["type"] in ("response.completed", "response.incomplete")
+    assert done["response"]["usage"]["input_tokens"] > 10_000
+    # The next turn, with the reply as Codex keeps it: the session's cache serves all of it
+    # but the new user turn.
+    [reply] = done["response"]["output"]
+    body["input"].append({"role": "assistant", "content": reply["content"]})
+    body["input"].append({"role": "user", "content": [{"type": "input_text", "text": "again"}]})
+    with http.stream("POST", "/v1/responses", json=body, headers=captured["headers"]) as response:
+        usage = sse(response)[-1]["response"]["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] / usage["input_tokens"] > 0.99
+
+
+def codex_env(server: str, home: Path) -> dict[str, str]:
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(
+        'model = "tiny"\nmodel_provider = "agentkv"\n\n[model_providers.agentkv]\n'
+        f'name = "agentkv"\nbase_url = "{server}/v1"\nwire_api = "responses"\n'
+        'env_key = "AGENTKV_API_KEY"\n'
+    )
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "AGENTKV_API_KEY": "sk-local"}
+
+
+@pytest.mark.skipif(shutil.which("codex") is None, reason="the codex CLI is not installed")
+def test_codex_cli_exec_and_resume(server, http, tmp_path):
+    env = codex_env(server, tmp_path / "home")
+    project = tmp_path / "project"
+    project.mkdir()
+
+    def codex(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["codex", "exec", "--skip-git-repo-check", *args],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    first = codex("say hi")
+    assert first.returncode == 0, first.stderr
+    assert "tokens used" in first.stderr
+    cached = metric(http, "agentkv_input_tokens_total", kind="cached")
+    prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled")
+    again = codex("resume", "--last", "and again")
+    assert again.returncode == 0, again.stderr
+    cached = metric(http, "agentkv_input_tokens_total", kind="cached") - cached
+    prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled") - prefilled
+    assert cached / (cached + prefilled) >= 0.95
