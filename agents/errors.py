@@ -60,6 +60,10 @@ class ToolsUnsupportedError(AgentKVError, ValueError):
     """The model has no tool-call format mlx-lm knows, so a turn with tools cannot be served."""
 
 
+class InvalidResponseFormatError(AgentKVError, ValueError):
+    """A ``response_format`` that is malformed, or whose JSON Schema cannot be compiled."""
+
+
 class TurnFailedError(AgentKVError):
     """Generation failed. Nothing of the turn was stored; the agent is as it was before."""
 

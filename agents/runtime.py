@@ -13,12 +13,14 @@ from agents.caches.hot import HotTier
 from agents.caches.tiers import CacheInfo, CacheTiers
 from agents.config import RuntimeConfig
 from agents.conversations import Conversations
-from agents.errors import RuntimeClosedError, check_text
+from agents.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
+from agents.formats import FREE, schema_of
 from agents.prompt import ChatRenderer, Message, checked_history
 from agents.tool_calls import ToolFormat
 from agents.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
 from agents.types import Reply, TextDelta
 from engine.engine import Engine
+from engine.grammar import Grammar, GrammarError
 from engine.request import PromptCache
 from engine.sampling import SamplingParams
 from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry
@@ -232,7 +234,9 @@ class AgentRuntime:
             message: the user's text (not empty).
             **options: ``history`` (messages to add before this turn, stored with it or not
                 at all), ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
-                defaults), ``stop`` (list of stop strings), ``priority``.
+                defaults), ``stop`` (list of stop strings), ``priority``, ``response_format``
+                (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"schema": ...}}``: the reply is held to it, see ``agents.formats``).
 
         Returns:
             The Reply. Turns of one agent run one after another in call order.
@@ -254,6 +258,7 @@ class AgentRuntime:
         sampling: SamplingParams | None = None,
         stop: list[str] | None = None,
         priority: float = 0.0,
+        response_format: dict[str, Any] | None = None,
     ) -> AsyncIterator[TextDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta pieces as they are generated, then the Reply.
 
@@ -264,7 +269,8 @@ class AgentRuntime:
         """
         self._check_open()
         turn = await ChatTurn.checked(self._turns, message, history)
-        options = TurnOptions(max_tokens, sampling, stop, priority)
+        grammar = await self._grammar(response_format)
+        options = TurnOptions(max_tokens, sampling, stop, priority, grammar)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
 
@@ -278,6 +284,7 @@ class AgentRuntime:
         sampling: SamplingParams | None = None,
         stop: list[str] | None = None,
         priority: float = 0.0,
+        response_format: dict[str, Any] | None = None,
     ) -> AsyncIterator[TextDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
         document; see :mod:`agents.conversations`). Yields TextDelta pieces, then the Reply.
@@ -292,13 +299,27 @@ class AgentRuntime:
                 ``tool_calls``; roles system, user, assistant, tool); a leading system message
                 is the system prompt. The last message is not an assistant message.
             tools: tool definitions in the OpenAI shape, rendered by the chat template.
-            max_tokens, sampling, stop, priority: as for :meth:`stream`.
+            max_tokens, sampling, stop, priority, response_format: as for :meth:`chat`.
         """
         self._check_open()
         turn = await self._conversations.turn(messages, tools)
-        options = TurnOptions(max_tokens, sampling, stop, priority)
+        grammar = await self._grammar(response_format)
+        options = TurnOptions(max_tokens, sampling, stop, priority, grammar)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
+
+    async def _grammar(self, response_format: dict[str, Any] | None) -> Grammar | None:
+        """The grammar a ``response_format`` asks for (None: free text), compiled in a worker
+        thread. Raises InvalidResponseFormatError."""
+        schema = schema_of(response_format)
+        if schema is FREE:
+            return None
+        try:
+            return await asyncio.to_thread(self._engine.grammars.json_schema, schema)
+        except GrammarError as exc:
+            raise InvalidResponseFormatError(
+                f"response_format.json_schema.schema: cannot be compiled: {exc}"
+            ) from None
 
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""

@@ -28,6 +28,7 @@ from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError
 from agents.prompt import ChatRenderer, Message, checked_history, conversation_digest
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
+from engine.grammar import Grammar
 from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
 from engine.sampling import SamplingParams
 from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
@@ -46,6 +47,7 @@ class TurnOptions:
     sampling: SamplingParams | None = None
     stop: list[str] | None = None
     priority: float = 0.0
+    grammar: Grammar | None = None  # the reply is held to it (see agents.formats)
 
 
 class Turn(Protocol):
@@ -216,6 +218,7 @@ class TurnRunner:
             stop=list(options.stop or []),
             priority=options.priority,
             cache=plan.cache,
+            grammar=options.grammar,
         )
         self._check_context(request)
         async with self.engine.submit(request) as handle:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
+from engine.grammar import Grammars
 from engine.loop import GenerationLoop
 from engine.meter import EngineStats, StepRecord
 from engine.models.loading import LoadedModel
@@ -112,6 +114,9 @@ class Engine:
         self._thread = thread
         self.model = model
         self._closed = False
+        self.grammars = Grammars(model.tokenizer, model.vocab_size)
+        """Compiles the grammars requests are held to (``GenerationRequest.grammar``)."""
+        threading.Thread(target=self.grammars.warm, name="grammar-warm", daemon=True).start()
 
     @classmethod
     async def open(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> Engine:
@@ -163,7 +168,7 @@ class Engine:
                 cached_tokens=request.cache.num_tokens if request.cache else 0,
             ),
             sampler=None if forced else request.sampling.make_sampler(vocab_size),
-            logits_processors=forced or request.sampling.make_logits_processors(vocab_size),
+            logits_processors=forced or self._processors(request, vocab_size),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.stop),
             tokens=list(request.cache.tokens) if request.cache else [],
@@ -179,6 +184,15 @@ class Engine:
         self._check_budget(request)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
+
+    def _processors(self, request: GenerationRequest, vocab_size: int) -> list:
+        """The request's logits processors; a grammar's mask last (nothing it forbids comes
+        back, whatever a bias says)."""
+        processors = request.sampling.make_logits_processors(vocab_size)
+        if request.grammar is not None:
+            eos = self.model.eos_token_ids
+            processors.append(self.grammars.processor(request.grammar, eos))
+        return processors
 
     def _check_budget(self, request: GenerationRequest) -> None:
         needed, budget = self.kv_bytes_needed(request), self.kv_budget_bytes

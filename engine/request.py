@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from engine.grammar import Grammar
 from engine.sampling import SamplingParams
 
 CHECKPOINTS_KEPT = 2
@@ -195,6 +196,7 @@ class GenerationRequest:
         ignore_eos: keep generating past end-of-sequence tokens (benchmarks, fixed lengths).
         forced_token: generate this token (whatever the model predicts) instead of sampling:
             with ``max_tokens=1`` the returned cache holds exactly ``prompt + [forced_token]``.
+        grammar: hold the reply to this grammar (``Engine.grammars``: a JSON Schema).
     """
 
     prompt_tokens: list[int]
@@ -207,6 +209,7 @@ class GenerationRequest:
     keep_cache_on_cancel: bool = False
     ignore_eos: bool = False
     forced_token: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

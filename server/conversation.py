@@ -50,6 +50,8 @@ class TurnRequest:
             messages anywhere): the conversation in chat-template shape, system prompt first,
             answered by ``AgentRuntime.respond``.
         tools: tool definitions for the chat template (OpenAI shape).
+        response_format: the reply's shape, OpenAI's chat ``response_format`` (see
+            ``agents.formats``); None: free text.
     """
 
     agent_id: str | None
@@ -63,11 +65,17 @@ class TurnRequest:
     session_prefix: str = SESSION_PREFIX
     document: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``AgentRuntime.chat`` / ``stream``."""
-        return {"max_tokens": self.max_tokens, "sampling": self.sampling, "stop": self.stop}
+        return {
+            "max_tokens": self.max_tokens,
+            "sampling": self.sampling,
+            "stop": self.stop,
+            "response_format": self.response_format,
+        }
 
 
 def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:

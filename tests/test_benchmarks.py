@@ -255,3 +255,12 @@ def test_stateless_quick(tmp_path):
     assert report["budgets"].startswith("agentkv: hot tier budget ")
     assert sum(report["cache_sources"].values()) == 40
     assert set(report["levels_off"]) == {"agents", "rss_mb", "disk_mb"}
+
+
+def test_grammar_quick(tmp_path):
+    report = run_quick("bench_grammar", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["held_tokens"] == [report["tokens"]]  # the schema makes it run to the end
+    assert report["compile_ms"] > 0 and report["held_vs_single"] > 0
+    assert report["neighbours_vs_free"] > 0

@@ -175,7 +175,6 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored by id"),
         ({"tool_choice": "required"}, "tool_choice", "cannot force a tool call"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format", "no structured outputs"),
         ({"top_logprobs": 2}, "top_logprobs", "no log probabilities"),
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "not cut"),
@@ -269,3 +268,58 @@ def test_codex_cli_exec_and_resume(server, http, tmp_path):
     cached = metric(http, "agentkv_input_tokens_total", kind="cached") - cached
     prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled") - prefilled
     assert cached / (cached + prefilled) >= 0.95
+
+
+TITLE = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 10}, "n": {"enum": [1, 2, 3]}},
+    "required": ["title", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_on_every_api(client, http):
+    # OpenAI Responses: text.format.
+    made = client.responses.create(
+        model="m",
+        input="Name it.",
+        max_output_tokens=64,
+        text={"format": {"type": "json_schema", "name": "t", "schema": TITLE, "strict": True}},
+    )
+    assert set(json.loads(made.output_text)) == {"title", "n"}
+    assert made.text.format.type == "json_schema"
+    # OpenAI Chat Completions: response_format, json_schema and json_object.
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Name it."}],
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": TITLE}},
+    )
+    assert json.loads(chat.choices[0].message.content)["n"] in (1, 2, 3)
+    anything = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Any object."}],
+        max_tokens=64,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    # Anthropic Messages: output_config.format (Claude Code's title requests send it).
+    anthropic_body = {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Name it."}],
+        "output_config": {"format": {"type": "json_schema", "schema": TITLE}},
+    }
+    message = http.post("/v1/messages", json=anthropic_body).json()
+    assert set(json.loads(message["content"][0]["text"])) == {"title", "n"}
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(http):
+    bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "strin"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "response_format": bad}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("response_format.json_schema.schema: cannot be compiled") and (
+        "strin" in message
+    )

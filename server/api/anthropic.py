@@ -85,7 +85,8 @@ class Metadata(BaseModel):
 
 class CountTokensRequest(BaseModel):
     """Fields of Anthropic's API this server does not use (``thinking``, ``context_management``,
-    ``output_config``, ``cache_control``, ``service_tier``, ...) are accepted and ignored."""
+    ``cache_control``, ``service_tier``, ``output_config.effort``, ...) are accepted and
+    ignored; ``output_config.format`` (structured outputs) is honoured (``MessagesRequest``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -135,6 +136,18 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     metadata: Metadata | None = None
     stream: StrictBool = False
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """Structured outputs (``output_config.format``, or the older ``output_format``:
+        ``{"type": "json_schema", "schema": ...}``) in the chat shape ``agents.formats``
+        reads; None: free text."""
+        fmt = (self.output_config or {}).get("format") or self.output_format
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            return fmt
+        return {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
 
     def turn(
         self, agent_header: str | None, session_header: str | None, keep_volatile: bool = False
@@ -154,6 +167,7 @@ class MessagesRequest(CountTokensRequest):
             stop=list(self.stop_sequences or []),
             session=session,
             tools=tools,
+            response_format=self.response_format,
         )
         if session is None and tools is None and is_plain(messages):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]

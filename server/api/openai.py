@@ -136,6 +136,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -170,6 +171,7 @@ class ChatCompletionRequest(BaseModel):
             sampling=sampling_from(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
             stop=list(self.stop or []),
             tools=tools,
+            response_format=self.response_format,
         )
         if tools is None and is_plain(messages):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]

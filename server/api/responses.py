@@ -14,7 +14,8 @@ Fields are read, honoured, or refused, never dropped unread:
 - honoured: ``model`` (echoed), ``input``, ``instructions``, ``tools``, ``tool_choice``
   (``"auto"``, ``"none"``), ``parallel_tool_calls`` (false: at most one call per turn),
   ``max_output_tokens``, ``max_tool_calls``, ``temperature``, ``top_p``, ``stream``,
-  ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` ``{"type": "text"}``,
+  ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
+  ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
   ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
 - accepted, without effect: ``reasoning`` (the reply has no reasoning items),
   ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``store`` (the
@@ -23,7 +24,7 @@ Fields are read, honoured, or refused, never dropped unread:
   ``stream_options``;
 - refused with a 400 naming the field: ``previous_response_id`` and ``conversation`` (send the
   conversation, or name an agent), ``tool_choice`` ``"required"`` or a named function,
-  structured ``text.format``, ``top_logprobs`` and other ``include`` values, ``background``,
+  ``top_logprobs`` and other ``include`` values, ``background``,
   ``truncation: "auto"``, ``prompt`` templates;
 - any other field: logged once by name and not used.
 
@@ -130,6 +131,7 @@ class ResponsesRequest(BaseModel):
             session_prefix=RESPONSES_SESSION_PREFIX,
             document=read.document,
             tools=read.tools if self.tool_choice != "none" else None,
+            response_format=self.response_format,
         )
 
     def _refuse_unsupported(self) -> None:
@@ -150,13 +152,6 @@ class ResponsesRequest(BaseModel):
                 f"{self.tool_choice!r} is not supported: this server cannot force a tool call "
                 "yet; use 'auto' or 'none'",
             )
-        fmt = (self.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text":
-            refuse(
-                "text.format",
-                f"{fmt.get('type')!r} is not supported: this server produces plain text (no "
-                "structured outputs yet)",
-            )
         if self.top_logprobs is not None:
             refuse("top_logprobs", "not supported: this server returns no log probabilities")
         for value in self.include or []:
@@ -171,6 +166,15 @@ class ResponsesRequest(BaseModel):
             )
         if self.prompt is not None:
             refuse("prompt", "not supported: prompt templates are stored by OpenAI")
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """``text.format`` in the chat shape ``agents.formats`` reads (None: plain text)."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None or not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            return fmt
+        spec = {k: v for k, v in fmt.items() if k != "type"}
+        return {"type": "json_schema", "json_schema": spec}
 
     @property
     def read(self) -> Conversation:
@@ -275,7 +279,7 @@ def _response(
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
         "store": body.store is not False,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled",
         "metadata": body.metadata or {},
         "usage": _usage(reply) if reply is not None else None,
