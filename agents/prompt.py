@@ -17,6 +17,7 @@ into the string's text tokens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -249,8 +250,9 @@ class ChatRenderer:
         except ChatTemplateError:
             return []
         points = sorted(set(ends))
-        if len(self._heads) >= HEADS_REMEMBERED:
-            self._heads.pop(next(iter(self._heads)))
+        if len(self._heads) >= HEADS_REMEMBERED:  # (worker threads race here: harmless)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                self._heads.pop(next(iter(self._heads)))
         self._heads[key] = points
         return points
 

@@ -285,6 +285,7 @@ class AgentRuntime:
         stop: list[str] | None = None,
         priority: float = 0.0,
         response_format: dict[str, Any] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> AsyncIterator[TextDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
         document; see :mod:`agents.conversations`). Yields TextDelta pieces, then the Reply.
@@ -300,10 +301,20 @@ class AgentRuntime:
                 is the system prompt. The last message is not an assistant message.
             tools: tool definitions in the OpenAI shape, rendered by the chat template.
             max_tokens, sampling, stop, priority, response_format: as for :meth:`chat`.
+            tool_choice: None or ``"auto"`` (the model decides), ``"required"`` (the reply is
+                one call of one of ``tools``) or ``{"name": NAME}`` (one call of that tool),
+                held to the tool's parameters schema by constrained decoding; only for models
+                whose tool-call format is JSON between markers (``ToolFormat.forcible``).
         """
         self._check_open()
         turn = await self._conversations.turn(messages, tools)
         grammar = await self._grammar(response_format)
+        if tool_choice not in (None, "auto"):
+            if grammar is not None:
+                raise InvalidResponseFormatError(
+                    "tool_choice: a forced tool call and a response_format cannot both apply"
+                )
+            grammar = await self._tool_grammar(tools, tool_choice)
         options = TurnOptions(max_tokens, sampling, stop, priority, grammar)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -320,6 +331,30 @@ class AgentRuntime:
             raise InvalidResponseFormatError(
                 f"response_format.json_schema.schema: cannot be compiled: {exc}"
             ) from None
+
+    async def _tool_grammar(
+        self, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any]
+    ) -> Grammar:
+        """The grammar of the call ``tool_choice`` forces. Raises InvalidResponseFormatError."""
+        name = tool_choice.get("name") if isinstance(tool_choice, dict) else None
+        if tool_choice != "required" and not isinstance(name, str):
+            raise InvalidResponseFormatError(
+                f"tool_choice: {tool_choice!r} is not 'auto', 'required' or {{'name': ...}}"
+            )
+        form = self._conversations.tool_format
+        if not tools:
+            raise InvalidResponseFormatError("tool_choice: forcing a tool call needs tools")
+        if form is None or not form.forcible:
+            raise InvalidResponseFormatError(
+                f"tool_choice: model {self.config.model!r} writes tool calls in a format this "
+                "server cannot force (only JSON between markers, as Hermes and Qwen do)"
+            )
+        try:
+            return await asyncio.to_thread(
+                self._engine.grammars.tool_call, form.start, form.end, tools, name
+            )
+        except GrammarError as exc:
+            raise InvalidResponseFormatError(f"tool_choice: {exc}") from None
 
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""

@@ -65,6 +65,12 @@ class ToolFormat:
             return None
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
+    @property
+    def forcible(self) -> bool:
+        """Whether a call can be forced (``tool_choice``): the JSON format between markers
+        (mlx-lm's ``json_tools`` parser: Hermes, Qwen), which ``engine.grammar`` writes."""
+        return getattr(self.parser, "__module__", "").endswith("json_tools")
+
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         """Split generated text into plain text and tool calls.
 

@@ -84,6 +84,53 @@ class Grammars:
             raise GrammarError(error)
         return Grammar(source)
 
+    def tool_call(
+        self, start: str, end: str, tools: list[dict[str, Any]], name: str | None
+    ) -> Grammar:
+        """The grammar of one tool call written as ``start``, a newline, ``{"name": ...,
+        "arguments": {...}}`` (the arguments held to the tool's parameters schema), a newline
+        and ``end`` (the JSON tool-call format of Hermes and Qwen templates): a call of
+        ``name``, or (None) of any of ``tools`` (OpenAI function shape). Raises GrammarError
+        for a name that is not among the tools or a parameters schema that cannot compile."""
+        import llguidance
+
+        functions = [t.get("function", t) for t in tools]
+        chosen = [f for f in functions if name is None or f.get("name") == name]
+        if not chosen:
+            known = ", ".join(repr(f.get("name")) for f in functions)
+            raise GrammarError(f"{name!r} is not among the tools ({known})")
+
+        def call(function: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": function.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+
+        schema = call(chosen[0]) if len(chosen) == 1 else {"anyOf": [call(f) for f in chosen]}
+        schema["x-guidance"] = {"whitespace_flexible": False}
+        lark = (
+            f'start: {self._literal(start)} "\\n" call "\\n" {self._literal(end)}\n'
+            f"call: %json {json.dumps(schema)}\n"
+        )
+        source = llguidance.LLMatcher.grammar_from_lark(lark)
+        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer())
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(error)
+        return Grammar(source)
+
+    def _literal(self, marker: str) -> str:
+        """A marker in the grammar: its token (``<[id]>``) when it is one, else its text."""
+        hf = getattr(self._wrapper, "_tokenizer", self._wrapper)
+        token = hf.convert_tokens_to_ids(marker)
+        if isinstance(token, int) and token != hf.unk_token_id and hf.decode([token]) == marker:
+            return f"<[{token}]>"
+        return json.dumps(marker)
+
     def processor(self, grammar: Grammar, eos_token_ids: frozenset[int]) -> GrammarProcessor:
         return GrammarProcessor(self, grammar, eos_token_ids, self._vocab_size)
 
@@ -108,6 +155,20 @@ class GrammarProcessor:
         self._seen = 0
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
+        """The logits with what the grammar forbids next at -inf. Never raises: an error in
+        the grammar library ends this reply (only end tokens left) instead of failing the
+        batch it shares a step with."""
+        import mlx.core as mx
+
+        try:
+            return self._masked(tokens, logits)
+        except Exception:
+            log.exception("constrained decoding failed; ending the reply")
+            allowed = np.zeros(self._vocab_size, dtype=bool)
+            allowed[[t for t in self._eos if t < self._vocab_size]] = True
+            return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
+
+    def _masked(self, tokens: Any, logits: Any) -> Any:
         import llguidance
         import llguidance.numpy
         import mlx.core as mx

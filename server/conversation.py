@@ -66,6 +66,8 @@ class TurnRequest:
     document: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """A forced call (whole conversations only): ``"required"`` or ``{"name": ...}``."""
 
     @property
     def options(self) -> dict[str, Any]:

@@ -38,7 +38,11 @@ def _events(state: ServerState, claim: Claim, request: TurnRequest) -> AsyncIter
     """The runtime's stream for the request: a whole-conversation turn or a next user turn."""
     if claim.document is not None:
         return state.runtime.respond(
-            claim.agent_id, claim.document, tools=request.tools, **request.options
+            claim.agent_id,
+            claim.document,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            **request.options,
         )
     return state.runtime.stream(
         claim.agent_id, request.message, history=claim.history_dicts, **request.options

@@ -99,3 +99,22 @@ async def test_the_runtime_holds_a_reply_to_a_response_format(tmp_path):
         with pytest.raises(InvalidResponseFormatError, match="cannot be compiled"):
             await rt.chat("a", "Again.", response_format=bad)
         assert len(await rt.transcript("a")) == 2  # refused turns store nothing
+
+
+async def test_a_failing_grammar_ends_its_reply_not_the_batch(engine, monkeypatch, caplog):
+    from engine.grammar import GrammarProcessor
+
+    grammar = await asyncio.to_thread(engine.grammars.json_schema, TITLE)
+    free = GenerationRequest(prompt(engine, 21, salt=2), max_tokens=16)
+    alone = (await engine.generate(free)).token_ids
+
+    def broken(self, tokens, logits):
+        raise RuntimeError("matcher broke")
+
+    monkeypatch.setattr(GrammarProcessor, "_masked", broken)
+    held = GenerationRequest(prompt(engine, 9, salt=5), max_tokens=16, grammar=grammar)
+    ended, neighbour = await asyncio.gather(engine.generate(held), engine.generate(free))
+    assert ended.finish_reason == FinishReason.STOP
+    assert ended.token_ids[-1] in engine.model.eos_token_ids and len(ended.token_ids) == 1
+    assert neighbour.token_ids == alone
+    assert "constrained decoding failed; ending the reply" in caplog.text

@@ -174,7 +174,6 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
     ("extra", "field", "says"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored by id"),
-        ({"tool_choice": "required"}, "tool_choice", "cannot force a tool call"),
         ({"top_logprobs": 2}, "top_logprobs", "no log probabilities"),
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "not cut"),
@@ -189,6 +188,22 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
             "names no function_call",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type", "not supported"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": ["c1"], "output": "x"}]},
+            "input.0.call_id",
+            "names no function_call",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}]},
+            "input.0.content.0",
+            "parts are not supported",
+        ),
+        ({"tools": ["get_weather"]}, "tools.0", "a tool must be an object"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": "{}"}]},
+            "tools.0.parameters",
+            "must be a JSON Schema object",
+        ),
         ({"input": [{"role": "assistant", "content": "hi"}]}, "input", "must end with a user"),
     ],
 )
@@ -323,3 +338,78 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(http):
     assert message.startswith("response_format.json_schema.schema: cannot be compiled") and (
         "strin" in message
     )
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_a_forced_tool_call_on_every_api(client, http):
+    weather = {**WEATHER, "parameters": CITY}
+    train = {**WEATHER, "name": "book_train", "parameters": CITY}
+    # Responses: a named function.
+    made = client.responses.create(
+        model="m",
+        input="Weather?",
+        tools=[weather, train],
+        tool_choice={"type": "function", "name": "book_train"},
+        max_output_tokens=64,
+    )
+    [call] = [item for item in made.output if item.type == "function_call"]
+    assert call.name == "book_train" and set(json.loads(call.arguments)) == {"city"}
+    # Chat Completions: "required" (one of the tools).
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[{"type": "function", "function": weather}, {"type": "function", "function": train}],
+        tool_choice="required",
+        max_tokens=64,
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [called] = choice.message.tool_calls
+    assert called.function.name in ("get_weather", "book_train")
+    assert len(json.loads(called.function.arguments)["city"]) <= 8
+    # Anthropic Messages: {"type": "tool", "name": ...}.
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"name": "get_weather", "description": "Weather.", "input_schema": CITY}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    message = http.post("/v1/messages", json=body).json()
+    assert message["stop_reason"] == "tool_use"
+    [use] = [b for b in message["content"] if b["type"] == "tool_use"]
+    assert use["name"] == "get_weather" and set(use["input"]) == {"city"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "says"),
+    [
+        (
+            "/v1/responses",
+            {"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}},
+            "tool_choice: 'x' is not among the tools ('get_weather')",
+        ),
+        ("/v1/responses", {"input": "Hi", "tool_choice": "required"}, "needs tools"),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"name": "t", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "every"},
+            },
+            "tool_choice: must be",
+        ),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_forced_is_a_400(http, path, body, says):
+    response = http.post(path, json={"model": "m", **body})
+    assert response.status_code == 400, response.text
+    assert says in response.json()["error"]["message"]

@@ -52,6 +52,7 @@ class DiskCaches:
         self.stats = DiskStats()
         self._registry = registry
         self._share_prefixes = share_prefixes
+        self._engine = engine
         self._writes = Writes()
         shared = Shared(self.layout, registry, engine, self._writes, self.stats)
         lock_of = lock_of or (lambda agent_id: asyncio.Lock())
@@ -93,6 +94,11 @@ class DiskCaches:
     @property
     def shares_prefixes(self) -> bool:
         return self._share_prefixes
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the model has sliding-window layers (a cache cannot be cut back anywhere)."""
+        return bool(self._engine.model.sliding_window)
 
     async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
         """Stored blocks for the start of ``tokens`` longer than ``at_least`` tokens, or a head

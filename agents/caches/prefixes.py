@@ -81,7 +81,7 @@ class Prefixes(Part):
         waited for instead. Returns ``start`` when there is no whole block more to store."""
         size = self._layout.block_tokens
         n = min(end // size, self._usable(tokens))
-        if n * size <= (start.num_tokens if start else 0):
+        if n * size - (start.num_tokens if start else 0) < 2:  # (a request prefills one at least)
             return start, 0, None
         keys = self._layout.keys(tokens[: n * size])
         pending = self.heads.get(keys[-1])  # another turn began storing it meanwhile
@@ -98,6 +98,8 @@ class Prefixes(Part):
         and the rest prefilled alone, its last token forced so that the cache ends exactly
         there; None (logged) when that fails. ``cache``'s shared heads are carried on."""
         rest = tokens[cache.num_tokens :] if cache else tokens
+        if len(rest) < 2:  # a request prefills at least one token before the forced one
+            return None
         request = GenerationRequest(
             rest[:-1], max_tokens=1, forced_token=rest[-1], priority=priority, cache=cache
         )

@@ -129,12 +129,7 @@ class CacheTiers:
         stored = await self.disk.stored(tokens, have)
         if stored is not None:
             start = Start(stored, borrowed=stored.num_tokens)
-        try:
-            start = await self._to_heads(start, tokens, heads, priority, stored is None)
-        except BaseException:
-            if start.release:
-                start.release()
-            raise
+        start = await self._to_heads(start, tokens, heads, priority, stored is None)
         if start.borrowed:
             stats.prefix_hits += 1
             stats.prefix_tokens += start.borrowed
@@ -148,27 +143,37 @@ class CacheTiers:
         priority: float,
         store: bool,
     ) -> Start:
-        """``start`` carried on to each shared head's end beyond it, each prefilled alone and
-        marked (``PromptCache.as_head``); on the way to the last one, its whole blocks are
-        stored first when ``store`` (nothing was stored for them)."""
+        """``start`` carried on to each shared head's end beyond it (heads of a block at
+        least), each prefilled alone and marked (``PromptCache.as_head``), on models with
+        sliding-window layers; on the way to the last one, its whole blocks are stored first
+        when ``store`` (nothing was stored for them)."""
         cuts = await asyncio.to_thread(heads)
         at = start.cache.num_tokens if start.cache else 0
-        cuts = [end for end in cuts if at < end < len(tokens)]
-        for i, end in enumerate(cuts):
-            last = i == len(cuts) - 1
-            if last and store:
-                cache, added, release = await self.disk.store_head(
-                    tokens, end, priority, start.cache
-                )
-                if cache is not start.cache:
-                    start = start.grown(cache, added, release)
-            at = start.cache.num_tokens if start.cache else 0
-            # An inner head (tools before the system prompt) is worth a checkpoint past a block.
-            if end - at >= (2 if last else self.disk.block_tokens):
-                cache = await self.disk.extend(start.cache, tokens[:end], priority)
-                if cache is None:
-                    break
-                start = start.grown(cache.as_head(), end - at, None)
+        block = self.disk.block_tokens
+        cuts = [end for end in cuts if at < end < len(tokens) and end >= block]
+        try:
+            for i, end in enumerate(cuts):
+                last = i == len(cuts) - 1
+                if last and store:
+                    cache, added, release = await self.disk.store_head(
+                        tokens, end, priority, start.cache
+                    )
+                    if cache is not start.cache:
+                        start = start.grown(cache, added, release)
+                if not self.disk.windowed:
+                    continue  # every layer global: a cache in memory is cut at any token
+                at = start.cache.num_tokens if start.cache else 0
+                # An inner head (tools before the system prompt) is worth a checkpoint past a
+                # block; the last one whatever is left of it.
+                if end - at >= (2 if last else block):
+                    cache = await self.disk.extend(start.cache, tokens[:end], priority)
+                    if cache is None:
+                        break
+                    start = start.grown(cache.as_head(), end - at, None)
+        except BaseException:
+            if start.release:  # the pin of a head this turn stored (idempotent)
+                start.release()
+            raise
         return start
 
     def keep(

@@ -52,7 +52,7 @@ from server.conversation import (
     split_turn,
     text_of,
 )
-from server.errors import Dialect, api_error
+from server.errors import APIError, Dialect, api_error
 from server.limits import MAX_STOP_SEQUENCES
 from server.sessions import named_agent, session_of, without_volatile_lines
 from server.state import ServerState, State
@@ -119,6 +119,23 @@ class CountTokensRequest(BaseModel):
         return system, messages, template_tools(self.tools, self.tool_choice)
 
 
+def forced_tool(choice: dict[str, Any] | None) -> str | dict[str, str] | None:
+    """Anthropic's ``tool_choice`` as ``AgentRuntime.respond`` takes it: ``{"type": "any"}``
+    is ``"required"``, ``{"type": "tool", "name": ...}`` that tool; ``auto`` and ``none``
+    leave the model free (``none`` renders no tools)."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is None or kind in ("auto", "none"):
+        return None
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str) and choice["name"]:
+        return {"name": choice["name"]}
+    raise APIError.invalid(
+        "tool_choice: must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+        "tool_choice",
+    )
+
+
 def echoed_model(model: str, betas: str | None) -> str:
     """The ``model`` a reply names: the request's, marked ``[1m]`` when the client asked for
     the 1M-context variant (the ``context-1m-*`` beta). Claude Code restores a session's model
@@ -168,6 +185,7 @@ class MessagesRequest(CountTokensRequest):
             session=session,
             tools=tools,
             response_format=self.response_format,
+            tool_choice=forced_tool(self.tool_choice) if tools else None,
         )
         if session is None and tools is None and is_plain(messages):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]

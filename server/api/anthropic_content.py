@@ -113,8 +113,8 @@ def is_plain(messages: list[Message]) -> bool:
 def template_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict] | None:
     """Anthropic tool definitions in the OpenAI shape chat templates render.
 
-    ``tool_choice: {"type": "none"}`` renders no tools; other choices cannot be enforced on
-    the model's output and render all of them.
+    ``tool_choice: {"type": "none"}`` renders no tools; the others render all of them (a
+    forced call is enforced while decoding, see ``MessagesRequest.turn``).
     """
     if not tools or (isinstance(tool_choice, dict) and tool_choice.get("type") == "none"):
         return None

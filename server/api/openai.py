@@ -172,8 +172,9 @@ class ChatCompletionRequest(BaseModel):
             stop=list(self.stop or []),
             tools=tools,
             response_format=self.response_format,
+            tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
         )
-        if tools is None and is_plain(messages):
+        if tools is None and is_plain(messages) and request.tool_choice is None:
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]
             request.history, request.message = split_turn(chat)
         else:
@@ -186,6 +187,22 @@ class ChatCompletionRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def forced_choice(choice: Any, where: str) -> str | dict[str, str] | None:
+    """An OpenAI ``tool_choice`` as ``AgentRuntime.respond`` takes it: None (``"auto"``, the
+    model decides), ``"required"``, or ``{"name": ...}`` for a named function."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return "required"
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or choice).get("name")
+        if isinstance(name, str) and name:
+            return {"name": name}
+    raise APIError.invalid(
+        f"{where}: {choice!r} is not 'auto', 'none', 'required' or a named function", where
+    )
 
 
 def usage(reply: Reply) -> dict[str, Any]:

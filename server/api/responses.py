@@ -12,7 +12,9 @@ like stateless agents); else the stateless agent whose transcript the conversati
 Fields are read, honoured, or refused, never dropped unread:
 
 - honoured: ``model`` (echoed), ``input``, ``instructions``, ``tools``, ``tool_choice``
-  (``"auto"``, ``"none"``), ``parallel_tool_calls`` (false: at most one call per turn),
+  (``"auto"``, ``"none"``, ``"required"``, a named function: a forced call is held to the
+  tool's schema by constrained decoding), ``parallel_tool_calls`` (false: at most one call
+  per turn),
   ``max_output_tokens``, ``max_tool_calls``, ``temperature``, ``top_p``, ``stream``,
   ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
   ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
@@ -23,8 +25,7 @@ Fields are read, honoured, or refused, never dropped unread:
   id), ``user``, ``safety_identifier``, ``service_tier``, ``client_metadata``,
   ``stream_options``;
 - refused with a 400 naming the field: ``previous_response_id`` and ``conversation`` (send the
-  conversation, or name an agent), ``tool_choice`` ``"required"`` or a named function,
-  ``top_logprobs`` and other ``include`` values, ``background``,
+  conversation, or name an agent), ``top_logprobs`` and other ``include`` values, ``background``,
   ``truncation: "auto"``, ``prompt`` templates;
 - any other field: logged once by name and not used.
 
@@ -55,6 +56,7 @@ from pydantic import (
 
 from agents import Reply
 from agents.tool_calls import ToolCall, ToolFormat
+from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
 from server.bodies import parse_off_loop
 from server.conversation import TurnRequest, sampling_from
@@ -132,6 +134,7 @@ class ResponsesRequest(BaseModel):
             document=read.document,
             tools=read.tools if self.tool_choice != "none" else None,
             response_format=self.response_format,
+            tool_choice=forced_choice(self.tool_choice, "tool_choice"),
         )
 
     def _refuse_unsupported(self) -> None:
@@ -146,12 +149,6 @@ class ResponsesRequest(BaseModel):
             )
         if self.conversation is not None:
             refuse("conversation", "not supported: send the whole conversation as input")
-        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "auto", "none"):
-            refuse(
-                "tool_choice",
-                f"{self.tool_choice!r} is not supported: this server cannot force a tool call "
-                "yet; use 'auto' or 'none'",
-            )
         if self.top_logprobs is not None:
             refuse("top_logprobs", "not supported: this server returns no log probabilities")
         for value in self.include or []:
@@ -235,9 +232,14 @@ def _output(body: ResponsesRequest, ids: _Ids, reply: Reply) -> list[dict[str, A
     calls = _calls(body, reply)
     items = []
     if reply.content.text or not calls:
-        items.append(_message_item(ids, reply.content.text, "completed"))
+        items.append(_message_item(ids, reply.content.text, _item_status(reply)))
     items += [_call_item(body, call, "completed") for call in calls]
     return items
+
+
+def _item_status(reply: Reply) -> str:
+    """A message item's status: ``incomplete`` when max_output_tokens cut it."""
+    return "incomplete" if reply.finish_reason == "length" else "completed"
 
 
 def _usage(reply: Reply) -> dict[str, Any]:
@@ -330,7 +332,8 @@ async def _events(
             yield delta(piece)
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         error = api_error(exc).body(Dialect.OPENAI)["error"]
-        yield event("error", code=error.get("type"), message=error["message"], param=None)
+        code = error.get("code") or error.get("type")
+        yield event("error", code=code, message=error["message"], param=error.get("param"))
         failed = _response(body, ids, created, None) | {"status": "failed", "error": error}
         yield event("response.failed", response=failed)
         return
@@ -344,7 +347,7 @@ async def _events(
             yield delta(final[len(text) :])
         yield event("response.output_text.done", **text_at, text=final, logprobs=[])
         yield event("response.content_part.done", **text_at, part=_text_part(final))
-        done = _message_item(ids, final, "completed")
+        done = _message_item(ids, final, _item_status(reply))
         yield event("response.output_item.done", output_index=0, item=done)
         index = 1
     for call in calls:

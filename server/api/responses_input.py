@@ -131,7 +131,7 @@ class _Reader:
 
     def function_output(self, item: dict[str, Any], where: str) -> None:
         call_id = item.get("call_id")
-        if call_id not in self.calls:
+        if not isinstance(call_id, str) or call_id not in self.calls:
             raise APIError.invalid(
                 f"{where}.call_id: {call_id!r} names no function_call of the assistant turn "
                 "before it",
@@ -151,13 +151,14 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in TEXT_PARTS or not isinstance(text, str):
             raise APIError.invalid(
                 f"{where}.{j}: {kind!r} parts are not supported (this server reads text: "
                 "input_text, output_text)",
                 f"{where}.{j}",
             )
-        texts.append(checked_text(part["text"], f"{where}.{j}.text"))
+        texts.append(checked_text(text, f"{where}.{j}.text"))
     return TEXT_JOINER.join(texts)
 
 
@@ -175,8 +176,17 @@ def function_tools(tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str, st
         if name in names:
             raise APIError.invalid(f"{where}.name: {name!r} is offered twice", f"{where}.name")
         names.add(name)
-        function = {"name": name, "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description"):
+        parameters = tool.get("parameters") or {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise APIError.invalid(
+                f"{where}.parameters: must be a JSON Schema object", f"{where}.parameters"
+            )
+        function = {"name": name, "parameters": parameters}
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise APIError.invalid(
+                    f"{where}.description: must be a string", f"{where}.description"
+                )
             function["description"] = tool["description"]
         offered.append({"type": "function", "function": function})
         if namespace is not None:
@@ -184,7 +194,9 @@ def function_tools(tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str, st
 
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise APIError.invalid(f"{where}: a tool must be an object", where)
+        kind = tool.get("type")
         if kind == "function":
             add(tool, where, None)
         elif kind == "namespace":
@@ -192,7 +204,9 @@ def function_tools(tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str, st
             if not isinstance(inner, list) or not isinstance(tool.get("name"), str):
                 raise APIError.invalid(f"{where}: a namespace needs a name and tools", where)
             for j, member in enumerate(inner):
-                if isinstance(member, dict) and member.get("type") == "function":
+                if not isinstance(member, dict):
+                    raise APIError.invalid(f"{where}.tools.{j}: must be an object", where)
+                if member.get("type") == "function":
                     add(member, f"{where}.tools.{j}", tool["name"])
                 else:
                     _left_out(member, f"{where}.tools.{j}")
