@@ -31,6 +31,8 @@ class SamplingParams(BaseModel):
             1 disables it.
         repetition_context_size: how many recent tokens the penalty looks at.
         seed: makes sampling reproducible per request, independent of what else is in the batch.
+        presence_penalty, frequency_penalty: OpenAI's, -2 to 2: each token already generated in
+            this reply loses ``presence_penalty`` once and ``frequency_penalty`` per time.
         logit_bias: token id -> a number added to its logit before sampling, -100 to 100 (as
             OpenAI's ``logit_bias``): -100 bans a token, +100 forces it. E.g. a base model whose
             end-of-turn token was never trained ends its turns with a positive bias on it.
@@ -46,6 +48,8 @@ class SamplingParams(BaseModel):
     repetition_context_size: int = Field(default=20, ge=1, le=4096)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     logit_bias: dict[int, float] | None = Field(default=None, max_length=1024)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
 
     @field_validator("logit_bias")
     @classmethod
@@ -76,6 +80,8 @@ class SamplingParams(BaseModel):
             processors.append(
                 make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)
             )
+        if self.presence_penalty or self.frequency_penalty:
+            processors.append(OccurrencePenalty(self.presence_penalty, self.frequency_penalty))
         if self.logit_bias:
             if too_big := [t for t in self.logit_bias if t >= vocab_size]:
                 raise ValueError(
@@ -103,6 +109,33 @@ class LogitBias:
             self._values = mx.array(list(self._bias.values()))
         logits[:, self._ids] += self._values.astype(logits.dtype)
         return logits
+
+
+class OccurrencePenalty:
+    """OpenAI's presence and frequency penalties: each token the reply has generated so far
+    (the prompt does not count) loses ``presence`` once and ``frequency`` per occurrence.
+
+    The first call sees the prompt (what the cache holds) and remembers its length; each later
+    call counts the token sampled since. Counts are made on the generation thread."""
+
+    __slots__ = ("_counts", "_frequency", "_presence", "_seen")
+
+    def __init__(self, presence: float, frequency: float):
+        self._presence = presence
+        self._frequency = frequency
+        self._counts: mx.array | None = None
+        self._seen = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._counts is None:
+            self._counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+            self._seen = tokens.size
+            return logits
+        new = tokens[self._seen :]
+        self._seen = tokens.size
+        self._counts = self._counts.at[new].add(1.0)
+        penalty = self._frequency * self._counts + self._presence * (self._counts > 0)
+        return logits - penalty.astype(logits.dtype)
 
 
 class SeededSampler:

@@ -172,9 +172,12 @@ def split_turn(messages: list[ChatMessage]) -> tuple[list[ChatMessage], str]:
 def sampling_from(**given: Any) -> SamplingParams | None:
     """SamplingParams from the sampling fields a request set, or None when it set none.
 
-    A request that sets any of them gets both APIs' default temperature (1.0) for the rest.
+    A request that sets any of ``temperature``, ``top_p``, ``top_k``, ``seed`` gets both
+    APIs' default temperature (1.0) for an unset one; penalties and ``logit_bias`` alone keep
+    greedy decoding.
     """
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
         return None
-    return SamplingParams(**{"temperature": 1.0, **given})
+    sampled = given.keys() & {"temperature", "top_p", "top_k", "seed"}
+    return SamplingParams(**{"temperature": 1.0 if sampled else 0.0, **given})

@@ -118,3 +118,17 @@ async def test_a_failing_grammar_ends_its_reply_not_the_batch(engine, monkeypatc
     assert ended.token_ids[-1] in engine.model.eos_token_ids and len(ended.token_ids) == 1
     assert neighbour.token_ids == alone
     assert "constrained decoding failed; ending the reply" in caplog.text
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    import mlx.core as mx
+
+    from engine.sampling import OccurrencePenalty
+
+    penalty = OccurrencePenalty(presence=0.5, frequency=0.25)
+    logits = mx.zeros((1, 8))
+    assert penalty(mx.array([1, 2, 3]), logits).tolist() == [[0.0] * 8]  # the prompt
+    once = penalty(mx.array([1, 2, 3, 5]), logits).tolist()[0]
+    assert once[5] == -0.75 and once[1] == 0.0
+    twice = penalty(mx.array([1, 2, 3, 5, 5]), logits).tolist()[0]
+    assert twice[5] == -1.0 and sum(twice) == -1.0

@@ -413,3 +413,39 @@ def test_a_tool_choice_that_cannot_be_forced_is_a_400(http, path, body, says):
     response = http.post(path, json={"model": "m", **body})
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"]
+
+
+def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, caplog):
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.models.tiny import tiny_model_dir
+
+    tokenizer = load_tokenizer(tiny_model_dir(MODEL))
+    token = tokenizer.encode("e", add_special_tokens=False)[0]
+    ask = [{"role": "user", "content": "Hi"}]
+    # logit_bias over HTTP: +100 makes greedy decoding pick that token every time.
+    raw = client.chat.completions.with_raw_response.create(
+        model="m",
+        messages=ask,
+        max_tokens=3,
+        logit_bias={str(token): 100},
+        prompt_cache_key="chat-session",
+    )
+    assert raw.parse().choices[0].message.content == tokenizer.decode([token] * 3)
+    # prompt_cache_key names a session agent, as on the Responses API.
+    assert raw.headers["x-agent-id"].startswith("session-chat-session-")
+    for body, field in (
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"e": 1}}, "logit_bias"),
+        ({"modalities": ["audio"]}, "modalities"),
+    ):
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": ask, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+    with caplog.at_level(logging.INFO, logger="server.api.openai"):
+        response = http.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": ask, "max_tokens": 1, "new_knob": 1},
+        )
+    assert response.status_code == 200
+    assert "field 'new_knob' is not known to this server: not used" in caplog.text

@@ -6,8 +6,10 @@ into the system prompt; later ones are rendered where they are. ``tools`` (funct
 assistant ``tool_calls`` and role ``tool`` messages make the request a whole conversation
 (``AgentRuntime.respond``); tool calls the model makes come back as ``tool_calls`` with
 ``finish_reason: "tool_calls"``. Sampling: a request with none of ``temperature``,
-``top_p``, ``seed`` uses the agent's defaults (greedy unless the agent was created otherwise);
-one with any of them gets temperature 1.0 (OpenAI's default) for an unset temperature.
+``top_p``, ``seed``, the penalties and ``logit_bias`` uses the agent's defaults (greedy unless
+the agent was created otherwise); one with ``temperature``, ``top_p`` or ``seed`` gets
+temperature 1.0 (OpenAI's default) for an unset temperature; penalties or a bias alone keep
+greedy decoding.
 
 Bodies are parsed off the event loop (``server.bodies``). Numbers and flags are strict (``true``
 is no ``max_tokens``, ``"yes"`` no ``stream``; no NaN or infinities). A ``tool`` message must
@@ -21,6 +23,7 @@ takes 4).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -55,11 +58,13 @@ from server.conversation import (
 )
 from server.errors import APIError, Dialect, api_error
 from server.limits import MAX_STOP_SEQUENCES
-from server.sessions import named_agent
+from server.sessions import RESPONSES_SESSION_PREFIX, named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
 
+log = logging.getLogger(__name__)
 router = APIRouter()
+_ignored: set[str] = set()  # unknown fields already logged
 
 
 class InputMessage(BaseModel):
@@ -120,7 +125,11 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Fields are honoured, accepted without effect (``metadata``, ``store``, ``service_tier``,
+    ``reasoning_effort``, ``safety_identifier``, ``modalities: ["text"]``), or refused with a
+    400 naming them (``logprobs``, ``top_logprobs``: not yet); any other is logged once."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -137,13 +146,54 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop_is_a_list(cls, stop: Any) -> Any:
         return [stop] if isinstance(stop, str) else stop
 
+    def _checked(self) -> None:
+        """Refuse what cannot be honoured; log fields this server does not know (once)."""
+        if self.logprobs or self.top_logprobs is not None:
+            field = "logprobs" if self.logprobs else "top_logprobs"
+            raise APIError.invalid(
+                f"{field}: not supported: this server returns no log probabilities yet", field
+            )
+        if self.modalities not in (None, ["text"]):
+            raise APIError.invalid("modalities: only ['text'] is supported", "modalities")
+        for name in sorted(set(self.model_extra or ()) - _ignored):
+            _ignored.add(name)
+            log.info("Chat Completions: field %r is not known to this server: not used", name)
+
+    def _bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its token ids (JSON object keys are strings) as integers."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise APIError.invalid(
+                    f"logit_bias: {key!r} is not a token id (a non-negative integer)",
+                    "logit_bias",
+                )
+            bias[int(key)] = float(value)
+        return bias
+
     def turn(self, agent_header: str | None) -> TurnRequest:
+        self._checked()
         systems: list[str] = []
         messages: list[Message] = []
         calls: set[str] = set()  # the ids of the last assistant message's tool calls
@@ -163,18 +213,28 @@ class ChatCompletionRequest(BaseModel):
                 messages.append(message)
         tools = self.tools if self.tools and self.tool_choice != "none" else None
         request = TurnRequest(
-            agent_id=agent_header or named_agent(self.user),
+            agent_id=agent_header or (None if self.prompt_cache_key else named_agent(self.user)),
+            session=None if agent_header else self.prompt_cache_key,
+            session_prefix=RESPONSES_SESSION_PREFIX,
             system=TEXT_JOINER.join(systems),
             history=[],
             message="",
             max_tokens=self.max_completion_tokens or self.max_tokens,
-            sampling=sampling_from(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
+            sampling=sampling_from(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                logit_bias=self._bias(),
+            ),
             stop=list(self.stop or []),
             tools=tools,
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
         )
-        if tools is None and is_plain(messages) and request.tool_choice is None:
+        plain = request.tool_choice is None and request.session is None
+        if tools is None and is_plain(messages) and plain:
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]
             request.history, request.message = split_turn(chat)
         else:
@@ -221,7 +281,13 @@ def finish_reason(reply: Reply) -> str:
     return reply.finish_reason
 
 
-def tool_calls(reply: Reply, streaming: bool = False) -> list[dict[str, Any]]:
+def tool_calls(
+    body: ChatCompletionRequest, reply: Reply, streaming: bool = False
+) -> list[dict[str, Any]]:
+    """The reply's calls (the first only with ``parallel_tool_calls: false``)."""
+    calls = reply.content.tool_calls
+    if body.parallel_tool_calls is False:
+        calls = calls[:1]
     return [
         {
             **({"index": i} if streaming else {}),
@@ -229,7 +295,7 @@ def tool_calls(reply: Reply, streaming: bool = False) -> list[dict[str, Any]]:
             "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
         }
-        for i, call in enumerate(reply.content.tool_calls)
+        for i, call in enumerate(calls)
     ]
 
 
@@ -237,7 +303,7 @@ def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
     parsed = reply.content
     message: dict[str, Any] = {"role": "assistant", "content": parsed.text, "refusal": None}
     if parsed.tool_calls:
-        message |= {"content": parsed.text or None, "tool_calls": tool_calls(reply)}
+        message |= {"content": parsed.text or None, "tool_calls": tool_calls(body, reply)}
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -288,7 +354,7 @@ async def _chunks(
     if len(reply.content.text) > shown:
         yield chunk({"content": reply.content.text[shown:]})
     if reply.content.tool_calls:
-        yield chunk({"tool_calls": tool_calls(reply, streaming=True)})
+        yield chunk({"tool_calls": tool_calls(body, reply, streaming=True)})
     yield chunk({}, finish_reason(reply))
     if body.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"
