@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from server.errors import TOO_LARGE, APIError
 from server.limits import too_many_messages_message
+
+log = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 * 1024
 CHUNK = 256
@@ -121,3 +124,16 @@ def _located(exc: ValidationError, prefix: tuple[Any, ...], offset: int = 0) -> 
             loc = (loc[0] + offset, *loc[1:])
         errors.append({**error, "loc": (*prefix, *loc)})
     return errors
+
+
+_noted: set[tuple[str, str]] = set()  # (API, field) already logged
+
+
+def note_unknown_fields(body: BaseModel, api: str) -> None:
+    """Log, once per API and name, the fields of ``body`` its model does not declare (models
+    with ``extra="allow"``): a client's field this server does not use is never dropped
+    without a word."""
+    for name in sorted(body.model_extra or ()):
+        if (api, name) not in _noted:
+            _noted.add((api, name))
+            log.info("%s: field %r is not known to this server: not used", api, name)

@@ -216,7 +216,7 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(http, extra, field,
 
 
 def test_unknown_fields_are_logged_not_silently_dropped(http, caplog):
-    with caplog.at_level(logging.INFO, logger="server.api.responses"):
+    with caplog.at_level(logging.INFO, logger="server.bodies"):
         response = http.post(
             "/v1/responses",
             json={"model": "m", "input": "Hi", "max_output_tokens": 2, "future_knob": 1},
@@ -442,10 +442,24 @@ def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, ca
     ):
         response = http.post("/v1/chat/completions", json={"model": "m", "messages": ask, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
-    with caplog.at_level(logging.INFO, logger="server.api.openai"):
+    with caplog.at_level(logging.INFO, logger="server.bodies"):
         response = http.post(
             "/v1/chat/completions",
             json={"model": "m", "messages": ask, "max_tokens": 1, "new_knob": 1},
         )
     assert response.status_code == 200
     assert "field 'new_knob' is not known to this server: not used" in caplog.text
+
+
+def test_anthropic_fields_unknown_to_the_server_are_logged(http, caplog):
+    body = {
+        "model": "m",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "thinking": {"type": "disabled"},  # known: accepted without effect
+        "brand_new_option": True,
+    }
+    with caplog.at_level(logging.INFO, logger="server.bodies"):
+        assert http.post("/v1/messages", json=body).status_code == 200
+    assert "Anthropic Messages: field 'brand_new_option' is not known" in caplog.text
+    assert "'thinking'" not in caplog.text

@@ -42,7 +42,7 @@ from server.api.anthropic_content import (
     template_tools,
     tool_input_json,
 )
-from server.bodies import parse_off_loop
+from server.bodies import note_unknown_fields, parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -84,11 +84,17 @@ class Metadata(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
-    """Fields of Anthropic's API this server does not use (``thinking``, ``context_management``,
-    ``cache_control``, ``service_tier``, ``output_config.effort``, ...) are accepted and
-    ignored; ``output_config.format`` (structured outputs) is honoured (``MessagesRequest``)."""
+    """Fields of Anthropic's API this server knows and does not use (``thinking``,
+    ``context_management``, ``cache_control``, ``service_tier``, ``output_config.effort``) are
+    accepted without effect; ``output_config.format`` (structured outputs) is honoured
+    (``MessagesRequest``); any other field is logged once by name and not used."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -169,6 +175,7 @@ class MessagesRequest(CountTokensRequest):
     def turn(
         self, agent_header: str | None, session_header: str | None, keep_volatile: bool = False
     ) -> TurnRequest:
+        note_unknown_fields(self, "Anthropic Messages")
         system, messages, tools = self.conversation(keep_volatile)
         user_id = self.metadata.user_id if self.metadata else None
         session = session_header or session_of(user_id)

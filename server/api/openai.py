@@ -23,7 +23,6 @@ takes 4).
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from agents import Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
-from server.bodies import parse_off_loop
+from server.bodies import note_unknown_fields, parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -62,9 +61,7 @@ from server.sessions import RESPONSES_SESSION_PREFIX, named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
 
-log = logging.getLogger(__name__)
 router = APIRouter()
-_ignored: set[str] = set()  # unknown fields already logged
 
 
 class InputMessage(BaseModel):
@@ -174,9 +171,7 @@ class ChatCompletionRequest(BaseModel):
             )
         if self.modalities not in (None, ["text"]):
             raise APIError.invalid("modalities: only ['text'] is supported", "modalities")
-        for name in sorted(set(self.model_extra or ()) - _ignored):
-            _ignored.add(name)
-            log.info("Chat Completions: field %r is not known to this server: not used", name)
+        note_unknown_fields(self, "Chat Completions")
 
     def _bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its token ids (JSON object keys are strings) as integers."""

@@ -36,7 +36,6 @@ cache. A reply cut by ``max_output_tokens`` comes back ``incomplete``.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -58,21 +57,19 @@ from agents import Reply
 from agents.tool_calls import ToolCall, ToolFormat
 from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
-from server.bodies import parse_off_loop
+from server.bodies import note_unknown_fields, parse_off_loop
 from server.conversation import TurnRequest, sampling_from
 from server.errors import APIError, Dialect, api_error
 from server.sessions import RESPONSES_SESSION_PREFIX
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
 
-log = logging.getLogger(__name__)
 router = APIRouter()
 
 SessionId = Annotated[str | None, Header(alias="session-id")]
 """Route parameter type: Codex's session id header."""
 
 ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content"})
-_ignored: set[str] = set()  # unknown fields already logged
 
 
 class ResponsesRequest(BaseModel):
@@ -111,9 +108,7 @@ class ResponsesRequest(BaseModel):
     def turn(self, agent_header: str | None, session_header: str | None) -> TurnRequest:
         """The turn this request asks for. Raises APIError (400) for what it cannot honour."""
         self._refuse_unsupported()
-        for name in sorted(set(self.model_extra or ()) - _ignored):
-            _ignored.add(name)
-            log.info("Responses API: field %r is not known to this server: not used", name)
+        note_unknown_fields(self, "Responses API")
         read = conversation(self.input, self.instructions, self.tools)
         if not read.messages or read.messages[-1]["role"] == "assistant":
             raise APIError.invalid(
