@@ -61,9 +61,22 @@ class Grammars:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                hf = getattr(self._wrapper, "_tokenizer", self._wrapper)
-                self._tokenizer = llguidance.hf.from_tokenizer(hf)
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
             return self._tokenizer
+
+    @property
+    def _hf(self) -> Any:
+        """The Hugging Face tokenizer inside mlx-lm's wrapper."""
+        return getattr(self._wrapper, "_tokenizer", self._wrapper)
+
+    def _checked(self, source: str) -> Grammar:
+        """``source`` as a Grammar, once the library has checked it against the tokenizer."""
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer())
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(error)
+        return Grammar(source)
 
     def json_schema(self, schema: dict[str, Any] | None) -> Grammar:
         """The grammar of JSON values ``schema`` accepts (None: any JSON object). Raises
@@ -79,10 +92,7 @@ class Grammars:
             )
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from None
-        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer())
-        if error and not error.startswith("WARNING"):
-            raise GrammarError(error)
-        return Grammar(source)
+        return self._checked(source)
 
     def tool_call(
         self, start: str, end: str, tools: list[dict[str, Any]], name: str | None
@@ -117,15 +127,11 @@ class Grammars:
             f'start: {self._literal(start)} "\\n" call "\\n" {self._literal(end)}\n'
             f"call: %json {json.dumps(schema)}\n"
         )
-        source = llguidance.LLMatcher.grammar_from_lark(lark)
-        error = llguidance.LLMatcher.validate_grammar(source, self._ll_tokenizer())
-        if error and not error.startswith("WARNING"):
-            raise GrammarError(error)
-        return Grammar(source)
+        return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
 
     def _literal(self, marker: str) -> str:
         """A marker in the grammar: its token (``<[id]>``) when it is one, else its text."""
-        hf = getattr(self._wrapper, "_tokenizer", self._wrapper)
+        hf = self._hf
         token = hf.convert_tokens_to_ids(marker)
         if isinstance(token, int) and token != hf.unk_token_id and hf.decode([token]) == marker:
             return f"<[{token}]>"
@@ -142,49 +148,52 @@ class GrammarProcessor:
     sampled since, which it feeds to the matcher before masking the next step's logits.
     """
 
-    __slots__ = ("_eos", "_grammar", "_grammars", "_matcher", "_seen", "_vocab_size")
+    __slots__ = ("_eos", "_grammar", "_grammars", "_ll_vocab", "_matcher", "_seen", "_vocab_size")
 
     def __init__(
         self, grammars: Grammars, grammar: Grammar, eos_token_ids: frozenset[int], vocab: int
     ):
         self._grammars = grammars
         self._grammar = grammar
-        self._eos = sorted(eos_token_ids)
+        self._eos = [t for t in sorted(eos_token_ids) if t < vocab]
         self._vocab_size = vocab
         self._matcher: Any = None
+        self._ll_vocab = 0
         self._seen = 0
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         """The logits with what the grammar forbids next at -inf. Never raises: an error in
-        the grammar library ends this reply (only end tokens left) instead of failing the
-        batch it shares a step with."""
-        import mlx.core as mx
-
+        the grammar library, or a token the grammar did not allow, ends this reply (only end
+        tokens left) instead of failing the batch it shares a step with."""
         try:
-            return self._masked(tokens, logits)
+            allowed = self._allowed(tokens)
         except Exception:
             log.exception("constrained decoding failed; ending the reply")
+            allowed = None
+        if allowed is None:
             allowed = np.zeros(self._vocab_size, dtype=bool)
-            allowed[[t for t in self._eos if t < self._vocab_size]] = True
-            return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
+            allowed[self._eos] = True
+        import mlx.core as mx
 
-    def _masked(self, tokens: Any, logits: Any) -> Any:
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+    def _allowed(self, tokens: Any) -> np.ndarray | None:
+        """Which tokens may come next (None: only end tokens, the reply left its grammar)."""
         import llguidance
         import llguidance.numpy
-        import mlx.core as mx
 
         if self._matcher is None:
             ll = self._grammars._ll_tokenizer()
             self._matcher = llguidance.LLMatcher(ll, self._grammar.source)
+            self._ll_vocab = ll.vocab_size
             self._seen = tokens.size
         elif not self._matcher.is_stopped():  # (stopped: only an end token can follow, and
             new = tokens[self._seen :].tolist()  # the step built after it is never sampled)
             self._seen = tokens.size
             if not self._matcher.consume_tokens(new):
                 log.warning("constrained reply left its grammar: %s", self._matcher.get_error())
-                return logits
-        matcher = self._matcher
-        ll_vocab = self._grammars._ll_tokenizer().vocab_size
+                return None
+        matcher, ll_vocab = self._matcher, self._ll_vocab
         mask = llguidance.numpy.allocate_token_bitmask(1, ll_vocab)
         llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:ll_vocab]
@@ -192,5 +201,5 @@ class GrammarProcessor:
         n = min(ll_vocab, self._vocab_size)
         allowed[:n] = bits[:n].astype(bool)
         if matcher.is_accepting() or matcher.is_stopped():
-            allowed[[t for t in self._eos if t < self._vocab_size]] = True
-        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+            allowed[self._eos] = True
+        return allowed

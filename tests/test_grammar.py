@@ -108,10 +108,10 @@ async def test_a_failing_grammar_ends_its_reply_not_the_batch(engine, monkeypatc
     free = GenerationRequest(prompt(engine, 21, salt=2), max_tokens=16)
     alone = (await engine.generate(free)).token_ids
 
-    def broken(self, tokens, logits):
+    def broken(self, tokens):
         raise RuntimeError("matcher broke")
 
-    monkeypatch.setattr(GrammarProcessor, "_masked", broken)
+    monkeypatch.setattr(GrammarProcessor, "_allowed", broken)
     held = GenerationRequest(prompt(engine, 9, salt=5), max_tokens=16, grammar=grammar)
     ended, neighbour = await asyncio.gather(engine.generate(held), engine.generate(free))
     assert ended.finish_reason == FinishReason.STOP
