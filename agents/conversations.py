@@ -98,6 +98,7 @@ class DocumentTurn:
     tools: list[dict[str, Any]] | None
     document: DocumentPrompt | None = field(default=None, init=False)
     cached: CachedReply | None = field(default=None, init=False)
+    message_id: int | None = field(default=None, init=False)
 
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
@@ -182,9 +183,10 @@ class DocumentTurn:
         old = [(str(m.role), m.content, m.token_count) for m in transcript]
         keep = common_prefix(old, [(m.role, m.content, m.token_count) for m in stored])
         keep = min(keep, len(stored) - 1)  # the reply is always (re)written
-        await conversations.runner.registry.append_messages(
+        records = await conversations.runner.registry.append_messages(
             agent.id, stored[keep:], replace_from=keep, system_prompt=system
         )
+        self.message_id = records[-1].id
         head = [{"role": "system", "content": system}] if system else []
         covered = [*head, *({"role": m.role, "content": m.content} for m in stored)]
         # Clients that resend whole conversations rewrite their last turn: keep its start.
@@ -194,4 +196,4 @@ class DocumentTurn:
         conversations.replies[agent.id] = [*document.replies, reply]
 
     def reply(self, reply: Reply) -> Reply:
-        return dataclasses.replace(reply, parsed=self.cached.parsed)
+        return dataclasses.replace(reply, parsed=self.cached.parsed, message_id=self.message_id)

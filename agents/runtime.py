@@ -23,7 +23,7 @@ from engine.engine import Engine
 from engine.grammar import Grammar, GrammarError
 from engine.request import PromptCache
 from engine.sampling import SamplingParams
-from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry
+from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry, ResponseIndex
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +355,13 @@ class AgentRuntime:
             )
         except GrammarError as exc:
             raise InvalidResponseFormatError(f"tool_choice: {exc}") from None
+
+    @property
+    def responses(self) -> ResponseIndex:
+        """The Responses API's stored responses (``agentkv serve``: ``store: true``), kept in
+        the registry; each names the agent and reply message that answered it."""
+        self._check_open()
+        return self._registry.responses
 
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""

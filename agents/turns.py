@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agents.caches.tiers import CacheTiers, Resumed, Start
@@ -346,6 +347,7 @@ class ChatTurn:
     runner: TurnRunner
     message: str
     history: list[Message]
+    message_id: int | None = field(default=None, init=False)
 
     @classmethod
     async def checked(
@@ -440,6 +442,7 @@ class ChatTurn:
             {"role": "assistant", "content": result.text},
         ]
         await self.runner.keep(agent.id, result, plan, messages, stored[-1].position + 1)
+        self.message_id = stored[-1].id
 
     def reply(self, reply: Reply) -> Reply:
-        return reply
+        return dataclasses.replace(reply, message_id=self.message_id)

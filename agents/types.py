@@ -58,7 +58,8 @@ class Timings:
 @dataclass(slots=True, frozen=True)
 class Reply:
     """The outcome of one turn. ``finish_reason`` is "stop" (end of turn or a stop string) or
-    "length" (max_tokens); ``stop_sequence`` is the stop string that ended it, if one did."""
+    "length" (max_tokens); ``stop_sequence`` is the stop string that ended it, if one did;
+    ``message_id`` is the reply's row in the registry (``MessageRecord.id``)."""
 
     agent_id: str
     text: str
@@ -69,6 +70,7 @@ class Reply:
     timings: Timings
     stop_sequence: str | None = None
     parsed: ParsedReply | None = None
+    message_id: int | None = None
 
     @property
     def content(self) -> ParsedReply:

@@ -7,6 +7,7 @@ Routes::
     POST   /v1/messages/count_tokens    Anthropic token counting
     POST   /v1/chat/completions         OpenAI Chat Completions (stream: SSE)
     POST   /v1/responses                OpenAI Responses (stream: SSE; see server.api.responses)
+    GET    /v1/responses/{id}           a stored response (DELETE: delete it)
     POST   /v1/responses/input_tokens   its token counting
     GET    /v1/models, /v1/models/{id}  the loaded model, readable by both SDKs
     *      /v1/agents...                agents REST (see server.api.agents)
@@ -26,7 +27,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -37,6 +38,7 @@ from server.api import agents as agents_api
 from server.api import anthropic as anthropic_api
 from server.api import openai as openai_api
 from server.api import responses as responses_api
+from server.api import stored_responses as stored_responses_api
 from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from server.hosts import HostCheck
 from server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
@@ -46,19 +48,28 @@ from server.state import ModelInfo, ServerState, State
 
 log = logging.getLogger(__name__)
 
+DEFAULT_RESPONSES_TTL_S = 30 * 24 * 3600
+"""How long stored Responses API responses are kept (OpenAI keeps them 30 days)."""
 PREFLIGHTS = frozenset({"/", "/api/hello"})
 """Paths whose HEAD answers 200 without a key: clients' connectivity checks."""
 
 
-async def _expire_forever(runtime: AgentRuntime, identity: Identity, ttl_s: int) -> None:
-    """Delete expired agents every ``ttl_s / 10`` seconds (at most a minute apart)."""
+async def _expire_forever(
+    runtime: AgentRuntime, identity: Identity, every_s: float, responses_ttl_s: int | None
+) -> None:
+    """Every ``every_s`` seconds, delete expired agents and stored responses older than
+    ``responses_ttl_s``."""
     while True:
-        await asyncio.sleep(min(60.0, ttl_s / 10))
+        await asyncio.sleep(every_s)
         try:
             for agent_id in await runtime.expire_agents():
                 identity.deleted(agent_id)
+            if responses_ttl_s is not None:
+                before = datetime.now(UTC) - timedelta(seconds=responses_ttl_s)
+                if expired := await runtime.responses.expire(before):
+                    log.info("expired %d stored responses", expired)
         except Exception:  # a full disk, say: try again next round, keep serving
-            log.exception("expiring idle agents failed")
+            log.exception("expiring idle agents and old responses failed")
 
 
 def _given_key(request: Request) -> str | None:
@@ -91,6 +102,7 @@ def create_app(
     allowed_hosts: frozenset[str] | None = None,
     max_stateless_agents: int | None = DEFAULT_MAX_STATELESS_AGENTS,
     keep_volatile: bool = False,
+    responses_ttl_s: int | None = DEFAULT_RESPONSES_TTL_S,
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
@@ -109,6 +121,8 @@ def create_app(
         keep_volatile: keep the per-request metadata lines clients put in system prompts
             (``server.sessions.VOLATILE_LINES``: Claude Code's billing line), which are
             otherwise dropped so that the prompt's prefix stays cached across requests.
+        responses_ttl_s: stored Responses API responses are deleted this many seconds after
+            they were made (None: kept until deleted).
     """
     if max_messages < 1:
         raise ValueError(f"max_messages must be positive, got {max_messages}")
@@ -128,8 +142,12 @@ def create_app(
             app.state.server = ServerState(
                 runtime, identity, metrics, ModelInfo.of(runtime), max_messages, keep_volatile
             )
-            if stateless_ttl_s is not None:
-                expiry = asyncio.create_task(_expire_forever(runtime, identity, stateless_ttl_s))
+            ttls = [t for t in (stateless_ttl_s, responses_ttl_s) if t is not None]
+            if ttls:
+                every_s = min(60.0, min(ttls) / 10)
+                expiry = asyncio.create_task(
+                    _expire_forever(runtime, identity, every_s, responses_ttl_s)
+                )
             # What start-up made (the model, its tokenizer) lives as long as the server: full
             # collections skip it. Each would hold the GIL ~100 ms, stalling every client.
             gc.collect()
@@ -169,6 +187,7 @@ def create_app(
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
+    app.include_router(stored_responses_api.router)
     app.include_router(agents_api.router)
 
     @app.head("/", include_in_schema=False)

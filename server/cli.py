@@ -116,6 +116,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options["allowed_hosts"] = allowed_hosts(args.host, args.allowed_hosts)
     ttl = DEFAULT_STATELESS_TTL_S if args.stateless_ttl is None else args.stateless_ttl
     options["stateless_ttl_s"] = ttl or None  # 0: never expire
+    if args.responses_ttl is not None:
+        options["responses_ttl_s"] = args.responses_ttl or None  # 0: keep
     if args.max_stateless_agents is not None:
         options["max_stateless_agents"] = args.max_stateless_agents or None  # 0: no cap
     options["keep_volatile"] = args.keep_volatile_metadata
@@ -329,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="delete agents created for requests that name no agent after this long without "
         "a turn (default: 3600, an hour; 0: never)",
+    )
+    serve.add_argument(
+        "--responses-ttl",
+        type=_non_negative_int,
+        metavar="SECONDS",
+        help="delete stored Responses API responses (store: true) this long after they were "
+        "made (default: 2592000, 30 days; 0: never)",
     )
     serve.add_argument(
         "--max-stateless-agents",

@@ -41,6 +41,7 @@ from store.errors import (
     MigrationError,
     RegistryClosedError,
     RegistryStorageError,
+    ResponseNotFoundError,
     StoreError,
 )
 from store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
@@ -52,10 +53,13 @@ from store.records import (
     NewBlock,
     NewCacheEntry,
     NewMessage,
+    NewResponse,
+    ResponseRecord,
     Role,
     StoredBlock,
 )
 from store.registry import Registry
+from store.responses import ResponseIndex
 from store.writer import CacheWriter, JobFuture
 
 __all__ = [
@@ -82,9 +86,13 @@ __all__ = [
     "NewBlock",
     "NewCacheEntry",
     "NewMessage",
+    "NewResponse",
     "Registry",
     "RegistryClosedError",
     "RegistryStorageError",
+    "ResponseIndex",
+    "ResponseNotFoundError",
+    "ResponseRecord",
     "Role",
     "StoreError",
     "StoredBlock",

@@ -9,6 +9,7 @@ one specific class::
     ├── InvalidRecordError   (also ValueError)   a field of an agent, message or cache entry is bad
     ├── AgentNotFoundError   (also LookupError)  no agent with that id
     ├── AgentExistsError                         create_agent with an id already in use
+    ├── ResponseNotFoundError (also LookupError) no stored response with that id
     ├── RegistryClosedError                      the registry was used after close()
     ├── RegistryStorageError                     SQLite could not read or write the file
     │                                            (disk full, read-only, I/O error, locked)
@@ -72,6 +73,18 @@ class AgentNotFoundError(StoreError, LookupError):
             f"no agent with id {agent_id!r}; create it with create_agent() "
             "or pick one from list_agents()"
         )
+
+
+class ResponseNotFoundError(StoreError, LookupError):
+    """No stored response with the given id (never stored, deleted or expired).
+
+    Attributes:
+        response_id: The id that was looked up.
+    """
+
+    def __init__(self, response_id: str) -> None:
+        self.response_id = response_id
+        super().__init__(f"no stored response with id {_shown(response_id)}")
 
 
 class AgentExistsError(StoreError):

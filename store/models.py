@@ -1,5 +1,5 @@
-"""ORM tables of the agent registry: ``agents``, ``messages``, ``kv_caches``, ``kv_blocks`` and
-``kv_cache_blocks``.
+"""ORM tables of the agent registry: ``agents``, ``messages``, ``kv_caches``, ``kv_blocks``,
+``kv_cache_blocks`` and ``responses``.
 
 The schema changes only through Alembic revisions under ``migrations/versions``; edit these
 classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
@@ -192,3 +192,27 @@ class KVCacheBlock(Base):
     )
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     block_key: Mapped[str] = mapped_column(String(64), ForeignKey("kv_blocks.key"), nullable=False)
+
+
+class StoredResponse(Base):
+    """One OpenAI Responses API response kept for ``previous_response_id`` (added by 0006).
+
+    ``input`` holds the items the request sent itself (a chain's earlier items are in the
+    responses ``previous_id`` leads to), ``body`` the response object as returned (its
+    ``output`` items). ``agent_id`` and ``message_id`` name the agent and the reply message
+    that answered; an agent deleted later leaves the response (``agent_id`` NULL).
+    """
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    agent_id: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("agents.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    message_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    previous_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    input: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow, index=True
+    )

@@ -18,6 +18,7 @@ KV_BITS_CHOICES = (8, 4)
 """Quantized bit widths a cache entry may have; ``None`` means unquantized."""
 MAX_CHECKSUM_CHARS = 64
 MAX_SEGMENT_CHARS = 80
+MAX_RESPONSE_ID_CHARS = 64
 
 
 class Role(StrEnum):
@@ -95,6 +96,47 @@ class MessageRecord:
             token_count=row.token_count,
             created_at=row.created_at,
         )
+
+
+@dataclass(slots=True, frozen=True)
+class NewResponse:
+    """A Responses API response to keep (see ``store.responses``).
+
+    Attributes:
+        id: The response id (at most 64 characters).
+        agent_id: The agent that answered.
+        message_id: The reply's message id (``MessageRecord.id``), if it was stored.
+        previous_id: The stored response this one continues, if any.
+        input: The input items the request sent itself (JSON values).
+        body: The response object as returned (JSON values; its ``output`` items).
+    """
+
+    id: str
+    agent_id: str
+    message_id: int | None
+    previous_id: str | None
+    input: list[Any]
+    body: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        _check_text("id", self.id, MAX_RESPONSE_ID_CHARS)
+        if self.previous_id is not None:
+            _check_text("previous_id", self.previous_id, MAX_RESPONSE_ID_CHARS)
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseRecord:
+    """A stored response. ``agent_id`` is None once its agent was deleted; ``latest`` says
+    whether the reply is still its agent's last message (set by ``ResponseIndex.chain``)."""
+
+    id: str
+    agent_id: str | None
+    message_id: int | None
+    previous_id: str | None
+    input: list[Any] = field(hash=False)
+    body: dict[str, Any] = field(hash=False)
+    created_at: datetime
+    latest: bool = False
 
 
 @dataclass(slots=True, frozen=True)

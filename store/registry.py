@@ -28,6 +28,7 @@ from store.errors import AgentExistsError, AgentNotFoundError
 from store.ids import new_agent_id, validate_agent_id
 from store.models import Agent, Message, UTCDateTime, utcnow
 from store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
+from store.responses import ResponseIndex
 
 
 class _Keep(Enum):
@@ -50,6 +51,8 @@ class Registry:
         self._db = db
         self.caches = CacheIndex(db)
         """Each agent's current KV cache entry and the blocks it is made of."""
+        self.responses = ResponseIndex(db)
+        """Stored Responses API responses (what ``previous_response_id`` continues)."""
 
     @classmethod
     async def open(cls, url: str | os.PathLike[str]) -> Registry:

@@ -72,6 +72,8 @@ SCHEMA = {
         "segment_index",
     ],
     "kv_cache_blocks": ["agent_id", "position", "block_key"],
+    # added by 0006
+    "responses": ["id", "agent_id", "message_id", "previous_id", "input", "body", "created_at"],
 }
 # A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
 # NEXT_REVISION and HEAD_REVISION are filled in by with_revision().
@@ -135,7 +137,7 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-HEAD = "0005"
+HEAD = "0006"
 NEXT = "9000"
 
 

@@ -170,10 +170,104 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
     )
 
 
+INSTRUCTIONS = "You are a terse assistant. " * 60  # a prompt worth caching
+
+
+def test_a_previous_response_id_chain_resumes_the_agent_that_answered(client):
+    previous, agent_id, said = None, None, []
+    for turn in range(5):
+        asked = {"model": "m", "instructions": INSTRUCTIONS, "max_output_tokens": 3}
+        asked |= {"input": f"Question {turn}?", "previous_response_id": previous}
+        if turn % 2:
+            with client.responses.stream(**asked) as stream:
+                response = stream.get_final_response()
+        else:
+            raw = client.responses.with_raw_response.create(**asked)
+            agent_id = agent_id or raw.headers["x-agent-id"]
+            assert raw.headers["x-agent-id"] == agent_id  # one agent holds the conversation
+            response = raw.parse()
+        assert response.previous_response_id == previous
+        usage = response.usage
+        if previous is not None:
+            # Only the new input is prefilled: the rest is the agent's cache, reply included.
+            last = client.responses.retrieve(previous).usage
+            assert usage.input_tokens_details.cached_tokens == last.input_tokens + last.output_tokens
+            assert usage.input_tokens_details.cached_tokens >= 0.95 * usage.input_tokens
+        stored = client.responses.retrieve(response.id)
+        assert stored.output_text == response.output_text and stored.usage == usage
+        previous = response.id
+        said += [{"role": "user", "content": asked["input"]}, *response.to_dict()["output"]]
+    # The chain is the conversation: counted as if it were resent whole.
+    counted = [
+        client.responses.input_tokens.count(model="m", instructions=INSTRUCTIONS, **asked)
+        for asked in (
+            {"input": "Next?", "previous_response_id": previous},
+            {"input": [*said, {"role": "user", "content": "Next?"}]},
+        )
+    ]
+    assert counted[0].input_tokens == counted[1].input_tokens > usage.input_tokens
+
+
+def test_a_branch_leaves_the_named_agent_alone(http):
+    def ask(text: str, previous: str | None = None, **headers: str) -> httpx.Response:
+        body = {"model": "m", "input": text, "max_output_tokens": 2, "instructions": INSTRUCTIONS}
+        response = http.post(
+            "/v1/responses", json=body | {"previous_response_id": previous}, headers=headers
+        )
+        assert response.status_code == 200, response.text
+        return response
+
+    first = ask("One?", **{"x-agent-id": "chained"})
+    second = ask("Two?", first.json()["id"])
+    assert second.headers["x-agent-id"] == "chained"  # its latest reply: the agent goes on
+    transcript = http.get("/v1/agents/chained/messages").json()
+    # Continuing the first response again is a branch: another agent answers, resuming the
+    # shared prefix from the named agent's cache, whose transcript stays as it was.
+    branch = ask("Three?", first.json()["id"])
+    assert branch.headers["x-agent-id"] != "chained"
+    used = first.json()["usage"]
+    cached = branch.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached == used["input_tokens"] + used["output_tokens"]
+    assert http.get("/v1/agents/chained/messages").json() == transcript
+    third = ask("Four?", second.json()["id"])
+    assert third.headers["x-agent-id"] == "chained"
+
+
+def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(http):
+    def ask(**extra: object) -> dict:
+        body = {"model": "m", "input": "Hi", "max_output_tokens": 2} | extra
+        response = http.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    unstored = ask(store=False)
+    assert unstored["store"] is False
+    missing = http.get(f"/v1/responses/{unstored['id']}")
+    assert missing.status_code == 404 and unstored["id"] in missing.json()["error"]["message"]
+    first = ask()
+    assert first["store"] is True and http.get(f"/v1/responses/{first['id']}").json() == first
+    second = ask(input="And?", previous_response_id=first["id"])
+    deleted = http.delete(f"/v1/responses/{first['id']}")
+    assert deleted.json() == {"id": first["id"], "object": "response", "deleted": True}
+    assert http.get(f"/v1/responses/{first['id']}").status_code == 404
+    assert http.delete(f"/v1/responses/{first['id']}").status_code == 404
+    gone = http.post(
+        "/v1/responses", json={"model": "m", "input": "x", "previous_response_id": first["id"]}
+    )
+    error = gone.json()["error"]
+    assert gone.status_code == 400 and error["code"] == "previous_response_not_found"
+    assert error["param"] == "previous_response_id"
+    # The response that continued the deleted one still holds its whole conversation.
+    third = ask(input="Again?", previous_response_id=second["id"], max_output_tokens=1)
+    cached = third["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached == second["usage"]["input_tokens"] + second["usage"]["output_tokens"]
+
+
 @pytest.mark.parametrize(
     ("extra", "field", "says"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored by id"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
+        ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
         ({"top_logprobs": 2}, "top_logprobs", "no log probabilities"),
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "not cut"),

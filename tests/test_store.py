@@ -8,7 +8,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import closing
 from dataclasses import FrozenInstanceError
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -24,9 +24,12 @@ from store import (
     InvalidRecordError,
     NewCacheEntry,
     NewMessage,
+    NewResponse,
     Registry,
     RegistryClosedError,
     RegistryStorageError,
+    ResponseNotFoundError,
+    ResponseRecord,
     Role,
     is_valid_agent_id,
     validate_agent_id,
@@ -456,3 +459,99 @@ async def test_a_read_only_database_is_a_storage_error(registry: Registry) -> No
         await registry.append_messages("ro", [NewMessage("user", "hi")])
     assert not caught.value.is_full
     assert await registry.transcript("ro") == []
+
+
+# ---- stored responses ---------------------------------------------------------------------
+
+
+def said(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def answered(text: str) -> dict[str, Any]:
+    return {"output": [{"type": "message", "role": "assistant", "content": text}]}
+
+
+async def chain_of(registry: Registry, agent_id: str, turns: int) -> list[str]:
+    """``turns`` responses, each continuing the one before, each with its reply message."""
+    ids, previous = [], None
+    for i in range(turns):
+        stored = await registry.append_messages(
+            agent_id, [NewMessage("user", f"q{i}"), NewMessage("assistant", f"a{i}")]
+        )
+        response = NewResponse(
+            f"resp_{i}", agent_id, stored[-1].id, previous, [said(f"q{i}")], answered(f"a{i}")
+        )
+        await registry.responses.put(response)
+        ids.append(previous := response.id)
+    return ids
+
+
+def items(records: list[ResponseRecord]) -> list[Any]:
+    return [item for r in records for item in [*r.input, *r.body["output"]]]
+
+
+async def test_a_chain_is_read_oldest_first_and_knows_whether_it_is_the_latest(
+    registry: Registry,
+) -> None:
+    agent = await registry.create_agent()
+    ids = await chain_of(registry, agent.id, 3)
+    chain = await registry.responses.chain("resp_2")
+    assert [r.id for r in chain] == ids
+    assert [i["content"] for i in items(chain)] == ["q0", "a0", "q1", "a1", "q2", "a2"]
+    assert chain[-1].latest and chain[-1].agent_id == agent.id
+    earlier = await registry.responses.chain("resp_1")
+    assert [r.id for r in earlier] == ids[:2] and not earlier[-1].latest
+    assert (await registry.responses.get("resp_1")).body == answered("a1")
+    with pytest.raises(ResponseNotFoundError, match="resp_9"):
+        await registry.responses.chain("resp_9")
+    with pytest.raises(ResponseNotFoundError, match="resp_9"):
+        await registry.responses.get("resp_9")
+
+
+async def test_a_response_is_stored_once_and_continues_a_stored_one(registry: Registry) -> None:
+    agent = await registry.create_agent()
+    await chain_of(registry, agent.id, 1)
+    again = NewResponse("resp_0", agent.id, None, None, [], {})
+    with pytest.raises(InvalidRecordError, match="resp_0"):
+        await registry.responses.put(again)
+    orphan = NewResponse("resp_x", agent.id, None, "resp_gone", [], {})
+    with pytest.raises(InvalidRecordError, match="previous_id='resp_gone'"):
+        await registry.responses.put(orphan)
+    with pytest.raises(InvalidRecordError, match="id="):
+        NewResponse("r" * 65, agent.id, None, None, [], {})
+    assert [r.id for r in await registry.responses.chain("resp_0")] == ["resp_0"]
+
+
+async def test_deleting_a_response_folds_its_items_into_the_ones_that_continue_it(
+    registry: Registry,
+) -> None:
+    agent = await registry.create_agent()
+    await chain_of(registry, agent.id, 3)
+    branch = NewResponse("resp_b", agent.id, None, "resp_1", [said("qb")], answered("ab"))
+    await registry.responses.put(branch)
+    await registry.responses.delete("resp_1")
+    with pytest.raises(ResponseNotFoundError):
+        await registry.responses.get("resp_1")
+    with pytest.raises(ResponseNotFoundError):
+        await registry.responses.delete("resp_1")
+    for last, tail in (("resp_2", ["q2", "a2"]), ("resp_b", ["qb", "ab"])):
+        chain = await registry.responses.chain(last)
+        assert [r.id for r in chain] == ["resp_0", last]
+        assert [i["content"] for i in items(chain)] == ["q0", "a0", "q1", "a1", *tail]
+
+
+async def test_responses_expire_oldest_first_and_outlive_their_agent(
+    registry: Registry, db_path: Path
+) -> None:
+    agent = await registry.create_agent()
+    await chain_of(registry, agent.id, 3)
+    with closing(sqlite3.connect(db_path)) as db, db:
+        db.execute("UPDATE responses SET created_at = '2020-01-01' WHERE id != 'resp_2'")
+    assert await registry.responses.expire(datetime(2021, 1, 1, tzinfo=UTC)) == 2
+    chain = await registry.responses.chain("resp_2")
+    assert [r.id for r in chain] == ["resp_2"]
+    assert [i["content"] for i in items(chain)] == ["q0", "a0", "q1", "a1", "q2", "a2"]
+    await registry.delete_agent(agent.id)
+    kept = await registry.responses.chain("resp_2")
+    assert kept[0].agent_id is None and not kept[0].latest

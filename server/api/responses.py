@@ -1,13 +1,22 @@
-"""OpenAI Responses API: ``POST /v1/responses`` (plain and streamed) and
-``POST /v1/responses/input_tokens``.
+"""OpenAI Responses API: ``POST /v1/responses`` (plain and streamed),
+``GET`` / ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/input_tokens``.
 
-Each request is a whole conversation (``input`` and ``instructions``, see
+A request is a whole conversation (``input`` and ``instructions``, see
 :mod:`server.api.responses_input`), answered by ``AgentRuntime.respond``: the agent's cache
-is reused up to the longest common token prefix. Which agent answers: the ``x-agent-id``
-header; else a session, named by ``prompt_cache_key`` or the ``session-id`` header (Codex sends
-its session id in both), which has an agent of its own (``session-<id>-<tool set>``, expiring
-like stateless agents); else the stateless agent whose transcript the conversation extends
-(see :mod:`server.identity`).
+is reused up to the longest common token prefix. With ``previous_response_id`` the
+conversation is that response's (its chain of stored responses: each one's input, then its
+output) followed by the new ``input``. A response is stored unless ``store`` is false (Codex
+sends false), in the registry (``store.responses``), for 30 days by default
+(``--responses-ttl``); ``DELETE`` removes it (the responses continuing it keep its items, and
+the agent that answered keeps its transcript).
+
+Which agent answers: the ``x-agent-id`` header; else a session, named by
+``prompt_cache_key`` or the ``session-id`` header (Codex sends its session id in both), which
+has an agent of its own (``session-<id>-<tool set>``, expiring like stateless agents); else the
+agent that answered ``previous_response_id``, when that reply is still its last message (a
+stateless agent is found by its transcript, as any conversation is); else the stateless agent
+whose transcript the conversation extends, or a new one (see :mod:`server.identity`), which
+resumes from the longest cached token prefix: an earlier response continued twice is a branch.
 
 Fields are read, honoured, or refused, never dropped unread:
 
@@ -16,17 +25,16 @@ Fields are read, honoured, or refused, never dropped unread:
   tool's schema by constrained decoding), ``parallel_tool_calls`` (false: at most one call
   per turn),
   ``max_output_tokens``, ``max_tool_calls``, ``temperature``, ``top_p``, ``stream``,
+  ``store``, ``previous_response_id``,
   ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
   ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
   ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
 - accepted, without effect: ``reasoning`` (the reply has no reasoning items),
-  ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``store`` (the
-  conversation is kept as the agent's transcript either way; responses cannot be retrieved by
-  id), ``user``, ``safety_identifier``, ``service_tier``, ``client_metadata``,
-  ``stream_options``;
-- refused with a 400 naming the field: ``previous_response_id`` and ``conversation`` (send the
-  conversation, or name an agent), ``top_logprobs`` and other ``include`` values, ``background``,
-  ``truncation: "auto"``, ``prompt`` templates;
+  ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``user``,
+  ``safety_identifier``, ``service_tier``, ``client_metadata``, ``stream_options``;
+- refused with a 400 naming the field: ``conversation`` (the Conversations API: use
+  ``previous_response_id``, or name an agent), ``top_logprobs`` and other ``include`` values,
+  ``background``, ``truncation: "auto"``, ``prompt`` templates;
 - any other field: logged once by name and not used.
 
 Usage counts every input token; ``input_tokens_details.cached_tokens`` those resumed from a
@@ -35,10 +43,11 @@ cache. A reply cut by ``max_output_tokens`` comes back ``incomplete``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request
@@ -57,12 +66,14 @@ from agents import Reply
 from agents.tool_calls import ToolCall, ToolFormat
 from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
+from server.api.stored_responses import continued, items_of, store_response
 from server.bodies import note_unknown_fields, parse_off_loop
 from server.conversation import TurnRequest, sampling_from
 from server.errors import APIError, Dialect, api_error
-from server.sessions import RESPONSES_SESSION_PREFIX
+from server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
+from store import ResponseRecord
 
 router = APIRouter()
 
@@ -105,11 +116,17 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     _read: Conversation | None = PrivateAttr(default=None)
 
-    def turn(self, agent_header: str | None, session_header: str | None) -> TurnRequest:
-        """The turn this request asks for. Raises APIError (400) for what it cannot honour."""
+    def turn(
+        self,
+        agent_header: str | None,
+        session_header: str | None,
+        earlier: list[ResponseRecord],
+    ) -> TurnRequest:
+        """The turn this request asks for, after the ``earlier`` responses it continues.
+        Raises APIError (400) for what it cannot honour."""
         self._refuse_unsupported()
         note_unknown_fields(self, "Responses API")
-        read = conversation(self.input, self.instructions, self.tools)
+        read = conversation(self.input, self.instructions, self.tools, items_of(earlier))
         if not read.messages or read.messages[-1]["role"] == "assistant":
             raise APIError.invalid(
                 "input: the conversation must end with a user message or a function_call_output "
@@ -117,14 +134,21 @@ class ResponsesRequest(BaseModel):
                 "input",
             )
         self._read = read
+        session = None if agent_header else (self.prompt_cache_key or session_header)
+        agent_id = agent_header
+        last = earlier[-1] if earlier else None
+        if agent_id is None and session is None and last is not None and last.latest:
+            assert last.agent_id is not None
+            if not last.agent_id.startswith(STATELESS_PREFIX):  # those: found by transcript
+                agent_id = last.agent_id
         return TurnRequest(
-            agent_id=agent_header,
+            agent_id=agent_id,
             system=read.system,
             history=[],
             message="",
             max_tokens=self.max_output_tokens,
             sampling=sampling_from(temperature=self.temperature, top_p=self.top_p),
-            session=None if agent_header else (self.prompt_cache_key or session_header),
+            session=session,
             session_prefix=RESPONSES_SESSION_PREFIX,
             document=read.document,
             tools=read.tools if self.tool_choice != "none" else None,
@@ -136,14 +160,12 @@ class ResponsesRequest(BaseModel):
         def refuse(field: str, why: str) -> None:
             raise APIError.invalid(f"{field}: {why}", field)
 
-        if self.previous_response_id is not None:
-            refuse(
-                "previous_response_id",
-                "not supported: responses are not stored by id; send the whole conversation "
-                "(store: false, as Codex does) or name an agent with the x-agent-id header",
-            )
         if self.conversation is not None:
-            refuse("conversation", "not supported: send the whole conversation as input")
+            refuse(
+                "conversation",
+                "not supported: continue a stored response with previous_response_id, or send "
+                "the whole conversation as input",
+            )
         if self.top_logprobs is not None:
             refuse("top_logprobs", "not supported: this server returns no log probabilities")
         for value in self.include or []:
@@ -273,7 +295,7 @@ def _response(
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
         "store": body.store is not False,
         "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
@@ -289,6 +311,7 @@ async def _events(
     tool_format: ToolFormat | None,
     ids: _Ids,
     created: int,
+    remember: Callable[[dict[str, Any], Reply], Awaitable[None]],
 ) -> AsyncIterator[str]:
     """The response as server-sent events, in the order the OpenAI SDKs and Codex read."""
     sequence = 0
@@ -355,6 +378,7 @@ async def _events(
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
     finished = _response(body, ids, created, reply)
+    await remember(finished, reply)
     kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
     yield event(kind, response=finished)
 
@@ -363,27 +387,34 @@ async def _events(
 async def create_response(
     http: Request, state: State, x_agent_id: AgentHeader = None, session_id: SessionId = None
 ) -> Response:
-    body, request = await parse_off_loop(
-        http, ResponsesRequest, state.max_messages, lambda body: body.turn(x_agent_id, session_id)
-    )
+    body, _ = await parse_off_loop(http, ResponsesRequest, state.max_messages, lambda b: None)
+    earlier = await continued(state, body.previous_response_id)
+    request = await asyncio.to_thread(body.turn, x_agent_id, session_id, earlier)
     ids, created = _Ids(), int(time.time())
+
+    async def remember(response: dict[str, Any], reply: Reply) -> None:
+        if body.store is not False:
+            await store_response(state, body.input, body.previous_response_id, response, reply)
+
     if body.stream:
         turn = await TurnStream(state, request).start()
         tool_format = state.runtime.tool_format if request.tools else None
-        return TurnStreamingResponse(_events(body, turn, tool_format, ids, created), turn)
+        events = _events(body, turn, tool_format, ids, created, remember)
+        return TurnStreamingResponse(events, turn)
     reply = await run_turn(state, request, http)
-    return JSONResponse(
-        _response(body, ids, created, reply), headers={AGENT_HEADER: reply.agent_id}
-    )
+    response = _response(body, ids, created, reply)
+    await remember(response, reply)
+    return JSONResponse(response, headers={AGENT_HEADER: reply.agent_id})
 
 
 @router.post("/v1/responses/input_tokens")
 async def count_input_tokens(http: Request, state: State) -> dict[str, Any]:
-    """Tokens of the request's input as it would be prompted (tools and instructions too)."""
-    _, read = await parse_off_loop(http, ResponsesRequest, state.max_messages, _counted)
+    """Tokens of the request's input as it would be prompted (tools, instructions and the
+    responses ``previous_response_id`` continues too)."""
+    body, _ = await parse_off_loop(http, ResponsesRequest, state.max_messages, lambda b: None)
+    earlier = await continued(state, body.previous_response_id)
+    read = await asyncio.to_thread(
+        conversation, body.input, body.instructions, body.tools, items_of(earlier)
+    )
     count = await state.runtime.count_tokens(read.messages, read.system or None, read.tools)
     return {"object": "response.input_tokens", "input_tokens": count}
-
-
-def _counted(body: ResponsesRequest) -> Conversation:
-    return conversation(body.input, body.instructions, body.tools)

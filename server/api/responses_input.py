@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +49,21 @@ class Conversation:
 
 
 def conversation(
-    input_: str | list[Any], instructions: str | None, tools: list[Any] | None
+    input_: str | list[Any],
+    instructions: str | None,
+    tools: list[Any] | None,
+    earlier: Sequence[Any] = (),
 ) -> Conversation:
-    """Read a request's ``input``, ``instructions`` and ``tools``. Raises APIError (400)."""
+    """Read a request's ``input``, ``instructions`` and ``tools``, after the ``earlier`` items
+    of the responses it continues (``previous_response_id``). Raises APIError (400)."""
     systems = [checked_text(instructions, "instructions")] if instructions else []
     messages: list[Message] = []
+    reader = _Reader(systems, messages)
+    reader.read(earlier, "previous_response_id")
     if isinstance(input_, str):
         messages.append({"role": "user", "content": checked_text(input_, "input")})
     else:
-        _Reader(systems, messages).read(input_)
+        reader.read(input_, "input")
     offered, namespaces = function_tools(tools or [])
     return Conversation(TEXT_JOINER.join(systems), messages, offered or None, namespaces)
 
@@ -67,9 +74,9 @@ class _Reader:
         self.messages = messages
         self.calls: set[str] = set()  # call ids of the assistant turn before (for outputs)
 
-    def read(self, items: list[Any]) -> None:
+    def read(self, items: Sequence[Any], label: str) -> None:
         for i, item in enumerate(items):
-            where = f"input.{i}"
+            where = f"{label}.{i}"
             if not isinstance(item, dict):
                 raise APIError.invalid(f"{where}: an input item must be an object", where)
             kind = item.get("type", "message" if "role" in item else None)
