@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agents.caches.tiers import CacheInfo
     from agents.runtime import AgentRuntime
     from agents.types import Reply, TextDelta, Timings, Usage
+    from engine.request import TokenLogprob
     from engine.sampling import SamplingParams
 
 # Imported when first used: these load MLX, which configuring a runtime or catching its errors
@@ -46,6 +47,7 @@ _LAZY = {
     "Timings": "agents.types",
     "Usage": "agents.types",
     "SamplingParams": "engine.sampling",
+    "TokenLogprob": "engine.request",
 }
 
 
@@ -89,6 +91,7 @@ __all__ = [
     "StoreError",
     "TextDelta",
     "Timings",
+    "TokenLogprob",
     "ToolsUnsupportedError",
     "TurnFailedError",
     "Usage",

@@ -236,7 +236,9 @@ class AgentRuntime:
                 at all), ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
                 defaults), ``stop`` (list of stop strings), ``priority``, ``response_format``
                 (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-                {"schema": ...}}``: the reply is held to it, see ``agents.formats``).
+                {"schema": ...}}``: the reply is held to it, see ``agents.formats``),
+                ``logprobs`` (None, or 0 to 20: ``Reply.logprobs`` gives each token's log
+                probability and that many of the likeliest tokens at its step).
 
         Returns:
             The Reply. Turns of one agent run one after another in call order.
@@ -259,6 +261,7 @@ class AgentRuntime:
         stop: list[str] | None = None,
         priority: float = 0.0,
         response_format: dict[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> AsyncIterator[TextDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta pieces as they are generated, then the Reply.
 
@@ -270,7 +273,7 @@ class AgentRuntime:
         self._check_open()
         turn = await ChatTurn.checked(self._turns, message, history)
         grammar = await self._grammar(response_format)
-        options = TurnOptions(max_tokens, sampling, stop, priority, grammar)
+        options = TurnOptions(max_tokens, sampling, stop, priority, grammar, logprobs)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
 
@@ -286,6 +289,7 @@ class AgentRuntime:
         priority: float = 0.0,
         response_format: dict[str, Any] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> AsyncIterator[TextDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
         document; see :mod:`agents.conversations`). Yields TextDelta pieces, then the Reply.
@@ -300,7 +304,8 @@ class AgentRuntime:
                 ``tool_calls``; roles system, user, assistant, tool); a leading system message
                 is the system prompt. The last message is not an assistant message.
             tools: tool definitions in the OpenAI shape, rendered by the chat template.
-            max_tokens, sampling, stop, priority, response_format: as for :meth:`chat`.
+            max_tokens, sampling, stop, priority, response_format, logprobs: as for
+                :meth:`chat`.
             tool_choice: None or ``"auto"`` (the model decides), ``"required"`` (the reply is
                 one call of one of ``tools``) or ``{"name": NAME}`` (one call of that tool),
                 held to the tool's parameters schema by constrained decoding; only for models
@@ -315,7 +320,7 @@ class AgentRuntime:
                     "tool_choice: a forced tool call and a response_format cannot both apply"
                 )
             grammar = await self._tool_grammar(tools, tool_choice)
-        options = TurnOptions(max_tokens, sampling, stop, priority, grammar)
+        options = TurnOptions(max_tokens, sampling, stop, priority, grammar, logprobs)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
 
@@ -362,6 +367,12 @@ class AgentRuntime:
         the registry; each names the agent and reply message that answered it."""
         self._check_open()
         return self._registry.responses
+
+    async def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The bytes each token stands for (a special token: its name), e.g. to show
+        ``TokenLogprob`` ids; read in a worker thread (the first call may wait for the
+        tokenizer's byte index, seconds for a large vocabulary)."""
+        return await asyncio.to_thread(self._engine.grammars.token_bytes, token_ids)
 
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""

@@ -30,7 +30,13 @@ from agents.prompt import ChatRenderer, Message, checked_history, conversation_d
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
 from engine.grammar import Grammar
-from engine.request import FinishReason, GenerationRequest, GenerationResult, PromptCache
+from engine.request import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    PromptCache,
+    TokenLogprob,
+)
 from engine.sampling import SamplingParams
 from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 
@@ -49,6 +55,7 @@ class TurnOptions:
     stop: list[str] | None = None
     priority: float = 0.0
     grammar: Grammar | None = None  # the reply is held to it (see agents.formats)
+    logprobs: int | None = None  # report tokens' logprobs, with this many alternatives
 
 
 class Turn(Protocol):
@@ -220,12 +227,17 @@ class TurnRunner:
             priority=options.priority,
             cache=plan.cache,
             grammar=options.grammar,
+            logprobs=options.logprobs,
         )
         self._check_context(request)
+        held: list[TokenLogprob] = []  # of tokens whose text is still pending
         async with self.engine.submit(request) as handle:
             async for event in handle:
+                if event.logprob is not None:
+                    held.append(event.logprob)
                 if event.text:
-                    yield TextDelta(event.text)
+                    yield TextDelta(event.text, tuple(held))
+                    held.clear()
             result = await handle.result()
         if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
             raise TurnFailedError(
@@ -304,6 +316,7 @@ class TurnRunner:
                 decode_tps=s.decode_tps,
             ),
             stop_sequence=result.stop_sequence,
+            logprobs=result.logprobs,
         )
 
 

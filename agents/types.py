@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agents.tool_calls import ParsedReply
-from engine.request import PromptCache
+from engine.request import PromptCache, TokenLogprob
 
 CacheSource = Literal["hot", "disk", "prefix", "none", "rebuilt"]
 """Where a turn's cache came from: the agent's own (hot tier, disk), stored blocks another
@@ -59,7 +59,8 @@ class Timings:
 class Reply:
     """The outcome of one turn. ``finish_reason`` is "stop" (end of turn or a stop string) or
     "length" (max_tokens); ``stop_sequence`` is the stop string that ended it, if one did;
-    ``message_id`` is the reply's row in the registry (``MessageRecord.id``)."""
+    ``message_id`` is the reply's row in the registry (``MessageRecord.id``); ``logprobs``,
+    when the turn asked for them, has one entry per token id (see ``TokenLogprob``)."""
 
     agent_id: str
     text: str
@@ -71,6 +72,7 @@ class Reply:
     stop_sequence: str | None = None
     parsed: ParsedReply | None = None
     message_id: int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def content(self) -> ParsedReply:
@@ -80,9 +82,11 @@ class Reply:
 
 @dataclass(slots=True, frozen=True)
 class TextDelta:
-    """A piece of the reply's text, streamed as it is generated."""
+    """A piece of the reply's text, streamed as it is generated; with ``logprobs`` asked
+    for, those of the tokens generated since the previous piece (this piece's tokens)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,12 @@ class Grammars:
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
             return self._tokenizer
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The bytes of each token (a special token: its name), from the tokenizer's index
+        (built first if need be: call it off the event loop)."""
+        tokenizer = self._ll_tokenizer()
+        return [tokenizer.decode_bytes([token]) for token in token_ids]
 
     @property
     def _hf(self) -> Any:

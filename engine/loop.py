@@ -23,7 +23,7 @@ from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
 from engine.meter import EngineStats, Meter
 from engine.models.loading import LoadedModel, load_model
-from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent
+from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent, TokenLogprob
 from engine.runner import ModelRunner, StepPlan
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -190,6 +190,7 @@ class GenerationLoop(threading.Thread):
             if flight is not None:
                 mx.eval(flight[1])
             tokens = _values([p for _, p in plan.fed])
+            logprobs = _logprob_values(plan, tokens)
         except Exception as exc:
             self._fail_batch(exc, "generation step failed")
             return
@@ -207,7 +208,7 @@ class GenerationLoop(threading.Thread):
             mx.clear_cache()
         if tokens:
             self.meter.tokens(len(tokens))
-        self._report(plan, tokens, now)
+        self._report(plan, tokens, logprobs, now)
 
     def _fail_batch(self, exc: Exception, what: str) -> None:
         """The batch's state is unknown after a failure inside a step: fail every turn in it
@@ -219,11 +220,17 @@ class GenerationLoop(threading.Thread):
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ERROR, error=exc)
 
-    def _report(self, plan: StepPlan, tokens: list[int], now: float) -> None:
+    def _report(
+        self,
+        plan: StepPlan,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+    ) -> None:
         ended: list[tuple[Sequence, FinishReason]] = []
         failed: list[tuple[Sequence, Exception]] = []
         eos = self.model.eos_token_ids
-        for (seq, _), token in zip(plan.fed, tokens, strict=True):
+        for (seq, _), token, logprob in zip(plan.fed, tokens, logprobs, strict=True):
             seq.tokens.append(token)
             seq.steps += 1
             reason = None
@@ -232,7 +239,7 @@ class GenerationLoop(threading.Thread):
             if token in eos and not seq.request.ignore_eos:
                 reason = FinishReason.STOP
             try:
-                hit = self._on_token(seq, token, reason, now)
+                hit = self._on_token(seq, token, logprob, reason, now)
             except Exception as exc:
                 failed.append((seq, exc))
                 continue
@@ -255,11 +262,20 @@ class GenerationLoop(threading.Thread):
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
 
-    def _on_token(self, seq: Sequence, token: int, finish: str | None, now: float) -> bool:
+    def _on_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: TokenLogprob | None,
+        finish: str | None,
+        now: float,
+    ) -> bool:
         """Record one token; returns True when a stop string completed."""
         if seq.stats.first_token_at is None:
             seq.stats.first_token_at = now
         seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         seq.stats.decode_tokens += 1
         if not (finish == "stop" and token in self.model.eos_token_ids):
             seq.detokenizer.add_token(token)
@@ -269,7 +285,7 @@ class GenerationLoop(threading.Thread):
         if finish is not None and not hit:
             text += seq.stops.flush()
         seq.text_parts.append(text)
-        self._emit(seq, TokenEvent(token, text))
+        self._emit(seq, TokenEvent(token, text, logprob))
         return hit
 
     # ---- leaving -----------------------------------------------------------------------------
@@ -318,6 +334,7 @@ class GenerationLoop(threading.Thread):
             cache=cache,
             error=error,
             stop_sequence=seq.stops.matched,
+            logprobs=seq.logprobs if seq.request.logprobs is not None else None,
         )
         self._emit(seq, result)
 
@@ -334,4 +351,25 @@ def _values(pending: list) -> list[int]:
         if id(array) not in read:
             read[id(array)] = array.tolist()
         out.append(read[id(array)][index])
+    return out
+
+
+def _logprob_values(plan: StepPlan, tokens: list[int]) -> list[TokenLogprob | None]:
+    """The reported logprobs of the tokens ``plan`` fed (None where not asked), each
+    sequence's alternatives cut to what it asked for, most likely first."""
+    read: dict[int, list] = {}
+    out: list[TokenLogprob | None] = []
+    for (seq, _), token, pending in zip(plan.fed, tokens, plan.fed_logprobs, strict=True):
+        if pending is None:
+            out.append(None)
+            continue
+        arrays, row = pending
+        if id(arrays) not in read:
+            read[id(arrays)] = [a.tolist() for a in arrays]
+        values = read[id(arrays)]
+        top: tuple[tuple[int, float], ...] = ()
+        if len(values) > 1 and seq.request.logprobs:
+            ranked = sorted(zip(values[1][row], values[2][row], strict=True), key=lambda t: -t[1])
+            top = tuple(ranked[: seq.request.logprobs])
+        out.append(TokenLogprob(token, values[0][row], top))
     return out

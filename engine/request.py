@@ -14,6 +14,8 @@ from engine.grammar import Grammar
 from engine.sampling import SamplingParams
 
 CHECKPOINTS_KEPT = 2
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask to see for each token (OpenAI's API allows 20)."""
 """Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`);
 shared heads (``Checkpoint.head``) are kept besides."""
 
@@ -197,6 +199,8 @@ class GenerationRequest:
         forced_token: generate this token (whatever the model predicts) instead of sampling:
             with ``max_tokens=1`` the returned cache holds exactly ``prompt + [forced_token]``.
         grammar: hold the reply to this grammar (``Engine.grammars``: a JSON Schema).
+        logprobs: None, or report each generated token's log probability (``TokenLogprob``)
+            with this many of the most likely tokens at its step (0 to ``MAX_TOP_LOGPROBS``).
     """
 
     prompt_tokens: list[int]
@@ -210,6 +214,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     forced_token: int | None = None
     grammar: Grammar | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -226,6 +231,12 @@ class GenerationRequest:
             raise ValueError(f"forced_token must be a token id, got {self.forced_token!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.logprobs is not None and (
+            type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")
         if any(not isinstance(s, str) for s in self.stop):
@@ -239,13 +250,26 @@ class GenerationRequest:
             )
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A generated token's log probability: the log-softmax of the model's logits at its step
+    (before the request's logits processors, temperature and top-p/top-k: the model's own
+    distribution), and the ``top`` most likely tokens then, as ``(token id, logprob)``, most
+    likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """One generated token and the text it completed (may be empty while UTF-8 or a
-    possible stop string is pending)."""
+    possible stop string is pending); ``logprob`` when the request asked for them."""
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True)
@@ -302,6 +326,7 @@ class GenerationResult:
     cache: PromptCache | None = None
     error: BaseException | None = None
     stop_sequence: str | None = None  # the stop string that ended generation, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
     @property
     def is_error(self) -> bool:

@@ -36,6 +36,7 @@ class StepPlan:
     decode: list[KVGroup]
     prefill: list[tuple[Sequence, int]]
     fed: list[tuple[Sequence, Any]] = field(default_factory=list)  # decode rows' tokens
+    fed_logprobs: list[Any] = field(default_factory=list)  # and their logprobs (or None)
 
     @property
     def decode_rows(self) -> int:
@@ -81,6 +82,8 @@ class ModelRunner:
             positions.append(group.positions)
             for seq in group.seqs:
                 plan.fed.append((seq, seq.pending))
+                plan.fed_logprobs.append(seq.pending_logprob)
+                seq.pending_logprob = None
                 feeds.append((seq, row, 1))
                 sampling.append((row, seq))
                 row += 1
@@ -95,19 +98,25 @@ class ModelRunner:
                 sampling.append((row - 1, seq))
         inputs = _join_inputs([p for _, p in plan.fed], chunks)
         caches = [StepCache(s, mx.concatenate(positions)) for s in spans]
-        sampled = None
+        sampled, reported = None, ()
         if any(s.logits_processors for s, _, _ in feeds):
             _extend_contexts(feeds, inputs)
         if sampling:
             logits = self._logits(inputs, caches, [r for r, _ in sampling], row)
             seqs = [s for _, s in sampling]
+            raw = logits
             if any(s.logits_processors for s in seqs):
                 logits = _process(logits, seqs)
             sampled = _sample(logits, seqs)
+            asked = [(j, s) for j, s in enumerate(seqs) if s.request.logprobs is not None]
+            if asked:
+                reported = _logprobs(raw, sampled, asked)
+                for n, (_, seq) in enumerate(asked):
+                    seq.pending_logprob = (reported, n)
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
         updated = [(c.keys, c.values) for s, _ in plan.prefill for c in s.group.layers]
-        mx.async_eval(*([] if sampled is None else [sampled]), updated)
+        mx.async_eval(*([] if sampled is None else [sampled]), *reported, updated)
         for seq, n in plan.prefill:
             seq.tokens += seq.prompt[:n]
             seq.prompt = seq.prompt[n:]
@@ -212,6 +221,23 @@ def _sample(logits: mx.array, seqs: list[Sequence]) -> mx.array:
             for i, s in enumerate(seqs)
         ]
     )
+
+
+def _logprobs(
+    logits: mx.array, sampled: mx.array, asked: list[tuple[int, Sequence]]
+) -> tuple[mx.array, ...]:
+    """For the rows of ``asked`` (row, sequence): the sampled token's log-softmax under the
+    model's ``logits``, and (when any asks for alternatives) the ids and log-softmax of the
+    most likely tokens, as many as the most any of them asks for (unsorted)."""
+    rows = mx.array([j for j, _ in asked])
+    picked = logits[rows].astype(mx.float32)
+    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, sampled[rows][:, None], axis=-1)[:, 0]
+    k = max(s.request.logprobs for _, s in asked)
+    if k == 0:
+        return (chosen,)
+    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    return chosen, top, mx.take_along_axis(logprobs, top, axis=-1)
 
 
 def _join_inputs(pending: list[Any], chunks: list[list[int]]) -> mx.array:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from engine.request import GenerationRequest, RequestStats
+from engine.request import GenerationRequest, RequestStats, TokenLogprob
 from engine.sampling import LogitsProcessor, Sampler
 from engine.stopping import StopStrings
 
@@ -52,6 +52,8 @@ class Sequence:
     prompt: list[int] = field(default_factory=list)
     cache: list[Any] | None = None  # per-layer caches to start or resume from
     pending: tuple[mx.array, int] | int | None = None
+    pending_logprob: tuple[tuple[mx.array, ...], int] | None = None  # (arrays, row) of pending
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # reported, when asked
     group: KVGroup | None = None
     reserved: int = 0  # KV bytes set aside in the budget while it is in the batch
     context: Any = None  # mlx-lm TokenBuffer of what logits processors look back at

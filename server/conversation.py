@@ -68,6 +68,8 @@ class TurnRequest:
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     """A forced call (whole conversations only): ``"required"`` or ``{"name": ...}``."""
+    logprobs: int | None = None
+    """Report tokens' logprobs with this many alternatives (None: no logprobs)."""
 
     @property
     def options(self) -> dict[str, Any]:
@@ -77,6 +79,7 @@ class TurnRequest:
             "sampling": self.sampling,
             "stop": self.stop,
             "response_format": self.response_format,
+            "logprobs": self.logprobs,
         }
 
 

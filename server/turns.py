@@ -19,7 +19,7 @@ from fastapi import Header, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agents import Reply, TextDelta
+from agents import Reply, TextDelta, TokenLogprob
 from agents.tool_calls import ToolFormat
 from server.conversation import TurnRequest
 from server.errors import ClientDisconnectedError
@@ -99,6 +99,8 @@ class TurnStream:
         self._claim: Claim | None = None
         self._events: AsyncIterator[TextDelta | Reply] | None = None
         self._first: TextDelta | Reply | None = None
+        self.logprobs: list[TokenLogprob] = []
+        """The logprobs of the tokens generated so far, when the request asked for them."""
 
     @property
     def agent_id(self) -> str:
@@ -133,6 +135,7 @@ class TurnStream:
         text, shown = "", 0
         async for event in self.events():
             if isinstance(event, TextDelta):
+                self.logprobs += event.logprobs
                 text += event.text
                 upto = tool_format.streaming_split(text) if tool_format else len(text)
                 if upto > shown:

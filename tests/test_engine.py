@@ -442,3 +442,47 @@ async def test_a_forced_token_must_be_a_token_id(gemma):
         GenerationRequest([1, 2], forced_token=-1)
     with pytest.raises(ValueError, match="forced_token is outside the vocabulary"):
         gemma.submit(GenerationRequest([1, 2], forced_token=gemma.model.vocab_size))
+
+
+def solo_logprobs(eng: Engine, tokens: list[int], max_tokens: int) -> list[tuple[int, list]]:
+    """mlx-lm's single-sequence greedy tokens and the log-softmax vector of each step."""
+    steps = generate_step(mx.array(tokens), eng.model.model, max_tokens=max_tokens)
+    return [(int(t), lp.tolist()) for t, lp in steps]
+
+
+async def test_logprobs_are_the_models_log_softmax_for_the_requests_that_ask(engine):
+    asks = [None, 0, 5, 3]
+    requests = [
+        GenerationRequest(
+            prompt(engine, 9 + 7 * i, salt=i), max_tokens=10, ignore_eos=True, logprobs=k
+        )
+        for i, k in enumerate(asks)
+    ]
+    streamed = engine.submit(requests[2])
+    results = await asyncio.gather(*(engine.generate(r) for r in requests[:2] + requests[3:]))
+    events = [e async for e in streamed if isinstance(e, TokenEvent)]
+    results.insert(2, await streamed.result())
+    expected = await engine.run(
+        lambda: [solo_logprobs(engine, r.prompt_tokens, 10) for r in requests]
+    )
+    for k, result, steps in zip(asks, results, expected, strict=True):
+        assert result.token_ids == [t for t, _ in steps]
+        if k is None:
+            assert result.logprobs is None
+            continue
+        assert [lp.token_id for lp in result.logprobs] == result.token_ids
+        for reported, (token, vector) in zip(result.logprobs, steps, strict=True):
+            assert reported.logprob == pytest.approx(vector[token], abs=1e-4)
+            assert len(reported.top) == k
+            ranked = sorted(range(len(vector)), key=lambda t: -vector[t])[:k]
+            assert [t for t, _ in reported.top] == ranked  # most likely first
+            assert [v for _, v in reported.top] == pytest.approx(
+                [vector[t] for t in ranked], abs=1e-4
+            )
+    assert [e.logprob for e in events] == results[2].logprobs  # streamed with each token
+
+
+def test_logprobs_asks_for_at_most_20_alternatives():
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(ValueError, match="logprobs must be None or 0 to 20"):
+            GenerationRequest([1, 2], logprobs=bad)

@@ -191,7 +191,9 @@ def test_a_previous_response_id_chain_resumes_the_agent_that_answered(client):
         if previous is not None:
             # Only the new input is prefilled: the rest is the agent's cache, reply included.
             last = client.responses.retrieve(previous).usage
-            assert usage.input_tokens_details.cached_tokens == last.input_tokens + last.output_tokens
+            assert (
+                usage.input_tokens_details.cached_tokens == last.input_tokens + last.output_tokens
+            )
             assert usage.input_tokens_details.cached_tokens >= 0.95 * usage.input_tokens
         stored = client.responses.retrieve(response.id)
         assert stored.output_text == response.output_text and stored.usage == usage
@@ -268,8 +270,8 @@ def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(http
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
         ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
-        ({"top_logprobs": 2}, "top_logprobs", "no log probabilities"),
-        ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+        ({"top_logprobs": 21}, "top_logprobs", "must be 0 to 20"),
+        ({"include": ["file_search_call.results"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "not cut"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -529,8 +531,8 @@ def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, ca
     # prompt_cache_key names a session agent, as on the Responses API.
     assert raw.headers["x-agent-id"].startswith("session-chat-session-")
     for body, field in (
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"e": 1}}, "logit_bias"),
         ({"modalities": ["audio"]}, "modalities"),
     ):
@@ -557,3 +559,49 @@ def test_anthropic_fields_unknown_to_the_server_are_logged(http, caplog):
         assert http.post("/v1/messages", json=body).status_code == 200
     assert "Anthropic Messages: field 'brand_new_option' is not known" in caplog.text
     assert "'thinking'" not in caplog.text
+
+
+def test_logprobs_on_chat_completions_and_responses(client):
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Count to five"}]}
+    ask |= {"max_tokens": 8, "logprobs": True, "top_logprobs": 3}
+    completion = client.chat.completions.create(**ask)
+    plain, entries = completion.choices[0], completion.choices[0].logprobs.content
+    ended = plain.finish_reason == "stop"  # on an end-of-sequence token: it is not listed
+    assert entries and len(entries) == completion.usage.completion_tokens - ended
+    # The tokens' bytes are the reply's text.
+    assert (
+        b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+        == plain.message.content
+    )
+    for e in entries:
+        top = e.top_logprobs
+        assert len(top) == 3 and [t.logprob for t in top] == sorted(
+            (t.logprob for t in top), reverse=True
+        )
+        assert e.logprob <= 0 and (e.token, e.logprob) == (top[0].token, top[0].logprob)  # greedy
+
+    def same(got: list, want: list) -> None:
+        assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in want]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-3)
+
+    # Streamed, each chunk carries its own tokens' logprobs: the same tokens in all.
+    chunks = client.chat.completions.create(**ask, stream=True)
+    same(
+        [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content], entries
+    )
+    assert (
+        client.chat.completions.create(**(ask | {"logprobs": None, "top_logprobs": None}))
+        .choices[0]
+        .logprobs
+        is None
+    )
+    # The Responses API: include message.output_text.logprobs, streamed or not.
+    asked = {"model": "m", "input": "Count to five", "max_output_tokens": 8, "top_logprobs": 3}
+    asked["include"] = ["message.output_text.logprobs"]
+    response = client.responses.create(**asked)
+    same(response.output[0].content[0].logprobs, entries)
+    with client.responses.stream(**asked) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    same([lp for d in deltas for lp in d.logprobs], entries)
+    same(final.output[0].content[0].logprobs, entries)

@@ -114,6 +114,28 @@ async def test_sources_usage_and_streaming(tmp_path):
         assert rt.stats()["cache_sources"] == {"none": 1, "hot": 1}
 
 
+async def test_logprobs_come_with_the_reply_and_its_streamed_pieces(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        agent = await rt.create_agent()
+        plain = await rt.chat(agent.id, "Hello", max_tokens=10)
+        assert plain.logprobs is None and plain.message_id is not None
+        pieces, reply = [], None
+        async for event in rt.stream(agent.id, "Go on", max_tokens=12, logprobs=2):
+            if isinstance(event, TextDelta):
+                pieces.append(event)
+            else:
+                reply = event
+        assert [lp.token_id for lp in reply.logprobs] == reply.token_ids
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in reply.logprobs)
+        streamed = [lp for piece in pieces for lp in piece.logprobs]
+        assert streamed == reply.logprobs[: len(streamed)] and len(streamed) >= len(pieces)
+        assert [m.id for m in await rt.transcript(agent.id)][-1] == reply.message_id
+        texts = await rt.token_bytes(reply.token_ids)
+        # A lone byte of a random model's reply reads as U+FFFD in its text.
+        shown = b"".join(texts[: len(streamed)]).decode("utf-8", "replace")
+        assert shown == "".join(p.text for p in pieces)
+
+
 async def test_agent_default_sampling_and_per_call_override(tmp_path):
     seeded = SamplingParams(temperature=1.0, seed=7)
     async with await AgentRuntime.open(config(tmp_path)) as rt:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 # revision identifiers, used by Alembic.
 revision: str = "0006"
 down_revision: str | Sequence[str] | None = "0005"

@@ -40,7 +40,7 @@ from pydantic import (
     field_validator,
 )
 
-from agents import Reply
+from agents import AgentRuntime, Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
@@ -57,6 +57,7 @@ from server.conversation import (
 )
 from server.errors import APIError, Dialect, api_error
 from server.limits import MAX_STOP_SEQUENCES
+from server.logprobs import logprob_content, top_logprobs
 from server.sessions import RESPONSES_SESSION_PREFIX, named_agent
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
@@ -124,7 +125,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """Fields are honoured, accepted without effect (``metadata``, ``store``, ``service_tier``,
     ``reasoning_effort``, ``safety_identifier``, ``modalities: ["text"]``), or refused with a
-    400 naming them (``logprobs``, ``top_logprobs``: not yet); any other is logged once."""
+    400 naming them (other modalities); any other is logged once."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -164,11 +165,6 @@ class ChatCompletionRequest(BaseModel):
 
     def _checked(self) -> None:
         """Refuse what cannot be honoured; log fields this server does not know (once)."""
-        if self.logprobs or self.top_logprobs is not None:
-            field = "logprobs" if self.logprobs else "top_logprobs"
-            raise APIError.invalid(
-                f"{field}: not supported: this server returns no log probabilities yet", field
-            )
         if self.modalities not in (None, ["text"]):
             raise APIError.invalid("modalities: only ['text'] is supported", "modalities")
         note_unknown_fields(self, "Chat Completions")
@@ -227,6 +223,7 @@ class ChatCompletionRequest(BaseModel):
             tools=tools,
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
+            logprobs=top_logprobs(self.logprobs, self.top_logprobs),
         )
         plain = request.tool_choice is None and request.session is None
         if tools is None and is_plain(messages) and plain:
@@ -294,7 +291,10 @@ def tool_calls(
     ]
 
 
-def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
+def completion(
+    body: ChatCompletionRequest, reply: Reply, logprobs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """The completion object (``logprobs``: its tokens' entries, when asked for)."""
     parsed = reply.content
     message: dict[str, Any] = {"role": "assistant", "content": parsed.text, "refusal": None}
     if parsed.tool_calls:
@@ -308,7 +308,7 @@ def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                 "finish_reason": finish_reason(reply),
             }
         ],
@@ -318,7 +318,10 @@ def completion(body: ChatCompletionRequest, reply: Reply) -> dict[str, Any]:
 
 
 async def _chunks(
-    body: ChatCompletionRequest, turn: TurnStream, tool_format: ToolFormat | None
+    body: ChatCompletionRequest,
+    turn: TurnStream,
+    tool_format: ToolFormat | None,
+    runtime: AgentRuntime,
 ) -> AsyncIterator[str]:
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -328,17 +331,28 @@ async def _chunks(
         "system_fingerprint": None,
     }
     tail = {"usage": None} if body.include_usage else {}
+    asked, sent = bool(body.logprobs), 0  # logprobs sent so far
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    async def chunk(
+        delta: dict[str, Any], finish_reason: str | None = None, logprobs: list | None = None
+    ) -> str:
+        """A chunk; with logprobs asked for, those of the tokens since the last chunk (the
+        reply's remaining ones when ``logprobs`` is given)."""
+        nonlocal sent
+        entries = None
+        if asked:
+            logprobs = turn.logprobs[sent:] if logprobs is None else logprobs
+            sent += len(logprobs)
+            entries = {"content": await logprob_content(runtime, logprobs), "refusal": None}
+        choice = {"index": 0, "delta": delta, "logprobs": entries, "finish_reason": finish_reason}
         return f"data: {json.dumps({**head, 'choices': [choice], **tail})}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield await chunk({"role": "assistant", "content": ""})
     reply, shown = None, 0
     try:
         async for piece in turn.visible_text(tool_format):
             if isinstance(piece, str):
-                yield chunk({"content": piece})
+                yield await chunk({"content": piece})
                 shown += len(piece)
             else:
                 reply = piece
@@ -346,11 +360,14 @@ async def _chunks(
         yield f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"
         return
     assert reply is not None
+    rest = (reply.logprobs or [])[sent:]  # held back with a tool call, or the end's
     if len(reply.content.text) > shown:
-        yield chunk({"content": reply.content.text[shown:]})
+        yield await chunk({"content": reply.content.text[shown:]}, logprobs=rest)
+        rest = []
     if reply.content.tool_calls:
-        yield chunk({"tool_calls": tool_calls(body, reply, streaming=True)})
-    yield chunk({}, finish_reason(reply))
+        yield await chunk({"tool_calls": tool_calls(body, reply, streaming=True)}, logprobs=rest)
+        rest = []
+    yield await chunk({}, finish_reason(reply), logprobs=rest)
     if body.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"
     yield "data: [DONE]\n\n"
@@ -368,6 +385,10 @@ async def create_chat_completion(
     if body.stream:
         turn = await TurnStream(state, request).start()
         tool_format = state.runtime.tool_format if request.tools else None
-        return TurnStreamingResponse(_chunks(body, turn, tool_format), turn)
+        chunks = _chunks(body, turn, tool_format, state.runtime)
+        return TurnStreamingResponse(chunks, turn)
     reply = await run_turn(state, request, http)
-    return JSONResponse(completion(body, reply), headers={AGENT_HEADER: reply.agent_id})
+    logprobs = None
+    if reply.logprobs is not None:
+        logprobs = await logprob_content(state.runtime, reply.logprobs)
+    return JSONResponse(completion(body, reply, logprobs), headers={AGENT_HEADER: reply.agent_id})

@@ -25,7 +25,8 @@ Fields are read, honoured, or refused, never dropped unread:
   tool's schema by constrained decoding), ``parallel_tool_calls`` (false: at most one call
   per turn),
   ``max_output_tokens``, ``max_tool_calls``, ``temperature``, ``top_p``, ``stream``,
-  ``store``, ``previous_response_id``,
+  ``store``, ``previous_response_id``, ``include: ["message.output_text.logprobs"]`` and
+  ``top_logprobs`` (each output text's tokens with their log probabilities),
   ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
   ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
   ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
@@ -33,7 +34,7 @@ Fields are read, honoured, or refused, never dropped unread:
   ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``user``,
   ``safety_identifier``, ``service_tier``, ``client_metadata``, ``stream_options``;
 - refused with a 400 naming the field: ``conversation`` (the Conversations API: use
-  ``previous_response_id``, or name an agent), ``top_logprobs`` and other ``include`` values,
+  ``previous_response_id``, or name an agent), other ``include`` values,
   ``background``, ``truncation: "auto"``, ``prompt`` templates;
 - any other field: logged once by name and not used.
 
@@ -62,7 +63,7 @@ from pydantic import (
     StrictInt,
 )
 
-from agents import Reply
+from agents import AgentRuntime, Reply, TokenLogprob
 from agents.tool_calls import ToolCall, ToolFormat
 from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
@@ -70,6 +71,7 @@ from server.api.stored_responses import continued, items_of, store_response
 from server.bodies import note_unknown_fields, parse_off_loop
 from server.conversation import TurnRequest, sampling_from
 from server.errors import APIError, Dialect, api_error
+from server.logprobs import logprob_content, top_logprobs
 from server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
 from server.state import State
 from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
@@ -80,7 +82,8 @@ router = APIRouter()
 SessionId = Annotated[str | None, Header(alias="session-id")]
 """Route parameter type: Codex's session id header."""
 
-ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content", LOGPROBS_INCLUDE})
 
 
 class ResponsesRequest(BaseModel):
@@ -154,7 +157,13 @@ class ResponsesRequest(BaseModel):
             tools=read.tools if self.tool_choice != "none" else None,
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice"),
+            logprobs=top_logprobs(self.wants_logprobs, self.top_logprobs),
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Logprobs asked for: ``include`` names them, or ``top_logprobs`` is set."""
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
     def _refuse_unsupported(self) -> None:
         def refuse(field: str, why: str) -> None:
@@ -166,8 +175,6 @@ class ResponsesRequest(BaseModel):
                 "not supported: continue a stored response with previous_response_id, or send "
                 "the whole conversation as input",
             )
-        if self.top_logprobs is not None:
-            refuse("top_logprobs", "not supported: this server returns no log probabilities")
         for value in self.include or []:
             if value not in ACCEPTED_INCLUDES:
                 refuse("include", f"{value!r} is not supported")
@@ -214,8 +221,10 @@ def _calls(body: ResponsesRequest, reply: Reply) -> list[ToolCall]:
     return calls
 
 
-def _message_item(ids: _Ids, text: str, status: str) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_text_part(text)]
+def _message_item(
+    ids: _Ids, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_text_part(text, logprobs)]
     return {
         "type": "message",
         "id": ids.message,
@@ -225,8 +234,9 @@ def _message_item(ids: _Ids, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part (``logprobs``: its tokens' entries, when asked for)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(
@@ -245,11 +255,13 @@ def _call_item(
     return item
 
 
-def _output(body: ResponsesRequest, ids: _Ids, reply: Reply) -> list[dict[str, Any]]:
+def _output(
+    body: ResponsesRequest, ids: _Ids, reply: Reply, logprobs: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     calls = _calls(body, reply)
     items = []
     if reply.content.text or not calls:
-        items.append(_message_item(ids, reply.content.text, _item_status(reply)))
+        items.append(_message_item(ids, reply.content.text, _item_status(reply), logprobs))
     items += [_call_item(body, call, "completed") for call in calls]
     return items
 
@@ -271,9 +283,14 @@ def _usage(reply: Reply) -> dict[str, Any]:
 
 
 def _response(
-    body: ResponsesRequest, ids: _Ids, created: int, reply: Reply | None
+    body: ResponsesRequest,
+    ids: _Ids,
+    created: int,
+    reply: Reply | None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The response object: in progress (no reply yet), completed or incomplete."""
+    """The response object: in progress (no reply yet), completed or incomplete
+    (``logprobs``: the reply's tokens' entries, when asked for)."""
     status, incomplete = "in_progress", None
     if reply is not None:
         status = "incomplete" if reply.finish_reason == "length" else "completed"
@@ -288,13 +305,14 @@ def _response(
         "incomplete_details": incomplete,
         "model": body.model,
         "instructions": body.instructions,
-        "output": _output(body, ids, reply) if reply is not None else [],
+        "output": _output(body, ids, reply, logprobs) if reply is not None else [],
         "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
         "store": body.store is not False,
@@ -312,9 +330,20 @@ async def _events(
     ids: _Ids,
     created: int,
     remember: Callable[[dict[str, Any], Reply], Awaitable[None]],
+    runtime: AgentRuntime,
 ) -> AsyncIterator[str]:
     """The response as server-sent events, in the order the OpenAI SDKs and Codex read."""
-    sequence = 0
+    sequence, sent, asked = 0, 0, body.wants_logprobs  # sent: logprobs sent so far
+
+    async def entries(logprobs: list[TokenLogprob] | None = None) -> list[dict[str, Any]]:
+        """With logprobs asked for, the entries of the tokens since the last ones sent (or
+        of ``logprobs``, the reply's remaining ones)."""
+        nonlocal sent
+        if not asked:
+            return []
+        logprobs = turn.logprobs[sent:] if logprobs is None else logprobs
+        sent += len(logprobs)
+        return await logprob_content(runtime, logprobs)
 
     def event(kind: str, **data: Any) -> str:
         nonlocal sequence
@@ -331,8 +360,8 @@ async def _events(
             event("response.content_part.added", **text_at, part=_text_part("")),
         ]
 
-    def delta(piece: str) -> str:
-        return event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
+    def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
+        return event("response.output_text.delta", **text_at, delta=piece, logprobs=logprobs)
 
     yield event("response.created", response=_response(body, ids, created, None))
     yield event("response.in_progress", response=_response(body, ids, created, None))
@@ -347,7 +376,7 @@ async def _events(
                     yield line
                 opened = True
             text += piece
-            yield delta(piece)
+            yield delta(piece, await entries())
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
         error = api_error(exc).body(Dialect.OPENAI)["error"]
         code = error.get("code") or error.get("type")
@@ -357,15 +386,18 @@ async def _events(
         return
     assert reply is not None
     calls, final, index = _calls(body, reply), reply.content.text, 0
+    every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
     if opened or final or not calls:
         if not opened:
             for line in open_message():
                 yield line
+        rest = await entries((reply.logprobs or [])[sent:])
         if len(final) > len(text):
-            yield delta(final[len(text) :])
-        yield event("response.output_text.done", **text_at, text=final, logprobs=[])
-        yield event("response.content_part.done", **text_at, part=_text_part(final))
-        done = _message_item(ids, final, _item_status(reply))
+            yield delta(final[len(text) :], rest)
+        yield event("response.output_text.done", **text_at, text=final, logprobs=every or [])
+        part = _text_part(final, every)
+        yield event("response.content_part.done", **text_at, part=part)
+        done = _message_item(ids, final, _item_status(reply), every)
         yield event("response.output_item.done", output_index=0, item=done)
         index = 1
     for call in calls:
@@ -377,7 +409,7 @@ async def _events(
         done = _call_item(body, call, "completed")
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
-    finished = _response(body, ids, created, reply)
+    finished = _response(body, ids, created, reply, every)
     await remember(finished, reply)
     kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
     yield event(kind, response=finished)
@@ -399,10 +431,13 @@ async def create_response(
     if body.stream:
         turn = await TurnStream(state, request).start()
         tool_format = state.runtime.tool_format if request.tools else None
-        events = _events(body, turn, tool_format, ids, created, remember)
+        events = _events(body, turn, tool_format, ids, created, remember, state.runtime)
         return TurnStreamingResponse(events, turn)
     reply = await run_turn(state, request, http)
-    response = _response(body, ids, created, reply)
+    logprobs = None
+    if body.wants_logprobs and reply.logprobs is not None:
+        logprobs = await logprob_content(state.runtime, reply.logprobs)
+    response = _response(body, ids, created, reply, logprobs)
     await remember(response, reply)
     return JSONResponse(response, headers={AGENT_HEADER: reply.agent_id})
 
