@@ -8,6 +8,7 @@ Rounds alternate, ``--repeats`` times each (medians reported):
 - ``free``: ``--batch`` unconstrained sequences, ``--tokens`` each (end-of-sequence ignored);
 - ``mixed``: the same, one of them replaced by a constrained one (a JSON object whose string
   field may run to ``--tokens``): the unconstrained neighbours' tok/s against ``free``;
+- ``half``: the same, half of them constrained: the whole batch's tok/s against ``free``;
 - ``alone``: one constrained sequence against one unconstrained one: ms per token.
 
 Also the time to compile the schema, and how long the tokenizer's index (built in the
@@ -73,7 +74,9 @@ async def run(args: argparse.Namespace) -> dict:
 
         await timed(engine, [free(p) for p in batch])  # warm-up
         await timed(engine, [held(batch[0])])
-        rounds: dict[str, list[float]] = {k: [] for k in ("free", "mixed", "held", "single")}
+        rounds: dict[str, list[float]] = {
+            k: [] for k in ("free", "mixed", "half", "held", "single")
+        }
         held_tokens = []
         for _ in range(args.repeats):
             wall, _ = await timed(engine, [free(p) for p in batch])
@@ -82,6 +85,11 @@ async def run(args: argparse.Namespace) -> dict:
             wall, _ = await timed(engine, mixed)
             # The neighbours' tokens over the time the whole batch took.
             rounds["mixed"].append(args.tokens * (args.batch - 1) / wall)
+            half = args.batch // 2
+            wall, results = await timed(
+                engine, [*(held(p) for p in batch[:half]), *(free(p) for p in batch[half:])]
+            )
+            rounds["half"].append(sum(len(r.token_ids) for r in results) / wall)
             wall, [one] = await timed(engine, [held(batch[0])])
             held_tokens.append(len(one.token_ids))
             rounds["held"].append(wall * 1e3 / len(one.token_ids))
@@ -102,6 +110,8 @@ async def run(args: argparse.Namespace) -> dict:
         "free_tps": round(med["free"], 1),
         "mixed_neighbours_tps": round(med["mixed"], 1),
         "neighbours_vs_free": round(med["mixed"] / share, 3),
+        "half_constrained_tps": round(med["half"], 1),
+        "half_vs_free": round(med["half"] / med["free"], 3),
         "held_ms_per_token": round(med["held"], 2),
         "single_ms_per_token": round(med["single"], 2),
         "held_vs_single": round(med["held"] / med["single"], 3),
@@ -148,7 +158,15 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_ylabel(f"tok/s of {report['batch'] - 1} unconstrained sequences")
         ax.set_title("its neighbours in the batch")
 
-    return save_plot(path, [per_token, neighbours], f"{report['model']}, {report['date']}")
+    def half(ax) -> None:
+        names = ["all free", "half constrained"]
+        values = [report["free_tps"], report["half_constrained_tps"]]
+        bar_labels(ax, ax.bar(names, values), "{:.0f}")
+        ax.set_ylabel(f"tok/s of a batch of {report['batch']}")
+        ax.set_title("the whole batch")
+
+    panels = [per_token, neighbours, half]
+    return save_plot(path, panels, f"{report['model']}, {report['date']}")
 
 
 if __name__ == "__main__":

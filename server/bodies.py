@@ -22,7 +22,8 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -127,6 +128,27 @@ def _located(exc: ValidationError, prefix: tuple[Any, ...], offset: int = 0) -> 
 
 
 _noted: set[tuple[str, str]] = set()  # (API, field) already logged
+
+
+@dataclass(frozen=True, slots=True)
+class FieldPolicy:
+    """What a request model does with each field it declares (every field of the API's
+    official SDK is declared): ``honoured``, ``accepted`` without effect (field -> why), or
+    ``refused`` with a 400 naming it when set to anything but null or false (field -> why).
+    Fields a model does not declare are logged once by name (:func:`note_unknown_fields`)."""
+
+    api: str
+    honoured: frozenset[str]
+    accepted: Mapping[str, str] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def check(self, body: BaseModel) -> None:
+        """Refuse ``body``'s refused fields that are set; log its unknown ones.
+        Raises APIError (400)."""
+        for name, why in self.refused.items():
+            if getattr(body, name) not in (None, False):
+                raise APIError.invalid(f"{name}: not supported: {why}", name)
+        note_unknown_fields(body, self.api)
 
 
 def note_unknown_fields(body: BaseModel, api: str) -> None:

@@ -263,4 +263,4 @@ def test_grammar_quick(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
     assert report["held_tokens"] == [report["tokens"]]  # the schema makes it run to the end
     assert report["compile_ms"] > 0 and report["held_vs_single"] > 0
-    assert report["neighbours_vs_free"] > 0
+    assert report["neighbours_vs_free"] > 0 and report["half_vs_free"] > 0

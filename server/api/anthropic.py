@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -42,7 +42,7 @@ from server.api.anthropic_content import (
     template_tools,
     tool_input_json,
 )
-from server.bodies import note_unknown_fields, parse_off_loop
+from server.bodies import FieldPolicy, parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -83,18 +83,54 @@ class Metadata(BaseModel):
     user_id: str | None = None
 
 
+_NO_EFFECT = {
+    "thinking": "the reply has no thinking blocks",
+    "context_management": "Claude Code's context editing: the conversation is answered as sent",
+    "cache_control": "caching is automatic here",
+    "service_tier": "there is one tier here",
+    "speed": "there is one speed here",
+    "user_profile_id": "Anthropic's attribution",
+    "workspace_id": "there is one workspace here",
+}
+COUNT_FIELDS = FieldPolicy(
+    "Anthropic count_tokens",
+    honoured=frozenset({"model", "messages", "system", "tools", "tool_choice"}),
+    accepted={**_NO_EFFECT, "output_config": "a reply's format does not change its prompt"},
+)
+MESSAGES_FIELDS = FieldPolicy(
+    "Anthropic Messages",
+    honoured=frozenset(
+        {
+            *("model", "messages", "system", "tools", "tool_choice", "max_tokens"),
+            *("temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"),
+            *("output_config", "output_format"),
+        }
+    ),
+    accepted={
+        **_NO_EFFECT,
+        "inference_geo": "inference runs here",
+        "diagnostics": "no cache-miss diagnostics come back (see x-agent-id and the logs)",
+    },
+    refused={"container": "code execution containers are not run here"},
+)
+
+
 class CountTokensRequest(BaseModel):
-    """Fields of Anthropic's API this server knows and does not use (``thinking``,
-    ``context_management``, ``cache_control``, ``service_tier``, ``output_config.effort``) are
-    accepted without effect; ``output_config.format`` (structured outputs) is honoured
-    (``MessagesRequest``); any other field is logged once by name and not used."""
+    """Fields are honoured, accepted without effect or refused (``COUNT_FIELDS``,
+    ``MESSAGES_FIELDS``: ``output_config.format`` is honoured, its ``effort`` has no effect);
+    any other field is logged once by name and not used."""
 
     model_config = ConfigDict(extra="allow")
+    FIELDS: ClassVar[FieldPolicy] = COUNT_FIELDS
 
     thinking: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
     service_tier: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    output_config: dict[str, Any] | None = None
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -107,7 +143,8 @@ class CountTokensRequest(BaseModel):
     ) -> tuple[str, list[Message], list[dict[str, Any]] | None]:
         """(system prompt, messages in chat-template shape, tools). The system prompt loses
         its per-request metadata lines (``server.sessions.VOLATILE_LINES``) unless
-        ``keep_volatile``."""
+        ``keep_volatile``. Raises APIError (400)."""
+        self.FIELDS.check(self)
         system = self.system if keep_volatile else without_volatile_lines(self.system)
         system = "" if system is None else text_of(system, "system")
         messages: list[Message] = []
@@ -152,6 +189,8 @@ def echoed_model(model: str, betas: str | None) -> str:
 
 
 class MessagesRequest(CountTokensRequest):
+    FIELDS: ClassVar[FieldPolicy] = MESSAGES_FIELDS
+
     max_tokens: StrictInt = Field(ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -159,8 +198,10 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     metadata: Metadata | None = None
     stream: StrictBool = False
-    output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+    container: Any = None
 
     @property
     def response_format(self) -> dict[str, Any] | None:
@@ -175,7 +216,6 @@ class MessagesRequest(CountTokensRequest):
     def turn(
         self, agent_header: str | None, session_header: str | None, keep_volatile: bool = False
     ) -> TurnRequest:
-        note_unknown_fields(self, "Anthropic Messages")
         system, messages, tools = self.conversation(keep_volatile)
         user_id = self.metadata.user_id if self.metadata else None
         session = session_header or session_of(user_id)

@@ -26,7 +26,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,7 +44,7 @@ from agents import AgentRuntime, Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
-from server.bodies import note_unknown_fields, parse_off_loop
+from server.bodies import FieldPolicy, parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -122,12 +122,45 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+CHAT_FIELDS = FieldPolicy(
+    "Chat Completions",
+    honoured=frozenset(
+        {
+            *("model", "messages", "max_tokens", "max_completion_tokens", "temperature"),
+            *("top_p", "seed", "stop", "user", "n", "stream", "stream_options", "tools"),
+            *("tool_choice", "response_format", "parallel_tool_calls", "presence_penalty"),
+            *("frequency_penalty", "logit_bias", "logprobs", "top_logprobs"),
+            *("prompt_cache_key", "modalities"),
+        }
+    ),
+    accepted={
+        "metadata": "OpenAI's dashboards read it; nothing here does",
+        "store": "the conversation is the agent's transcript either way",
+        "service_tier": "there is one tier here",
+        "reasoning_effort": "the reply has no hidden reasoning to bound",
+        "safety_identifier": "OpenAI's abuse monitoring",
+        "prediction": "a speed hint: the reply is the same without it",
+        "prompt_cache_options": "caches are kept by agentkv's own tiers",
+        "prompt_cache_retention": "caches are kept by agentkv's own tiers",
+        "verbosity": "a hint to OpenAI's models; the reply's length is the model's own",
+    },
+    refused={
+        "audio": "audio output (text only)",
+        "functions": "deprecated: use tools",
+        "function_call": "deprecated: use tool_choice",
+        "moderation": "moderation is not run here",
+        "web_search_options": "web search is not run here",
+    },
+)
+
+
 class ChatCompletionRequest(BaseModel):
-    """Fields are honoured, accepted without effect (``metadata``, ``store``, ``service_tier``,
-    ``reasoning_effort``, ``safety_identifier``, ``modalities: ["text"]``), or refused with a
-    400 naming them (other modalities); any other is logged once."""
+    """Fields are honoured, accepted without effect or refused (``CHAT_FIELDS``); values a
+    field cannot take are refused (``n`` above 1, modalities other than text); any other
+    field is logged once."""
 
     model_config = ConfigDict(extra="allow")
+    FIELDS: ClassVar[FieldPolicy] = CHAT_FIELDS
 
     model: str
     messages: list[InputMessage] = Field(min_length=1)
@@ -157,6 +190,15 @@ class ChatCompletionRequest(BaseModel):
     reasoning_effort: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    verbosity: str | None = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    moderation: Any = None
+    web_search_options: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -165,9 +207,9 @@ class ChatCompletionRequest(BaseModel):
 
     def _checked(self) -> None:
         """Refuse what cannot be honoured; log fields this server does not know (once)."""
+        self.FIELDS.check(self)
         if self.modalities not in (None, ["text"]):
             raise APIError.invalid("modalities: only ['text'] is supported", "modalities")
-        note_unknown_fields(self, "Chat Completions")
 
     def _bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its token ids (JSON object keys are strings) as integers."""

@@ -49,7 +49,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -68,7 +68,7 @@ from agents.tool_calls import ToolCall, ToolFormat
 from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
 from server.api.stored_responses import continued, items_of, store_response
-from server.bodies import note_unknown_fields, parse_off_loop
+from server.bodies import FieldPolicy, parse_off_loop
 from server.conversation import TurnRequest, sampling_from
 from server.errors import APIError, Dialect, api_error
 from server.logprobs import logprob_content, top_logprobs
@@ -86,8 +86,46 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content", LOGPROBS_INCLUDE})
 
 
+RESPONSES_FIELDS = FieldPolicy(
+    "Responses API",
+    honoured=frozenset(
+        {
+            *("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls"),
+            *("max_output_tokens", "max_tool_calls", "temperature", "top_p", "stream", "store"),
+            *("prompt_cache_key", "metadata", "text", "truncation", "include", "top_logprobs"),
+            *("previous_response_id",),
+        }
+    ),
+    accepted={
+        "reasoning": "the reply has no reasoning items",
+        "user": "OpenAI's abuse monitoring",
+        "safety_identifier": "OpenAI's abuse monitoring",
+        "service_tier": "there is one tier here",
+        "client_metadata": "Codex's own bookkeeping",
+        "stream_options": "the stream's events are always the same",
+        "prompt_cache_options": "caches are kept by agentkv's own tiers",
+        "prompt_cache_retention": "caches are kept by agentkv's own tiers",
+        "context_management": "a conversation over the context is refused (400), not compacted",
+        "image": "no images are generated here",
+    },
+    refused={
+        "conversation": "continue a stored response with previous_response_id, or send the "
+        "whole conversation as input",
+        "background": "responses run in the request",
+        "background_options": "responses run in the request",
+        "prompt": "prompt templates are stored by OpenAI",
+        "moderation": "moderation is not run here",
+        "access_programs": "OpenAI's access programs",
+    },
+)
+
+
 class ResponsesRequest(BaseModel):
+    """Fields are honoured, accepted without effect or refused (``RESPONSES_FIELDS``; see the
+    module docstring); any other field is logged once."""
+
     model_config = ConfigDict(extra="allow")
+    FIELDS: ClassVar[FieldPolicy] = RESPONSES_FIELDS
 
     model: str
     input: str | list[Any]
@@ -117,6 +155,13 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     client_metadata: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    context_management: Any = None
+    image: Any = None
+    background_options: Any = None
+    moderation: Any = None
+    access_programs: Any = None
     _read: Conversation | None = PrivateAttr(default=None)
 
     def turn(
@@ -128,7 +173,6 @@ class ResponsesRequest(BaseModel):
         """The turn this request asks for, after the ``earlier`` responses it continues.
         Raises APIError (400) for what it cannot honour."""
         self._refuse_unsupported()
-        note_unknown_fields(self, "Responses API")
         read = conversation(self.input, self.instructions, self.tools, items_of(earlier))
         if not read.messages or read.messages[-1]["role"] == "assistant":
             raise APIError.invalid(
@@ -169,24 +213,15 @@ class ResponsesRequest(BaseModel):
         def refuse(field: str, why: str) -> None:
             raise APIError.invalid(f"{field}: {why}", field)
 
-        if self.conversation is not None:
-            refuse(
-                "conversation",
-                "not supported: continue a stored response with previous_response_id, or send "
-                "the whole conversation as input",
-            )
+        self.FIELDS.check(self)
         for value in self.include or []:
             if value not in ACCEPTED_INCLUDES:
                 refuse("include", f"{value!r} is not supported")
-        if self.background:
-            refuse("background", "not supported: responses run in the request")
         if self.truncation == "auto":
             refuse(
                 "truncation",
                 "'auto' is not supported: a conversation over the context is refused, not cut",
             )
-        if self.prompt is not None:
-            refuse("prompt", "not supported: prompt templates are stored by OpenAI")
 
     @property
     def response_format(self) -> dict[str, Any] | None:
