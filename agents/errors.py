@@ -61,7 +61,13 @@ class ToolsUnsupportedError(AgentKVError, ValueError):
 
 
 class InvalidResponseFormatError(AgentKVError, ValueError):
-    """A ``response_format`` that is malformed, or whose JSON Schema cannot be compiled."""
+    """A ``response_format`` (or forced ``tool_choice``) that is malformed, or whose JSON Schema
+    cannot be compiled. The message starts with the field it names and a colon."""
+
+    @property
+    def field(self) -> str:
+        """The field the message names, e.g. ``response_format.json_schema.schema``."""
+        return str(self).partition(": ")[0]
 
 
 class TurnFailedError(AgentKVError):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, StringConstraints
 from pydantic_core import PydanticCustomError
 
-from agents import InvalidMessageError, SamplingParams
+from agents import InvalidMessageError, InvalidResponseFormatError, SamplingParams
 from agents.errors import check_text
 from agents.prompt import Message
 from server.errors import APIError
@@ -70,6 +70,17 @@ class TurnRequest:
     """A forced call (whole conversations only): ``"required"`` or ``{"name": ...}``."""
     logprobs: int | None = None
     """Report tokens' logprobs with this many alternatives (None: no logprobs)."""
+    format_field: str = "response_format"
+    """What the API calls ``response_format`` (its ``json_schema`` object is flattened into it
+    on the APIs that call it otherwise)."""
+
+    def format_error(self, exc: InvalidResponseFormatError) -> APIError:
+        """``exc`` as a 400 naming the field as this request's API calls it."""
+        field, _, reason = str(exc).partition(": ")
+        if self.format_field != "response_format" and field.startswith("response_format"):
+            rest = field.removeprefix("response_format").removeprefix(".json_schema")
+            field = self.format_field + rest
+        return APIError.invalid(f"{field}: {reason}", field)
 
     @property
     def options(self) -> dict[str, Any]:

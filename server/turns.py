@@ -19,7 +19,7 @@ from fastapi import Header, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agents import Reply, TextDelta, TokenLogprob
+from agents import InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
 from agents.tool_calls import ToolFormat
 from server.conversation import TurnRequest
 from server.errors import ClientDisconnectedError
@@ -77,6 +77,13 @@ async def _disconnected(http: Request) -> None:
 
 
 async def _whole_turn(state: ServerState, request: TurnRequest) -> Reply:
+    try:
+        return await _claimed_turn(state, request)
+    except InvalidResponseFormatError as exc:
+        raise request.format_error(exc) from None
+
+
+async def _claimed_turn(state: ServerState, request: TurnRequest) -> Reply:
     async with state.identity.claim(request) as claim:
         reply = None
         async with contextlib.aclosing(_events(state, claim, request)) as events:
@@ -117,8 +124,10 @@ class TurnStream:
             self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
             self._events = events
             self._first = await self._next()
-        except BaseException:
+        except BaseException as exc:
             await self.aclose()
+            if isinstance(exc, InvalidResponseFormatError):
+                raise self._request.format_error(exc) from None
             raise
         return self
 

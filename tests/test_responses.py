@@ -425,15 +425,47 @@ def test_structured_outputs_on_every_api(client, http):
     assert set(json.loads(message["content"][0]["text"])) == {"title", "n"}
 
 
-def test_a_schema_that_cannot_compile_is_a_400_naming_it(http):
-    bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "strin"}}}
-    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "response_format": bad}
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "t", "schema": {}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/responses",
+            {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "t", "schema": {}}}},
+            "text.format.schema",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+            "output_config.format.schema",
+        ),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_cannot_compile_is_a_400_naming_it_as_the_api_does(
+    http, path, body, field, stream
+):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **body}
+    if path == "/v1/responses":
+        del body["messages"]
+    fmt = body.get("response_format") or body.get("text") or body["output_config"]
+    spec = fmt.get("json_schema") or fmt.get("format")
+    spec["schema"] = {"type": "strin"}
+    response = http.post(path, json=body | {"stream": stream})
+    assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
-    assert message.startswith("response_format.json_schema.schema: cannot be compiled") and (
-        "strin" in message
-    )
+    assert message.startswith(f"{field}: cannot be compiled") and "strin" in message
+    if path != "/v1/messages":
+        assert response.json()["error"]["param"] == field
 
 
 CITY = {

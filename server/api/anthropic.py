@@ -233,6 +233,9 @@ class MessagesRequest(CountTokensRequest):
             tools=tools,
             response_format=self.response_format,
             tool_choice=forced_tool(self.tool_choice) if tools else None,
+            format_field="output_config.format"
+            if (self.output_config or {}).get("format") is not None
+            else "output_format",
         )
         if session is None and tools is None and is_plain(messages):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]

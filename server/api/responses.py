@@ -202,6 +202,7 @@ class ResponsesRequest(BaseModel):
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice"),
             logprobs=top_logprobs(self.wants_logprobs, self.top_logprobs),
+            format_field="text.format",
         )
 
     @property
