@@ -14,10 +14,10 @@ from engine.grammar import Grammar
 from engine.sampling import SamplingParams
 
 CHECKPOINTS_KEPT = 2
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask to see for each token (OpenAI's API allows 20)."""
 """Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`);
 shared heads (``Checkpoint.head``) are kept besides."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask to see for each token (OpenAI's API allows 20)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -70,6 +70,9 @@ class TurnRequest:
     """A forced call (whole conversations only): ``"required"`` or ``{"name": ...}``."""
     logprobs: int | None = None
     """Report tokens' logprobs with this many alternatives (None: no logprobs)."""
+    continues: tuple[str, int] | None = None
+    """(agent, message id): the agent answers if that is still its last message (a
+    Responses API ``previous_response_id``); else the request is matched as any other."""
     format_field: str = "response_format"
     """What the API calls ``response_format`` (its ``json_schema`` object is flattened into it
     on the APIs that call it otherwise)."""

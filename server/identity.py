@@ -215,7 +215,12 @@ class Identity:
         named = request.agent_id
         if named is None and request.session is not None:
             named = session_agent_id(request.session, request.tools, request.session_prefix)
-        if named is not None:
+        continued = None
+        if named is None and request.continues is not None:
+            continued = await self._continued(request, *request.continues)
+        if continued is not None:
+            claim = continued
+        elif named is not None:
             await self._enter(named)
             try:
                 # A Claude Code session is a stateless client too: its agents expire when idle.
@@ -238,6 +243,21 @@ class Identity:
                     task = asyncio.create_task(self._retire(claim))
                     self._deleting.add(task)
                     task.add_done_callback(self._deleting.discard)
+
+    async def _continued(
+        self, request: TurnRequest, agent_id: str, message_id: int
+    ) -> Claim | None:
+        """The claim on the agent whose last message ``message_id`` is, checked once the agent
+        is held (a branch sent meanwhile may have answered it); None: it is not (any more)."""
+        await self._enter(agent_id)
+        try:
+            if await self._runtime.responses.is_latest(agent_id, message_id):
+                return Claim(agent_id, document=request.document)
+        except BaseException:
+            self._leave(agent_id)
+            raise
+        self._leave(agent_id)
+        return None
 
     async def _discard(self, agent_id: str) -> None:
         """Delete an agent a failed request created, so a refused request leaves nothing."""

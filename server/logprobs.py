@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agents import AgentRuntime, TokenLogprob
+from engine.request import MAX_TOP_LOGPROBS
 from server.errors import APIError
-
-MAX_TOP_LOGPROBS = 20
 
 
 def top_logprobs(logprobs: bool | None, top: int | None, field: str = "top_logprobs") -> int | None:

@@ -198,9 +198,11 @@ class StoredResponse(Base):
     """One OpenAI Responses API response kept for ``previous_response_id`` (added by 0006).
 
     ``input`` holds the items the request sent itself (a chain's earlier items are in the
-    responses ``previous_id`` leads to), ``body`` the response object as returned (its
-    ``output`` items). ``agent_id`` and ``message_id`` name the agent and the reply message
-    that answered; an agent deleted later leaves the response (``agent_id`` NULL).
+    responses ``previous_id`` leads to), ``output`` the response's output items, ``body`` the
+    rest of the response object as returned; all three are JSON text, encoded and decoded off
+    the event loop (``store.responses``). ``agent_id`` and ``message_id`` name the agent and the
+    reply message that answered; an agent deleted later leaves the response (``agent_id``
+    NULL).
     """
 
     __tablename__ = "responses"
@@ -211,8 +213,9 @@ class StoredResponse(Base):
     )
     message_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     previous_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
-    input: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
-    body: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    input: Mapped[str] = mapped_column(Text, nullable=False)
+    output: Mapped[str] = mapped_column(Text, nullable=False)
+    body: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = mapped_column(
         UTCDateTime, nullable=False, default=utcnow, index=True
     )

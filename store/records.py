@@ -108,7 +108,7 @@ class NewResponse:
         message_id: The reply's message id (``MessageRecord.id``), if it was stored.
         previous_id: The stored response this one continues, if any.
         input: The input items the request sent itself (JSON values).
-        body: The response object as returned (JSON values; its ``output`` items).
+        body: The response object as returned (JSON values, its ``output`` items included).
     """
 
     id: str
@@ -126,15 +126,16 @@ class NewResponse:
 
 @dataclass(slots=True, frozen=True)
 class ResponseRecord:
-    """A stored response. ``agent_id`` is None once its agent was deleted; ``latest`` says
-    whether the reply is still its agent's last message (set by ``ResponseIndex.chain``)."""
+    """A stored response as a chain reads it: the items its request sent and its output
+    items. ``agent_id`` is None once its agent was deleted; ``latest`` says whether the reply
+    is still its agent's last message (set for the last of ``ResponseIndex.chain``)."""
 
     id: str
     agent_id: str | None
     message_id: int | None
     previous_id: str | None
     input: list[Any] = field(hash=False)
-    body: dict[str, Any] = field(hash=False)
+    output: list[Any] = field(hash=False)
     created_at: datetime
     latest: bool = False
 

@@ -1,9 +1,14 @@
 """Stored OpenAI Responses API responses: what ``previous_response_id`` continues.
 
-A response keeps the input items its request sent itself and the response object as returned;
-the conversation a ``previous_response_id`` continues is the chain of responses it leads to,
-oldest first, each one's input then its output. Deleting a response (or its expiry) folds its
-items into the responses that continue it, so their conversations stay whole.
+A response keeps the input items its request sent itself, its output items and the rest of
+the response object as returned; the conversation a ``previous_response_id`` continues is the
+chain of responses it leads to, oldest first, each one's input then its output. Deleting a
+response (or its expiry) folds its items into the responses that continue it, so their
+conversations stay whole.
+
+Items and bodies are JSON text in the database, encoded and decoded in a worker thread: a
+reply with logprobs runs to megabytes, which would hold the event loop. ``GET`` reads the
+response object's text as it is, without decoding it.
 
 :class:`ResponseIndex` runs on the registry's database (``Registry.responses``); like the
 registry, each call runs in one session and one transaction and returns frozen records.
@@ -11,23 +16,29 @@ registry, each call runs in one session and one transaction and returns frozen r
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, func, insert, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database
+from store.cache_index import require_agent
 from store.errors import InvalidRecordError, ResponseNotFoundError
 from store.models import Message, StoredResponse, utcnow
 from store.records import NewResponse, ResponseRecord
 
-_COLUMNS = (
+_IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
+_CHAIN_COLUMNS = (
     StoredResponse.id,
     StoredResponse.agent_id,
     StoredResponse.message_id,
     StoredResponse.previous_id,
     StoredResponse.input,
-    StoredResponse.body,
+    StoredResponse.output,
     StoredResponse.created_at,
 )
 
@@ -44,39 +55,34 @@ class ResponseIndex:
         Raises:
             TypeError: ``response`` is not a ``NewResponse``.
             InvalidRecordError: its id is taken, or ``previous_id`` names no stored response.
+            AgentNotFoundError: its agent does not exist.
         """
         if not isinstance(response, NewResponse):
             raise TypeError(f"response must be a NewResponse, got {type(response).__name__}")
+        row = await asyncio.to_thread(_encoded, response)
         async with self._db.write() as session:
-            if await session.get(StoredResponse, response.id) is not None:
+            if await _exists(session, response.id):
                 raise InvalidRecordError(f"id={response.id!r}: a response with it is stored")
             previous = response.previous_id
-            if previous is not None and await session.get(StoredResponse, previous) is None:
+            if previous is not None and not await _exists(session, previous):
                 raise InvalidRecordError(f"previous_id={previous!r}: no such stored response")
-            await session.execute(
-                insert(StoredResponse),
-                [
-                    {
-                        "id": response.id,
-                        "agent_id": response.agent_id,
-                        "message_id": response.message_id,
-                        "previous_id": previous,
-                        "input": response.input,
-                        "body": response.body,
-                        "created_at": utcnow(),
-                    }
-                ],
-            )
+            await require_agent(session, response.agent_id)
+            await session.execute(insert(StoredResponse), [row])
 
-    async def get(self, response_id: str) -> ResponseRecord:
-        """The stored response. Raises ``ResponseNotFoundError``."""
+    async def get_json(self, response_id: str) -> str:
+        """The stored response object, as JSON text. Raises ``ResponseNotFoundError``."""
         async with self._db.read() as session:
             row = (
-                await session.execute(select(*_COLUMNS).where(StoredResponse.id == response_id))
+                await session.execute(
+                    select(StoredResponse.body, StoredResponse.output).where(
+                        StoredResponse.id == response_id
+                    )
+                )
             ).first()
         if row is None:
             raise ResponseNotFoundError(response_id)
-        return ResponseRecord(*row)
+        body, output = row
+        return f'{body[:-1]}{", " if body != "{}" else ""}"output": {output}}}'
 
     async def chain(self, response_id: str) -> list[ResponseRecord]:
         """The responses ``response_id`` continues and itself, oldest first (one query). The
@@ -96,25 +102,26 @@ class ResponseIndex:
             )
         )
         query = (
-            select(*_COLUMNS)
+            select(*_CHAIN_COLUMNS)
             .join(link, StoredResponse.id == link.c.id)
             .order_by(link.c.depth.desc())
         )
         async with self._db.read() as session:
-            records = [ResponseRecord(*row) for row in await session.execute(query)]
-            if not records:
+            rows = (await session.execute(query)).all()
+            if not rows:
                 raise ResponseNotFoundError(response_id)
-            last = records[-1]
-            latest = last.agent_id is not None and last.message_id is not None
-            if latest:
-                newest = await session.scalar(
-                    select(func.max(Message.id)).where(Message.agent_id == last.agent_id)
-                )
-                latest = newest == last.message_id
-        if records[0].previous_id is not None:  # deleted by hand in the database
-            raise ResponseNotFoundError(records[0].previous_id)
-        records[-1] = ResponseRecord(*_fields(last), latest=latest)
+            if rows[0].previous_id is not None:  # a link deleted by hand in the database
+                raise ResponseNotFoundError(rows[0].previous_id)
+            last = rows[-1]
+            latest = await _is_latest(session, last.agent_id, last.message_id)
+        records = await asyncio.to_thread(_decoded, rows)
+        records[-1] = ResponseRecord(*_fields(records[-1]), latest=latest)
         return records
+
+    async def is_latest(self, agent_id: str, message_id: int) -> bool:
+        """Whether ``message_id`` is the agent's last message (False: no such agent)."""
+        async with self._db.read() as session:
+            return await _is_latest(session, agent_id, message_id)
 
     async def delete(self, response_id: str) -> None:
         """Delete the response; the responses that continue it get its items first.
@@ -127,53 +134,101 @@ class ResponseIndex:
                 raise ResponseNotFoundError(response_id)
 
     async def expire(self, before: datetime) -> int:
-        """Delete the responses created before ``before`` (folding their items into the
+        """Delete the responses created before ``before`` (their items folded into the
         younger responses that continue them). Returns how many were deleted."""
+        old = select(StoredResponse.id).where(StoredResponse.created_at < before)
+        async with self._db.read() as session:  # most rounds find nothing: no write lock
+            if await session.scalar(old.limit(1)) is None:
+                return 0
         async with self._db.write() as session:
-            ids = list(
-                await session.scalars(
-                    select(StoredResponse.id)
-                    .where(StoredResponse.created_at < before)
-                    .order_by(StoredResponse.created_at)
-                )
-            )
-            return await _delete(session, ids)
+            return await _delete(session, list(await session.scalars(old)))
 
 
-def _fields(record: ResponseRecord) -> tuple:
+def _fields(record: ResponseRecord) -> tuple[Any, ...]:
     return (
         record.id,
         record.agent_id,
         record.message_id,
         record.previous_id,
         record.input,
-        record.body,
+        record.output,
         record.created_at,
     )
 
 
+def _encoded(response: NewResponse) -> dict[str, Any]:
+    body = {k: v for k, v in response.body.items() if k != "output"}
+    return {
+        "id": response.id,
+        "agent_id": response.agent_id,
+        "message_id": response.message_id,
+        "previous_id": response.previous_id,
+        "input": json.dumps(response.input),
+        "output": json.dumps(response.body.get("output", [])),
+        "body": json.dumps(body),
+        "created_at": utcnow(),
+    }
+
+
+def _decoded(rows: Sequence[Any]) -> list[ResponseRecord]:
+    return [
+        ResponseRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5]), r[6])
+        for r in rows
+    ]
+
+
+async def _exists(session: AsyncSession, response_id: str) -> bool:
+    found = select(StoredResponse.id).where(StoredResponse.id == response_id)
+    return await session.scalar(found) is not None
+
+
+async def _is_latest(session: AsyncSession, agent_id: str | None, message_id: int | None) -> bool:
+    if agent_id is None or message_id is None:
+        return False
+    newest = await session.scalar(select(func.max(Message.id)).where(Message.agent_id == agent_id))
+    return newest == message_id
+
+
 async def _delete(session: AsyncSession, ids: list[str]) -> int:
-    """Delete ``ids`` in order, each one's items prepended to its children's input."""
-    deleted = 0
-    for response_id in ids:
-        gone = (
-            await session.execute(select(*_COLUMNS).where(StoredResponse.id == response_id))
-        ).first()
-        if gone is None:
-            continue
-        gone = ResponseRecord(*gone)
-        items = [*gone.input, *gone.body.get("output", [])]
-        children = await session.execute(
-            select(StoredResponse.id, StoredResponse.input).where(
-                StoredResponse.previous_id == response_id
+    """Delete ``ids``; each response left that continues one of them gets the items of the
+    deleted responses it continued (back to the first kept one) and continues that one."""
+    gone, rows, heirs = set(ids), {}, []
+    for i in range(0, len(ids), _IN_CHUNK):
+        chunk = ids[i : i + _IN_CHUNK]
+        found = await session.execute(
+            select(
+                StoredResponse.id,
+                StoredResponse.previous_id,
+                StoredResponse.input,
+                StoredResponse.output,
+            ).where(StoredResponse.id.in_(chunk))
+        )
+        rows.update((r.id, r) for r in found)
+        continuing = await session.execute(
+            select(StoredResponse.id, StoredResponse.previous_id, StoredResponse.input).where(
+                StoredResponse.previous_id.in_(chunk)
             )
         )
-        for child_id, child_input in children.all():
-            await session.execute(
-                update(StoredResponse)
-                .where(StoredResponse.id == child_id)
-                .values(previous_id=gone.previous_id, input=[*items, *child_input])
-            )
-        await session.execute(delete(StoredResponse).where(StoredResponse.id == response_id))
-        deleted += 1
-    return deleted
+        heirs += [h for h in continuing if h.id not in gone]
+    for heir in heirs:
+        folded, previous = [heir.input], heir.previous_id
+        while previous in rows:  # up to the first response kept
+            row = rows[previous]
+            folded = [row.input, row.output, *folded]
+            previous = row.previous_id
+        joined = await asyncio.to_thread(_joined, folded)
+        await session.execute(
+            update(StoredResponse)
+            .where(StoredResponse.id == heir.id)
+            .values(previous_id=previous, input=joined)
+        )
+    for i in range(0, len(ids), _IN_CHUNK):
+        await session.execute(
+            delete(StoredResponse).where(StoredResponse.id.in_(ids[i : i + _IN_CHUNK]))
+        )
+    return len(rows)
+
+
+def _joined(lists: list[str]) -> str:
+    """JSON lists, as one list."""
+    return json.dumps([item for text in lists for item in json.loads(text)])

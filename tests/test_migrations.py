@@ -73,7 +73,10 @@ SCHEMA = {
     ],
     "kv_cache_blocks": ["agent_id", "position", "block_key"],
     # added by 0006
-    "responses": ["id", "agent_id", "message_id", "previous_id", "input", "body", "created_at"],
+    "responses": [
+        *("id", "agent_id", "message_id", "previous_id", "input", "output", "body"),
+        "created_at",
+    ],
 }
 # A later revision that rebuilds `agents` the way batch mode does: copy, DROP, rename.
 # NEXT_REVISION and HEAD_REVISION are filled in by with_revision().

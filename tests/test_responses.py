@@ -7,6 +7,7 @@ hi"`` (body and the headers that matter: ``session-id``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import logging
@@ -233,6 +234,26 @@ def test_a_branch_leaves_the_named_agent_alone(http):
     assert http.get("/v1/agents/chained/messages").json() == transcript
     third = ask("Four?", second.json()["id"])
     assert third.headers["x-agent-id"] == "chained"
+
+
+def test_two_continuations_at_once_branch_instead_of_overwriting(http):
+    body = {"model": "m", "instructions": INSTRUCTIONS, "max_output_tokens": 6}
+    first = http.post(
+        "/v1/responses", json=body | {"input": "Start"}, headers={"x-agent-id": "raced"}
+    ).json()
+    before = len(http.get("/v1/agents/raced/messages").json()["data"])
+
+    def follow(text: str) -> httpx.Response:
+        asked = body | {"input": text, "previous_response_id": first["id"]}
+        return http.post("/v1/responses", json=asked)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(follow, ["Left?", "Right?"]))
+    assert [a.status_code for a in answers] == [200, 200]
+    agents = sorted(a.headers["x-agent-id"] for a in answers)
+    assert agents[0] == "raced" != agents[1]  # one continued it, the other branched
+    messages = http.get("/v1/agents/raced/messages").json()["data"]
+    assert len(messages) == before + 2  # its transcript holds one continuation, whole
 
 
 def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(http):

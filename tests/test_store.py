@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -488,7 +489,7 @@ async def chain_of(registry: Registry, agent_id: str, turns: int) -> list[str]:
 
 
 def items(records: list[ResponseRecord]) -> list[Any]:
-    return [item for r in records for item in [*r.input, *r.body["output"]]]
+    return [item for r in records for item in [*r.input, *r.output]]
 
 
 async def test_a_chain_is_read_oldest_first_and_knows_whether_it_is_the_latest(
@@ -502,11 +503,11 @@ async def test_a_chain_is_read_oldest_first_and_knows_whether_it_is_the_latest(
     assert chain[-1].latest and chain[-1].agent_id == agent.id
     earlier = await registry.responses.chain("resp_1")
     assert [r.id for r in earlier] == ids[:2] and not earlier[-1].latest
-    assert (await registry.responses.get("resp_1")).body == answered("a1")
+    assert json.loads(await registry.responses.get_json("resp_1")) == answered("a1")
     with pytest.raises(ResponseNotFoundError, match="resp_9"):
         await registry.responses.chain("resp_9")
     with pytest.raises(ResponseNotFoundError, match="resp_9"):
-        await registry.responses.get("resp_9")
+        await registry.responses.get_json("resp_9")
 
 
 async def test_a_response_is_stored_once_and_continues_a_stored_one(registry: Registry) -> None:
@@ -518,6 +519,10 @@ async def test_a_response_is_stored_once_and_continues_a_stored_one(registry: Re
     orphan = NewResponse("resp_x", agent.id, None, "resp_gone", [], {})
     with pytest.raises(InvalidRecordError, match="previous_id='resp_gone'"):
         await registry.responses.put(orphan)
+    with pytest.raises(AgentNotFoundError):
+        await registry.responses.put(NewResponse("resp_y", "nobody", None, None, [], {}))
+    await registry.responses.put(NewResponse("resp_z", agent.id, None, "resp_0", [], {"a": 1}))
+    assert json.loads(await registry.responses.get_json("resp_z")) == {"a": 1, "output": []}
     with pytest.raises(InvalidRecordError, match="id="):
         NewResponse("r" * 65, agent.id, None, None, [], {})
     assert [r.id for r in await registry.responses.chain("resp_0")] == ["resp_0"]
@@ -532,7 +537,7 @@ async def test_deleting_a_response_folds_its_items_into_the_ones_that_continue_i
     await registry.responses.put(branch)
     await registry.responses.delete("resp_1")
     with pytest.raises(ResponseNotFoundError):
-        await registry.responses.get("resp_1")
+        await registry.responses.get_json("resp_1")
     with pytest.raises(ResponseNotFoundError):
         await registry.responses.delete("resp_1")
     for last, tail in (("resp_2", ["q2", "a2"]), ("resp_b", ["qb", "ab"])):
@@ -546,6 +551,7 @@ async def test_responses_expire_oldest_first_and_outlive_their_agent(
 ) -> None:
     agent = await registry.create_agent()
     await chain_of(registry, agent.id, 3)
+    assert await registry.responses.expire(datetime(2021, 1, 1, tzinfo=UTC)) == 0
     with closing(sqlite3.connect(db_path)) as db, db:
         db.execute("UPDATE responses SET created_at = '2020-01-01' WHERE id != 'resp_2'")
     assert await registry.responses.expire(datetime(2021, 1, 1, tzinfo=UTC)) == 2

@@ -29,8 +29,9 @@ def upgrade() -> None:
         sa.Column("agent_id", sa.String(length=64), nullable=True),
         sa.Column("message_id", sa.Integer(), nullable=True),
         sa.Column("previous_id", sa.String(length=64), nullable=True),
-        sa.Column("input", sa.JSON(), nullable=False),
-        sa.Column("body", sa.JSON(), nullable=False),
+        sa.Column("input", sa.Text(), nullable=False),
+        sa.Column("output", sa.Text(), nullable=False),
+        sa.Column("body", sa.Text(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(
             ["agent_id"],

@@ -182,14 +182,14 @@ class ResponsesRequest(BaseModel):
             )
         self._read = read
         session = None if agent_header else (self.prompt_cache_key or session_header)
-        agent_id = agent_header
-        last = earlier[-1] if earlier else None
-        if agent_id is None and session is None and last is not None and last.latest:
+        last, continues = earlier[-1] if earlier else None, None
+        if last is not None and last.latest and last.message_id is not None:
             assert last.agent_id is not None
             if not last.agent_id.startswith(STATELESS_PREFIX):  # those: found by transcript
-                agent_id = last.agent_id
+                continues = (last.agent_id, last.message_id)
         return TurnRequest(
-            agent_id=agent_id,
+            agent_id=agent_header,
+            continues=continues,
             system=read.system,
             history=[],
             message="",

@@ -13,11 +13,13 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import Response
+from sqlalchemy.exc import SQLAlchemyError
 
 from agents import Reply
 from server.errors import NOT_FOUND, APIError, ErrorKind
 from server.state import ServerState, State
-from store import InvalidRecordError, NewResponse, ResponseNotFoundError, ResponseRecord
+from store import NewResponse, ResponseNotFoundError, ResponseRecord, StoreError
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -45,7 +47,7 @@ async def continued(state: ServerState, previous_id: str | None) -> list[Respons
 
 def items_of(responses: list[ResponseRecord]) -> list[Any]:
     """The conversation a chain of responses holds: each one's input items, then its output."""
-    return [item for r in responses for item in (*r.input, *r.body.get("output", []))]
+    return [item for r in responses for item in (*r.input, *r.output)]
 
 
 async def store_response(
@@ -55,28 +57,31 @@ async def store_response(
     response: dict[str, Any],
     reply: Reply,
 ) -> None:
-    """Keep ``response`` (its request's own ``input_`` with it)."""
-    own = (
-        [{"type": "message", "role": "user", "content": input_}]
-        if isinstance(input_, str)
-        else input_
-    )
+    """Keep ``response`` (its request's own ``input_`` with it). The turn is stored already:
+    if the response cannot be, it is returned with ``store: false`` and the reason logged."""
+    own = input_
+    if isinstance(own, str):
+        own = [{"type": "message", "role": "user", "content": own}]
     stored = NewResponse(
         response["id"], reply.agent_id, reply.message_id, previous_id, own, response
     )
     try:
         await state.runtime.responses.put(stored)
-    except InvalidRecordError:  # the response it continues was deleted meanwhile
-        log.warning("response %s was answered but not stored", response["id"], exc_info=True)
+    except (StoreError, SQLAlchemyError):  # the response it continues or its agent is gone
+        log.warning(
+            "response %s was answered but could not be stored", response["id"], exc_info=True
+        )
+        response["store"] = False
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, state: State) -> dict[str, Any]:
-    """A stored response, as it was returned."""
+async def get_response(response_id: str, state: State) -> Response:
+    """A stored response, as it was returned (its JSON text, not decoded here)."""
     try:
-        return (await state.runtime.responses.get(response_id)).body
+        text = await state.runtime.responses.get_json(response_id)
     except ResponseNotFoundError:
         raise _not_found(response_id) from None
+    return Response(text, media_type="application/json")
 
 
 @router.delete("/v1/responses/{response_id}")
