@@ -29,9 +29,15 @@ from engine.request import GenerationRequest
 RESULTS = Path(__file__).parent / "results"
 
 
-async def ask(args: argparse.Namespace, budget: int | None) -> tuple[dict, int]:
+async def ask(
+    args: argparse.Namespace, budget: int | None, batch_kv_bits: int | None = None
+) -> tuple[dict, int]:
+    """``4 * args.fits`` agents ask at once under ``budget``: the row of what the batch did,
+    and the KV bytes one of them sets aside."""
     agents = 4 * args.fits
-    config = EngineConfig(completion_batch_size=agents, kv_budget_bytes=budget)
+    config = EngineConfig(
+        completion_batch_size=agents, kv_budget_bytes=budget, batch_kv_bits=batch_kv_bits
+    )
     eng = await Engine.open(args.model, config)
     steps: list[StepRecord] = []
     waiting = 0
@@ -67,6 +73,7 @@ async def ask(args: argparse.Namespace, budget: int | None) -> tuple[dict, int]:
         "budget_mb": budget_bytes / 2**20,
         "agents": agents,
         "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
+        "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
         "failed": sum(r.error is not None for r in results),
         "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
         "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,

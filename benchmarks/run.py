@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks import (
+    bench_batch_kv,
     bench_batching,
     bench_blocks,
     bench_budget,
@@ -32,6 +33,7 @@ SUITE = {
     "batching": bench_batching,
     "mixed": bench_mixed,
     "budget": bench_budget,
+    "batch_kv": bench_batch_kv,
     "prefill": bench_prefill,
     "policies": bench_policies,
     "roundtrip": bench_roundtrip,

@@ -1,10 +1,28 @@
-"""Engine limits, validated on construction."""
+"""Engine limits, validated on construction, and the quantization group sizes ``mx.quantize``
+takes (no MLX import here: configuration stays light)."""
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+# 32 rather than mlx-lm's 64: on a trained model (gemma3-270m, 4K history) q8 keeps 99.2% of
+# teacher-forced top-1 tokens against 98.4% at 64, for 6% more bytes (q8 0.5625x of float16).
+DEFAULT_GROUP_SIZE = 32
+FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
+
+
+def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
+    """The quantization group size for rows of ``head_dim``: ``preferred`` if it divides them,
+    else the first of 64, 32, 128 that does; None when none does (store the layer unquantized).
+    """
+    for group_size in (preferred, *FALLBACK_GROUP_SIZES):
+        if group_size in GROUP_SIZES and head_dim % group_size == 0:
+            return group_size
+    return None
 
 
 class Policy(StrEnum):
@@ -34,6 +52,11 @@ class EngineConfig(BaseModel):
         max_queue_size: waiting requests beyond this are refused with EngineOverloadedError.
         priority_aging_per_s: priority a waiting request gains per second of waiting.
         stats_window_s: window of the aggregate decode tok/s.
+        batch_kv_bits: hold the global-attention layers' keys and values quantized in the
+            running batch (8 or 4; None: in the model's precision), so the KV budget holds
+            about twice (q8) as many tokens; sliding-window layers stay as they are.
+        batch_kv_group_size: its quantization group size (32, 64 or 128; a layer whose
+            heads it does not divide uses another that does, or stays unquantized).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,6 +70,8 @@ class EngineConfig(BaseModel):
     max_queue_size: int = Field(default=1024, ge=1)
     priority_aging_per_s: float = Field(default=0.1, ge=0.0)
     stats_window_s: float = Field(default=10.0, gt=0.0)
+    batch_kv_bits: Literal[8, 4] | None = None
+    batch_kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
 
     @model_validator(mode="before")
     @classmethod

@@ -7,69 +7,60 @@ where it adds the least padding, and only while the group's padded size stays wi
 ``PADDING_TOLERANCE`` of what its sequences own; otherwise it starts a group of its own. So the
 batch holds about the sum of its sequences' histories, not batch size × the longest.
 
-Buffers grow by ``growth(size)`` tokens (at least ``MIN_GROWTH``, else 1/16 of the size) instead
-of mlx-lm's fixed 256, so a few hundred short sequences do not each carry 256 empty positions.
+The buffers themselves are in ``engine.batch_caches``; with ``batch_kv_bits`` the global-attention
+layers' buffers hold their keys and values quantized (sliding-window layers stay in the model's
+precision: they hold at most a window each).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
-    BatchKVCache,
-    BatchRotatingKVCache,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
 
+from engine.batch_caches import (
+    MIN_GROWTH,
+    GroupKVCache,
+    GroupQuantizedKVCache,
+    GroupRotatingKVCache,
+    dequantized,
+    growth,
+    quantized_token_bytes,
+)
+from engine.config import DEFAULT_GROUP_SIZE, choose_group_size
 from engine.errors import InvalidCacheError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
+
 PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences own
-MIN_GROWTH = 32
-
-
-def growth(size: int) -> int:
-    """Tokens a buffer of ``size`` positions grows by when it is full."""
-    return max(MIN_GROWTH, (size // 16 + MIN_GROWTH - 1) // MIN_GROWTH * MIN_GROWTH)
-
-
-class GroupKVCache(BatchKVCache):
-    """mlx-lm's BatchKVCache growing by :func:`growth` instead of 256 positions."""
-
-    @property
-    def step(self) -> int:
-        return growth(self._idx)
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> GroupKVCache:
-        merged = super().merge(caches)
-        merged.__class__ = cls  # mlx-lm makes a plain BatchKVCache of empty caches
-        return merged
-
-
-class GroupRotatingKVCache(BatchRotatingKVCache):
-    """mlx-lm's BatchRotatingKVCache growing by :func:`growth` up to its window."""
-
-    @property
-    def step(self) -> int:
-        return growth(self._offset)
+__all__ = ["MIN_GROWTH", "growth"]  # (with the names below; growth is defined with the buffers)
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Per layer: the sliding window (None: global attention) and K+V bytes per token."""
+    """Per layer: the sliding window (None: global attention) and K+V bytes per token in the
+    batch; with ``bits``, the quantization group size of each layer held quantized (None: in
+    the model's precision)."""
 
     windows: tuple[int | None, ...]
     token_bytes: tuple[int, ...]
     heads: tuple[tuple[int, int, int], ...] = ()  # (KV heads, key dim, value dim) per layer
     by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
+    bits: int | None = None
+    group_sizes: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         sums: dict[int | None, int] = {}
@@ -78,8 +69,12 @@ class KVLayout:
         object.__setattr__(self, "by_window", tuple(sums.items()))
 
     @classmethod
-    def of(cls, model: Any) -> KVLayout:
-        """Read the model's layers off one token run through fresh caches."""
+    def of(
+        cls, model: Any, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> KVLayout:
+        """Read the model's layers off one token run through fresh caches; ``bits``: hold the
+        global-attention layers quantized (in groups of ``group_size``, or of another size
+        that divides their heads: a layer none divides stays unquantized, logged once)."""
         caches = make_prompt_cache(model)
         for c in caches:
             if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
@@ -90,11 +85,24 @@ class KVLayout:
                 )
         model(mx.array([[1]]), cache=caches)
         mx.eval([c.state for c in caches])
-        return cls(
-            tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches),
-            tuple((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches),
-            tuple(_heads(c) for c in caches),
-        )
+        windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)
+        heads = tuple(_heads(c) for c in caches)
+        token_bytes = [(c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches]
+        groups: list[int | None] = [None] * len(caches)
+        if bits is not None:
+            for i, (c, w, (n, dk, dv)) in enumerate(zip(caches, windows, heads, strict=True)):
+                chosen = choose_group_size(math.gcd(dk, dv), group_size)
+                if w is None and chosen is None:
+                    _warn_unquantized(dk, dv)
+                if w is None and chosen is not None:
+                    groups[i] = chosen
+                    scale = c.keys.dtype.size
+                    token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, scale)
+        return cls(windows, tuple(token_bytes), heads, bits=bits, group_sizes=tuple(groups))
+
+    def quantized(self, i: int) -> bool:
+        """Whether layer ``i`` is held quantized in the batch."""
+        return bool(self.group_sizes) and self.group_sizes[i] is not None
 
     @property
     def layer_types(self) -> list[type]:
@@ -122,13 +130,24 @@ class KVLayout:
         return int(held * (1 + PADDING_TOLERANCE)) + 1
 
     def empty_layers(self) -> list[Any]:
-        return [
-            GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0]) for w in self.windows
-        ]
+        return [self._buffer(i, []) for i in range(len(self.windows))]
+
+    def _buffer(self, i: int, layers: list[Any]) -> Any:
+        """Layer ``i``'s group buffer of ``layers`` (one row each; none: one empty row)."""
+        w = self.windows[i]
+        if self.quantized(i):
+            buffer = GroupQuantizedKVCache.merge(
+                layers or [KVCache()], self.bits, self.group_sizes[i]
+            )
+            return buffer
+        if not layers:
+            return GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0])
+        return (GroupKVCache if w is None else GroupRotatingKVCache).merge(layers)
 
     def check(self, layers: list[Any]) -> None:
         """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use."""
-        types = [type(layer) for layer in layers]
+        types = [QuantizedKVCache if isinstance(x, QuantizedKVCache) else type(x) for x in layers]
+        types = [KVCache if t is QuantizedKVCache else t for t in types]
         if types != self.layer_types:
             raise InvalidCacheError(
                 f"cache layers {[t.__name__ for t in types]} do not match the model's "
@@ -148,7 +167,28 @@ class KVLayout:
 
 
 def _heads(cache: Any) -> tuple[int, int, int]:
+    if isinstance(cache, QuantizedKVCache):  # (words, scales, biases): 32 // bits dims a word
+        per_word = 32 // cache.bits
+        return (
+            cache.keys[0].shape[1],
+            cache.keys[0].shape[3] * per_word,
+            (cache.values[0].shape[3] * per_word),
+        )
     return cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3]
+
+
+_warned: set[tuple[int, int]] = set()
+
+
+def _warn_unquantized(key_dim: int, value_dim: int) -> None:
+    if (key_dim, value_dim) not in _warned:
+        _warned.add((key_dim, value_dim))
+        log.warning(
+            "batch_kv_bits: KV head size %d/%d is not divisible by a quantization group "
+            "size; such layers stay unquantized in the batch",
+            key_dim,
+            value_dim,
+        )
 
 
 class KVGroup:
@@ -175,8 +215,8 @@ class KVGroup:
             return cls(layout.empty_layers(), [seq])
         layout.check(layers)
         batch = [
-            (GroupKVCache if w is None else GroupRotatingKVCache).merge([layer])
-            for layer, w in zip(layers, layout.windows, strict=True)
+            layout._buffer(i, [x if layout.quantized(i) else dequantized(x)])
+            for i, x in enumerate(layers)
         ]
         return cls(batch, [seq])
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
+from engine.batch_caches import dequantized
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
@@ -98,7 +99,9 @@ class GenerationLoop(threading.Thread):
     def run(self) -> None:
         try:
             self.model = load_model(self._model_spec)
-            self.runner = ModelRunner(self.model.model)
+            self.runner = ModelRunner(
+                self.model.model, self.config.batch_kv_bits, self.config.batch_kv_group_size
+            )
             self.scheduler = Scheduler(self.config, self.runner.layout, self._budget())
         except BaseException as exc:  # surfaced to the opener by wait_ready()
             self._load_error = exc
@@ -257,7 +260,7 @@ class GenerationLoop(threading.Thread):
             return
         for seq, reason in ended:
             layers = caches.get(id(seq))
-            cache = PromptCache(layers, list(seq.tokens)) if layers else None
+            cache = PromptCache(_floats(layers), list(seq.tokens)) if layers else None
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
@@ -299,7 +302,9 @@ class GenerationLoop(threading.Thread):
         elif self.scheduler.dequeue(seq):
             layers = seq.cache if keep_cache else None
         self._finish(
-            seq, FinishReason.CANCELLED, PromptCache(layers, seq.tokens) if layers else None
+            seq,
+            FinishReason.CANCELLED,
+            PromptCache(_floats(layers), seq.tokens) if layers else None,
         )
 
     def _fail_everything(self, exc: BaseException) -> None:
@@ -352,6 +357,12 @@ def _values(pending: list) -> list[int]:
             read[id(array)] = array.tolist()
         out.append(read[id(array)][index])
     return out
+
+
+def _floats(layers: list) -> list:
+    """A finished sequence's caches as the model's precision holds them (a row held quantized
+    in the batch is expanded: the hot tier and the disk codec take float caches)."""
+    return [dequantized(layer) for layer in layers]
 
 
 def _logprob_values(plan: StepPlan, tokens: list[int]) -> list[TokenLogprob | None]:

@@ -52,6 +52,9 @@ class EngineStats:
             sequences (sized so their inter-token gap stays bounded).
         tokens_generated: tokens generated since the engine started.
         decode_tps: generated tokens per second over the stats window.
+        batch_kv_bits: the precision of the batch's global-attention KV (0: the model's).
+        kv_token_bytes: K+V bytes one token of history holds in the batch, all layers (while
+            the history is within the sliding windows), at that precision.
     """
 
     active: int
@@ -74,6 +77,8 @@ class EngineStats:
     kv_paused_bytes: int
     preemptions: int
     prefill_tokens_per_step: int
+    batch_kv_bits: int = 0
+    kv_token_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,4 +172,6 @@ class Meter:
             kv_paused_bytes=s.paused_bytes,
             preemptions=s.preemptions,
             prefill_tokens_per_step=s.pacer.last_budget,
+            batch_kv_bits=s.layout.bits or 0,
+            kv_token_bytes=sum(s.layout.token_bytes),
         )

@@ -54,15 +54,19 @@ class StepPlan:
 class ModelRunner:
     """Runs steps of the batch through one model (on the generation thread)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int = 32):
+        """``kv_bits``: hold the global-attention layers' KV quantized in the batch (see
+        ``engine.batch_caches``), in groups of ``group_size``."""
         self.model = model
         if not install(model):
             raise UnsupportedModelError(
                 f"{type(model).__module__} has its own attention function; agentkv batches "
                 "models that use mlx-lm's scaled_dot_product_attention"
             )
-        self.layout = KVLayout.of(model)
+        self.layout = KVLayout.of(model)  # the probe compares logits in the model's precision
         self._backbone, self._head = self._split_head()
+        if kv_bits is not None:
+            self.layout = KVLayout.of(model, kv_bits, group_size)
 
     def run(self, plan: StepPlan) -> mx.array | None:
         """Queue ``plan``'s forward pass; sequences' ``pending`` tokens become its samples.

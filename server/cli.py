@@ -100,6 +100,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=args.kv_budget_bytes,
         policy=args.policy,
         max_decode_stall=args.max_decode_stall,
+        batch_kv_bits=None if args.batch_kv_bits == "none" else int(args.batch_kv_bits),
     )
     given_budget = args.disk_budget_bytes
     config = RuntimeConfig(
@@ -274,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("8", "4", "none"),
         default="8",
         help="quantization of KV caches saved to disk (default: 8)",
+    )
+    serve.add_argument(
+        "--batch-kv-bits",
+        choices=("8", "4", "none"),
+        default="none",
+        help="hold the running batch's global-attention KV quantized: about twice (8) the "
+        "long-history agents in one KV budget (default: none)",
     )
     serve.add_argument(
         "--max-body-bytes",

@@ -264,3 +264,16 @@ def test_grammar_quick(tmp_path):
     assert report["held_tokens"] == [report["tokens"]]  # the schema makes it run to the end
     assert report["compile_ms"] > 0 and report["held_vs_single"] > 0
     assert report["neighbours_vs_free"] > 0 and report["half_vs_free"] > 0
+
+
+def test_batch_kv_quick(tmp_path):
+    report = run_quick("bench_batch_kv", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    rows = report["rows"]
+    assert list(rows) == ["model", "q8", "q4"]
+    for row in rows.values():
+        assert row["completed"] == row["agents"] and row["failed"] == 0
+        assert row["held_under_budget_every_step"] is True
+    # Quantized, an agent sets aside less of the same budget.
+    assert rows["q4"]["need_mb"] < rows["q8"]["need_mb"] < rows["model"]["need_mb"]

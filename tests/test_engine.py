@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
+from engine.kv_batch import KVLayout
 from engine.request import FinishReason, GenerationRequest, TokenEvent
 from engine.sampling import SamplingParams
 
@@ -486,3 +487,37 @@ def test_logprobs_asks_for_at_most_20_alternatives():
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(ValueError, match="logprobs must be None or 0 to 20"):
             GenerationRequest([1, 2], logprobs=bad)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_quantized_in_the_batch_each_sequence_decodes_as_it_does_alone(spec, bits):
+    eng = await Engine.open(spec, EngineConfig(batch_kv_bits=bits, prefill_step_size=16))
+    try:
+        window = eng.model.sliding_window or 32
+        lengths = [3, 17, window + 9, 2 * window + 5]
+        requests = [
+            GenerationRequest(prompt(eng, n, salt=n), max_tokens=12, ignore_eos=True)
+            for n in lengths
+        ]
+        alone = [await eng.generate(r) for r in requests]
+        together = await asyncio.gather(*(eng.generate(r) for r in requests))
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+        # Resumed from the float cache it hands back, a turn goes on as the batch would.
+        first = together[-1]
+        assert all(
+            type(layer).__name__ in ("KVCache", "RotatingKVCache") for layer in first.cache.layers
+        )
+        assert first.cache.num_tokens == lengths[-1] + 12
+        stats = eng.stats()
+        exact = sum(KVLayout.of(eng.model.model).token_bytes)
+        assert stats.batch_kv_bits == bits and 0 < stats.kv_token_bytes < exact
+    finally:
+        await eng.close()
+
+
+def test_batch_kv_bits_takes_8_4_or_none():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="batch_kv_bits"):
+        EngineConfig(batch_kv_bits=6)

@@ -9,16 +9,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.config import (  # noqa: F401  (this module's names for them)
+    DEFAULT_GROUP_SIZE,
+    FALLBACK_GROUP_SIZES,
+    GROUP_SIZES,
+    choose_group_size,
+)
 from engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
 PAGED_FORMAT_VERSION = 2
 DEFAULT_BLOCK_TOKENS = 256
-GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-# 32 rather than mlx-lm's 64: on a trained model (gemma3-270m, 4K history) q8 keeps 99.2% of
-# teacher-forced top-1 tokens against 98.4% at 64, for 6% more bytes (q8 0.5625x of float16).
-DEFAULT_GROUP_SIZE = 32
-FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,16 +74,6 @@ def consecutive_runs(indexes: Iterable[int]) -> list[range]:
         else:
             runs.append(range(i, i + 1))
     return runs
-
-
-def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
-    """The quantization group size for rows of ``head_dim``: ``preferred`` if it divides them,
-    else the first of 64, 32, 128 that does; None when none does (store the layer unquantized).
-    """
-    for group_size in (preferred, *FALLBACK_GROUP_SIZES):
-        if group_size in GROUP_SIZES and head_dim % group_size == 0:
-            return group_size
-    return None
 
 
 def tensor(encoded: EncodedCache, name: str, shape: tuple | None, dtype: type) -> np.ndarray:

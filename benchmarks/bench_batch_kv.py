@@ -1,0 +1,112 @@
+"""Quantized KV in the running batch (``EngineConfig.batch_kv_bits``): how many long-history
+agents one KV budget lets decode together, and how fast, in the model's precision, q8 and q4.
+
+    python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4] [--quick]
+
+The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
+precision. ``4 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
+``--tokens`` each, once per precision, same process: the most agents in the batch at once, the
+KV held at most, generated tokens per second over the run, and each against the model's
+precision. Global-attention layers are held quantized; sliding-window layers stay as they are.
+Writes benchmarks/results/batch_kv.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from benchmarks.bench_budget import ask
+from benchmarks.plots import bar_labels, save_plot, write_report
+from benchmarks.synthetic import synthetic_cache
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import GenerationRequest
+
+RESULTS = Path(__file__).parent / "results"
+PRECISIONS = {"model": None, "q8": 8, "q4": 4}
+
+
+async def need_bytes(args: argparse.Namespace) -> int:
+    """What one agent sets aside in the model's precision."""
+    eng = await Engine.open(args.model, EngineConfig())
+    try:
+        cache = await eng.run(synthetic_cache, eng.model.model, args.history, 0, 1000)
+        request = GenerationRequest([20], max_tokens=args.tokens, cache=cache)
+        return eng.kv_bytes_needed(request)
+    finally:
+        await eng.close()
+
+
+async def run(args: argparse.Namespace) -> dict:
+    budget = args.fits * await need_bytes(args)
+    rows = {}
+    for name, bits in PRECISIONS.items():
+        row, need = await ask(args, budget, bits)
+        rows[name] = row | {"need_mb": need / 2**20}
+        print(
+            f"{name:>5}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
+            f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
+            f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed",
+            flush=True,
+        )
+    base = rows["model"]
+    for row in rows.values():
+        row["agents_vs_model"] = round(row["max_in_batch"] / base["max_in_batch"], 3)
+        row["tps_vs_model"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+    return {
+        "benchmark": "batch_kv",
+        "model": args.model,
+        "history": args.history,
+        "tokens": args.tokens,
+        "fits": args.fits,
+        "budget_mb": budget / 2**20,
+        "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="quantized KV in the batch: agents per budget")
+    parser.add_argument("--model", default="tiny:gemma3-bench")
+    parser.add_argument("--fits", type=int, default=4, help="agents the budget holds unquantized")
+    parser.add_argument("--history", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
+    parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 4
+    report = asyncio.run(run(args))
+    write_report(report, args.out, plot)
+    return report
+
+
+def plot(report: dict, path: Path) -> Path:
+    rows = report["rows"]
+    names = list(rows)
+
+    def agents(ax) -> None:
+        bars = ax.bar(names, [r["max_in_batch"] for r in rows.values()])
+        bar_labels(ax, bars, "{:.0f}")
+        ax.set_ylabel("agents decoding together at most")
+        ax.set_title(f"one budget ({report['budget_mb']:.0f} MB)")
+
+    def speed(ax) -> None:
+        bars = ax.bar(names, [r["tokens_per_s"] for r in rows.values()])
+        bar_labels(ax, bars, "{:.1f}")
+        ax.set_ylabel("generated tok/s, all agents")
+        ax.set_title("decode")
+
+    title = f"{report['model']}, {report['history']}-token histories, {report['date']}"
+    return save_plot(path, [agents, speed], title)
+
+
+if __name__ == "__main__":
+    main()
