@@ -30,6 +30,7 @@ from mlx_lm.models.cache import (
 )
 
 from engine.config import DEFAULT_GROUP_SIZE
+from engine.errors import InvalidCacheError
 
 MIN_GROWTH = 32
 
@@ -232,7 +233,7 @@ def _triples(cache: Any, bits: int, group_size: int) -> tuple[Triple, Triple] | 
     n = cache.offset
     if isinstance(cache, QuantizedKVCache):
         if (cache.bits, cache.group_size) != (bits, group_size):
-            raise ValueError(
+            raise InvalidCacheError(
                 f"a cache quantized to {cache.bits} bits in groups of {cache.group_size} "
                 f"cannot join a {bits}-bit group of {group_size}"
             )

@@ -33,7 +33,6 @@ from engine.batch_caches import (
     GroupKVCache,
     GroupQuantizedKVCache,
     GroupRotatingKVCache,
-    dequantized,
     growth,
     quantized_token_bytes,
 )
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences own
-__all__ = ["MIN_GROWTH", "growth"]  # (with the names below; growth is defined with the buffers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +144,10 @@ class KVLayout:
 
     def check(self, layers: list[Any]) -> None:
         """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use."""
-        types = [QuantizedKVCache if isinstance(x, QuantizedKVCache) else type(x) for x in layers]
-        types = [KVCache if t is QuantizedKVCache else t for t in types]
+        types = [  # a layer held quantized in the batch also takes a quantized row
+            KVCache if isinstance(x, QuantizedKVCache) and self.quantized(i) else type(x)
+            for i, x in enumerate(layers)
+        ]
         if types != self.layer_types:
             raise InvalidCacheError(
                 f"cache layers {[t.__name__ for t in types]} do not match the model's "
@@ -214,10 +214,7 @@ class KVGroup:
         if layers is None:
             return cls(layout.empty_layers(), [seq])
         layout.check(layers)
-        batch = [
-            layout._buffer(i, [x if layout.quantized(i) else dequantized(x)])
-            for i, x in enumerate(layers)
-        ]
+        batch = [layout._buffer(i, [x]) for i, x in enumerate(layers)]
         return cls(batch, [seq])
 
     @property
@@ -244,7 +241,8 @@ class KVGroup:
         other.seqs, other.layers = [], []
 
     def extract(self, seq: Sequence) -> list[Any]:
-        """``seq``'s own per-layer caches (KVCache / RotatingKVCache), copied out."""
+        """``seq``'s own per-layer caches, copied out: KVCache / RotatingKVCache, and
+        QuantizedKVCache for the layers held quantized (``dequantized`` expands them)."""
         row = self.seqs.index(seq)
         return [layer.extract(row) for layer in self.layers]
 

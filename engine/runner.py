@@ -13,6 +13,7 @@ device's work.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from engine.attention import Span, StepCache, install
+from engine.config import DEFAULT_GROUP_SIZE
 from engine.errors import UnsupportedModelError
 from engine.kv_batch import KVGroup, KVLayout
 from engine.sequence import SeqStatus, Sequence
+
+log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
 
@@ -54,9 +58,12 @@ class StepPlan:
 class ModelRunner:
     """Runs steps of the batch through one model (on the generation thread)."""
 
-    def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int = 32):
+    def __init__(
+        self, model: nn.Module, kv_bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
+    ):
         """``kv_bits``: hold the global-attention layers' KV quantized in the batch (see
-        ``engine.batch_caches``), in groups of ``group_size``."""
+        ``engine.batch_caches``), in groups of ``group_size``; a model whose attention cannot
+        take quantized keys (attention sinks) keeps them in its precision, with a warning."""
         self.model = model
         if not install(model):
             raise UnsupportedModelError(
@@ -66,7 +73,28 @@ class ModelRunner:
         self.layout = KVLayout.of(model)  # the probe compares logits in the model's precision
         self._backbone, self._head = self._split_head()
         if kv_bits is not None:
-            self.layout = KVLayout.of(model, kv_bits, group_size)
+            self._quantize(KVLayout.of(model, kv_bits, group_size))
+
+    def _quantize(self, layout: KVLayout) -> None:
+        """Use ``layout`` (quantized layers) once a step of rows runs through it and gives
+        logits close to the model's own; else keep the model's precision and say why."""
+        model, probe = self.model, mx.arange(1, PROBE_TOKENS + 1)
+        exact, self.layout = self.layout, layout
+        try:
+            expected = model(probe[None], cache=make_prompt_cache(model))[0]
+            got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe)
+            scale = mx.abs(expected).max().item() + 1e-6
+            if not mx.abs(got - expected).max().item() <= 0.25 * scale:
+                raise UnsupportedModelError("its logits move too far from the model's own")
+        except Exception as exc:
+            self.layout = exact
+            log.warning(
+                "batch_kv_bits=%d: %s cannot attend to quantized keys (%s); the batch holds "
+                "its KV in the model's precision",
+                layout.bits,
+                type(model).__module__,
+                exc,
+            )
 
     def run(self, plan: StepPlan) -> mx.array | None:
         """Queue ``plan``'s forward pass; sequences' ``pending`` tokens become its samples.

@@ -503,7 +503,7 @@ async def test_quantized_in_the_batch_each_sequence_decodes_as_it_does_alone(spe
         alone = [await eng.generate(r) for r in requests]
         together = await asyncio.gather(*(eng.generate(r) for r in requests))
         assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-        # Resumed from the float cache it hands back, a turn goes on as the batch would.
+        # A finished turn hands its cache back in the model's precision.
         first = together[-1]
         assert all(
             type(layer).__name__ in ("KVCache", "RotatingKVCache") for layer in first.cache.layers
@@ -521,3 +521,22 @@ def test_batch_kv_bits_takes_8_4_or_none():
 
     with pytest.raises(ValidationError, match="batch_kv_bits"):
         EngineConfig(batch_kv_bits=6)
+
+
+async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
+    monkeypatch, caplog
+):
+    from mlx_lm.models import base
+
+    def refuse(*args, **kwargs):  # as mlx-lm answers a model with attention sinks
+        raise ValueError("Quantized SDPA does not support attention sinks.")
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", refuse)
+    eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
+    try:
+        assert eng.stats().batch_kv_bits == 0
+        assert "cannot attend to quantized keys" in caplog.text and "sinks" in caplog.text
+        result = await eng.generate(GenerationRequest(prompt(eng, 9), max_tokens=4))
+        assert result.error is None and len(result.token_ids) == 4
+    finally:
+        await eng.close()
