@@ -4,10 +4,10 @@ agents one KV budget lets decode together, and how fast, in the model's precisio
     python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4] [--quick]
 
 The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
-precision. ``4 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
+precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
 ``--tokens`` each, once per precision, same process: the most agents in the batch at once, the
 KV held at most, generated tokens per second over the run, and each against the model's
-precision. Global-attention layers are held quantized; sliding-window layers stay as they are.
+precision.
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -78,11 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fits", type=int, default=4, help="agents the budget holds unquantized")
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--agents", type=int, help="agents asking (default: 8 x --fits)")
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 4
+    args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
     write_report(report, args.out, plot)
     return report

@@ -32,9 +32,9 @@ RESULTS = Path(__file__).parent / "results"
 async def ask(
     args: argparse.Namespace, budget: int | None, batch_kv_bits: int | None = None
 ) -> tuple[dict, int]:
-    """``4 * args.fits`` agents ask at once under ``budget``: the row of what the batch did,
-    and the KV bytes one of them sets aside."""
-    agents = 4 * args.fits
+    """``4 * args.fits`` agents (``args.agents`` if set) ask at once under ``budget``: the row
+    of what the batch did, and the KV bytes one of them sets aside."""
+    agents = getattr(args, "agents", None) or 4 * args.fits
     config = EngineConfig(
         completion_batch_size=agents, kv_budget_bytes=budget, batch_kv_bits=batch_kv_bits
     )

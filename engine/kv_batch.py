@@ -7,9 +7,8 @@ where it adds the least padding, and only while the group's padded size stays wi
 ``PADDING_TOLERANCE`` of what its sequences own; otherwise it starts a group of its own. So the
 batch holds about the sum of its sequences' histories, not batch size × the longest.
 
-The buffers themselves are in ``engine.batch_caches``; with ``batch_kv_bits`` the global-attention
-layers' buffers hold their keys and values quantized (sliding-window layers stay in the model's
-precision: they hold at most a window each).
+The buffers themselves are in ``engine.batch_caches``; with ``batch_kv_bits`` they hold their
+keys and values quantized (global and sliding-window layers alike).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import (
     KVCache,
-    QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
@@ -31,9 +29,13 @@ from mlx_lm.models.cache import (
 from engine.batch_caches import (
     MIN_GROWTH,
     GroupKVCache,
-    GroupQuantizedKVCache,
     GroupRotatingKVCache,
+    expanded_row,
     growth,
+    is_packed,
+    packed_dim,
+    packed_row,
+    quantized_buffer,
     quantized_token_bytes,
 )
 from engine.config import DEFAULT_GROUP_SIZE, choose_group_size
@@ -59,6 +61,7 @@ class KVLayout:
     by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
     bits: int | None = None
     group_sizes: tuple[int | None, ...] = ()
+    dtype: Any = None  # the model's KV dtype (a quantized layer's scales and biases)
 
     def __post_init__(self) -> None:
         sums: dict[int | None, int] = {}
@@ -71,8 +74,8 @@ class KVLayout:
         cls, model: Any, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
     ) -> KVLayout:
         """Read the model's layers off one token run through fresh caches; ``bits``: hold the
-        global-attention layers quantized (in groups of ``group_size``, or of another size
-        that divides their heads: a layer none divides stays unquantized, logged once)."""
+        layers quantized (in groups of ``group_size``, or of another size that divides their
+        heads: a layer none divides stays unquantized, logged once)."""
         caches = make_prompt_cache(model)
         for c in caches:
             if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
@@ -88,15 +91,16 @@ class KVLayout:
         token_bytes = [(c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches]
         groups: list[int | None] = [None] * len(caches)
         if bits is not None:
-            for i, (c, w, (n, dk, dv)) in enumerate(zip(caches, windows, heads, strict=True)):
+            for i, (c, (n, dk, dv)) in enumerate(zip(caches, heads, strict=True)):
                 chosen = choose_group_size(math.gcd(dk, dv), group_size)
-                if w is None and chosen is None:
+                if chosen is None:
                     _warn_unquantized(dk, dv)
-                if w is None and chosen is not None:
-                    groups[i] = chosen
-                    scale = c.keys.dtype.size
-                    token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, scale)
-        return cls(windows, tuple(token_bytes), heads, bits=bits, group_sizes=tuple(groups))
+                    continue
+                groups[i] = chosen
+                scale = c.keys.dtype.size
+                token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, scale)
+        dtype = caches[0].keys.dtype
+        return cls(windows, tuple(token_bytes), heads, (), bits, tuple(groups), dtype)
 
     def quantized(self, i: int) -> bool:
         """Whether layer ``i`` is held quantized in the batch."""
@@ -131,23 +135,31 @@ class KVLayout:
         return [self._buffer(i, []) for i in range(len(self.windows))]
 
     def _buffer(self, i: int, layers: list[Any]) -> Any:
-        """Layer ``i``'s group buffer of ``layers`` (one row each; none: one empty row)."""
+        """Layer ``i``'s group buffer of ``layers`` (one row each; none: one empty row). A
+        layer held quantized packs float rows first (a paused row is packed already)."""
         w = self.windows[i]
         if self.quantized(i):
-            buffer = GroupQuantizedKVCache.merge(
-                layers or [KVCache()], self.bits, self.group_sizes[i]
-            )
-            return buffer
+            bits, group = self.bits, self.group_sizes[i]
+            rows = [x if is_packed(x) else packed_row(x, bits, group) for x in layers]
+            return quantized_buffer(rows, w, bits, group)
         if not layers:
             return GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0])
         return (GroupKVCache if w is None else GroupRotatingKVCache).merge(layers)
 
+    def expanded(self, layers: list[Any]) -> list[Any]:
+        """A sequence's rows in the model's precision (the packed ones expanded)."""
+        out = []
+        for i, row in enumerate(layers):
+            if is_packed(row):
+                _, dk, dv = self.heads[i]
+                row = expanded_row(row, dk, dv, self.dtype, self.bits, self.group_sizes[i])
+            out.append(row)
+        return out
+
     def check(self, layers: list[Any]) -> None:
-        """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use."""
-        types = [  # a layer held quantized in the batch also takes a quantized row
-            KVCache if isinstance(x, QuantizedKVCache) and self.quantized(i) else type(x)
-            for i, x in enumerate(layers)
-        ]
+        """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use
+        (a layer held quantized also takes a row packed by the batch: a paused sequence's)."""
+        types = [type(x) for x in layers]
         if types != self.layer_types:
             raise InvalidCacheError(
                 f"cache layers {[t.__name__ for t in types]} do not match the model's "
@@ -159,21 +171,23 @@ class KVLayout:
                     f"a sliding-window layer holds {layer.max_size} positions; the model's "
                     f"window is {window}"
                 )
-            if self.heads and layer.keys is not None and _heads(layer) != self.heads[i]:
+            if not self.heads or layer.keys is None:
+                continue
+            want = self.heads[i]
+            if is_packed(layer):
+                if not self.quantized(i):
+                    raise InvalidCacheError(f"cache layer {i} is packed; the batch's is not")
+                n, dk, dv = want
+                size = self.dtype.size
+                want = (n, *(packed_dim(d, self.bits, self.group_sizes[i], size) for d in (dk, dv)))
+            if _heads(layer) != want:
                 raise InvalidCacheError(
                     f"cache layer {i} holds (KV heads, key dim, value dim) {_heads(layer)}; "
-                    f"the model's are {self.heads[i]}"
+                    f"the model's are {want}"
                 )
 
 
 def _heads(cache: Any) -> tuple[int, int, int]:
-    if isinstance(cache, QuantizedKVCache):  # (words, scales, biases): 32 // bits dims a word
-        per_word = 32 // cache.bits
-        return (
-            cache.keys[0].shape[1],
-            cache.keys[0].shape[3] * per_word,
-            (cache.values[0].shape[3] * per_word),
-        )
     return cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3]
 
 
@@ -241,8 +255,8 @@ class KVGroup:
         other.seqs, other.layers = [], []
 
     def extract(self, seq: Sequence) -> list[Any]:
-        """``seq``'s own per-layer caches, copied out: KVCache / RotatingKVCache, and
-        QuantizedKVCache for the layers held quantized (``dequantized`` expands them)."""
+        """``seq``'s own per-layer caches (KVCache / RotatingKVCache), copied out; packed for
+        the layers held quantized (``KVLayout.expanded`` expands them)."""
         row = self.seqs.index(seq)
         return [layer.extract(row) for layer in self.layers]
 
@@ -268,8 +282,8 @@ class KVGroup:
         ) * layout.owned_bytes(MIN_GROWTH):
             return False
         self.layers = [
-            type(layer).merge([layer.extract(i) for i in range(len(lengths))])
-            for layer in self.layers
+            layout._buffer(j, [layer.extract(i) for i in range(len(lengths))])
+            for j, layer in enumerate(self.layers)
         ]
         return True
 

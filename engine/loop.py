@@ -18,7 +18,6 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from engine.batch_caches import dequantized
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
@@ -260,7 +259,7 @@ class GenerationLoop(threading.Thread):
             return
         for seq, reason in ended:
             layers = caches.get(id(seq))
-            cache = PromptCache(_floats(layers), list(seq.tokens)) if layers else None
+            cache = PromptCache(self._floats(layers), list(seq.tokens)) if layers else None
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
@@ -293,6 +292,11 @@ class GenerationLoop(threading.Thread):
 
     # ---- leaving -----------------------------------------------------------------------------
 
+    def _floats(self, layers: list) -> list:
+        """A finished sequence's caches in the model's precision (rows held quantized in the
+        batch are expanded: the hot tier and the disk codec take float caches)."""
+        return self.runner.layout.expanded(layers)
+
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
         if seq.is_finished:  # it ended between the cancel call and this step boundary
             return
@@ -304,7 +308,7 @@ class GenerationLoop(threading.Thread):
         self._finish(
             seq,
             FinishReason.CANCELLED,
-            PromptCache(_floats(layers), seq.tokens) if layers else None,
+            PromptCache(self._floats(layers), seq.tokens) if layers else None,
         )
 
     def _fail_everything(self, exc: BaseException) -> None:
@@ -357,12 +361,6 @@ def _values(pending: list) -> list[int]:
             read[id(array)] = array.tolist()
         out.append(read[id(array)][index])
     return out
-
-
-def _floats(layers: list) -> list:
-    """A finished sequence's caches as the model's precision holds them (a row held quantized
-    in the batch is expanded: the hot tier and the disk codec take float caches)."""
-    return [dequantized(layer) for layer in layers]
 
 
 def _logprob_values(plan: StepPlan, tokens: list[int]) -> list[TokenLogprob | None]:

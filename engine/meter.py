@@ -52,7 +52,7 @@ class EngineStats:
             sequences (sized so their inter-token gap stays bounded).
         tokens_generated: tokens generated since the engine started.
         decode_tps: generated tokens per second over the stats window.
-        batch_kv_bits: the precision of the batch's global-attention KV (0: the model's).
+        batch_kv_bits: the precision of the batch's KV (0: the model's).
         kv_token_bytes: K+V bytes one token of history holds in the batch, all layers (while
             the history is within the sliding windows), at that precision.
     """

@@ -61,7 +61,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, kv_bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
     ):
-        """``kv_bits``: hold the global-attention layers' KV quantized in the batch (see
+        """``kv_bits``: hold the layers' KV quantized in the batch (see
         ``engine.batch_caches``), in groups of ``group_size``; a model whose attention cannot
         take quantized keys (attention sinks) keeps them in its precision, with a warning."""
         self.model = model
@@ -76,16 +76,14 @@ class ModelRunner:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
     def _quantize(self, layout: KVLayout) -> None:
-        """Use ``layout`` (quantized layers) once a step of rows runs through it and gives
-        logits close to the model's own; else keep the model's precision and say why."""
+        """Use ``layout`` (quantized layers) once a step of rows runs through it to finite
+        logits; else keep the model's precision and say why."""
         model, probe = self.model, mx.arange(1, PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
         try:
-            expected = model(probe[None], cache=make_prompt_cache(model))[0]
             got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe)
-            scale = mx.abs(expected).max().item() + 1e-6
-            if not mx.abs(got - expected).max().item() <= 0.25 * scale:
-                raise UnsupportedModelError("its logits move too far from the model's own")
+            if not mx.all(mx.isfinite(got)).item():
+                raise UnsupportedModelError("its logits are not finite")
         except Exception as exc:
             self.layout = exact
             log.warning(

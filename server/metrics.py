@@ -81,7 +81,7 @@ class ServerMetrics:
                 ("tokens_generated", "Tokens generated since the server started."),
                 ("decode_tokens_per_second", "Generated tokens per second over the stats window."),
                 ("prefill_tokens_per_step", "Prefill tokens a step beside decoding may run."),
-                ("batch_kv_bits", "Precision of the batch's global-attention KV (0: model's)."),
+                ("batch_kv_bits", "Precision of the batch's KV (0: the model's)."),
                 ("kv_token_bytes", "K+V bytes a token of history holds in the batch."),
             )
         }

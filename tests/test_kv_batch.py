@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from engine.batch_caches import dequantized
+from engine.batch_caches import packed_row
 from engine.kv_batch import (
     MIN_GROWTH,
     PADDING_TOLERANCE,
@@ -173,42 +173,21 @@ def test_a_reservation_covers_history_growth_and_padding(model):
 # ---- quantized in the batch (batch_kv_bits) -------------------------------------------------
 
 
-def quantized_like(layout: KVLayout, caches: list) -> list:
-    """What a quantized group should give back for ``caches``: its quantized layers'
-    keys and values through mx.quantize, the others as they are."""
-    out = []
-    for i, c in enumerate(caches):
-        if not layout.quantized(i):
-            out.append(c)
-            continue
-        q = QuantizedKVCache(group_size=layout.group_sizes[i], bits=layout.bits)
-        n = c.offset
-        q.keys = mx.quantize(c.keys[..., :n, :], group_size=q.group_size, bits=q.bits)
-        q.values = mx.quantize(c.values[..., :n, :], group_size=q.group_size, bits=q.bits)
-        q.offset = n
-        out.append(q)
-    return out
-
-
-def assert_same_quantized(got: list, want: list) -> None:
-    floats = [(g, w) for g, w in zip(got, want, strict=True) if type(w) is not QuantizedKVCache]
-    assert_same_cache([g for g, _ in floats], [w for _, w in floats])
-    for g, w in zip(got, want, strict=True):
-        if type(w) is QuantizedKVCache:
-            assert type(g) is QuantizedKVCache and g.offset == w.offset
-            assert (g.bits, g.group_size) == (w.bits, w.group_size)
-            for a, b in zip((*g.keys, *g.values), (*w.keys, *w.values), strict=True):
-                assert mx.array_equal(a[..., : w.offset, :], b).item()
+def packed_like(layout: KVLayout, caches: list) -> list:
+    """What a quantized group should give back for ``caches``: each quantized layer's keys
+    and values through mx.quantize, packed."""
+    return [
+        packed_row(c, layout.bits, layout.group_sizes[i]) if layout.quantized(i) else c
+        for i, c in enumerate(caches)
+    ]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_group_gives_back_exactly_the_quantized_rows(model, bits):
     layout = KVLayout.of(model, bits=bits)
-    assert any(layout.quantized(i) for i in range(len(layout.windows)))
-    assert all(  # only global-attention layers are held quantized
-        not layout.quantized(i) for i, w in enumerate(layout.windows) if w is not None
-    )
-    lengths = [5, 40, 37, 64]
+    assert all(layout.quantized(i) for i in range(len(layout.windows)))  # sliding ones too
+    window = min((w for w in layout.windows if w), default=32)
+    lengths = [5, 40, window + 7, 2 * window + 3]  # past a window: rotated buffers
     originals = [prefilled(model, n, salt=n) for n in lengths]
     seqs = [Seq(n) for n in lengths]
     groups = [KVGroup.start(layout, s, c) for s, c in zip(seqs, originals, strict=True)]
@@ -216,29 +195,42 @@ def test_a_quantized_group_gives_back_exactly_the_quantized_rows(model, bits):
     for other in groups[1:]:
         first.absorb(other)
     for seq, original in zip(seqs, originals, strict=True):
-        assert_same_quantized(first.extract(seq), quantized_like(layout, original))
+        assert_same_cache(first.extract(seq), packed_like(layout, original))
     # A row that left and rejoins (a paused sequence) comes back exactly as it left.
     paused = first.extract(seqs[1])
     first.remove([seqs[1]])
     first.absorb(KVGroup.start(layout, Seq(40), paused))
-    assert_same_quantized(first.extract(first.seqs[-1]), quantized_like(layout, originals[1]))
+    assert_same_cache(first.extract(first.seqs[-1]), packed_like(layout, originals[1]))
     first.remove([seqs[3]])  # the longest: compacting copies the rest, still exact
     first.compact(layout)
-    assert_same_quantized(first.extract(seqs[2]), quantized_like(layout, originals[2]))
-    # Expanded back to floats, within a quantization step of the original.
-    for got, want in zip(map(dequantized, first.extract(seqs[0])), originals[0], strict=True):
-        n = want.offset
-        error = mx.abs(got.keys[..., :n, :] - want.keys[..., :n, :]).max().item()
-        assert error <= 2 * mx.abs(want.keys).max().item() / (2**bits - 1)
+    assert_same_cache(first.extract(seqs[2]), packed_like(layout, originals[2]))
+    # Expanded to the model's precision, within a quantization step of the original.
+    for got, want in zip(layout.expanded(first.extract(seqs[2])), originals[2], strict=True):
+        assert type(got) is type(want) and got.keys.dtype == want.keys.dtype
+        gk, wk = got.keys[..., : got.offset, :], want.keys[..., : want.offset, :]
+        if isinstance(want, RotatingKVCache):  # the window's positions, in temporal order
+            gk, wk = got._temporal_order(got.keys), want._temporal_order(want.keys)
+            n = min(want.offset, want.max_size)
+            gk, wk = gk[..., -n:, :], wk[..., -n:, :]
+        error = mx.abs(gk - wk).max().item()
+        assert error <= 2 * mx.abs(wk).max().item() / (2**bits - 1)
+
+
+def test_a_packed_row_joins_only_a_layer_held_quantized(model):
+    from engine.errors import InvalidCacheError
+
+    quantized, exact = KVLayout.of(model, bits=8), KVLayout.of(model)
+    group = KVGroup.start(quantized, Seq(12), prefilled(model, 12))
+    row = group.extract(group.seqs[0])
+    with pytest.raises(InvalidCacheError, match="packed"):
+        KVGroup.start(exact, Seq(12), row)
 
 
 def test_a_quantized_layer_holds_fewer_bytes_a_token(model):
     exact, q8, q4 = (KVLayout.of(model, bits=b) for b in (None, 8, 4))
+    group = KVGroup.start(q8, Seq(300), prefilled(model, 300))
     for i, w in enumerate(exact.windows):
-        if w is not None:
-            assert q8.token_bytes[i] == exact.token_bytes[i]
-            continue
         assert q4.token_bytes[i] < q8.token_bytes[i] < exact.token_bytes[i]
-        group = KVGroup.start(q8, Seq(300), prefilled(model, 300))
         held = group.layers[i].nbytes
-        assert q8.token_bytes[i] * 300 <= held <= q8.token_bytes[i] * (300 + growth(300))
+        positions = 300 if w is None else min(300, w)
+        assert q8.token_bytes[i] * positions <= held <= q8.token_bytes[i] * (300 + growth(300))
