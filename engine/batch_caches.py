@@ -179,8 +179,10 @@ def expanded_row(
 def _with(row: Any, fn: Any, *dims: int) -> Any:
     """A copy of a single-row cache with ``fn`` applied to its keys and values."""
     out = RotatingKVCache(row.max_size) if isinstance(row, RotatingKVCache) else KVCache()
-    if row.keys is not None:
-        n = row.keys.shape[2] if isinstance(row, RotatingKVCache) else row.offset
+    n = 0 if row.keys is None else row.keys.shape[2]
+    if not isinstance(row, RotatingKVCache):
+        n = min(n, row.offset)
+    if n:  # (a row with no positions stays empty: mx.dequantize takes no empty array)
         keys, values = row.keys[..., :n, :], row.values[..., :n, :]
         out.keys = fn(keys, *dims[:1])
         out.values = fn(values, *dims[1:])

@@ -234,3 +234,11 @@ def test_a_quantized_layer_holds_fewer_bytes_a_token(model):
         held = group.layers[i].nbytes
         positions = 300 if w is None else min(300, w)
         assert q8.token_bytes[i] * positions <= held <= q8.token_bytes[i] * (300 + growth(300))
+
+
+def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
+    layout = KVLayout.of(model, bits=8)
+    rows = make_prompt_cache(model)
+    for row in rows:  # packed arrays holding no position
+        row.keys = row.values = mx.zeros((1, 1, 0, 8), mx.uint32)
+    assert all(row.keys is None and row.offset == 0 for row in layout.expanded(rows))
