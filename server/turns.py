@@ -106,8 +106,8 @@ class TurnStream:
         self._claim: Claim | None = None
         self._events: AsyncIterator[TextDelta | Reply] | None = None
         self._first: TextDelta | Reply | None = None
-        self.logprobs: list[TokenLogprob] = []
-        """The logprobs of the tokens generated so far, when the request asked for them."""
+        self._logprobs: list[TokenLogprob] = []  # of the tokens generated so far, if asked
+        self._logprobs_sent = 0
 
     @property
     def agent_id(self) -> str:
@@ -144,7 +144,7 @@ class TurnStream:
         text, shown = "", 0
         async for event in self.events():
             if isinstance(event, TextDelta):
-                self.logprobs += event.logprobs
+                self._logprobs += event.logprobs
                 text += event.text
                 upto = tool_format.streaming_split(text) if tool_format else len(text)
                 if upto > shown:
@@ -152,6 +152,15 @@ class TurnStream:
                     shown = upto
             else:
                 yield event
+
+    def unsent_logprobs(self, reply: Reply | None = None) -> list[TokenLogprob]:
+        """The logprobs of the tokens generated since the previous call (with the ``reply``:
+        of all its tokens not handed out yet, those held back with a tool call and the end's
+        included), marked as handed out."""
+        every = self._logprobs if reply is None else (reply.logprobs or [])
+        unsent = every[self._logprobs_sent :]
+        self._logprobs_sent += len(unsent)
+        return unsent
 
     async def _iterate(self) -> AsyncIterator[TextDelta | Reply]:
         event, self._first = self._first, None

@@ -373,19 +373,16 @@ async def _chunks(
         "system_fingerprint": None,
     }
     tail = {"usage": None} if body.include_usage else {}
-    asked, sent = bool(body.logprobs), 0  # logprobs sent so far
 
     async def chunk(
-        delta: dict[str, Any], finish_reason: str | None = None, logprobs: list | None = None
+        delta: dict[str, Any], finish_reason: str | None = None, reply: Reply | None = None
     ) -> str:
-        """A chunk; with logprobs asked for, those of the tokens since the last chunk (the
-        reply's remaining ones when ``logprobs`` is given)."""
-        nonlocal sent
+        """A chunk; with logprobs asked for, those of the tokens since the last chunk (with
+        the ``reply``: all of its tokens not sent yet)."""
         entries = None
-        if asked:
-            logprobs = turn.logprobs[sent:] if logprobs is None else logprobs
-            sent += len(logprobs)
-            entries = {"content": await logprob_content(runtime, logprobs), "refusal": None}
+        if body.logprobs:
+            unsent = turn.unsent_logprobs(reply)
+            entries = {"content": await logprob_content(runtime, unsent), "refusal": None}
         choice = {"index": 0, "delta": delta, "logprobs": entries, "finish_reason": finish_reason}
         return f"data: {json.dumps({**head, 'choices': [choice], **tail})}\n\n"
 
@@ -402,14 +399,11 @@ async def _chunks(
         yield f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"
         return
     assert reply is not None
-    rest = (reply.logprobs or [])[sent:]  # held back with a tool call, or the end's
     if len(reply.content.text) > shown:
-        yield await chunk({"content": reply.content.text[shown:]}, logprobs=rest)
-        rest = []
+        yield await chunk({"content": reply.content.text[shown:]}, reply=reply)
     if reply.content.tool_calls:
-        yield await chunk({"tool_calls": tool_calls(body, reply, streaming=True)}, logprobs=rest)
-        rest = []
-    yield await chunk({}, finish_reason(reply), logprobs=rest)
+        yield await chunk({"tool_calls": tool_calls(body, reply, streaming=True)}, reply=reply)
+    yield await chunk({}, finish_reason(reply), reply=reply)
     if body.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"
     yield "data: [DONE]\n\n"

@@ -63,7 +63,7 @@ from pydantic import (
     StrictInt,
 )
 
-from agents import AgentRuntime, Reply, TokenLogprob
+from agents import AgentRuntime, Reply
 from agents.tool_calls import ToolCall, ToolFormat
 from server.api.openai import forced_choice
 from server.api.responses_input import Conversation, conversation
@@ -369,17 +369,12 @@ async def _events(
     runtime: AgentRuntime,
 ) -> AsyncIterator[str]:
     """The response as server-sent events, in the order the OpenAI SDKs and Codex read."""
-    sequence, sent, asked = 0, 0, body.wants_logprobs  # sent: logprobs sent so far
+    sequence, asked = 0, body.wants_logprobs
 
-    async def entries(logprobs: list[TokenLogprob] | None = None) -> list[dict[str, Any]]:
-        """With logprobs asked for, the entries of the tokens since the last ones sent (or
-        of ``logprobs``, the reply's remaining ones)."""
-        nonlocal sent
-        if not asked:
-            return []
-        logprobs = turn.logprobs[sent:] if logprobs is None else logprobs
-        sent += len(logprobs)
-        return await logprob_content(runtime, logprobs)
+    async def entries(reply: Reply | None = None) -> list[dict[str, Any]]:
+        """With logprobs asked for, the entries of the tokens since the last ones sent (with
+        the ``reply``: of all its tokens not sent yet)."""
+        return await logprob_content(runtime, turn.unsent_logprobs(reply)) if asked else []
 
     def event(kind: str, **data: Any) -> str:
         nonlocal sequence
@@ -427,7 +422,7 @@ async def _events(
         if not opened:
             for line in open_message():
                 yield line
-        rest = await entries((reply.logprobs or [])[sent:])
+        rest = await entries(reply)
         if len(final) > len(text):
             yield delta(final[len(text) :], rest)
         yield event("response.output_text.done", **text_at, text=final, logprobs=every or [])
