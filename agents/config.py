@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
@@ -34,9 +34,15 @@ class RuntimeConfig(BaseModel):
         db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
         cache_dir: overrides ``data_dir/caches``.
         kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
+        batch_kv_bits: quantization of the KV held in memory, in the running batch and the hot
+            tier: None (the model's precision), 8 or 4 (``EngineConfig.batch_kv_bits``, which
+            this sets; the two cannot disagree). When it equals ``kv_bits`` (and the group
+            sizes agree), caches go from disk to the batch and back without a dequantize: the
+            stored bytes never drift across resumes.
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
-        hot_cache_bytes: memory budget for recently used agents' unquantized caches. "auto":
+        hot_cache_bytes: memory budget for recently used agents' caches, held as the batch
+            held them (quantized with ``batch_kv_bits``). "auto":
             ``HOT_CACHE_SHARE`` (10%) of the physical memory, at most ``HOT_CACHE_MAX_BYTES``
             (4 GiB), measured when the runtime opens.
         disk_budget_bytes: when the cache files exceed it, the caches of the agents idle
@@ -62,12 +68,33 @@ class RuntimeConfig(BaseModel):
     cache_dir: Path | None = None
     kv_bits: Literal[8, 4] | None = 8
     kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
+    batch_kv_bits: Literal[8, 4] | None = None
     hot_cache_bytes: Bytes | Literal["auto"] = "auto"
     disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
     kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
     share_prefixes: bool = True
     default_max_tokens: int = Field(default=512, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _one_batch_kv_bits(self) -> RuntimeConfig:
+        """``batch_kv_bits`` and ``engine.batch_kv_bits`` say the same (either may be set), and
+        the batch quantizes in ``kv_group_size`` unless ``engine.batch_kv_group_size`` is set:
+        then the words a file stores are the batch's."""
+        mine, engine = self.batch_kv_bits, self.engine.batch_kv_bits
+        if mine is not None and engine is not None and mine != engine:
+            raise ValueError(
+                f"batch_kv_bits ({mine}) and engine.batch_kv_bits ({engine}) disagree; set one"
+            )
+        update: dict[str, object] = {}
+        if engine is None and mine is not None:
+            update["batch_kv_bits"] = mine
+        if "batch_kv_group_size" not in self.engine.model_fields_set:
+            update["batch_kv_group_size"] = self.kv_group_size
+        if update:
+            object.__setattr__(self, "engine", self.engine.model_copy(update=update))
+        object.__setattr__(self, "batch_kv_bits", mine or engine)
+        return self
 
     @property
     def database(self) -> str:

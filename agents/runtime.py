@@ -398,12 +398,16 @@ class AgentRuntime:
         tokens they hold (the copy in memory, else the one on disk once its pending save has
         landed); None when it has no usable one. The layers may be the runtime's own: read
         them (e.g. ``mlx_lm.models.cache.save_prompt_cache(path, cache.layers)`` through
-        ``engine.run``), do not change them. Raises AgentNotFoundError."""
+        ``engine.run``), do not change them. Layers the runtime holds quantized
+        (``batch_kv_bits``) come back expanded to the model's precision, as copies.
+        Raises AgentNotFoundError."""
         self._check_open()
         await self._registry.get_agent(agent_id)
         async with self._lock(agent_id):  # not while a turn changes it
             resumed = await self._caches.resume(agent_id)
-            return resumed.cache if resumed else None
+        if resumed is None:
+            return None
+        return await self._engine.expanded(resumed.cache)
 
     async def unload(self, agent_id: str) -> None:
         """Drop the agent's cache from memory (the hot tier) once its save has landed; its next

@@ -14,13 +14,20 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+from engine.batch_caches import Packing
 from engine.config import EngineConfig
-from engine.errors import EngineClosedError, KVBudgetError
+from engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from engine.grammar import Grammars
 from engine.loop import GenerationLoop
 from engine.meter import EngineStats, StepRecord
 from engine.models.loading import LoadedModel
-from engine.request import GenerationRequest, GenerationResult, RequestStats, TokenEvent
+from engine.request import (
+    GenerationRequest,
+    GenerationResult,
+    PromptCache,
+    RequestStats,
+    TokenEvent,
+)
 from engine.sequence import Sequence
 from engine.stopping import StopStrings
 
@@ -31,6 +38,14 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
     """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed loop has no one to tell."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+def _expanded(cache: PromptCache) -> PromptCache:
+    import mlx.core as mx
+
+    layers = cache.packing.expand(cache.layers)
+    mx.eval(*(x for layer in layers if layer.keys is not None for x in (layer.keys, layer.values)))
+    return PromptCache(layers, list(cache.tokens))
 
 
 def _forcing(token: int) -> Callable[[object, object], object]:
@@ -139,6 +154,19 @@ class Engine:
         """The batch's KV memory budget (``EngineConfig.kv_budget_bytes`` or its default)."""
         return self._thread.scheduler.budget_bytes
 
+    @property
+    def packing(self) -> Packing | None:
+        """How the batch holds KV quantized (``EngineConfig.batch_kv_bits``), None: in the
+        model's precision. Caches it hands back (and the hot tier holds) are packed so."""
+        return self._thread.scheduler.layout.packing
+
+    async def expanded(self, cache: PromptCache) -> PromptCache:
+        """``cache`` with its packed layers (``PromptCache.packing``) dequantized to the model's
+        precision: copies, made on the generation thread; ``cache`` itself when none is."""
+        if cache.packing is None:
+            return cache
+        return await self.run(_expanded, cache)
+
     def kv_bytes_needed(self, request: GenerationRequest) -> int:
         """The KV bytes ``request`` sets aside in the budget while it runs."""
         cached = request.cache.num_tokens if request.cache else 0
@@ -151,10 +179,18 @@ class Engine:
         Raises:
             EngineOverloadedError: the queue is full (retry later).
             KVBudgetError: its history + prompt + max_tokens can never fit the KV budget.
+            InvalidCacheError: its cache is packed otherwise than this engine's batch.
             ValueError: token ids outside the vocabulary.
         """
         if self._closed:
             raise EngineClosedError("the engine is closed")
+        packing = request.cache.packing if request.cache else None
+        if packing is not None and packing != self.packing:
+            raise InvalidCacheError(
+                f"the cache holds {packing.bits}-bit packed layers this engine's batch does "
+                f"not (batch_kv_bits={self.config.batch_kv_bits}); expand them first "
+                "(cache.packing.expand(cache.layers), on the generation thread)"
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         vocab_size = self.model.vocab_size

@@ -30,11 +30,9 @@ from engine.batch_caches import (
     MIN_GROWTH,
     GroupKVCache,
     GroupRotatingKVCache,
-    expanded_row,
+    Packing,
     growth,
     is_packed,
-    packed_dim,
-    packed_row,
     quantized_buffer,
     quantized_token_bytes,
 )
@@ -52,16 +50,13 @@ PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences ow
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Per layer: the sliding window (None: global attention) and K+V bytes per token in the
-    batch; with ``bits``, the quantization group size of each layer held quantized (None: in
-    the model's precision)."""
+    batch; ``packing``: how the layers are held quantized (None: in the model's precision)."""
 
     windows: tuple[int | None, ...]
     token_bytes: tuple[int, ...]
     heads: tuple[tuple[int, int, int], ...] = ()  # (KV heads, key dim, value dim) per layer
     by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
-    bits: int | None = None
-    group_sizes: tuple[int | None, ...] = ()
-    dtype: Any = None  # the model's KV dtype (a quantized layer's scales and biases)
+    packing: Packing | None = None
 
     def __post_init__(self) -> None:
         sums: dict[int | None, int] = {}
@@ -89,22 +84,28 @@ class KVLayout:
         windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)
         heads = tuple(_heads(c) for c in caches)
         token_bytes = [(c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches]
+        if bits is None:
+            return cls(windows, tuple(token_bytes), heads)
         groups: list[int | None] = [None] * len(caches)
-        if bits is not None:
-            for i, (c, (n, dk, dv)) in enumerate(zip(caches, heads, strict=True)):
-                chosen = choose_group_size(math.gcd(dk, dv), group_size)
-                if chosen is None:
-                    _warn_unquantized(dk, dv)
-                    continue
-                groups[i] = chosen
-                scale = c.keys.dtype.size
-                token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, scale)
-        dtype = caches[0].keys.dtype
-        return cls(windows, tuple(token_bytes), heads, (), bits, tuple(groups), dtype)
+        for i, (n, dk, dv) in enumerate(heads):
+            chosen = choose_group_size(math.gcd(dk, dv), group_size)
+            if chosen is None:
+                _warn_unquantized(dk, dv)
+                continue
+            groups[i] = chosen
+            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen)
+        dims = tuple((dk, dv) for _, dk, dv in heads)
+        packing = Packing(bits, tuple(groups), dims, caches[0].keys.dtype)
+        return cls(windows, tuple(token_bytes), heads, (), packing)
+
+    @property
+    def bits(self) -> int | None:
+        """The batch's KV bits (None: the model's precision)."""
+        return None if self.packing is None else self.packing.bits
 
     def quantized(self, i: int) -> bool:
         """Whether layer ``i`` is held quantized in the batch."""
-        return bool(self.group_sizes) and self.group_sizes[i] is not None
+        return self.packing is not None and self.packing.quantized(i)
 
     @property
     def layer_types(self) -> list[type]:
@@ -139,22 +140,11 @@ class KVLayout:
         layer held quantized packs float rows first (a paused row is packed already)."""
         w = self.windows[i]
         if self.quantized(i):
-            bits, group = self.bits, self.group_sizes[i]
-            rows = [x if is_packed(x) else packed_row(x, bits, group) for x in layers]
-            return quantized_buffer(rows, w, bits, group)
+            rows = [self.packing.pack(i, x) for x in layers]
+            return quantized_buffer(rows, w, self.packing.bits, self.packing.group_sizes[i])
         if not layers:
             return GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0])
         return (GroupKVCache if w is None else GroupRotatingKVCache).merge(layers)
-
-    def expanded(self, layers: list[Any]) -> list[Any]:
-        """A sequence's rows in the model's precision (the packed ones expanded)."""
-        out = []
-        for i, row in enumerate(layers):
-            if is_packed(row):
-                _, dk, dv = self.heads[i]
-                row = expanded_row(row, dk, dv, self.dtype, self.bits, self.group_sizes[i])
-            out.append(row)
-        return out
 
     def check(self, layers: list[Any]) -> None:
         """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use
@@ -177,9 +167,7 @@ class KVLayout:
             if is_packed(layer):
                 if not self.quantized(i):
                     raise InvalidCacheError(f"cache layer {i} is packed; the batch's is not")
-                n, dk, dv = want
-                size = self.dtype.size
-                want = (n, *(packed_dim(d, self.bits, self.group_sizes[i], size) for d in (dk, dv)))
+                want = (want[0], *self.packing.packed_dims(i))
             if _heads(layer) != want:
                 raise InvalidCacheError(
                     f"cache layer {i} holds (KV heads, key dim, value dim) {_heads(layer)}; "
@@ -256,7 +244,7 @@ class KVGroup:
 
     def extract(self, seq: Sequence) -> list[Any]:
         """``seq``'s own per-layer caches (KVCache / RotatingKVCache), copied out; packed for
-        the layers held quantized (``KVLayout.expanded`` expands them)."""
+        the layers held quantized (``Packing.expand`` expands them)."""
         row = self.seqs.index(seq)
         return [layer.extract(row) for layer in self.layers]
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
+from engine.batch_caches import is_packed
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
@@ -259,7 +260,7 @@ class GenerationLoop(threading.Thread):
             return
         for seq, reason in ended:
             layers = caches.get(id(seq))
-            cache = PromptCache(self._floats(layers), list(seq.tokens)) if layers else None
+            cache = self._cache(layers, list(seq.tokens)) if layers else None
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
@@ -292,10 +293,12 @@ class GenerationLoop(threading.Thread):
 
     # ---- leaving -----------------------------------------------------------------------------
 
-    def _floats(self, layers: list) -> list:
-        """A finished sequence's caches in the model's precision (rows held quantized in the
-        batch are expanded: the hot tier and the disk codec take float caches)."""
-        return self.runner.layout.expanded(layers)
+    def _cache(self, layers: list, tokens: list[int]) -> PromptCache:
+        """A sequence's cache as the batch held it: rows held quantized stay packed (the hot
+        tier keeps them so, and the disk codec stores their words as they are)."""
+        packing = self.runner.layout.packing
+        packed = packing is not None and any(is_packed(row) for row in layers)
+        return PromptCache(layers, tokens, packing=packing if packed else None)
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
         if seq.is_finished:  # it ended between the cancel call and this step boundary
@@ -308,7 +311,7 @@ class GenerationLoop(threading.Thread):
         self._finish(
             seq,
             FinishReason.CANCELLED,
-            PromptCache(self._floats(layers), seq.tokens) if layers else None,
+            self._cache(layers, seq.tokens) if layers else None,
         )
 
     def _fail_everything(self, exc: BaseException) -> None:

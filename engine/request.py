@@ -43,6 +43,10 @@ class PromptCache:
     its sliding-window layers), so that code on other threads (the hot tier's byte budget)
     never calls into MLX. ``checkpoints``: earlier points it can be cut back to although its
     sliding windows have moved on (most recent first; see :meth:`checkpointed`).
+
+    ``packing``: set when some layers hold their keys and values quantized, as a batch with
+    ``batch_kv_bits`` holds them (uint32 arrays, ``engine.batch_caches.Packing``; its
+    ``expand`` gives the float layers); None when every layer is in the model's precision.
     """
 
     layers: list[Any]
@@ -50,6 +54,7 @@ class PromptCache:
     nbytes: int | None = None  # computed on construction when not given
     window_nbytes: int | None = None
     checkpoints: tuple[Checkpoint, ...] = ()
+    packing: Any = None
 
     def __post_init__(self) -> None:
         if self.nbytes is None:
@@ -130,6 +135,7 @@ class PromptCache:
                 nbytes=self.nbytes,
                 window_nbytes=point.nbytes,
                 checkpoints=(point, *earlier) if point.head else earlier,
+                packing=self.packing,
             )
         return None
 
@@ -166,6 +172,7 @@ class PromptCache:
             nbytes=self.nbytes,
             window_nbytes=self.window_nbytes,
             checkpoints=tuple(c for c in self.checkpoints if c.num_tokens <= keep),
+            packing=self.packing,
         )
 
 

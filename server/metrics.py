@@ -145,6 +145,15 @@ class ServerMetrics:
         self.hot_bytes = Gauge(
             "agentkv_cache_hot_bytes", "Bytes of caches held in memory (hot tier).", registry=r
         )
+        self.hot_precision = {
+            name: Gauge(f"agentkv_cache_hot_{name}", text, ["precision"], registry=r)
+            for name, text in (
+                ("precision_agents", "Agents held in memory, by the precision of their KV."),
+                ("precision_bytes", "Bytes of those caches (shared heads not included)."),
+                ("precision_tokens", "Tokens those caches hold."),
+                ("token_bytes", "K+V bytes a token of history holds in the hot tier."),
+            )
+        }
         self.hot_budget = Gauge(
             "agentkv_cache_hot_budget_bytes",
             "The memory budget of the hot tier.",
@@ -177,6 +186,13 @@ class ServerMetrics:
         self.disk_budget.set(disk["budget_bytes"] or 0)
         self.evictions.set(disk["evictions"])
         self.hot_bytes.set(runtime_stats["hot_tier"]["bytes"])
+        by_precision = runtime_stats["hot_tier"]["by_precision"]
+        for gauge in self.hot_precision.values():
+            gauge.clear()  # a precision no agent is held in any more is not reported
+        for precision, row in by_precision.items():
+            for name, gauge in self.hot_precision.items():
+                field = "token_bytes" if name == "token_bytes" else name.removeprefix("precision_")
+                gauge.labels(precision).set(row[field])
         self.hot_budget.set(runtime_stats["hot_tier"]["budget_bytes"])
         self.queue_depth.set(engine.queued)
         self.batch_size.set(engine.batch_size)

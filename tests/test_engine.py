@@ -503,17 +503,38 @@ async def test_quantized_in_the_batch_each_sequence_decodes_as_it_does_alone(spe
         alone = [await eng.generate(r) for r in requests]
         together = await asyncio.gather(*(eng.generate(r) for r in requests))
         assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-        # A finished turn hands its cache back in the model's precision.
-        first = together[-1]
-        assert all(
-            type(layer).__name__ in ("KVCache", "RotatingKVCache") for layer in first.cache.layers
-        )
-        assert first.cache.num_tokens == lengths[-1] + 12
+        # A finished turn hands its cache back as the batch held it: packed, and says so.
+        first = together[-1].cache
+        assert first.packing == eng.packing and eng.packing.bits == bits
+        assert all(layer.keys.dtype == mx.uint32 for layer in first.layers)
+        assert first.num_tokens == lengths[-1] + 12
+        expanded = await eng.expanded(first)
+        assert expanded.packing is None and expanded.tokens == first.tokens
+        assert [type(x) for x in expanded.layers] == [type(x) for x in first.layers]
+        assert all(layer.keys.dtype == mx.float32 for layer in expanded.layers)
         stats = eng.stats()
         exact = sum(KVLayout.of(eng.model.model).token_bytes)
         assert stats.batch_kv_bits == bits and 0 < stats.kv_token_bytes < exact
     finally:
         await eng.close()
+
+
+async def test_a_cache_packed_otherwise_than_the_batch_is_refused():
+    q8 = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
+    try:
+        packed = (await q8.generate(GenerationRequest(prompt(q8, 9), max_tokens=3))).cache
+        floats = await q8.expanded(packed)
+    finally:
+        await q8.close()
+    q4 = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=4))
+    try:
+        with pytest.raises(InvalidCacheError, match="8-bit packed layers"):
+            q4.submit(GenerationRequest([5], cache=packed))
+        # Expanded, it joins (quantized again at 4 bits).
+        result = await q4.generate(GenerationRequest([5], max_tokens=3, cache=floats))
+        assert result.error is None and result.cache.num_tokens == packed.num_tokens + 1 + 3
+    finally:
+        await q4.close()
 
 
 def test_batch_kv_bits_takes_8_4_or_none():

@@ -7,7 +7,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from engine.batch_caches import packed_row
 from engine.kv_batch import (
     MIN_GROWTH,
     PADDING_TOLERANCE,
@@ -176,10 +175,7 @@ def test_a_reservation_covers_history_growth_and_padding(model):
 def packed_like(layout: KVLayout, caches: list) -> list:
     """What a quantized group should give back for ``caches``: each quantized layer's keys
     and values through mx.quantize, packed."""
-    return [
-        packed_row(c, layout.bits, layout.group_sizes[i]) if layout.quantized(i) else c
-        for i, c in enumerate(caches)
-    ]
+    return [layout.packing.pack(i, c) if layout.quantized(i) else c for i, c in enumerate(caches)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -205,7 +201,7 @@ def test_a_quantized_group_gives_back_exactly_the_quantized_rows(model, bits):
     first.compact(layout)
     assert_same_cache(first.extract(seqs[2]), packed_like(layout, originals[2]))
     # Expanded to the model's precision, within a quantization step of the original.
-    for got, want in zip(layout.expanded(first.extract(seqs[2])), originals[2], strict=True):
+    for got, want in zip(layout.packing.expand(first.extract(seqs[2])), originals[2], strict=True):
         assert type(got) is type(want) and got.keys.dtype == want.keys.dtype
         gk, wk = got.keys[..., : got.offset, :], want.keys[..., : want.offset, :]
         if isinstance(want, RotatingKVCache):  # the window's positions, in temporal order
@@ -241,4 +237,4 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     rows = make_prompt_cache(model)
     for row in rows:  # packed arrays holding no position
         row.keys = row.values = mx.zeros((1, 1, 0, 8), mx.uint32)
-    assert all(row.keys is None and row.offset == 0 for row in layout.expanded(rows))
+    assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))

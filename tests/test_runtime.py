@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from pydantic import ValidationError
@@ -41,7 +43,11 @@ from agents import (
 )
 from agents.prompt import ChatRenderer
 from engine.errors import CacheFormatError
+from engine.kv.assemble import assemble_paged
+from engine.kv.encoded import EncodedCache
+from engine.kv.paged import split_blocks
 from store import NewCacheEntry, Registry
+from store.cache_files import read_cache_file
 
 SYSTEM_S = [{"role": "system", "content": "S"}]
 TURNS = [
@@ -772,3 +778,128 @@ async def test_an_agents_logit_bias_is_stored_and_used_after_a_restart(tmp_path)
         assert (await rt.get_agent("biased")).sampling == {"logit_bias": {"42": 100.0}}
         again = await rt.chat("biased", "again", max_tokens=4)
     assert first.token_ids == again.token_ids == [42] * 4
+
+
+# ---- quantized KV in memory (batch_kv_bits) --------------------------------------------------
+
+
+def stored_tensors(info: CacheInfo, block_tokens: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Every stored tensor of an agent's cache (its tail and blocks joined, numpy), by name,
+    with the position of its first entry."""
+    tail = read_cache_file(info.files[0])
+    by_key = {}
+    for path in info.files[1:]:
+        file = read_cache_file(path)
+        keys = json.loads(file.metadata["keys"])
+        blocks = split_blocks(EncodedCache(file.tensors, file.metadata), block_tokens)
+        by_key |= dict(zip(keys, blocks, strict=True))
+    blocks = [by_key[key] for key in info.stored.blocks]
+    whole = assemble_paged(EncodedCache(tail.tensors, tail.metadata), blocks)
+    layouts = json.loads(whole.metadata["layers"])
+    return {
+        name: (layouts[int(name.split(".")[1])]["offset"] - x.shape[2], x)
+        for name, x in whole.tensors.items()
+        if name != "tokens"
+    }
+
+
+async def test_q8_caches_go_from_disk_to_a_q8_batch_and_back_without_drift(tmp_path):
+    """kv_bits=8 on disk and batch_kv_bits=8 in memory: a resume packs the stored words as
+    they are and a save stores the batch's, so across ten resumes from disk every position a
+    save stored is stored again bit for bit (the sliding windows' too), and each turn's
+    tokens are those of resuming from the hot tier instead."""
+    block = 16
+    replies = {}
+    for hot in (0, 1 << 30):
+        cfg = config(
+            tmp_path / f"hot{hot}",
+            kv_bits=8,
+            batch_kv_bits=8,
+            kv_block_tokens=block,
+            hot_cache_bytes=hot,
+        )
+        async with await AgentRuntime.open(cfg) as rt:
+            assert rt.engine.packing is not None and rt.engine.packing.bits == 8
+            await rt.create_agent("a", system_prompt="You are terse.")
+            before, compared, got = None, 0, []
+            for turn in range(11):
+                reply = await rt.chat("a", f"Turn {turn}: go on with the story.", max_tokens=12)
+                got.append(reply.token_ids)
+                await rt.flush()
+                if turn:
+                    assert reply.cache_source == ("disk" if hot == 0 else "hot")
+                if hot:
+                    continue
+                now = stored_tensors(await rt.cache_info("a"), block)
+                for name, (start, x) in (before or {}).items():
+                    again_start, again = now[name]
+                    low = max(start, again_start)
+                    end = start + x.shape[2]
+                    assert end <= again_start + again.shape[2]
+                    if end <= low:  # a window that moved past all it held
+                        continue
+                    old, new = (
+                        x[:, :, low - start :],
+                        again[:, :, low - again_start : end - again_start],
+                    )
+                    assert old.tobytes() == new.tobytes(), f"{name} changed at turn {turn}"
+                    compared += old.nbytes
+                before = now
+            replies[hot] = got
+            if not hot:
+                assert compared > 0
+                assert any(name.endswith(".q") for name in before)
+    assert replies[0] == replies[1 << 30]
+
+
+async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
+    """With batch_kv_bits the hot tier keeps the packed rows (bytes per token by precision in
+    stats and /metrics), a resume from it is packed already, and export_cache expands them."""
+    per_token = {}
+    for bits in (None, 8):
+        cfg = config(tmp_path / f"b{bits}", batch_kv_bits=bits, kv_bits=8)
+        async with await AgentRuntime.open(cfg) as rt:
+            await rt.create_agent("h")
+            await rt.chat("h", "Hello there, tell me a story", max_tokens=20)
+            await rt.flush()
+            report = rt.stats()["hot_tier"]
+            precision = "model" if bits is None else f"q{bits}"
+            assert list(report["by_precision"]) == [precision]
+            row = report["by_precision"][precision]
+            assert row["agents"] == 1 and row["bytes"] == report["bytes"] > 0
+            assert row["token_bytes"] == row["bytes"] / row["tokens"]
+            per_token[bits] = row["token_bytes"]
+            exported = await rt.export_cache("h")
+            assert exported.packing is None
+            assert all(layer.keys.dtype == mx.float32 for layer in exported.layers)
+            again = await rt.chat("h", "Again", max_tokens=4)
+            assert again.cache_source == "hot"
+    # float32 model: q8 in groups of 32 is 1/4 the words plus a float16 scale and bias a group
+    assert per_token[8] / per_token[None] == pytest.approx((1 / 4 + 1 / 32) / 4 * 4, rel=0.02)
+
+
+@pytest.mark.parametrize("disk_bits", [None, 4])
+async def test_a_batch_quantized_otherwise_than_the_disk_still_resumes(tmp_path, disk_bits):
+    """batch_kv_bits=8 beside kv_bits None or 4: saves store the batch's rows expanded (then
+    quantized as the file says), resumes pack what they read."""
+    cfg = config(tmp_path, kv_bits=disk_bits, batch_kv_bits=8, hot_cache_bytes=0)
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("m")
+        for text in ("Hello there", "Go on", "And then?"):
+            reply = await rt.chat("m", text, max_tokens=8)
+        await rt.flush()
+        assert reply.cache_source == "disk"
+        assert (await rt.cache_info("m")).stored.kv_bits == disk_bits
+        assert len(await rt.transcript("m")) == 6
+
+
+def test_runtime_batch_kv_bits_is_the_engines():
+    from engine.config import EngineConfig
+
+    assert RuntimeConfig(model="m", batch_kv_bits=8).engine.batch_kv_bits == 8
+    assert RuntimeConfig(model="m", engine=EngineConfig(batch_kv_bits=4)).batch_kv_bits == 4
+    assert RuntimeConfig(model="m", kv_group_size=64).engine.batch_kv_group_size == 64
+    with pytest.raises(ValidationError, match="disagree"):
+        RuntimeConfig(model="m", batch_kv_bits=8, engine=EngineConfig(batch_kv_bits=4))
+    with pytest.raises(ValidationError, match="batch_kv_bits"):
+        RuntimeConfig(model="m", batch_kv_bits=3)

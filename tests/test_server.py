@@ -894,10 +894,21 @@ def test_agentkv_serve_reports_its_budgets_and_stateless_agents_expire_in_an_hou
             assert http.get(f"/v1/agents/{agent_id}").json()["idle_ttl_s"] == 3600
             hot = metric(http, "agentkv_cache_hot_budget_bytes")
             disk = metric(http, "agentkv_cache_disk_budget_bytes")
+            held = {
+                name: metric(http, f"agentkv_cache_hot_{name}", precision="model")
+                for name in (
+                    "precision_agents",
+                    "precision_bytes",
+                    "precision_tokens",
+                    "token_bytes",
+                )
+            }
     finally:
         process.terminate()
         process.wait(60)
     assert hot == default_hot_cache_bytes() > 0 and disk > 0
+    assert held["precision_agents"] == 1 and held["precision_tokens"] > 0
+    assert held["token_bytes"] == held["precision_bytes"] / held["precision_tokens"]
     assert log.read_text().splitlines()[0] == (
         f"agentkv: hot tier budget {hot / 1024**3:.2f} GiB (10% of memory, at most 4.00 GiB), "
         f"disk budget {disk / 1024**3:.2f} GiB (25% of the space for {data / 'caches'})"

@@ -1,4 +1,6 @@
-"""Recently used agents' unquantized caches, in memory, under a byte budget (LRU).
+"""Recently used agents' caches, in memory, under a byte budget (LRU), held as the batch held
+them: quantized (packed, ``PromptCache.packing``) when the batch holds KV quantized, so a q8
+batch fits about twice the agents of a float16 one in the same budget.
 
 Other conversations start from them too: :func:`longest_shared` finds the entry sharing the
 longest token prefix with a new prompt and cuts it back there (exactly: see
@@ -10,6 +12,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.request import Checkpoint, PromptCache
 
@@ -20,6 +23,12 @@ class HotEntry:
     message_count: int  # transcript messages the cache covers
     digest: str  # agents.prompt.conversation_digest of those messages
     nbytes: int
+
+    @property
+    def precision(self) -> str:
+        """``q8`` / ``q4`` for a cache held packed, ``model`` for the model's precision."""
+        packing = self.cache.packing
+        return "model" if packing is None else f"q{packing.bits}"
 
 
 class HotTier:
@@ -84,14 +93,25 @@ class HotTier:
         """The entries now (a snapshot another thread may read: entries are never changed)."""
         return list(self._entries.values())
 
-    def report(self) -> dict[str, int]:
-        """Agents and bytes held (shared heads' windows once), the budget, evictions so far."""
+    def report(self) -> dict[str, Any]:
+        """Agents and bytes held (shared heads' windows once), the budget, evictions so far,
+        and by precision (``q8``, ``q4``, ``model``): agents, their bytes (shared heads' not
+        included), the tokens they hold and bytes per token."""
+        by_precision: dict[str, dict[str, float]] = {}
+        for entry in self._entries.values():
+            row = by_precision.setdefault(entry.precision, {"agents": 0, "bytes": 0, "tokens": 0})
+            row["agents"] += 1
+            row["bytes"] += entry.nbytes
+            row["tokens"] += entry.cache.num_tokens
+        for row in by_precision.values():
+            row["token_bytes"] = row["bytes"] / row["tokens"] if row["tokens"] else 0.0
         return {
             "agents": len(self._entries),
             "bytes": self.nbytes,
             "shared_heads": len(self._heads),
             "budget_bytes": self.budget_bytes,
             "evictions": self.evictions,
+            "by_precision": by_precision,
         }
 
     def drop(self, agent_id: str) -> None:

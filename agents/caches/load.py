@@ -2,7 +2,8 @@
 the tail and segments straight into MLX (``mx.load``, each file once), verifies every file
 from that memory (checksums, fingerprints, block keys, the registry entry, shapes: numpy and
 hashing only) before anything uses it, then joins the runs of blocks per layer and dequantizes
-in float32 -> a PromptCache ready to merge into the batch. Any problem is logged and reported
+in float32 (or, for layers stored as the batch holds them quantized, packs the words as they
+are) -> a PromptCache ready to merge into the batch. Any problem is logged and reported
 as "no cache": the transcript is the source of truth; a corrupt segment or window file is
 removed, so the next save that lists its blocks writes them again."""
 
@@ -124,6 +125,7 @@ class Loader(Part):
                 [run for run, _ in runs],
                 self._engine.model.on_gpu,
                 check,
+                self._engine.packing,
             )
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:

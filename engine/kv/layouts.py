@@ -19,8 +19,13 @@ STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  
 LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 
 
-def temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.array, dict]:
-    """Keys and values of one layer in temporal order (used positions only), and its layout."""
+def temporal_layer(
+    layer: Any, i: int, num_tokens: int, packing: Any = None
+) -> tuple[mx.array, mx.array, dict]:
+    """Keys and values of one layer in temporal order (used positions only), and its layout.
+
+    A layer held packed (uint32 words, see ``engine.batch_caches``) is described by
+    ``packing``: its layout names the model's dtype and head sizes, its arrays stay packed."""
     if type(layer) not in LAYER_TYPES.values():
         raise ValueError(f"layer {i} is a {type(layer).__name__}; only {list(LAYER_TYPES)}")
     if layer.offset != num_tokens or layer.keys is None:
@@ -34,11 +39,16 @@ def temporal_layer(layer: Any, i: int, num_tokens: int) -> tuple[mx.array, mx.ar
         # Unrolls a wrapped ring (keep prefix first) and drops unfilled slots of a larger buffer.
         keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
         extra = {"max_size": layer.max_size, "keep": layer.keep}
-    dtype = next((n for n, d in DTYPES.items() if d == keys.dtype), None)
-    if dtype is None or values.dtype != keys.dtype:
+    keys_shape, values_shape, dtype = keys.shape, values.shape, keys.dtype
+    if dtype == mx.uint32 and packing is not None and packing.quantized(i):
+        dk, dv = packing.dims[i]
+        keys_shape, values_shape = (*keys_shape[:3], dk), (*values_shape[:3], dv)
+        dtype = packing.dtype
+    name = next((n for n, d in DTYPES.items() if d == dtype), None)
+    if name is None or values.dtype != keys.dtype:
         raise ValueError(f"layer {i} has dtype {keys.dtype}/{values.dtype}; need {list(DTYPES)}")
-    layout = {"type": type(layer).__name__, "offset": int(layer.offset), **extra, "dtype": dtype}
-    return keys, values, layout | {"keys_shape": keys.shape, "values_shape": values.shape}
+    layout = {"type": type(layer).__name__, "offset": int(layer.offset), **extra, "dtype": name}
+    return keys, values, layout | {"keys_shape": keys_shape, "values_shape": values_shape}
 
 
 def group_of(encoded: EncodedCache, layout: dict[str, Any]) -> int | None:

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine.batch_caches import Packing, is_packed, join_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSION, block_tokens_of, parse_int
 from engine.kv.layouts import DTYPES, parse_paged_layouts
@@ -35,6 +36,7 @@ def decode_paged(
     blocks: Sequence[str | BlockRun],
     on_gpu: bool,
     check: Callable[[list[LoadedFile]], None] | None = None,
+    packing: Packing | None = None,
 ) -> PromptCache:
     """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
     straight into MLX and rebuild the prompt cache, on the generation thread: ``read`` (the
@@ -46,6 +48,10 @@ def decode_paged(
     ``mx.dequantize`` with float32 scales on a GPU, ``q * scale + bias`` as plain array math
     on a CPU (~15x faster than ``mx.dequantize`` there, and exactly what
     :func:`dequantize_on_host` computes). The cache is returned only if ``check`` passes.
+
+    ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
+    bits and group size is not dequantized: its words, scales and biases are packed as the
+    batch holds them (``engine.batch_caches``), bit for bit what the file stores.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
@@ -75,7 +81,14 @@ def decode_paged(
             pieces = [b[name] for b in blocks] + ([tail[tail_name]] if tail_name in tail else [])
             return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
-        def expand(got: dict[str, mx.array], group: int | None, dtype: str) -> mx.array:
+        def packs(i: int, group: int | None) -> bool:
+            return (
+                group is not None and packing is not None and packing.stores_as(i, kv_bits, group)
+            )
+
+        def expand(got: dict[str, mx.array], group: int | None, dtype: str, pack: bool) -> mx.array:
+            if pack:
+                return join_packed(got[".q"], got[".scales"], got[".biases"])
             if group is None:
                 return got[""].view(mx.bfloat16) if dtype == "bfloat16" else got[""]
             x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, kv_bits, on_gpu)
@@ -89,7 +102,8 @@ def decode_paged(
             parts = [""] if group is None else [".q", ".scales", ".biases"]
             for kv in ("keys", "values"):
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
-                stacked[kv] = expand(got, group, first["dtype"])
+                pack = all(packs(i, group) for i in globals_)
+                stacked[kv] = expand(got, group, first["dtype"], pack)
         layers = []
         for i, layout in enumerate(layouts):
             group = layout.get("group_size") if kv_bits else None
@@ -104,7 +118,7 @@ def decode_paged(
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
                     got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
-                arrays.append(expand(got, group, layout["dtype"]))
+                arrays.append(expand(got, group, layout["dtype"], packs(i, group)))
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:
@@ -129,7 +143,8 @@ def decode_paged(
         check(files)
     token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
     mx.eval(*arrays)
-    return PromptCache(layers, token_list)
+    packed = packing is not None and any(is_packed(layer) for layer in layers)
+    return PromptCache(layers, token_list, packing=packing if packed else None)
 
 
 def _run_of(arrays: dict[str, mx.array], run: BlockRun, block_tokens: int) -> dict[str, mx.array]:

@@ -92,8 +92,9 @@ def encode_paged(
     pending: dict[str, mx.array] = {}
     layouts, block_layers = [], []
     for i, layer in enumerate(cache.layers):
-        keys, values, layout = temporal_layer(layer, i, total)
-        layer_group = None if kv_bits is None else layer_group_size(keys, values, group_size)
+        keys, values, layout = temporal_layer(layer, i, total, cache.packing)
+        dims = layout["keys_shape"][3], layout["values_shape"][3]
+        layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
         if is_global(layer):
             keys, values = keys[..., low:, :], values[..., low:, :]
             block_layers.append({"index": i, "dtype": layout["dtype"], "group_size": layer_group})
@@ -101,7 +102,7 @@ def encode_paged(
         else:
             start = total - keys.shape[2]
         layouts.append(layout | {"group_size": layer_group, "start": start})
-        pending |= stored_kv(i, keys, values, kv_bits, layer_group)
+        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing)
     mx.eval(*pending.values())
     # Views of MLX memory, read here on the generation thread only: every array handed out
     # below is a numpy copy that owns its memory.

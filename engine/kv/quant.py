@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -18,13 +19,29 @@ _warned_head_dims: set[int] = set()
 
 
 def stored_kv(
-    i: int, keys: mx.array, values: mx.array, kv_bits: int | None, group_size: int | None
+    i: int,
+    keys: mx.array,
+    values: mx.array,
+    kv_bits: int | None,
+    group_size: int | None,
+    packing: Any = None,
 ) -> dict[str, mx.array]:
     """Layer ``i``'s keys and values as stored: as they are (bfloat16 as its uint16 bits), or
-    ``mx.quantize``d words, scales and biases (lazy)."""
+    ``mx.quantize``d words, scales and biases (lazy).
+
+    Keys and values packed by the batch (``packing``, ``engine.batch_caches``) are the words,
+    scales and biases ``mx.quantize`` made of their float16 cast: stored as they are when the
+    file's bits and group size are the batch's (no dequantize, no drift across resumes),
+    else dequantized first."""
     out = {}
     for kind, x in (("keys", keys), ("values", values)):
         name = f"layers.{i}.{kind}"
+        if x.dtype == mx.uint32:  # packed by the batch
+            if packing.stores_as(i, kv_bits, group_size):
+                q, scales, biases = packing.parts(i, x, kind)
+                out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
+                continue
+            x = packing.values(i, x, kind)
         if group_size is None:
             out[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
             continue
@@ -33,11 +50,11 @@ def stored_kv(
     return out
 
 
-def layer_group_size(keys: mx.array, values: mx.array, preferred: int) -> int | None:
+def layer_group_size(key_dim: int, value_dim: int, preferred: int) -> int | None:
     """One group size for a layer's keys and values, or None (logged once per head size)."""
     # A group size divides both head sizes exactly when it divides their gcd.
-    group_size = choose_group_size(math.gcd(keys.shape[-1], values.shape[-1]), preferred)
-    dims = {keys.shape[-1], values.shape[-1]}
+    group_size = choose_group_size(math.gcd(key_dim, value_dim), preferred)
+    dims = {key_dim, value_dim}
     if group_size is None and not dims <= _warned_head_dims:
         _warned_head_dims.update(dims)
         log.warning(

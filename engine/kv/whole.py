@@ -62,10 +62,11 @@ def encode_cache(
     pending: dict[str, mx.array] = {}
     layouts = []
     for i, layer in enumerate(cache.layers):
-        keys, values, layout = temporal_layer(layer, i, cache.num_tokens)
-        layer_group = None if kv_bits is None else layer_group_size(keys, values, group_size)
+        keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
+        dims = layout["keys_shape"][3], layout["values_shape"][3]
+        layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
         layouts.append(layout | {"group_size": layer_group})
-        pending |= stored_kv(i, keys, values, kv_bits, layer_group)
+        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing)
     mx.eval(*pending.values())
     # np.array copies (C order): the result owns its memory, so no MLX buffer is freed elsewhere.
     tensors = {name: np.array(x, order="C") for name, x in pending.items()}
