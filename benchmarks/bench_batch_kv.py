@@ -1,5 +1,6 @@
-"""Quantized KV in the running batch (``EngineConfig.batch_kv_bits``): how many long-history
-agents one KV budget lets decode together, and how fast, in the model's precision, q8 and q4.
+"""Quantized KV in the running batch and the hot tier (``batch_kv_bits``): how many
+long-history agents one KV budget lets decode together, and how fast, and how many one hot-tier
+budget holds, in the model's precision, q8 and q4.
 
     python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4] [--quick]
 
@@ -7,7 +8,9 @@ The budget is what ``--fits`` agents of ``--history`` tokens set aside in the mo
 precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
 ``--tokens`` each, once per precision, same process: the most agents in the batch at once, the
 KV held at most, generated tokens per second over the run, and each against the model's
-precision.
+precision. Then, per precision, the same agents' finished caches (as the engine hands them
+back: packed when quantized) go one by one into a ``HotTier`` whose budget holds ``--fits`` of
+them in the model's precision: the agents it holds at the end and its bytes per token.
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from agents.caches.hot import HotTier
 from benchmarks.bench_budget import ask
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
@@ -43,22 +47,53 @@ async def need_bytes(args: argparse.Namespace) -> int:
         await eng.close()
 
 
+async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> dict:
+    """The agents' finished caches (``--history`` tokens and one more), put one by one into a
+    hot tier of ``budget`` bytes: what it holds at the end."""
+    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits))
+    try:
+        vocab = eng.model.vocab_size
+        hot = HotTier(budget)
+        for i in range(args.agents):
+            cache = await eng.run(synthetic_cache, eng.model.model, args.history, i, vocab)
+            result = await eng.generate(GenerationRequest([20 + i], max_tokens=1, cache=cache))
+            del cache
+            hot.put(f"agent-{i}", result.cache, 1, "")
+            del result
+        report = hot.report()
+    finally:
+        await eng.close()
+    (held,) = report["by_precision"].values()
+    return {
+        "hot_budget_mb": budget / 2**20,
+        "hot_agents": report["agents"],
+        "hot_token_bytes": held["token_bytes"],
+    }
+
+
 async def run(args: argparse.Namespace) -> dict:
     budget = args.fits * await need_bytes(args)
+    # The hot tier's budget: what --fits agents' caches hold in the model's precision.
+    one = await hot_held(argparse.Namespace(**{**vars(args), "agents": 1}), None, 1 << 62)
+    hot_budget = int(args.fits * one["hot_token_bytes"] * (args.history + 2))
     rows = {}
     for name, bits in PRECISIONS.items():
         row, need = await ask(args, budget, bits)
+        row |= await hot_held(args, bits, hot_budget)
         rows[name] = row | {"need_mb": need / 2**20}
         print(
             f"{name:>5}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
             f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
-            f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed",
+            f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed; a hot tier of "
+            f"{row['hot_budget_mb']:.1f} MB holds {row['hot_agents']} "
+            f"({row['hot_token_bytes']:.0f} bytes a token)",
             flush=True,
         )
     base = rows["model"]
     for row in rows.values():
         row["agents_vs_model"] = round(row["max_in_batch"] / base["max_in_batch"], 3)
         row["tps_vs_model"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row["hot_agents_vs_model"] = round(row["hot_agents"] / base["hot_agents"], 3)
     return {
         "benchmark": "batch_kv",
         "model": args.model,
@@ -100,6 +135,12 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_ylabel("agents decoding together at most")
         ax.set_title(f"one budget ({report['budget_mb']:.0f} MB)")
 
+    def hot(ax) -> None:
+        bars = ax.bar(names, [r["hot_agents"] for r in rows.values()])
+        bar_labels(ax, bars, "{:.0f}")
+        ax.set_ylabel("agents held")
+        ax.set_title(f"one hot-tier budget ({rows['model']['hot_budget_mb']:.0f} MB)")
+
     def speed(ax) -> None:
         bars = ax.bar(names, [r["tokens_per_s"] for r in rows.values()])
         bar_labels(ax, bars, "{:.1f}")
@@ -107,7 +148,7 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_title("decode")
 
     title = f"{report['model']}, {report['history']}-token histories, {report['date']}"
-    return save_plot(path, [agents, speed], title)
+    return save_plot(path, [agents, hot, speed], title)
 
 
 if __name__ == "__main__":

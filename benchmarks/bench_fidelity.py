@@ -12,6 +12,12 @@ saves the cache three ways (``none``: exact, ``q8``, ``q4``) as the runtime stor
 them back as a resume does (``decode_paged``) and teacher-forces the same tokens. Reported per
 variant: argmax agreement with the reference, mean and max KL(reference || resumed), perplexity
 of the continuation, bytes on disk. ``none`` must be token-identical (every log-probability equal).
+
+In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4 files as a
+batch holding KV quantized does (``Engine.packing``: the stored words packed as they are, no
+dequantize) into its group buffers (``KVLayout.buffers``), and teacher-force the same tokens
+through them: the history as stored, and every fed token's keys and values quantized as the
+batch writes them, attention on the quantized path.
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
 generation thread. Writes benchmarks/results/fidelity.json and fidelity.png.
 """
@@ -32,14 +38,17 @@ import numpy as np
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
+from engine.batch_caches import is_packed
 from engine.engine import Engine
 from engine.kv.encoded import DEFAULT_GROUP_SIZE
+from engine.kv_batch import KVLayout
 from engine.request import PromptCache
 
 RESULTS = Path(__file__).parent / "results"
 TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
 VARIANTS = {"none": None, "q8": 8, "q4": 4}  # name -> kv_bits
-TARGETS = {"q8_agreement_min": 0.99}
+BATCH = {"batch-q8": 8, "batch-q4": 4}  # name -> batch_kv_bits (reading the file of those bits)
+TARGETS = {"q8_agreement_min": 0.99, "batch_q8_agreement_min": 0.99, "batch_q4_agreement_min": 0.98}
 
 
 def prefill(model: object, tokens: list[int], chunk: int) -> tuple[PromptCache, float]:
@@ -84,6 +93,20 @@ def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -
 
 def load(path: Path, paths: list[Path]) -> PromptCache:
     return load_paged(paths)
+
+
+def batch_logprobs(
+    model: object, layout: KVLayout, cache: PromptCache, tokens: list[int], chunk: int
+) -> tuple[mx.array, int]:
+    """Log-probabilities (T, vocab) after each of ``tokens`` fed through the batch's group
+    buffers made from ``cache``, and how many of its layers came in packed."""
+    layers = layout.buffers(cache.layers)
+    parts = []
+    for i in range(0, len(tokens), chunk):
+        logits = model(mx.array(tokens[i : i + chunk])[None], cache=layers)[0].astype(mx.float32)
+        parts.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts, axis=0), sum(is_packed(x) for x in cache.layers)
 
 
 async def before_restart(args: argparse.Namespace, cache_dir: Path) -> tuple[dict, dict]:
@@ -147,6 +170,22 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
                 row["variants"][name] = stats | {"file_bytes": file_bytes, "load_s": load_s}
                 del cache, logprobs
+            for name, bits in BATCH.items():
+                layout = await eng.run(KVLayout.of, model, bits, args.group_size)
+                _, paths, file_bytes = run["files"][f"q{bits}"]
+                cache = await eng.run(load_paged, paths, layout.packing)
+                logprobs, packed = await eng.run(
+                    batch_logprobs, model, layout, cache, fed, args.chunk
+                )
+                stats = await eng.run(compare, reference, logprobs)
+                stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
+                stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
+                row["variants"][name] = stats | {
+                    "file_bytes": file_bytes,
+                    "packed_layers": packed,
+                    "batch_token_bytes": sum(layout.token_bytes),
+                }
+                del cache, logprobs
             rows.append(row)
             del reference
     finally:
@@ -158,6 +197,12 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
     info, runs = await before_restart(args, cache_dir)
     rows = await after_restart(args, runs)
     q8 = min(row["variants"]["q8"]["agreement"] for row in rows)
+    batch = {
+        name: min(row["variants"][name]["agreement"] for row in rows if row["history"] >= 4096)
+        if max(args.histories) >= 4096
+        else None
+        for name in BATCH
+    }
     exact = all(
         row["variants"]["none"]["max_abs_logprob_diff"] == 0.0
         and row["variants"]["none"]["agreement"] == 1.0
@@ -176,7 +221,17 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
         "exact_is_identical": exact,
         "rows": rows,
         "targets": TARGETS,
-        "targets_met": {"q8_agreement": q8 >= TARGETS["q8_agreement_min"], "exact": exact},
+        "targets_met": {
+            "q8_agreement": q8 >= TARGETS["q8_agreement_min"],
+            "exact": exact,
+            # at 4K-token histories and longer (None: none was run)
+            "batch_q8_agreement": None
+            if batch["batch-q8"] is None
+            else batch["batch-q8"] >= TARGETS["batch_q8_agreement_min"],
+            "batch_q4_agreement": None
+            if batch["batch-q4"] is None
+            else batch["batch-q4"] >= TARGETS["batch_q4_agreement_min"],
+        },
     }
 
 
@@ -204,7 +259,7 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> Path:
     rows = report["rows"]
-    names = list(VARIANTS)
+    names = [*VARIANTS, *BATCH]
     x = np.arange(len(names))
     width = 0.8 / len(rows)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.batch_caches import Packing
 from engine.kv.assemble import assemble_paged
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE, EncodedCache
 from engine.kv.load import LoadedFile, decode_paged
@@ -57,11 +58,13 @@ def verify_loaded(files: list[LoadedFile]) -> None:
     assemble_paged(tail, blocks, join=False)
 
 
-def load_paged(paths: list[Path]) -> PromptCache:
-    """Read back what :func:`save_paged` wrote, as a resume does."""
+def load_paged(paths: list[Path], packing: Packing | None = None) -> PromptCache:
+    """Read back what :func:`save_paged` wrote, as a resume does (``packing``: into a batch
+    holding KV quantized so, ``Engine.packing``)."""
     *segments, tail = paths
     on_gpu = mx.default_device() == mx.gpu
-    return decode_paged(load_into_mlx, str(tail), [str(b) for b in segments], on_gpu, verify_loaded)
+    blocks = [str(b) for b in segments]
+    return decode_paged(load_into_mlx, str(tail), blocks, on_gpu, verify_loaded, packing)
 
 
 def nbytes(paths: list[Path]) -> int:

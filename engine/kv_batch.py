@@ -132,6 +132,13 @@ class KVLayout:
         held = self.owned_bytes(final_tokens + growth(final_tokens), window_extra=chunk)
         return int(held * (1 + PADDING_TOLERANCE)) + 1
 
+    def buffers(self, layers: list[Any]) -> list[Any]:
+        """One sequence's group buffers (a row each, copied) from its checked ``layers``: what
+        the model attends through in the batch (mlx-lm batch caches, quantized ones packing
+        float rows)."""
+        self.check(layers)
+        return [self._buffer(i, [x]) for i, x in enumerate(layers)]
+
     def empty_layers(self) -> list[Any]:
         return [self._buffer(i, []) for i in range(len(self.windows))]
 
@@ -215,9 +222,7 @@ class KVGroup:
         """A group holding ``seq`` alone, starting from ``layers`` (copied) or empty."""
         if layers is None:
             return cls(layout.empty_layers(), [seq])
-        layout.check(layers)
-        batch = [layout._buffer(i, [x]) for i, x in enumerate(layers)]
-        return cls(batch, [seq])
+        return cls(layout.buffers(layers), [seq])
 
     @property
     def lengths(self) -> list[int]:

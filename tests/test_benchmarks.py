@@ -188,7 +188,7 @@ def test_fidelity_quick(tmp_path):
     assert [row["history"] for row in report["rows"]] == [64, 600]  # 600: past the window
     for row in report["rows"]:
         assert row["continuation"] == 32
-        assert list(row["variants"]) == ["none", "q8", "q4"]
+        assert list(row["variants"]) == ["none", "q8", "q4", "batch-q8", "batch-q4"]
         assert row["history_perplexity"] < 50  # a trained model on English prose
         # Resumed after a restart from an exact file: every log-probability is the same.
         exact = row["variants"]["none"]
@@ -196,10 +196,21 @@ def test_fidelity_quick(tmp_path):
         assert exact["perplexity"] == row["reference_perplexity"]
         q8, q4 = row["variants"]["q8"], row["variants"]["q4"]
         assert q8["agreement"] >= 0.9 and 0 < q8["mean_kl"] < q4["mean_kl"]
-        sizes = [v["file_bytes"] for v in row["variants"].values()]
+        sizes = [row["variants"][v]["file_bytes"] for v in ("none", "q8", "q4")]
         assert sizes == sorted(sizes, reverse=True)
+        # In the batch: every layer read packed from its file, fed tokens quantized as written.
+        batch_q8, batch_q4 = row["variants"]["batch-q8"], row["variants"]["batch-q4"]
+        assert batch_q8["packed_layers"] == batch_q4["packed_layers"] == 18  # all of them
+        assert batch_q8["agreement"] >= 0.9 and 0 < batch_q8["mean_kl"] < batch_q4["mean_kl"]
+        assert batch_q4["batch_token_bytes"] < batch_q8["batch_token_bytes"]
     assert report["exact_is_identical"] is True
-    assert set(report["targets_met"]) == {"q8_agreement", "exact"}
+    assert report["targets_met"]["batch_q8_agreement"] is None  # no 4K history in --quick
+    assert set(report["targets_met"]) == {
+        "q8_agreement",
+        "exact",
+        "batch_q8_agreement",
+        "batch_q4_agreement",
+    }
 
 
 def test_mixed_quick(tmp_path):
@@ -277,3 +288,8 @@ def test_batch_kv_quick(tmp_path):
         assert row["held_under_budget_every_step"] is True
     # Quantized, an agent sets aside less of the same budget.
     assert rows["q4"]["need_mb"] < rows["q8"]["need_mb"] < rows["model"]["need_mb"]
+    # And the hot tier holds the agents' caches as the batch held them: more of them.
+    assert rows["model"]["hot_agents"] == report["fits"]
+    assert rows["q4"]["hot_token_bytes"] < rows["q8"]["hot_token_bytes"]
+    assert rows["q8"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
+    assert rows["q8"]["hot_agents"] > rows["model"]["hot_agents"]
