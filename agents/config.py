@@ -78,23 +78,23 @@ class RuntimeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_batch_kv_bits(self) -> RuntimeConfig:
-        """``batch_kv_bits`` and ``engine.batch_kv_bits`` say the same (either may be set), and
-        the batch quantizes in ``kv_group_size`` unless ``engine.batch_kv_group_size`` is set:
-        then the words a file stores are the batch's."""
         mine, engine = self.batch_kv_bits, self.engine.batch_kv_bits
         if mine is not None and engine is not None and mine != engine:
             raise ValueError(
                 f"batch_kv_bits ({mine}) and engine.batch_kv_bits ({engine}) disagree; set one"
             )
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: ``engine`` with ``batch_kv_bits`` (set here or there),
+        quantizing in ``kv_group_size`` unless ``engine.batch_kv_group_size`` was given, so
+        the words a cache file stores are the batch's."""
         update: dict[str, object] = {}
-        if engine is None and mine is not None:
-            update["batch_kv_bits"] = mine
+        if self.batch_kv_bits is not None:
+            update["batch_kv_bits"] = self.batch_kv_bits
         if "batch_kv_group_size" not in self.engine.model_fields_set:
             update["batch_kv_group_size"] = self.kv_group_size
-        if update:
-            object.__setattr__(self, "engine", self.engine.model_copy(update=update))
-        object.__setattr__(self, "batch_kv_bits", mine or engine)
-        return self
+        return EngineConfig.model_validate(self.engine.model_dump() | update)
 
     @property
     def database(self) -> str:

@@ -78,7 +78,7 @@ class AgentRuntime:
         )
         registry = await Registry.open(config.database)
         try:
-            engine = await Engine.open(config.model, config.engine)
+            engine = await Engine.open(config.model, config.engine_config())
         except BaseException:
             await registry.close()
             raise

@@ -67,6 +67,7 @@ async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> d
     return {
         "hot_budget_mb": budget / 2**20,
         "hot_agents": report["agents"],
+        "hot_bytes": report["bytes"],
         "hot_token_bytes": held["token_bytes"],
     }
 
@@ -75,7 +76,7 @@ async def run(args: argparse.Namespace) -> dict:
     budget = args.fits * await need_bytes(args)
     # The hot tier's budget: what --fits agents' caches hold in the model's precision.
     one = await hot_held(argparse.Namespace(**{**vars(args), "agents": 1}), None, 1 << 62)
-    hot_budget = int(args.fits * one["hot_token_bytes"] * (args.history + 2))
+    hot_budget = args.fits * one["hot_bytes"]
     rows = {}
     for name, bits in PRECISIONS.items():
         row, need = await ask(args, budget, bits)

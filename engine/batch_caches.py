@@ -65,6 +65,15 @@ class GroupRotatingKVCache(BatchRotatingKVCache):
 
 
 SCALE_DTYPE = mx.float16  # of scales and biases, as a quantized cache file stores them
+FLOAT16_MAX = 65504.0
+
+
+def as_float16(x: mx.array) -> mx.array:
+    """``x`` cast to float16 for quantizing, clipped to its range first (a larger value would
+    be inf, and its group's scale NaN): what a batch and a cache file both quantize."""
+    if x.dtype == mx.float16:
+        return x
+    return mx.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(mx.float16)
 
 
 def quantized_token_bytes(heads: int, key_dim: int, value_dim: int, bits: int, group: int) -> int:
@@ -80,10 +89,10 @@ def packed_dim(dim: int, bits: int, group: int) -> int:
 
 
 def packed(x: mx.array, bits: int, group_size: int) -> mx.array:
-    """``x`` cast to float16 and quantized along its last axis (as a quantized cache file
-    stores it), as one uint32 array: ``mx.quantize``'s words, then its float16 scales and
-    biases as raw bits."""
-    words, scales, biases = mx.quantize(x.astype(SCALE_DTYPE), group_size=group_size, bits=bits)
+    """``x`` cast to float16 (:func:`as_float16`) and quantized along its last axis (as a
+    quantized cache file stores it), as one uint32 array: ``mx.quantize``'s words, then its
+    float16 scales and biases as raw bits."""
+    words, scales, biases = mx.quantize(as_float16(x), group_size=group_size, bits=bits)
     return join_packed(words, scales, biases)
 
 

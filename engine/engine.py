@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.batch_caches import Packing
+from engine.batch_caches import Packing, is_packed
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from engine.grammar import Grammars
@@ -38,6 +38,11 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
     """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed loop has no one to tell."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+def _describe(packing: Packing) -> str:
+    groups = sorted({g for g in packing.group_sizes if g is not None})
+    return f"at {packing.bits} bits in groups of {'/'.join(map(str, groups))} ({packing.dtype})"
 
 
 def _expanded(cache: PromptCache) -> PromptCache:
@@ -184,13 +189,8 @@ class Engine:
         """
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        packing = request.cache.packing if request.cache else None
-        if packing is not None and packing != self.packing:
-            raise InvalidCacheError(
-                f"the cache holds {packing.bits}-bit packed layers this engine's batch does "
-                f"not (batch_kv_bits={self.config.batch_kv_bits}); expand them first "
-                "(cache.packing.expand(cache.layers), on the generation thread)"
-            )
+        if request.cache is not None:
+            self._check_packing(request.cache)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         vocab_size = self.model.vocab_size
@@ -220,6 +220,22 @@ class Engine:
         self._check_budget(request)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
+
+    def _check_packing(self, cache: PromptCache) -> None:
+        """Refuse a cache whose packed layers this engine's batch would read otherwise."""
+        packing, mine = cache.packing, self.packing
+        if packing is None:
+            if any(is_packed(layer) for layer in cache.layers):  # a dtype read, no MLX work
+                raise InvalidCacheError(
+                    "the cache holds packed (uint32) layers but no packing to read them by"
+                )
+            return
+        if packing != mine:
+            held = "in the model's precision" if mine is None else _describe(mine)
+            raise InvalidCacheError(
+                f"the cache holds layers packed {_describe(packing)}; this engine's batch holds "
+                f"them {held}; expand them first (await engine.expanded(cache))"
+            )
 
     def _processors(self, request: GenerationRequest, vocab_size: int) -> list:
         """The request's logits processors; a grammar's mask last (nothing it forbids comes

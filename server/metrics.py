@@ -149,7 +149,7 @@ class ServerMetrics:
             name: Gauge(f"agentkv_cache_hot_{name}", text, ["precision"], registry=r)
             for name, text in (
                 ("precision_agents", "Agents held in memory, by the precision of their KV."),
-                ("precision_bytes", "Bytes of those caches (shared heads not included)."),
+                ("precision_bytes", "Bytes they hold (turn checkpoints in, shared heads not)."),
                 ("precision_tokens", "Tokens those caches hold."),
                 ("token_bytes", "K+V bytes a token of history holds in the hot tier."),
             )

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
 from engine.kv_batch import KVLayout
-from engine.request import FinishReason, GenerationRequest, TokenEvent
+from engine.request import FinishReason, GenerationRequest, PromptCache, TokenEvent
 from engine.sampling import SamplingParams
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -528,8 +528,10 @@ async def test_a_cache_packed_otherwise_than_the_batch_is_refused():
         await q8.close()
     q4 = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=4))
     try:
-        with pytest.raises(InvalidCacheError, match="8-bit packed layers"):
+        with pytest.raises(InvalidCacheError, match=r"packed at 8 bits in groups of 32.*at 4 bits"):
             q4.submit(GenerationRequest([5], cache=packed))
+        with pytest.raises(InvalidCacheError, match="no packing"):
+            q4.submit(GenerationRequest([5], cache=PromptCache(packed.layers, packed.tokens)))
         # Expanded, it joins (quantized again at 4 bits).
         result = await q4.generate(GenerationRequest([5], max_tokens=3, cache=floats))
         assert result.error is None and result.cache.num_tokens == packed.num_tokens + 1 + 3

@@ -803,53 +803,59 @@ def stored_tensors(info: CacheInfo, block_tokens: int) -> dict[str, tuple[int, n
     }
 
 
+async def resume_from_disk_and_compare(data: Path, batch_kv_bits: int | None, hot: int, turns: int):
+    """An agent's turns (each resumed from disk when ``hot`` is 0): their tokens, the stored
+    bytes compared between consecutive saves (positions both hold) and those that changed."""
+    block = 16
+    cfg = config(
+        data, kv_bits=8, batch_kv_bits=batch_kv_bits, kv_block_tokens=block, hot_cache_bytes=hot
+    )
+    got, compared, changed = [], 0, []
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("a", system_prompt="You are terse.")
+        before = None
+        for turn in range(turns):
+            reply = await rt.chat("a", f"Turn {turn}: go on with the story.", max_tokens=12)
+            got.append(reply.token_ids)
+            await rt.flush()
+            if turn:
+                assert reply.cache_source == ("disk" if hot == 0 else "hot")
+            if hot:
+                continue
+            now = stored_tensors(await rt.cache_info("a"), block)
+            assert any(name.endswith(".q") for name in now)
+            for name, (start, x) in (before or {}).items():
+                again_start, again = now[name]
+                low = max(start, again_start)
+                end = start + x.shape[2]
+                assert end <= again_start + again.shape[2]
+                if end <= low:  # a window that moved past all it held
+                    continue
+                old = x[:, :, low - start :]
+                new = again[:, :, low - again_start : end - again_start]
+                compared += old.nbytes
+                if old.tobytes() != new.tobytes():
+                    changed.append((turn, name))
+            before = now
+    return got, compared, changed
+
+
 async def test_q8_caches_go_from_disk_to_a_q8_batch_and_back_without_drift(tmp_path):
     """kv_bits=8 on disk and batch_kv_bits=8 in memory: a resume packs the stored words as
     they are and a save stores the batch's, so across ten resumes from disk every position a
     save stored is stored again bit for bit (the sliding windows' too), and each turn's
     tokens are those of resuming from the hot tier instead."""
-    block = 16
-    replies = {}
-    for hot in (0, 1 << 30):
-        cfg = config(
-            tmp_path / f"hot{hot}",
-            kv_bits=8,
-            batch_kv_bits=8,
-            kv_block_tokens=block,
-            hot_cache_bytes=hot,
-        )
-        async with await AgentRuntime.open(cfg) as rt:
-            assert rt.engine.packing is not None and rt.engine.packing.bits == 8
-            await rt.create_agent("a", system_prompt="You are terse.")
-            before, compared, got = None, 0, []
-            for turn in range(11):
-                reply = await rt.chat("a", f"Turn {turn}: go on with the story.", max_tokens=12)
-                got.append(reply.token_ids)
-                await rt.flush()
-                if turn:
-                    assert reply.cache_source == ("disk" if hot == 0 else "hot")
-                if hot:
-                    continue
-                now = stored_tensors(await rt.cache_info("a"), block)
-                for name, (start, x) in (before or {}).items():
-                    again_start, again = now[name]
-                    low = max(start, again_start)
-                    end = start + x.shape[2]
-                    assert end <= again_start + again.shape[2]
-                    if end <= low:  # a window that moved past all it held
-                        continue
-                    old, new = (
-                        x[:, :, low - start :],
-                        again[:, :, low - again_start : end - again_start],
-                    )
-                    assert old.tobytes() == new.tobytes(), f"{name} changed at turn {turn}"
-                    compared += old.nbytes
-                before = now
-            replies[hot] = got
-            if not hot:
-                assert compared > 0
-                assert any(name.endswith(".q") for name in before)
-    assert replies[0] == replies[1 << 30]
+    from_disk, compared, changed = await resume_from_disk_and_compare(tmp_path / "d", 8, 0, 11)
+    assert compared > 0 and changed == []
+    from_hot, _, _ = await resume_from_disk_and_compare(tmp_path / "h", 8, 1 << 30, 11)
+    assert from_disk == from_hot
+
+
+async def test_a_float_batch_requantizes_what_it_resumed_from_a_q8_file(tmp_path):
+    """The control: with the batch in the model's precision, each resume expands the stored
+    words and the next save quantizes them again, which moves some of them."""
+    _, compared, changed = await resume_from_disk_and_compare(tmp_path, None, 0, 3)
+    assert compared > 0 and changed
 
 
 async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
@@ -867,15 +873,18 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
             assert list(report["by_precision"]) == [precision]
             row = report["by_precision"][precision]
             assert row["agents"] == 1 and row["bytes"] == report["bytes"] > 0
-            assert row["token_bytes"] == row["bytes"] / row["tokens"]
+            held = rt._caches.hot.get("h").cache
+            assert row["tokens"] == held.num_tokens
+            assert row["token_bytes"] == held.nbytes / held.num_tokens
             per_token[bits] = row["token_bytes"]
             exported = await rt.export_cache("h")
             assert exported.packing is None
             assert all(layer.keys.dtype == mx.float32 for layer in exported.layers)
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"
-    # float32 model: q8 in groups of 32 is 1/4 the words plus a float16 scale and bias a group
-    assert per_token[8] / per_token[None] == pytest.approx((1 / 4 + 1 / 32) / 4 * 4, rel=0.02)
+    # A float32 value is 4 bytes; at q8 in groups of 32 it is 1 byte, plus a float16 scale
+    # and bias (4 bytes) a group of 32.
+    assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 32) / 4, rel=0.02)
 
 
 @pytest.mark.parametrize("disk_bits", [None, 4])
@@ -896,9 +905,17 @@ async def test_a_batch_quantized_otherwise_than_the_disk_still_resumes(tmp_path,
 def test_runtime_batch_kv_bits_is_the_engines():
     from engine.config import EngineConfig
 
-    assert RuntimeConfig(model="m", batch_kv_bits=8).engine.batch_kv_bits == 8
-    assert RuntimeConfig(model="m", engine=EngineConfig(batch_kv_bits=4)).batch_kv_bits == 4
-    assert RuntimeConfig(model="m", kv_group_size=64).engine.batch_kv_group_size == 64
+    def engine(**kw):
+        return RuntimeConfig(model="m", **kw).engine_config()
+
+    assert engine(batch_kv_bits=8).batch_kv_bits == 8
+    assert engine(engine=EngineConfig(batch_kv_bits=4)).batch_kv_bits == 4
+    assert engine().batch_kv_bits is None
+    assert engine(kv_group_size=64).batch_kv_group_size == 64
+    given = EngineConfig(batch_kv_group_size=128, batch_kv_bits=8)
+    assert engine(kv_group_size=64, engine=given).batch_kv_group_size == 128
+    copied = RuntimeConfig(model="m").model_copy(update={"batch_kv_bits": 8})
+    assert copied.engine_config().batch_kv_bits == 8
     with pytest.raises(ValidationError, match="disagree"):
         RuntimeConfig(model="m", batch_kv_bits=8, engine=EngineConfig(batch_kv_bits=4))
     with pytest.raises(ValidationError, match="batch_kv_bits"):

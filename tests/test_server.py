@@ -908,7 +908,7 @@ def test_agentkv_serve_reports_its_budgets_and_stateless_agents_expire_in_an_hou
         process.wait(60)
     assert hot == default_hot_cache_bytes() > 0 and disk > 0
     assert held["precision_agents"] == 1 and held["precision_tokens"] > 0
-    assert held["token_bytes"] == held["precision_bytes"] / held["precision_tokens"]
+    assert 0 < held["token_bytes"] <= held["precision_bytes"] / held["precision_tokens"]
     assert log.read_text().splitlines()[0] == (
         f"agentkv: hot tier budget {hot / 1024**3:.2f} GiB (10% of memory, at most 4.00 GiB), "
         f"disk budget {disk / 1024**3:.2f} GiB (25% of the space for {data / 'caches'})"

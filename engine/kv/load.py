@@ -1,5 +1,6 @@
 """Loading a paged cache straight into MLX: its files read once, blocks joined per layer,
-quantized layers expanded, checked while MLX computes."""
+quantized layers expanded (or packed as stored, for a batch holding them so), checked while
+MLX computes."""
 
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def decode_paged(
                 group is not None and packing is not None and packing.stores_as(i, kv_bits, group)
             )
 
-        def expand(got: dict[str, mx.array], group: int | None, dtype: str, pack: bool) -> mx.array:
+        def materialize(
+            got: dict[str, mx.array], group: int | None, dtype: str, pack: bool
+        ) -> mx.array:
             if pack:
                 return join_packed(got[".q"], got[".scales"], got[".biases"])
             if group is None:
@@ -95,7 +98,7 @@ def decode_paged(
             return x.astype(DTYPES[dtype])
 
         globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
-        stacked = {}  # kv -> every global layer's keys or values, joined and expanded at once
+        stacked = {}  # kv -> every global layer's keys or values, joined and materialized at once
         if meta.get("stacked") == "true" and globals_:
             first = layouts[globals_[0]]
             group = first.get("group_size") if kv_bits else None
@@ -103,7 +106,7 @@ def decode_paged(
             for kv in ("keys", "values"):
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
                 pack = all(packs(i, group) for i in globals_)
-                stacked[kv] = expand(got, group, first["dtype"], pack)
+                stacked[kv] = materialize(got, group, first["dtype"], pack)
         layers = []
         for i, layout in enumerate(layouts):
             group = layout.get("group_size") if kv_bits else None
@@ -118,7 +121,7 @@ def decode_paged(
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
                     got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
-                arrays.append(expand(got, group, layout["dtype"], packs(i, group)))
+                arrays.append(materialize(got, group, layout["dtype"], packs(i, group)))
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.batch_caches import as_float16
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
 from engine.kv.layouts import STORED, group_of, parse_layouts
@@ -45,7 +46,7 @@ def stored_kv(
         if group_size is None:
             out[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
             continue
-        q, scales, biases = mx.quantize(x.astype(mx.float16), group_size=group_size, bits=kv_bits)
+        q, scales, biases = mx.quantize(as_float16(x), group_size=group_size, bits=kv_bits)
         out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
     return out
 
