@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine.batch_caches import Packing
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache
 
@@ -20,7 +21,7 @@ LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 
 
 def temporal_layer(
-    layer: Any, i: int, num_tokens: int, packing: Any = None
+    layer: Any, i: int, num_tokens: int, packing: Packing | None = None
 ) -> tuple[mx.array, mx.array, dict]:
     """Keys and values of one layer in temporal order (used positions only), and its layout.
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from engine.batch_caches import as_float16
+from engine.batch_caches import Packing, as_float16
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
 from engine.kv.layouts import STORED, group_of, parse_layouts
@@ -25,7 +24,7 @@ def stored_kv(
     values: mx.array,
     kv_bits: int | None,
     group_size: int | None,
-    packing: Any = None,
+    packing: Packing | None = None,
 ) -> dict[str, mx.array]:
     """Layer ``i``'s keys and values as stored: as they are (bfloat16 as its uint16 bits), or
     ``mx.quantize``d words, scales and biases (lazy).
