@@ -21,6 +21,7 @@ from agents.errors import (
 from engine.config import EngineConfig, Policy
 from engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
 from store import (
+    AgentChangedError,
     AgentExistsError,
     AgentNotFoundError,
     AgentRecord,
@@ -65,6 +66,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AgentChangedError",
     "AgentExistsError",
     "AgentKVError",
     "AgentNotFoundError",

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agents.caches.janitor import SWEEP_GRACE_S
 from engine.config import EngineConfig
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
 
@@ -23,6 +26,7 @@ runtime opens (what is free on its filesystem plus what its files hold already, 
 restart does not shrink the budget below what was stored)."""
 
 Bytes = Annotated[int, Field(ge=0)]
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
 
 
 class RuntimeConfig(BaseModel):
@@ -58,6 +62,15 @@ class RuntimeConfig(BaseModel):
             stored yet, it prefills them first and stores them for the agents that follow.
         default_max_tokens: max_tokens of a turn when the call does not say.
         engine: the batch: its limits, KV memory budget and scheduling policy (EngineConfig).
+        worker_id: this process's name among the workers sharing a registry (``agentkv serve
+            --worker-id``): leases, logs, ``/ready`` and the ``x-agentkv-worker`` header name
+            it. None: ``<hostname>-<pid>``.
+        lease_s: seconds an agent's lease outlives a worker that stops renewing it (a crashed
+            or partitioned worker's agents pass to another worker after this long); renewed
+            every third of it while held.
+        sweep_grace_s: the sweep of the cache directory at open removes files no registry
+            entry lists (left by a crash mid-save) only once they are this old: a worker
+            sharing the directory may be between writing a file and recording it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,6 +88,9 @@ class RuntimeConfig(BaseModel):
     share_prefixes: bool = True
     default_max_tokens: int = Field(default=512, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    worker_id: str | None = Field(default=None, pattern=WORKER_ID_PATTERN)
+    lease_s: float = Field(default=10.0, gt=0.5, le=3600)
+    sweep_grace_s: float = Field(default=SWEEP_GRACE_S, ge=0)
 
     @model_validator(mode="after")
     def _one_batch_kv_bits(self) -> RuntimeConfig:
@@ -99,6 +115,14 @@ class RuntimeConfig(BaseModel):
     @property
     def database(self) -> str:
         return self.db_url or str(self.data_dir / "agentkv.sqlite")
+
+    @property
+    def worker(self) -> str:
+        """The worker id: ``worker_id``, else ``<hostname>-<pid>``."""
+        if self.worker_id is not None:
+            return self.worker_id
+        host = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:48] or "host"
+        return f"{host}-{os.getpid()}"
 
     @property
     def caches_path(self) -> Path:

@@ -111,7 +111,7 @@ class DocumentTurn:
         renderer = runner.renderer
         start = time.perf_counter()
         # The cache's own tokens are compared with the document's: no digest check is needed.
-        resumed = await runner.caches.resume(agent.id)
+        resumed = await runner.caches.resume(agent.id, agent.version)
         cache = resumed.cache if resumed else None
         source: CacheSource = resumed.source if resumed else "none"
         known = conversations.replies.get(agent.id)
@@ -184,14 +184,18 @@ class DocumentTurn:
         keep = common_prefix(old, [(m.role, m.content, m.token_count) for m in stored])
         keep = min(keep, len(stored) - 1)  # the reply is always (re)written
         records = await conversations.runner.registry.append_messages(
-            agent.id, stored[keep:], replace_from=keep, system_prompt=system
+            agent.id,
+            stored[keep:],
+            replace_from=keep,
+            system_prompt=system,
+            expected_version=agent.version,
         )
         self.message_id = records[-1].id
         head = [{"role": "system", "content": system}] if system else []
         covered = [*head, *({"role": m.role, "content": m.content} for m in stored)]
         # Clients that resend whole conversations rewrite their last turn: keep its start.
         await conversations.runner.keep(
-            agent.id, result, plan, covered, len(stored), self.tools, checkpoint=True
+            agent, result, plan, covered, len(stored), self.tools, checkpoint=True
         )
         conversations.replies[agent.id] = [*document.replies, reply]
 

@@ -15,6 +15,7 @@ from agents.config import RuntimeConfig
 from agents.conversations import Conversations
 from agents.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
 from agents.formats import FREE, schema_of
+from agents.leases import Leases
 from agents.prompt import ChatRenderer, Message, checked_history
 from agents.tool_calls import ToolFormat
 from agents.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
@@ -58,9 +59,15 @@ class AgentRuntime:
             budget_bytes=config.disk_budget_bytes,
             share_prefixes=config.share_prefixes,
             lock_of=self._lock,
+            sweep_grace_s=config.sweep_grace_s,
         )
         self._caches = CacheTiers(HotTier(config.hot_cache_bytes), disk, registry)
-        self._turns = TurnRunner(config, registry, engine, self._caches, self._renderer)
+        self.leases = Leases(registry.leases, config.worker, config.lease_s)
+        """This worker's leases on agents (workers sharing the registry run each agent's
+        turns one at a time)."""
+        self._turns = TurnRunner(
+            config, registry, engine, self._caches, self._renderer, self.leases
+        )
         self._conversations = Conversations(self._turns, self.tool_format)
         self._closed = False
 
@@ -178,8 +185,7 @@ class AgentRuntime:
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
         self._check_open()
-        async with self._lock(agent_id):
-            await self._registry.get_agent(agent_id)
+        async with self._turns.hold(agent_id):
             await self._caches.disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
             self._conversations.drop(agent_id)
@@ -197,10 +203,10 @@ class AgentRuntime:
             AgentExistsError: ``new_id`` is taken.
         """
         self._check_open()
-        async with self._lock(agent_id):
+        async with self._turns.hold(agent_id):
             forked = await self._registry.fork_agent(agent_id, new_id, name=name)
             self._conversations.fork(agent_id, forked.id)
-            await self._caches.fork(agent_id, forked.id)
+            await self._caches.fork(agent_id, forked.id, forked.version)
         return forked
 
     async def expire_agents(self) -> list[str]:
@@ -402,9 +408,9 @@ class AgentRuntime:
         (``batch_kv_bits``) come back expanded to the model's precision, as copies.
         Raises AgentNotFoundError."""
         self._check_open()
-        await self._registry.get_agent(agent_id)
         async with self._lock(agent_id):  # not while a turn changes it
-            resumed = await self._caches.resume(agent_id)
+            agent = await self._registry.get_agent(agent_id)
+            resumed = await self._caches.resume(agent_id, agent.version)
         if resumed is None:
             return None
         return await self._engine.expanded(resumed.cache)
@@ -429,6 +435,12 @@ class AgentRuntime:
             "caches_saved": disk.stats.saved,
             "cache_load_failures": disk.stats.load_failures,
             "disk": disk.report(),
+            "leases": {
+                "worker_id": self.leases.worker_id,
+                "held": self.leases.held,
+                "waits": self.leases.waits,
+                "lost": self.leases.lost,
+            },
         }
 
     async def flush(self, agent_id: str | None = None) -> None:
@@ -444,6 +456,7 @@ class AgentRuntime:
         try:
             await self._turns.idle.wait()
             await self._caches.disk.close()
+            await self.leases.close()
         finally:
             await self._engine.close()
             await self._registry.close()

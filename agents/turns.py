@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from agents.caches.tiers import CacheTiers, Resumed, Start
 from agents.config import RuntimeConfig
 from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
+from agents.leases import Leases
 from agents.prompt import ChatRenderer, Message, checked_history, conversation_digest
 from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 from engine.engine import Engine
@@ -90,12 +91,14 @@ class TurnRunner:
         engine: Engine,
         caches: CacheTiers,
         renderer: ChatRenderer,
+        leases: Leases,
     ):
         self.config = config
         self.registry = registry
         self.engine = engine
         self.caches = caches
         self.renderer = renderer
+        self.leases = leases
         self.sources: Counter[str] = Counter()
         # An agent's lock lives while a turn holds or awaits it: ids of deleted or idle agents
         # (thousands of stateless ones) leave nothing behind.
@@ -105,12 +108,38 @@ class TurnRunner:
         self.idle.set()
 
     def lock(self, agent_id: str) -> asyncio.Lock:
-        """The agent's turn lock (turns of one agent run one after another)."""
+        """The agent's turn lock in this process (see :meth:`hold` for all workers)."""
         validate_agent_id(agent_id)  # no lock (and no entry) for an id that cannot exist
         lock = self._locks.get(agent_id)
         if lock is None:
             lock = self._locks[agent_id] = asyncio.Lock()
         return lock
+
+    async def acquire(self, agent_id: str) -> Callable[[], None]:
+        """Take the agent, from every worker sharing the registry: its lock here, then its
+        lease (waiting while another worker holds it). Returns what gives both back."""
+        lock = self.lock(agent_id)
+        await lock.acquire()
+        try:
+            await self.leases.hold(agent_id)
+        except BaseException:
+            lock.release()
+            raise
+
+        def release() -> None:
+            self.leases.drop(agent_id)
+            lock.release()
+
+        return release
+
+    @contextlib.asynccontextmanager
+    async def hold(self, agent_id: str) -> AsyncIterator[None]:
+        """The agent's turns wait while the body runs, on this worker and the others."""
+        release = await self.acquire(agent_id)
+        try:
+            yield
+        finally:
+            release()
 
     async def run(
         self, agent_id: str, turn: Turn, options: TurnOptions, started: float
@@ -128,9 +157,8 @@ class TurnRunner:
     async def _run(
         self, agent_id: str, turn: Turn, options: TurnOptions, started: float
     ) -> AsyncIterator[TextDelta | Reply]:
-        lock = self.lock(agent_id)
-        await lock.acquire()
-        unlock: Callable[[], None] | None = lock.release
+        unlock: Callable[[], None] | None = await self.acquire(agent_id)
+        release = unlock
         try:
             agent = await self.registry.get_agent(agent_id)
             transcript = await self.registry.transcript(agent_id)
@@ -146,7 +174,7 @@ class TurnRunner:
                     await asyncio.shield(commit)
                 except asyncio.CancelledError:
                     if not commit.done():  # the caller goes; the agent stays locked until the
-                        commit.add_done_callback(lambda _: lock.release())  # turn is stored
+                        commit.add_done_callback(lambda _: release())  # turn is stored
                         unlock = None
                     raise
             except BaseException:
@@ -172,15 +200,18 @@ class TurnRunner:
 
     async def append(self, agent_id: str, messages: list[Message]) -> None:
         """Store messages after the transcript without generating, in the agent's turn order."""
-        async with self.lock(agent_id):
+        async with self.hold(agent_id):
             agent = await self.registry.get_agent(agent_id)
             history = await self.registry.transcript(agent_id)
             # Store nothing the chat template would refuse later (e.g. two user turns in a row).
             conversation = [*transcript_messages(agent, history), *messages]
             await asyncio.to_thread(self.renderer.check, conversation)
             await self.registry.append_messages(
-                agent_id, [NewMessage(m["role"], m["content"]) for m in messages]
+                agent_id,
+                [NewMessage(m["role"], m["content"]) for m in messages],
+                expected_version=agent.version,
             )
+            self.caches.advanced(agent_id, agent.version)  # its caches still cover a prefix
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -273,7 +304,7 @@ class TurnRunner:
 
     async def keep(
         self,
-        agent_id: str,
+        agent: AgentRecord,
         result: GenerationResult,
         plan: TurnPlan,
         messages: list[Message],
@@ -281,17 +312,29 @@ class TurnRunner:
         tools: list[dict[str, Any]] | None = None,
         checkpoint: bool = False,
     ) -> None:
-        """After the transcript rows are stored: the turn's cache, covering ``covered``
-        transcript messages (``messages``: them, after the system prompt if any; ``tools``:
-        those it was rendered with), goes to the hot tier and is saved to disk. With
-        ``checkpoint``, in memory it keeps a checkpoint where the cache it resumed ended (the
-        previous turn boundary), so that a client rewriting this turn resumes from there; the
-        end of a shared head it started from is kept in any case."""
+        """After the transcript rows are stored (the agent now at the version after
+        ``agent``'s): the turn's cache, covering ``covered`` transcript messages
+        (``messages``: them, after the system prompt if any; ``tools``: those it was rendered
+        with), goes to the hot tier and is saved to disk, the agent's lease held until it is.
+        With ``checkpoint``, in memory it keeps a checkpoint where the cache it resumed ended
+        (the previous turn boundary), so that a client rewriting this turn resumes from there;
+        the end of a shared head it started from is kept in any case."""
         digest = await asyncio.to_thread(conversation_digest, messages, tools)
         cache = result.cache
         if cache is not None and plan.cache is not None:
             cache = cache.checkpointed(plan.cache, recent=checkpoint)
-        self.caches.keep(agent_id, cache, covered, digest, then=plan.release)
+        self.leases.hold_more(agent.id)
+
+        def saved() -> None:
+            self.leases.drop(agent.id)
+            if plan.release:
+                plan.release()
+
+        try:
+            self.caches.keep(agent.id, cache, covered, digest, agent.version + 1, then=saved)
+        except BaseException:
+            saved()
+            raise
 
     def _reply(
         self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
@@ -385,7 +428,7 @@ class ChatTurn:
         n_history = len(transcript) + len(self.history)  # the messages before the new one
         start = time.perf_counter()
         offset = len(messages) - n_history - 1  # the system message, if any
-        resumed = await runner.caches.resume(agent.id)
+        resumed = await runner.caches.resume(agent.id, agent.version)
         if resumed is not None:
             # Hashing, rendering and tokenizing grow with the history: off the event loop.
             delta = await asyncio.to_thread(
@@ -447,6 +490,7 @@ class ChatTurn:
                 NewMessage("user", self.message, len(plan.prompt_tokens)),
                 NewMessage("assistant", result.text, len(result.token_ids)),
             ],
+            expected_version=agent.version,
         )
         messages = [
             *transcript_messages(agent, transcript),
@@ -454,7 +498,7 @@ class ChatTurn:
             {"role": "user", "content": self.message},
             {"role": "assistant", "content": result.text},
         ]
-        await self.runner.keep(agent.id, result, plan, messages, stored[-1].position + 1)
+        await self.runner.keep(agent, result, plan, messages, stored[-1].position + 1)
         self.message_id = stored[-1].id
 
     def reply(self, reply: Reply) -> Reply:

@@ -1,4 +1,5 @@
-"""Persistence for agentkv: an async SQLite registry of agents, transcripts and KV cache entries.
+"""Persistence for agentkv: an async registry of agents, transcripts and KV cache entries
+(SQLite, or PostgreSQL for workers that share it), and the cache files.
 
 Typical use::
 
@@ -28,6 +29,7 @@ from store.cache_files import (
     write_cache_file,
 )
 from store.errors import (
+    AgentChangedError,
     AgentExistsError,
     AgentNotFoundError,
     BlocksMissingError,
@@ -45,6 +47,7 @@ from store.errors import (
     StoreError,
 )
 from store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
+from store.leases import Lease, LeaseIndex
 from store.records import (
     AgentRecord,
     CacheRecord,
@@ -64,6 +67,7 @@ from store.writer import CacheWriter, JobFuture
 
 __all__ = [
     "AGENT_ID_PATTERN",
+    "AgentChangedError",
     "AgentExistsError",
     "AgentNotFoundError",
     "AgentRecord",
@@ -81,6 +85,8 @@ __all__ = [
     "InvalidAgentIdError",
     "InvalidRecordError",
     "JobFuture",
+    "Lease",
+    "LeaseIndex",
     "MessageRecord",
     "MigrationError",
     "NewBlock",

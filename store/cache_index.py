@@ -3,22 +3,28 @@ made of, and the block rows shared between caches (garbage once no cache lists t
 
 :class:`CacheIndex` runs on the registry's database (``Registry.caches``); like the registry,
 each call runs in one session and one transaction and returns frozen records.
+
+On PostgreSQL, where writers run side by side, :meth:`CacheIndex.set` locks the agent's row
+(two saves of one agent take turns), and ``Lock.BLOCKS`` keeps :meth:`CacheIndex.collect_garbage`
+apart from the writes that record or list blocks: it must not delete a block a save is about to
+list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import Insert, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
 from store.errors import AgentNotFoundError, BlocksMissingError
 from store.ids import validate_agent_id
 from store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
+from store.postgres import Lock
 from store.records import CacheRecord, DiskUsage, NewBlock, NewCacheEntry, StoredBlock
 
 INSERT_CHUNK = 1000
@@ -57,7 +63,8 @@ class CacheIndex:
         if not isinstance(entry, NewCacheEntry):
             raise TypeError(f"entry must be a NewCacheEntry, got {type(entry).__name__}")
         async with self._db.write() as session:
-            await require_agent(session, agent_id)
+            await database.hold(session, Lock.BLOCKS, shared=True)
+            await require_agent(session, agent_id, lock=True)
             await _record_blocks(session, new_blocks)
             if blocks:
                 known = await _known_blocks(session, blocks)
@@ -87,6 +94,7 @@ class CacheIndex:
         caches. They are garbage to :meth:`collect_garbage` unless it is told to keep them (or
         a cache lists another block of their segment)."""
         async with self._db.write() as session:
+            await database.hold(session, Lock.BLOCKS, shared=True)
             await _record_blocks(session, new_blocks)
 
     async def known_blocks(self, keys: Sequence[str]) -> dict[str, StoredBlock]:
@@ -103,6 +111,7 @@ class CacheIndex:
             (key, where it was) of each deleted block: the caller deletes the files.
         """
         async with self._db.write() as session:
+            await database.hold(session, Lock.BLOCKS)  # no set or add_blocks meanwhile
             file_of = func.coalesce(KVBlock.segment, KVBlock.key)
             needed = select(file_of).join(KVCacheBlock, KVCacheBlock.block_key == KVBlock.key)
             if keep:
@@ -196,8 +205,18 @@ class CacheIndex:
             return {agent_id: path for agent_id, path in rows}
 
 
-async def require_agent(session: AsyncSession, agent_id: str) -> None:
-    if await session.scalar(select(Agent.id).where(Agent.id == agent_id)) is None:
+async def require_agent(session: AsyncSession, agent_id: str, *, lock: bool = False) -> None:
+    """Raise ``AgentNotFoundError`` unless the agent exists.
+
+    Args:
+        lock: Also lock the agent's row until the transaction ends (``FOR NO KEY UPDATE`` on
+            PostgreSQL, which waits for and blocks the agent's other writers and its deletion;
+            SQLite's writers hold the whole file anyway).
+    """
+    query = select(Agent.id).where(Agent.id == agent_id)
+    if lock:
+        query = query.with_for_update(key_share=True)
+    if await session.scalar(query) is None:
         raise AgentNotFoundError(agent_id)
 
 
@@ -208,9 +227,10 @@ async def current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:
 async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) -> None:
     """Insert block rows; a known block's row takes the new file (it was written again because
     its file was gone), and gains a window file it lacked."""
-    for block in new_blocks:
-        if not isinstance(block, NewBlock):
-            raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
+    upsert = _DIALECT_INSERTS[session.bind.dialect.name]
+    # In key order: two saves sharing blocks then lock their rows in the same order (PostgreSQL),
+    # never each waiting for the other.
+    for block in sorted(new_blocks, key=_block_key):
         window = {"window_nbytes": block.window_nbytes, "window_checksum": block.window_checksum}
         if block.nbytes is None:  # a window for a known block
             updated = await session.execute(
@@ -228,9 +248,7 @@ async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) 
             "segment": block.segment,
             "segment_index": block.segment_index,
         }
-        statement = sqlite_insert(KVBlock).values(
-            key=block.key, created_at=utcnow(), **changes, **window
-        )
+        statement = upsert(KVBlock).values(key=block.key, created_at=utcnow(), **changes, **window)
         if block.window_nbytes is not None:
             changes |= window
         await session.execute(
@@ -247,6 +265,19 @@ async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str,
         )
         known.update((row[0], _stored_block(row)) for row in rows)
     return known
+
+
+_DIALECT_INSERTS: dict[str, Callable[..., Insert]] = {
+    "sqlite": sqlite.insert,
+    "postgresql": postgresql.insert,
+}
+"""Each dialect's INSERT, which has ``on_conflict_do_update``."""
+
+
+def _block_key(block: NewBlock) -> str:
+    if not isinstance(block, NewBlock):
+        raise TypeError(f"blocks must be NewBlock, got {type(block).__name__}")
+    return block.key
 
 
 _LOCATION = (

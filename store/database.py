@@ -1,18 +1,23 @@
-"""The SQLite database behind the registry: engine, read/write sessions, Alembic migrations.
+"""The database behind the registry: engine, read/write sessions, Alembic migrations.
 
-Transactions follow SQLAlchemy's documented SQLite recipe: the driver's own BEGIN handling is
-switched off on connect (``isolation_level = None``) and a ``begin`` listener emits ``BEGIN``
-itself. Connections carrying the :data:`WRITE` execution option begin with ``BEGIN IMMEDIATE``,
-which takes SQLite's write lock up front, so concurrent writers (other tasks, other processes)
-queue on the lock for up to ``busy_timeout`` instead of failing when a read lock cannot be
-upgraded mid-transaction. Within one process, :meth:`Database.write` also takes an asyncio lock
-so writers queue in FIFO order instead of polling SQLite's busy handler.
+A SQLite file is the default; a ``postgresql+asyncpg://`` URL selects a PostgreSQL database
+instead, whose transactions are plain ``READ COMMITTED`` ones ordered by row and advisory locks
+(see ``store.postgres``).
+
+SQLite transactions follow SQLAlchemy's documented SQLite recipe: the driver's own BEGIN
+handling is switched off on connect (``isolation_level = None``) and a ``begin`` listener emits
+``BEGIN`` itself. Connections carrying the :data:`WRITE` execution option begin with
+``BEGIN IMMEDIATE``, which takes SQLite's write lock up front, so concurrent writers (other
+tasks, other processes) queue on the lock for up to ``busy_timeout`` instead of failing when a
+read lock cannot be upgraded mid-transaction. Within one process, :meth:`Database.write` also
+takes an asyncio lock so writers queue in FIFO order instead of polling SQLite's busy handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -21,7 +26,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import URL, Connection, event, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -31,9 +36,13 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import ConnectionPoolEntry
 
 import migrations
+from store import postgres
 from store.errors import MigrationError, RegistryClosedError, RegistryStorageError
+from store.postgres import Lock
 
 DRIVER = "sqlite+aiosqlite"
+DRIVERS = {"sqlite": DRIVER, "postgresql": postgres.DRIVER}
+"""The driver of each supported database; a URL naming the database alone gets this one."""
 PRAGMAS = ("busy_timeout=5000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
 _BEGIN_OPTION = "agentkv_sqlite_begin"
 WRITE: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE"}
@@ -41,11 +50,13 @@ WRITE: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE"}
 
 
 class Database:
-    """One async engine over a SQLite file, handing out one session per transaction."""
+    """One async engine over a SQLite file or a PostgreSQL database, handing out one session
+    per transaction."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         """Wrap an engine made by :func:`create_engine` and already migrated."""
         self.engine = engine
+        self.is_sqlite = engine.dialect.name == "sqlite"
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         self._write_lock = asyncio.Lock()
         self._closed = False
@@ -68,21 +79,58 @@ class Database:
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncSession]:
-        """A session in a ``BEGIN DEFERRED`` transaction, committed on exit."""
+        """A session in a transaction (``BEGIN DEFERRED`` on SQLite), committed on exit.
+
+        Raises:
+            RegistryStorageError: The database could not be reached, read or written; the
+                transaction was rolled back.
+        """
         if self._closed:
             raise RegistryClosedError("registry is closed; open a new one with Registry.open")
+        if self.is_sqlite:
+            try:
+                async with self._sessions.begin() as session:
+                    yield session
+            except OperationalError as exc:  # the transaction was rolled back on the way out
+                raise storage_error(exc) from exc
+            return
+        url = self.engine.url
         try:
             async with self._sessions.begin() as session:
+                try:  # connect now: an OSError later would be the caller's own
+                    await session.connection()
+                except OSError as exc:  # refused, unreachable, unknown host
+                    raise postgres.connection_error(exc, url) from exc
                 yield session
-        except OperationalError as exc:  # the transaction was rolled back on the way out
-            raise storage_error(exc) from exc
+        except DBAPIError as exc:
+            if (error := postgres.storage_error(exc, url)) is None:
+                raise  # a constraint violation or a bug: the caller's to handle
+            raise error from exc
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncSession]:
-        """A session in a ``BEGIN IMMEDIATE`` transaction, committed on exit."""
+        """A session in a transaction that will write, committed on exit.
+
+        On SQLite it is a ``BEGIN IMMEDIATE`` one, and this process's writers queue for it in
+        turn. On PostgreSQL writers run side by side: what must not interleave takes a lock
+        (a row lock on the agent, or :func:`hold`).
+        """
+        if not self.is_sqlite:
+            async with self.read() as session:
+                yield session
+            return
         async with self._write_lock, self.read() as session:
             await session.connection(execution_options=WRITE)
             yield session
+
+
+async def hold(session: AsyncSession, lock: Lock, *, shared: bool = False) -> None:
+    """Hold ``lock`` until the session's transaction ends (see ``store.postgres.Lock``).
+
+    A no-op on SQLite, where a write transaction already holds the whole file.
+    """
+    if session.bind.dialect.name == postgres.DIALECT:
+        await postgres.hold(session, lock, shared=shared)
 
 
 _CODES_BY_MESSAGE = (
@@ -114,19 +162,25 @@ def storage_error(exc: OperationalError, path: str | None = None) -> RegistrySto
 
 
 def database_url(target: str | os.PathLike[str]) -> URL:
-    """Turn a SQLite file path or a SQLAlchemy URL into an aiosqlite URL.
+    """Turn a SQLite file path or a SQLAlchemy URL into an aiosqlite or asyncpg URL.
 
-    A path's parent directories are created. ``sqlite://`` URLs are switched to aiosqlite.
+    A path's parent directories are created. ``sqlite://`` URLs are switched to aiosqlite,
+    ``postgresql://`` ones to asyncpg.
 
     Raises:
-        ValueError: The target is empty, in-memory, or not SQLite.
+        ValueError: The target is empty, an in-memory SQLite database, or neither SQLite nor
+            PostgreSQL.
     """
     if isinstance(target, str) and "://" in target:
         url = make_url(target)
-        if url.drivername == "sqlite":
-            url = url.set(drivername=DRIVER)
+        url = url.set(drivername=DRIVERS.get(url.drivername, url.drivername))
+        if url.drivername == postgres.DRIVER:
+            return url
         if url.drivername != DRIVER:
-            raise ValueError(f"unsupported database URL {target!r}: use {DRIVER}:///path/to/file")
+            raise ValueError(
+                f"unsupported database URL {url.render_as_string()!r}: use "
+                f"{DRIVER}:///path/to/file or {postgres.DRIVER}://user@host:port/database"
+            )
     else:
         if not os.fspath(target):
             raise ValueError("empty database path: pass a file path such as data/agentkv.sqlite")
@@ -148,7 +202,13 @@ def database_url(target: str | os.PathLike[str]) -> URL:
 
 
 def create_engine(url: URL) -> AsyncEngine:
-    """An async engine whose connections have the registry's PRAGMAs and BEGIN handling."""
+    """An async engine for a URL from :func:`database_url`: on SQLite, its connections have the
+    registry's PRAGMAs and BEGIN handling; on PostgreSQL, they are ``READ COMMITTED``."""
+    if url.get_backend_name() == postgres.DIALECT:
+        # pre_ping: a server restart costs a reconnect, not one failed call per pooled connection
+        return create_async_engine(
+            url, isolation_level=postgres.ISOLATION_LEVEL, pool_pre_ping=True
+        )
     engine = create_async_engine(url)
     event.listen(engine.sync_engine, "connect", _on_connect)
     event.listen(engine.sync_engine, "begin", _on_begin)
@@ -183,10 +243,13 @@ def _set_foreign_keys(connection: Connection, enabled: bool) -> None:
 
 @contextmanager
 def migration_transaction(connection: Connection) -> Iterator[None]:
-    """Run the body in one write transaction with foreign keys off, as SQLite requires.
+    """Run the body in one write transaction; on SQLite with foreign keys off, as it requires.
 
-    Batch migrations copy a table, drop the original and rename the copy; with foreign keys on,
-    dropping ``agents`` would cascade-delete every message. Integrity is checked before commit.
+    On SQLite, batch migrations copy a table, drop the original and rename the copy; with
+    foreign keys on, dropping ``agents`` would cascade-delete every message. Integrity is
+    checked before commit. PostgreSQL alters tables in place, checking foreign keys as it goes;
+    there the transaction holds ``Lock.MIGRATION``, so processes that open a database at once
+    migrate it one after the other (the later ones find it at head).
 
     Args:
         connection: A connection not yet in a transaction.
@@ -194,6 +257,11 @@ def migration_transaction(connection: Connection) -> Iterator[None]:
     Raises:
         MigrationError: The migrated data violates a foreign key (rolled back).
     """
+    if connection.dialect.name == postgres.DIALECT:
+        with connection.begin():
+            postgres.hold_sync(connection, Lock.MIGRATION)
+            yield
+        return
     _set_foreign_keys(connection, False)
     try:
         with connection.execution_options(**WRITE).begin():
@@ -231,22 +299,39 @@ async def upgrade(
 
     Raises:
         RegistryStorageError: The file cannot be opened or written (a read-only file or
-            directory, a full disk).
-        MigrationError: Alembic, SQLite or a revision script failed; nothing was changed.
+            directory, a full disk), or the PostgreSQL server cannot be reached or written.
+        MigrationError: Alembic, the database or a revision script failed; nothing was changed.
     """
     config = alembic_config(script_location)
     try:
-        async with engine.connect() as connection:
+        async with _migrating(), engine.connect() as connection:
             await connection.run_sync(_run_upgrade, config, revision)
     except MigrationError:
         raise
-    except OperationalError as exc:
-        error = storage_error(exc, engine.url.database)
-        if error.code.startswith(_CANNOT_WRITE):
-            raise error from exc
-        raise _not_migrated(engine, revision, exc) from exc
-    except Exception as exc:  # alembic, or a bug in a revision script
-        raise _not_migrated(engine, revision, exc) from exc
+    except Exception as exc:  # alembic, the database, or a bug in a revision script
+        raise _cannot_write(engine, exc) or _not_migrated(engine, revision, exc) from exc
+
+
+_MIGRATING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _migrating() -> asyncio.Lock:
+    """The event loop's migration lock. Alembic's ``context`` and ``op`` are module globals,
+    and a migration yields to the loop at every statement: registries opened at once in one
+    process migrate one after the other (other processes wait on the database's own lock)."""
+    return _MIGRATING.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+
+
+def _cannot_write(engine: AsyncEngine, exc: Exception) -> RegistryStorageError | None:
+    """The storage error ``exc`` is when it says the database cannot be opened or written."""
+    if engine.dialect.name == postgres.DIALECT:
+        return postgres.storage_error(exc, engine.url)
+    if not isinstance(exc, OperationalError):
+        return None
+    error = storage_error(exc, engine.url.database)
+    return error if error.code.startswith(_CANNOT_WRITE) else None
 
 
 def _not_migrated(engine: AsyncEngine, revision: str, exc: Exception) -> MigrationError:

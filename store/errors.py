@@ -9,10 +9,12 @@ one specific class::
     ├── InvalidRecordError   (also ValueError)   a field of an agent, message or cache entry is bad
     ├── AgentNotFoundError   (also LookupError)  no agent with that id
     ├── AgentExistsError                         create_agent with an id already in use
+    ├── AgentChangedError                        the agent changed since the caller read it
     ├── ResponseNotFoundError (also LookupError) no stored response with that id
     ├── RegistryClosedError                      the registry was used after close()
-    ├── RegistryStorageError                     SQLite could not read or write the file
-    │                                            (disk full, read-only, I/O error, locked)
+    ├── RegistryStorageError                     the database could not be read or written
+    │                                            (disk full, read-only, I/O error, locked; a
+    │                                            PostgreSQL server unreachable or refusing)
     ├── MigrationError                           the database could not be brought to schema head
     ├── CacheFileError                           a KV cache file cannot be used (also
     │   │                                        engine.errors.CacheUnusableError)
@@ -102,21 +104,49 @@ class AgentExistsError(StoreError):
         )
 
 
+class AgentChangedError(StoreError):
+    """An agent changed after a turn (or an append) read it: another worker or client stored
+    a turn meanwhile, so this one was not stored (it would have interleaved with that one).
+
+    Attributes:
+        agent_id: The agent.
+        expected: The version the caller read.
+        actual: The version the agent is at now.
+    """
+
+    def __init__(self, agent_id: str, expected: int, actual: int) -> None:
+        self.agent_id = agent_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"agent {agent_id!r} changed while this turn ran (version {actual}, the turn read "
+            f"{expected}): another worker or client stored a turn meanwhile; nothing of this "
+            "turn was stored; send it again"
+        )
+
+
 class RegistryClosedError(StoreError):
     """The registry was used after ``close()``; open a new one with ``Registry.open``."""
 
 
 class RegistryStorageError(StoreError):
-    """SQLite could not read or write the registry file; the transaction was rolled back.
+    """The registry's database could not be read or written; the transaction was rolled back.
 
     Attributes:
-        code: SQLite's error name, e.g. ``SQLITE_FULL`` or ``SQLITE_READONLY``.
+        code: SQLite's error name, e.g. ``SQLITE_FULL`` or ``SQLITE_READONLY``; on PostgreSQL,
+            ``POSTGRES_`` and the error condition's name, e.g. ``POSTGRES_DISK_FULL``, or
+            ``POSTGRES_CONNECTION_FAILURE`` when the server could not be reached.
     """
 
     def __init__(self, code: str, detail: str) -> None:
         self.code = code
         if self.is_full:
             advice = "free disk space (or raise the database's size limit) and retry"
+        elif code.startswith("POSTGRES_"):
+            advice = (
+                "check that the PostgreSQL server is running and reachable, that the database "
+                "exists and that its user may write to it, then retry"
+            )
         else:
             advice = (
                 "check that the file and its directory are writable and that no other process "
@@ -130,7 +160,7 @@ class RegistryStorageError(StoreError):
     @property
     def is_full(self) -> bool:
         """The disk (or the database's page limit) is full."""
-        return self.code.startswith("SQLITE_FULL")
+        return self.code.startswith("SQLITE_FULL") or self.code == "POSTGRES_DISK_FULL"
 
 
 class BlocksMissingError(StoreError, LookupError):

@@ -1,5 +1,5 @@
 """ORM tables of the agent registry: ``agents``, ``messages``, ``kv_caches``, ``kv_blocks``,
-``kv_cache_blocks`` and ``responses``.
+``kv_cache_blocks``, ``responses`` and ``agent_leases``.
 
 The schema changes only through Alembic revisions under ``migrations/versions``; edit these
 classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Dialect,
     ForeignKey,
@@ -44,7 +45,9 @@ def utcnow() -> datetime:
 
 
 class UTCDateTime(TypeDecorator[datetime]):
-    """Stores aware datetimes as naive UTC and returns them aware (SQLite keeps no offset)."""
+    """Stores aware datetimes as UTC and returns them aware: naive UTC on SQLite (which keeps no
+    offset), the instant itself on PostgreSQL (``timestamptz``; asyncpg would read a naive
+    value as the machine's local time)."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
@@ -54,10 +57,18 @@ class UTCDateTime(TypeDecorator[datetime]):
             return None
         if value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass an aware one, e.g. datetime.now(UTC)")
-        return value.astimezone(UTC).replace(tzinfo=None)
+        value = value.astimezone(UTC)
+        return value if dialect.name == "postgresql" else value.replace(tzinfo=None)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        return None if value is None else value.replace(tzinfo=UTC)
+        if value is None:
+            return None
+        return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+ByteCount = BigInteger().with_variant(Integer(), "sqlite")
+"""File sizes: 64-bit (a segment of a long prefill on a large model passes 2 GiB); SQLite's
+INTEGER is 64-bit already (PostgreSQL's ``integer`` is not: 0007 widens it there)."""
 
 
 def _name_defaults_to_id(context: ExecutionContext) -> str:
@@ -85,9 +96,13 @@ class Agent(Base):
         UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow
     )
 
-    # passive_deletes: the database's ON DELETE CASCADE removes children, no ORM loads needed.
     # Seconds without a turn after which the agent expires; NULL: never (added by 0003).
     idle_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Bumped by every change of the transcript or the system prompt (added by 0007): a turn
+    # stores itself only if the agent is still at the version it read.
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+
+    # passive_deletes: the database's ON DELETE CASCADE removes children, no ORM loads needed.
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="agent",
@@ -144,7 +159,7 @@ class KVCache(Base):
     kv_bits: Mapped[int | None] = mapped_column(Integer, nullable=True)
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     model_fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
-    nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    nbytes: Mapped[int] = mapped_column(ByteCount, nullable=False)
     checksum: Mapped[str] = mapped_column(String(64), nullable=False)
     format_version: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
@@ -169,9 +184,9 @@ class KVBlock(Base):
     __tablename__ = "kv_blocks"
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
-    nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    nbytes: Mapped[int] = mapped_column(ByteCount, nullable=False)
     checksum: Mapped[str] = mapped_column(String(64), nullable=False)
-    window_nbytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    window_nbytes: Mapped[int | None] = mapped_column(ByteCount, nullable=True)
     window_checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     segment: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)  # 0005
@@ -192,6 +207,26 @@ class KVCacheBlock(Base):
     )
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
     block_key: Mapped[str] = mapped_column(String(64), ForeignKey("kv_blocks.key"), nullable=False)
+
+
+class AgentLease(Base):
+    """Which worker runs the turns of an agent now (added by 0007; see ``store.leases``).
+
+    ``holder`` names one running process (its worker id and a random suffix); ``token`` grows
+    with every acquisition, so a release meant for an earlier one removes nothing. A lease
+    whose ``expires_at`` has passed is free: its holder stopped renewing it (it crashed).
+    """
+
+    __tablename__ = "agent_leases"
+
+    agent_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True
+    )
+    holder: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
+    worker_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    token: Mapped[int] = mapped_column(Integer, nullable=False)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
 
 
 class StoredResponse(Base):

@@ -43,6 +43,8 @@ class AgentRecord:
     updated_at: datetime
     idle_ttl_s: int | None = None
     """Seconds without a turn after which the agent expires; None: it never does."""
+    version: int = 0
+    """Changes of its transcript and system prompt so far (see ``Registry.append_messages``)."""
 
     @classmethod
     def from_row(cls, row: Agent) -> AgentRecord:
@@ -55,6 +57,7 @@ class AgentRecord:
             created_at=row.created_at,
             updated_at=row.updated_at,
             idle_ttl_s=row.idle_ttl_s,
+            version=row.version or 0,
         )
 
 

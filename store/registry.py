@@ -1,9 +1,11 @@
 """The agent registry: the source of truth for every agent's conversation and KV cache entry.
 
-One :class:`Registry` owns one ``store.database.Database`` (a SQLite file). Each call checks
-its agent id first, then runs in one session and one transaction, and returns frozen records.
-Writers are serialized (see ``store.database``), so message positions stay dense ``0..n-1``
-however many tasks, registries or processes append at once.
+One :class:`Registry` owns one ``store.database.Database`` (a SQLite file, or a PostgreSQL
+database that several workers share). Each call checks its agent id first, then runs in one
+session and one transaction, and returns frozen records. Writers of one agent take turns
+(SQLite's single writer; on PostgreSQL the agent's row lock, see ``store.postgres``), so
+message positions stay dense ``0..n-1`` however many tasks, registries or processes append at
+once, and every change bumps the agent's ``version``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
 from store.cache_index import INSERT_CHUNK, CacheIndex, current_cache, require_agent
-from store.errors import AgentExistsError, AgentNotFoundError
+from store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
 from store.ids import new_agent_id, validate_agent_id
+from store.leases import LeaseIndex
 from store.models import Agent, Message, UTCDateTime, utcnow
 from store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
 from store.responses import ResponseIndex
@@ -53,6 +56,8 @@ class Registry:
         """Each agent's current KV cache entry and the blocks it is made of."""
         self.responses = ResponseIndex(db)
         """Stored Responses API responses (what ``previous_response_id`` continues)."""
+        self.leases = LeaseIndex(db)
+        """Which worker runs each agent's turns now (workers sharing this registry)."""
 
     @classmethod
     async def open(cls, url: str | os.PathLike[str]) -> Registry:
@@ -60,12 +65,13 @@ class Registry:
 
         Args:
             url: A SQLite file path (parent directories are created) or a SQLAlchemy URL such
-                as ``sqlite+aiosqlite:///data/agentkv.sqlite``.
+                as ``sqlite+aiosqlite:///data/agentkv.sqlite`` or
+                ``postgresql+asyncpg://user@host:5432/agentkv``.
 
         Raises:
-            ValueError: ``url`` is empty, in-memory or not SQLite.
-            RegistryStorageError: The file cannot be opened or written (a read-only file or
-                directory, a full disk).
+            ValueError: ``url`` is empty, in-memory, or of another database or driver.
+            RegistryStorageError: The database cannot be opened or written (a read-only file
+                or directory, a full disk, a PostgreSQL server that cannot be reached).
             MigrationError: The database could not be migrated (e.g. a newer agentkv wrote it).
         """
         return cls(await database.Database.open(url))
@@ -172,6 +178,7 @@ class Registry:
         """
         validate_agent_id(agent_id)
         async with self._db.write() as session:
+            await require_agent(session, agent_id, lock=True)  # no cache set meanwhile
             cache = await current_cache(session, agent_id)
             deleted = await session.scalar(
                 delete(Agent).where(Agent.id == agent_id).returning(Agent.id)
@@ -195,7 +202,10 @@ class Registry:
         now = utcnow()
         try:
             async with self._db.write() as session:
-                source = await session.get(Agent, source_id)
+                # Locked against deletion until the transcript is copied (PostgreSQL).
+                source = await session.get(
+                    Agent, source_id, with_for_update={"read": True, "key_share": True}
+                )
                 if source is None:
                     raise AgentNotFoundError(source_id)
                 columns = validation.agent_fields(name=agent_id if name is None else name)
@@ -232,8 +242,10 @@ class Registry:
         *,
         replace_from: int | None = None,
         system_prompt: str | Literal[_Keep.KEEP] | None = KEEP,
+        expected_version: int | None = None,
     ) -> list[MessageRecord]:
-        """Append messages at the end of the transcript, all or none; bumps ``updated_at``.
+        """Append messages at the end of the transcript, all or none; bumps ``updated_at`` and
+        the agent's ``version``.
 
         Args:
             agent_id: The agent.
@@ -242,6 +254,8 @@ class Registry:
                 same transaction): the new messages replace the transcript's tail.
             system_prompt: also set the agent's system prompt (None clears it), in the same
                 transaction; by default it is kept.
+            expected_version: store nothing unless the agent is at this version (the one the
+                caller read): the version then becomes ``expected_version + 1``.
 
         Returns:
             The stored messages, in order.
@@ -249,6 +263,7 @@ class Registry:
         Raises:
             InvalidRecordError: ``messages`` is empty or a message is invalid (nothing stored).
             AgentNotFoundError: No such agent.
+            AgentChangedError: The agent is not at ``expected_version`` (nothing stored).
         """
         validate_agent_id(agent_id)
         batch = await _off_loop(len(messages), validation.new_messages, messages)
@@ -257,7 +272,7 @@ class Registry:
         changes = {} if system_prompt is KEEP else {"system_prompt": system_prompt}
         validation.agent_fields(**changes)
         async with self._db.write() as session:
-            now = await _touch(session, agent_id, **changes)
+            now = await _touch(session, agent_id, expected_version, **changes)
             if replace_from is not None:
                 await session.execute(
                     delete(Message).where(
@@ -346,18 +361,29 @@ class Registry:
             ]
 
 
-async def _touch(session: AsyncSession, agent_id: str, **changes: Any) -> datetime:
-    """Set the agent's ``updated_at`` to now (and ``changes``) and return it;
-    ``AgentNotFoundError`` if absent."""
+async def _touch(
+    session: AsyncSession, agent_id: str, expected_version: int | None, **changes: Any
+) -> datetime:
+    """Set the agent's ``updated_at`` to now (and ``changes``), bump its version, and return
+    the time. The update locks the agent's row until the transaction ends (PostgreSQL), so
+    writers of one agent queue here.
+
+    Raises:
+        AgentNotFoundError: No such agent.
+        AgentChangedError: It is not at ``expected_version`` (when given).
+    """
     now = utcnow()
+    statement = update(Agent).where(Agent.id == agent_id)
+    if expected_version is not None:
+        statement = statement.where(Agent.version == expected_version)
     touched = await session.scalar(
-        update(Agent)
-        .where(Agent.id == agent_id)
-        .values(updated_at=now, **changes)
-        .returning(Agent.id)
+        statement.values(updated_at=now, version=Agent.version + 1, **changes).returning(Agent.id)
     )
     if touched is None:
-        raise AgentNotFoundError(agent_id)
+        actual = await session.scalar(select(Agent.version).where(Agent.id == agent_id))
+        if actual is None:
+            raise AgentNotFoundError(agent_id)
+        raise AgentChangedError(agent_id, expected_version or 0, actual)
     return now
 
 

@@ -11,7 +11,9 @@ reply with logprobs runs to megabytes, which would hold the event loop. ``GET`` 
 response object's text as it is, without decoding it.
 
 :class:`ResponseIndex` runs on the registry's database (``Registry.responses``); like the
-registry, each call runs in one session and one transaction and returns frozen records.
+registry, each call runs in one session and one transaction and returns frozen records. Its
+writes take turns, on PostgreSQL too (``Lock.RESPONSES``): a put checks the ids it links to,
+a delete rewrites the responses that continue the deleted ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from store import database
 from store.cache_index import require_agent
 from store.errors import InvalidRecordError, ResponseNotFoundError
 from store.models import Message, StoredResponse, utcnow
+from store.postgres import Lock
 from store.records import NewResponse, ResponseRecord
 
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
@@ -61,12 +64,13 @@ class ResponseIndex:
             raise TypeError(f"response must be a NewResponse, got {type(response).__name__}")
         row = await asyncio.to_thread(_encoded, response)
         async with self._db.write() as session:
+            await database.hold(session, Lock.RESPONSES)
             if await _exists(session, response.id):
                 raise InvalidRecordError(f"id={response.id!r}: a response with it is stored")
             previous = response.previous_id
             if previous is not None and not await _exists(session, previous):
                 raise InvalidRecordError(f"previous_id={previous!r}: no such stored response")
-            await require_agent(session, response.agent_id)
+            await require_agent(session, response.agent_id, lock=True)  # not deleted meanwhile
             await session.execute(insert(StoredResponse), [row])
 
     async def get_json(self, response_id: str) -> str:
@@ -130,6 +134,7 @@ class ResponseIndex:
             ResponseNotFoundError: no such response.
         """
         async with self._db.write() as session:
+            await database.hold(session, Lock.RESPONSES)
             if not await _delete(session, [response_id]):
                 raise ResponseNotFoundError(response_id)
 
@@ -141,6 +146,7 @@ class ResponseIndex:
             if await session.scalar(old.limit(1)) is None:
                 return 0
         async with self._db.write() as session:
+            await database.hold(session, Lock.RESPONSES)
             return await _delete(session, list(await session.scalars(old)))
 
 

@@ -5,6 +5,9 @@ import engine  # noqa: F401  (side effect: OpenBLAS preload, must precede any ml
 # isort: split
 import contextvars
 import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -13,6 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from engine.models.tiny import tiny_model_dir
 from engine.sampling import SamplingParams
 from server import turns
+from tests.postgres import PostgresServer, PostgresUnavailable
 
 TOOLS_MODEL = "tiny:tools"  # the tiny model with a tool-call format (Hermes-style <tool_call>)
 
@@ -64,3 +68,51 @@ def force_tool_call(monkeypatch):
         scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
     return force
+
+
+# ---- databases ---------------------------------------------------------------------------
+
+DATABASES = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgresql", id="postgresql", marks=pytest.mark.postgresql),
+]
+"""The registry's backends, for ``parametrize(..., DATABASES, indirect=True)`` and fixtures."""
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test session (tests/postgres.py), stopped at its end.
+
+    Tests using it skip when PostgreSQL is not installed, saying how to install it; with
+    ``CI=true`` they fail instead (CI installs it, so its absence is a broken CI).
+    """
+    try:
+        server = PostgresServer.start()
+    except PostgresUnavailable as exc:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI=true, but no PostgreSQL server could be started: {exc}")
+        pytest.skip(f"no PostgreSQL server: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """The ``postgresql+asyncpg://`` URL of a new, empty database, dropped after the test
+    (with the connections still open to it). For more, ``postgres_server.create_database()``."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
+
+
+@pytest.fixture(params=DATABASES)
+def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a test's registry lives, once per backend: a SQLite file path (not created yet)
+    in the test's temp dir, or the URL of a new PostgreSQL database (``postgres_url``).
+
+    Narrow a test to one backend with ``@pytest.mark.parametrize("registry_url", ["sqlite"],
+    indirect=True)``.
+    """
+    if request.param == "sqlite":
+        return str(tmp_path / "state" / "agentkv.sqlite")
+    return request.getfixturevalue("postgres_url")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,13 @@ SYSTEM = (
 
 def config(data_dir: Path, model: str = "tiny:gemma3", **kw) -> RuntimeConfig:
     return RuntimeConfig(model=model, data_dir=data_dir, kv_block_tokens=BLOCK, **kw)
+
+
+def segment_of(name: str) -> str:
+    """A segment file's name without its random part and suffix: ``<last key>-<count>``."""
+    match = re.fullmatch(r"([0-9a-f]{32}-\d+)-[0-9a-f]{8}\.safetensors", name)
+    assert match is not None, name
+    return match[1]
 
 
 def block_files(rt: AgentRuntime) -> set[str]:
@@ -103,16 +111,16 @@ async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
             info = await rt.cache_info(agent.id)
             assert info.hot_tokens == cache.num_tokens
             # The tail, then one segment per turn, each named after its last block and count.
-            segments.append(f"{new[-1]}-{len(new)}.safetensors")
+            segments.append(f"{new[-1]}-{len(new)}")
             assert info.files[0] == rt.config.caches_path / info.stored.path
-            assert [f.name for f in info.files[1:]] == segments
+            assert [segment_of(f.name) for f in info.files[1:]] == segments
             block_bytes = info.files[-1].stat().st_size
             # Only the new blocks and the tail were written: nothing of the older history.
             wrote = rt.stats()["disk"]["bytes_written"] - written
             assert wrote == block_bytes + info.stored.nbytes
         # Every block file on disk is recorded and listed; nothing else is there.
-        assert block_files(rt) == set(segments)
-        assert [f.name for f in await files_of(rt, keys)] == segments
+        assert {segment_of(name) for name in block_files(rt)} == set(segments)
+        assert [segment_of(f.name) for f in await files_of(rt, keys)] == segments
         assert await rows(rt, KVBlock) == len(keys)
         assert rt.stats()["disk"]["files"] == len(segments) + 1  # and the tail
 
@@ -164,7 +172,7 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert await rows(rt, KVBlock) == len(set().union(*lists))
         names = block_files(rt)
         head_files = [f.name for f in await files_of(rt, shared)]
-        assert head_files == [f"{shared[-1]}-{len(shared)}.safetensors"]  # one segment
+        assert [segment_of(f) for f in head_files] == [f"{shared[-1]}-{len(shared)}"]  # one
         assert set(head_files) <= names
         assert f"{shared[-1]}.window.safetensors" in names
         assert rt.stats()["disk"]["prefix_hits"] == 3
@@ -448,7 +456,9 @@ async def test_sweep_removes_unrecorded_block_files_only(tmp_path):
     temp.write_bytes(b"half written")
     foreign = root / "ab" / "notes.txt"
     foreign.write_text("not ours")
-    async with await AgentRuntime.open(config(tmp_path)) as rt:
+    async with await AgentRuntime.open(config(tmp_path)) as rt:  # too young: maybe a worker's
+        assert block_files(rt) == kept | {stray.name, stray_segment.name, temp.name, "notes.txt"}
+    async with await AgentRuntime.open(config(tmp_path, sweep_grace_s=0)) as rt:
         assert block_files(rt) == kept | {"notes.txt"}
     assert foreign.exists() and not stray.exists() and not temp.exists()
     assert not stray_segment.exists()
@@ -665,7 +675,8 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
         assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
         await rt.flush()
         new = [k for k in await listed_blocks(rt, agent.id) if k not in keys]
-        assert block_files(rt) == legacy | {f"{new[-1]}-{len(new)}.safetensors"}
+        [segment] = block_files(rt) - legacy
+        assert segment_of(segment) == f"{new[-1]}-{len(new)}"
     async with await AgentRuntime.open(settings) as rt:
         again = await rt.chat(agent.id, "Once more?", max_tokens=8)
         assert again.cache_source == "disk"  # old block files and a new segment, together
@@ -702,13 +713,16 @@ async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
                 blocks = await asyncio.to_thread(saver.write_segments, paged, keys, written)
             finally:
                 await writes.close()
-        assert written == [second]  # only the blocks whose file was gone, under the same name
+        # Only the blocks whose file was gone, as a segment of the same blocks (a new file).
+        [rewritten] = written
+        assert rewritten.parent == second.parent and rewritten != second
+        assert segment_of(rewritten.name) == segment_of(second.name)
         assert [(b.key, b.segment_index) for b in blocks] == [
             (k, i) for i, k in enumerate(keys[len(first) :])
         ]
         # The same tensors and metadata (the checksum covers both; the header's key order is
         # not fixed by safetensors, so the bytes may differ).
-        again = read_cache_file(second)
+        again = read_cache_file(rewritten)
         assert again.checksum == before.checksum and again.metadata == before.metadata
         assert again.tensors.keys() == before.tensors.keys()
         for name, x in before.tensors.items():

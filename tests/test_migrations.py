@@ -1,7 +1,9 @@
-"""Alembic migrations against real SQLite files: schema parity, idempotence, batch safety, CLI."""
+"""Alembic migrations against real SQLite files and PostgreSQL databases: schema parity, up and
+down, idempotence, batch safety, CLI."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -26,11 +28,13 @@ from store import (
     NewBlock,
     NewCacheEntry,
     NewMessage,
+    NewResponse,
     Registry,
     StoredBlock,
     database,
 )
 from store.models import Base
+from tests import postgres
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {
@@ -44,7 +48,10 @@ SCHEMA = {
         "created_at",
         "updated_at",
         "idle_ttl_s",  # added by 0003
+        "version",  # added by 0007
     ],
+    # added by 0007
+    "agent_leases": ["agent_id", "holder", "worker_id", "token", "acquired_at", "expires_at"],
     "messages": ["id", "agent_id", "position", "role", "content", "token_count", "created_at"],
     "kv_caches": [
         "id",
@@ -140,7 +147,43 @@ def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-HEAD = "0006"
+async def fetch(target: str, sql: str) -> list[tuple[Any, ...]]:
+    """``rows`` on either backend (asyncpg for PostgreSQL); a change is committed."""
+    if target.startswith("postgresql"):
+        return await postgres.fetch(target, sql)
+    with closing(sqlite3.connect(target)) as db, db:
+        return db.execute(sql).fetchall()
+
+
+def snapshot(connection: Connection) -> dict[str, dict[str, Any]]:
+    """Every table's columns, primary key, unique constraints, indexes and foreign keys, as
+    the database reports them."""
+    inspector = inspect(connection)
+    return {
+        table: {
+            "columns": [
+                (c["name"], str(c["type"]), c["nullable"], c["default"])
+                for c in inspector.get_columns(table)
+            ],
+            "primary_key": inspector.get_pk_constraint(table)["constrained_columns"],
+            "unique": sorted(map(repr, inspector.get_unique_constraints(table))),
+            "indexes": sorted(map(repr, inspector.get_indexes(table))),
+            "foreign_keys": sorted(map(repr, inspector.get_foreign_keys(table))),
+        }
+        for table in inspector.get_table_names()
+    }
+
+
+async def schema_of(target: str) -> dict[str, dict[str, Any]]:
+    engine = database.create_engine(database.database_url(target))
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(snapshot)
+    finally:
+        await engine.dispose()
+
+
+HEAD = "0007"
 NEXT = "9000"
 
 
@@ -158,8 +201,15 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(database.alembic_config()).get_current_head()
 
 
-async def migrate(path: Path, revision: str, *, down: bool = False) -> None:
-    """Move the file at ``path`` to ``revision`` through env.py, like ``Registry.open``."""
+def revisions() -> list[str]:
+    """Every revision, oldest first."""
+    script = ScriptDirectory.from_config(database.alembic_config())
+    return [r.revision for r in script.walk_revisions("base", "heads")][::-1]
+
+
+async def migrate(path: Path | str, revision: str, *, down: bool = False) -> None:
+    """Move the database at ``path`` (a file or a URL) to ``revision`` through env.py, like
+    ``Registry.open``."""
     engine = database.create_engine(database.database_url(path))
     try:
         if down:
@@ -177,9 +227,9 @@ def _downgrade(connection: Connection, revision: str) -> None:
     command.downgrade(config, revision)
 
 
-async def test_upgrading_an_empty_file_gives_exactly_the_orm_schema(tmp_path: Path) -> None:
+async def test_upgrading_an_empty_database_gives_exactly_the_orm_schema(registry_url: str) -> None:
     async with (
-        await Registry.open(tmp_path / "db.sqlite") as registry,
+        await Registry.open(registry_url) as registry,
         registry._db.engine.connect() as connection,
     ):
         diff = await connection.run_sync(schema_diff)
@@ -213,14 +263,67 @@ async def test_opening_twice_is_idempotent(tmp_path: Path) -> None:
     assert rows(path, "SELECT type, name, sql FROM sqlite_master ORDER BY name") == schema
 
 
-async def test_a_database_from_a_newer_version_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "db.sqlite"
-    async with await Registry.open(path):
+async def test_a_database_from_a_newer_version_is_refused(registry_url: str) -> None:
+    async with await Registry.open(registry_url):
         pass
-    with closing(sqlite3.connect(path)) as db, db:
-        db.execute("UPDATE alembic_version SET version_num = '9999'")
+    await fetch(registry_url, "UPDATE alembic_version SET version_num = '9999'")
     with pytest.raises(MigrationError, match=r"'9999'.*upgrade agentkv"):
-        await Registry.open(path)
+        await Registry.open(registry_url)
+
+
+async def test_registries_opening_a_new_database_at_once_migrate_it_once(
+    registry_url: str,
+) -> None:
+    # Like workers starting together: each registry has its own engine and connections.
+    registries = await asyncio.gather(*(Registry.open(registry_url) for _ in range(4)))
+    try:
+        await registries[0].create_agent("a")
+        assert [a.id for a in await registries[-1].list_agents()] == ["a"]
+    finally:
+        for registry in registries:
+            await registry.close()
+    assert await fetch(registry_url, "SELECT version_num FROM alembic_version") == [
+        (head_revision(),)
+    ]
+
+
+async def test_each_downgrade_restores_the_schema_its_upgrade_started_from(
+    registry_url: str,
+) -> None:
+    """Up one revision at a time from empty, down one at a time to empty with rows in every
+    table, and up to head again: each step down gives back the schema seen on the way up."""
+    steps = revisions()
+    upward = {}
+    for revision in steps:
+        await migrate(registry_url, revision)
+        upward[revision] = await schema_of(registry_url)
+
+    async with await Registry.open(registry_url) as registry:
+        await registry.create_agent("a")
+        stored = await registry.append_messages("a", [NewMessage("user", "hi")])
+        segment = [NewBlock(k, 6, "s", segment="k2-2", segment_index=i) for i, k in enumerate("12")]
+        await registry.caches.set(
+            "a",
+            NewCacheEntry("a/t.safetensors", 40, "m", 5, "t", 2, message_count=1),
+            blocks=["1", "2"],
+            new_blocks=[*segment, NewBlock("0", 10, "c")],
+        )
+        await registry.responses.put(NewResponse("resp_0", "a", stored[0].id, None, [], {}))
+
+    for below, revision in zip(steps[-2::-1], steps[:0:-1], strict=True):
+        await migrate(registry_url, below, down=True)
+        assert await schema_of(registry_url) == upward[below], f"downgrading {revision}"
+    await migrate(registry_url, "base", down=True)
+    assert list(await schema_of(registry_url)) == ["alembic_version"]
+    assert await fetch(registry_url, "SELECT version_num FROM alembic_version") == []
+
+    async with (
+        await Registry.open(registry_url) as registry,
+        registry._db.engine.connect() as connection,
+    ):
+        diff = await connection.run_sync(schema_diff)
+    assert diff == []
+    assert await schema_of(registry_url) == upward[steps[-1]]
 
 
 OPEN_READ_ONLY = """
@@ -327,8 +430,10 @@ def alembic_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_command_line_upgrade_matches_the_models(tmp_path: Path) -> None:
-    url = f"url=sqlite+aiosqlite:///{tmp_path / 'cli.sqlite'}"
+def test_command_line_upgrade_matches_the_models(registry_url: str) -> None:
+    if not registry_url.startswith("postgresql"):
+        registry_url = f"sqlite+aiosqlite:///{registry_url}"
+    url = f"url={registry_url}"
     upgrade = alembic_cli("-x", url, "upgrade", "head")
     assert upgrade.returncode == 0, upgrade.stderr
     check = alembic_cli("-x", url, "check")

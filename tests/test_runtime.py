@@ -467,7 +467,10 @@ async def test_orphaned_cache_files_are_swept_on_open(tmp_path):
     (caches / "notes.txt").write_text("not ours: left alone")
     (caches / "a" / "mine.safetensors").write_bytes(b"a name agentkv never writes: left alone")
     (caches / "a" / "000003-bbbb.safetensors").mkdir()  # ours by name, but cannot be unlinked
-    async with await AgentRuntime.open(config(tmp_path)) as rt:  # logged, never fatal
+    everything = sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*"))
+    async with await AgentRuntime.open(config(tmp_path)):  # another worker may be writing them
+        assert sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*")) == everything
+    async with await AgentRuntime.open(config(tmp_path, sweep_grace_s=0)) as rt:  # logged only
         left = sorted(p.relative_to(caches).as_posix() for p in caches.rglob("*"))
         assert left == sorted(
             ["a", "a/000003-bbbb.safetensors", f"a/{kept.name}", "a/mine.safetensors", "notes.txt"]

@@ -1,4 +1,5 @@
-"""The agent registry against real SQLite files: CRUD, cascades, ids, ordering under concurrency."""
+"""The agent registry against real SQLite files and PostgreSQL databases: CRUD, cascades, ids,
+ordering under concurrency."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 import json
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import closing
 from dataclasses import FrozenInstanceError
 from datetime import UTC, datetime
@@ -36,6 +38,7 @@ from store import (
     validate_agent_id,
 )
 from store.models import Agent
+from tests import postgres
 
 ENTRY = NewCacheEntry(
     path="a/cache-1.safetensors",
@@ -64,20 +67,24 @@ CALLS: dict[str, Call] = {
 }
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "state" / "agentkv.sqlite"
+SQLITE_ONLY = pytest.mark.parametrize("registry_url", ["sqlite"], indirect=True)
+"""For tests of SQLite's own limits (a page limit, a read-only connection)."""
 
 
 @pytest.fixture
-async def registry(db_path: Path) -> AsyncIterator[Registry]:
-    async with await Registry.open(db_path) as registry:
+async def registry(registry_url: str) -> AsyncIterator[Registry]:
+    """A registry on each backend (conftest's ``registry_url``: a SQLite file, a PostgreSQL
+    database)."""
+    async with await Registry.open(registry_url) as registry:
         yield registry
 
 
-def rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
-    """Read the file with the stdlib driver, bypassing the registry entirely."""
-    with closing(sqlite3.connect(db_path)) as db:
+async def rows(target: str, sql: str) -> list[tuple[Any, ...]]:
+    """Run ``sql`` with the database's own driver (sqlite3, asyncpg), bypassing the registry
+    entirely; a change is committed."""
+    if target.startswith("postgresql"):
+        return await postgres.fetch(target, sql)
+    with closing(sqlite3.connect(target)) as db, db:
         return db.execute(sql).fetchall()
 
 
@@ -112,10 +119,35 @@ async def test_model_defaults_apply_to_plain_orm_inserts(registry: Registry) -> 
     assert (raw.name, raw.sampling, raw.created_at.tzinfo) == ("raw", {}, UTC)
 
 
-async def test_timestamps_are_stored_as_utc(registry: Registry, db_path: Path) -> None:
+@pytest.fixture
+def away_from_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Local time 5 hours behind UTC (and back after the test)."""
+    monkeypatch.setenv("TZ", "EST+5")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.parametrize(
+    "registry_url",
+    [
+        "sqlite",
+        pytest.param("postgresql", marks=[pytest.mark.postgresql]),
+    ],
+    indirect=True,
+)
+async def test_timestamps_are_stored_as_utc(
+    registry: Registry, registry_url: str, away_from_utc: None
+) -> None:
     agent = await registry.create_agent("t")
-    stored = agent.created_at.strftime("%Y-%m-%d %H:%M:%S.%f")
-    assert rows(db_path, "SELECT created_at, updated_at FROM agents") == [(stored, stored)]
+    stored: Any = agent.created_at  # PostgreSQL: an instant (timestamptz)
+    if not registry_url.startswith("postgresql"):  # SQLite: text, the UTC time without offset
+        stored = agent.created_at.strftime("%Y-%m-%d %H:%M:%S.%f")
+    assert await rows(registry_url, "SELECT created_at, updated_at FROM agents") == [
+        (stored, stored)
+    ]
+    assert (await registry.get_agent("t")).created_at == agent.created_at
 
 
 async def test_generated_ids_follow_the_rule(registry: Registry) -> None:
@@ -239,7 +271,7 @@ async def test_records_are_frozen_copies(registry: Registry) -> None:
 
 
 async def test_delete_cascades_and_returns_the_cache_entry(
-    registry: Registry, db_path: Path
+    registry: Registry, registry_url: str
 ) -> None:
     await registry.create_agent("gone")
     await registry.create_agent("kept")
@@ -254,9 +286,9 @@ async def test_delete_cascades_and_returns_the_cache_entry(
 
     assert removed is not None and removed == current
     assert (removed.agent_id, removed.path) == ("gone", ENTRY.path)
-    assert rows(db_path, "SELECT id FROM agents") == [("kept",)]
-    assert rows(db_path, "SELECT DISTINCT agent_id FROM messages") == [("kept",)]
-    assert rows(db_path, "SELECT agent_id FROM kv_caches") == [("kept",)]
+    assert await rows(registry_url, "SELECT id FROM agents") == [("kept",)]
+    assert await rows(registry_url, "SELECT DISTINCT agent_id FROM messages") == [("kept",)]
+    assert await rows(registry_url, "SELECT agent_id FROM kv_caches") == [("kept",)]
     with pytest.raises(AgentNotFoundError):
         await registry.get_agent("gone")
     await registry.create_agent("bare")
@@ -303,9 +335,12 @@ async def test_concurrent_turns_stay_adjacent(registry: Registry) -> None:
         assert answer.content == "a" + question.content.removeprefix("q")
 
 
-async def test_appends_from_separate_registries_serialize_on_the_file(db_path: Path) -> None:
-    # Each registry has its own lock and pool, so only SQLite's BEGIN IMMEDIATE orders these.
-    registries = [await Registry.open(db_path) for _ in range(5)]
+async def test_appends_from_separate_registries_serialize_on_the_database(
+    registry_url: str,
+) -> None:
+    # Each registry has its own lock and pool, so only SQLite's BEGIN IMMEDIATE (PostgreSQL:
+    # the agent's row lock) orders these.
+    registries = [await Registry.open(registry_url) for _ in range(5)]
     try:
         await registries[0].create_agent("shared")
         await asyncio.gather(
@@ -412,13 +447,17 @@ async def test_open_accepts_a_url_and_creates_parent_directories(tmp_path: Path)
     path = tmp_path / "deep" / "er" / "db.sqlite"
     async with await Registry.open(f"sqlite+aiosqlite:///{path}") as registry:
         await registry.create_agent("x")
-    assert rows(path, "SELECT id FROM agents") == [("x",)]
+    assert await rows(str(path), "SELECT id FROM agents") == [("x",)]
 
 
-@pytest.mark.parametrize("target", [":memory:", "sqlite+aiosqlite://", "postgresql://h/db", ""])
+@pytest.mark.parametrize(
+    "target",
+    [":memory:", "sqlite+aiosqlite://", "mysql://u:secret@h/db", "postgresql+psycopg://h/db", ""],
+)
 async def test_open_rejects_unsupported_targets(target: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as caught:
         await Registry.open(target)
+    assert "secret" not in str(caught.value)
 
 
 async def _reconnect_with(registry: Registry, pragma: str) -> None:
@@ -435,12 +474,13 @@ async def _reconnect_with(registry: Registry, pragma: str) -> None:
     await engine.dispose()
 
 
+@SQLITE_ONLY
 async def test_a_full_disk_is_a_storage_error_and_keeps_what_was_stored(
-    registry: Registry, db_path: Path
+    registry: Registry, registry_url: str
 ) -> None:
     await registry.create_agent("full")
     await registry.append_messages("full", [NewMessage("user", "kept")])
-    (pages,) = rows(db_path, "PRAGMA page_count")[0]
+    (pages,) = (await rows(registry_url, "PRAGMA page_count"))[0]
     await _reconnect_with(registry, f"max_page_count={pages}")
 
     with pytest.raises(RegistryStorageError, match="SQLITE_FULL") as caught:
@@ -453,6 +493,7 @@ async def test_a_full_disk_is_a_storage_error_and_keeps_what_was_stored(
     assert [a.id for a in await registry.list_agents()] == ["full"]
 
 
+@SQLITE_ONLY
 async def test_a_read_only_database_is_a_storage_error(registry: Registry) -> None:
     await registry.create_agent("ro")
     await _reconnect_with(registry, "query_only=ON")
@@ -547,13 +588,12 @@ async def test_deleting_a_response_folds_its_items_into_the_ones_that_continue_i
 
 
 async def test_responses_expire_oldest_first_and_outlive_their_agent(
-    registry: Registry, db_path: Path
+    registry: Registry, registry_url: str
 ) -> None:
     agent = await registry.create_agent()
     await chain_of(registry, agent.id, 3)
     assert await registry.responses.expire(datetime(2021, 1, 1, tzinfo=UTC)) == 0
-    with closing(sqlite3.connect(db_path)) as db, db:
-        db.execute("UPDATE responses SET created_at = '2020-01-01' WHERE id != 'resp_2'")
+    await rows(registry_url, "UPDATE responses SET created_at = '2020-01-01' WHERE id != 'resp_2'")
     assert await registry.responses.expire(datetime(2021, 1, 1, tzinfo=UTC)) == 2
     chain = await registry.responses.chain("resp_2")
     assert [r.id for r in chain] == ["resp_2"]

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agents.caches.janitor import Janitor
+from agents.caches.janitor import SWEEP_GRACE_S, Janitor
 from agents.caches.layout import CacheLayout, link_or_copy
 from agents.caches.load import LoadedCache, Loader
 from agents.caches.prefixes import Prefix, Prefixes
@@ -18,7 +18,7 @@ from agents.caches.writes import Writes
 from engine.engine import Engine
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
 from engine.request import PromptCache
-from store import NewCacheEntry, Registry
+from store import BlocksMissingError, NewCacheEntry, Registry
 from store.cache_files import remove_cache_file
 
 
@@ -37,6 +37,7 @@ class DiskCaches:
         budget_bytes: int | None = None,
         share_prefixes: bool = True,
         lock_of: Callable[[str], asyncio.Lock] | None = None,
+        sweep_grace_s: float = SWEEP_GRACE_S,
     ):
         """
         Args:
@@ -47,6 +48,8 @@ class DiskCaches:
                 and store their heads for others.
             lock_of: the per-agent turn lock; eviction skips agents whose lock is held and
                 holds it while it evicts.
+            sweep_grace_s: the sweep at open leaves files younger than this (other workers
+                sharing the directory may be writing them).
         """
         self.layout = CacheLayout(root, engine.model.fingerprint, kv_bits, group_size, block_tokens)
         self.stats = DiskStats()
@@ -56,7 +59,7 @@ class DiskCaches:
         self._writes = Writes()
         shared = Shared(self.layout, registry, engine, self._writes, self.stats)
         lock_of = lock_of or (lambda agent_id: asyncio.Lock())
-        self._janitor = Janitor(shared, budget_bytes, lock_of)
+        self._janitor = Janitor(shared, budget_bytes, lock_of, sweep_grace_s)
         self._saver = Saver(shared, self._janitor)
         self._loader = Loader(shared)
         self._prefixes = Prefixes(shared, self._janitor, self._saver, self._loader)
@@ -149,6 +152,9 @@ class DiskCaches:
             await self._registry.caches.set(
                 agent_id, NewCacheEntry(**fields_ | {"path": rel.as_posix()}), blocks=record.blocks
             )
+        except BlocksMissingError:  # collected meanwhile (the source moved on): it rebuilds
+            await asyncio.to_thread(remove_cache_file, root / rel)
+            return False
         except BaseException:
             remove_cache_file(root / rel)
             raise

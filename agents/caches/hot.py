@@ -23,6 +23,7 @@ class HotEntry:
     message_count: int  # transcript messages the cache covers
     digest: str  # agents.prompt.conversation_digest of those messages
     nbytes: int
+    version: int = 0  # the agent's version (AgentRecord.version) once the turn was stored
 
     @property
     def precision(self) -> str:
@@ -55,13 +56,15 @@ class HotTier:
             self._entries.move_to_end(agent_id)
         return entry
 
-    def put(self, agent_id: str, cache: PromptCache, message_count: int, digest: str) -> None:
+    def put(
+        self, agent_id: str, cache: PromptCache, message_count: int, digest: str, version: int = 0
+    ) -> None:
         self.drop(agent_id)
         if self._cost(cache) > self.budget_bytes >= cache.nbytes:
             cache = dataclasses.replace(cache, checkpoints=())  # the cache before its extras
         if self._cost(cache) > self.budget_bytes:
             return
-        entry = HotEntry(cache, message_count, digest, cache.held_nbytes)
+        entry = HotEntry(cache, message_count, digest, cache.held_nbytes, version)
         self._entries[agent_id] = entry
         self._hold(entry, 1)
         while self.nbytes > self.budget_bytes:
@@ -88,6 +91,13 @@ class HotTier:
                 self.nbytes -= point.nbytes
             else:
                 self._heads[id(point)] = (point, holders + change)
+
+    def advance(self, agent_id: str, version: int) -> None:
+        """The agent moved from ``version`` to the next by a change its entry still covers a
+        prefix of (messages appended here): the entry follows it."""
+        entry = self._entries.get(agent_id)
+        if entry is not None and entry.version == version:
+            self._entries[agent_id] = dataclasses.replace(entry, version=version + 1)
 
     def entries(self) -> list[HotEntry]:
         """The entries now (a snapshot another thread may read: entries are never changed)."""

@@ -1,15 +1,22 @@
 """Keeping the cache root tidy: garbage collection of blocks no cache lists (except pinned
 ones), the disk budget (evicting the caches of the agents idle longest), and the sweep at open
-of files no registry entry points at."""
+of files no registry entry points at.
+
+Several workers may share the cache root and the registry: the sweep leaves files younger than
+its grace time (another worker may be writing or recording them, and nothing here can see its
+saves in flight), and eviction leaves the agents another worker holds the lease of."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from agents.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, remove_quietly
 from agents.caches.shared import Part, Shared
@@ -19,15 +26,22 @@ from store.cache_files import remove_cache_file
 log = logging.getLogger(__name__)
 
 EVICTION_SCAN = 1000  # cache entries looked at per eviction pass, coldest first
+SWEEP_GRACE_S = 3600.0
+"""The sweep at open removes no file younger than this (its last change, links included)."""
 GC_JOB = "\x00collect"  # writer key of garbage collection (coalesced: one pending at a time)
 
 
 class Janitor(Part):
     def __init__(
-        self, shared: Shared, budget_bytes: int | None, lock_of: Callable[[str], asyncio.Lock]
+        self,
+        shared: Shared,
+        budget_bytes: int | None,
+        lock_of: Callable[[str], asyncio.Lock],
+        sweep_grace_s: float = SWEEP_GRACE_S,
     ):
         super().__init__(shared)
         self.budget_bytes = budget_bytes
+        self.sweep_grace_s = sweep_grace_s
         self._lock_of = lock_of
         self._evicting = asyncio.Lock()
         self._pins: Counter[str] = Counter()
@@ -87,10 +101,14 @@ class Janitor(Part):
             self._stats.usage = await self._registry.caches.usage()
             if self.budget_bytes is None or self._stats.usage.bytes <= self.budget_bytes:
                 return
-            for entry in await self._registry.caches.coldest(EVICTION_SCAN):
+            coldest = await self._registry.caches.coldest(EVICTION_SCAN)
+            leased = await self._registry.leases.get([entry.agent_id for entry in coldest])
+            for entry in coldest:
                 lock = self._lock_of(entry.agent_id)
                 if lock.locked() or self._writes.busy(entry.agent_id):
                     continue  # speaking now or saving: not cold
+                if entry.agent_id in leased:
+                    continue  # a worker runs a turn of it or saves it now
                 async with lock:
                     if await self._registry.caches.clear(entry.agent_id, entry.path):
                         await asyncio.to_thread(remove_cache_file, self._layout.root / entry.path)
@@ -116,21 +134,36 @@ class Janitor(Part):
         touched, and a file that cannot be removed is logged and left: opening never fails here.
         """
         removed = await self.collect()
+        # The files first, then the registry: a file recorded meanwhile is then known.
+        tails, block_files = await asyncio.to_thread(self._old_files)
         current = await self._registry.caches.paths()
         blocks = await self._registry.caches.block_keys()
-        removed += await asyncio.to_thread(self._sweep_files, current, blocks)
+        removed += await asyncio.to_thread(self._sweep_files, tails, block_files, current, blocks)
         await self.keep_budget()  # also counts what is on disk
         return removed
 
-    def _sweep_files(self, current: dict[str, str | None], blocks: dict[str, StoredBlock]) -> int:
+    def _old_files(self) -> tuple[list[Path], list[Path]]:
+        """The tails and block files (names the store writes) older than the grace time."""
+        root, cutoff = self._layout.root, time.time() - self.sweep_grace_s
+        tails = [f for f in root.glob("*/*") if WRITTEN_NAME.fullmatch(f.name)]
+        blocks = [f for f in (root / BLOCKS_DIR).glob("*/*") if BLOCK_NAME.fullmatch(f.name)]
+        return [f for f in tails if _changed_before(f, cutoff)], [
+            f for f in blocks if _changed_before(f, cutoff)
+        ]
+
+    def _sweep_files(
+        self,
+        tails: list[Path],
+        block_files: list[Path],
+        current: dict[str, str | None],
+        blocks: dict[str, StoredBlock],
+    ) -> int:
         root = self._layout.root
-        ours = [f for f in root.glob("*/*") if WRITTEN_NAME.fullmatch(f.name)]
-        stale = [f for f in ours if current.get(f.parent.name, "") != f"{f.parent.name}/{f.name}"]
+        stale = [f for f in tails if current.get(f.parent.name, "") != f"{f.parent.name}/{f.name}"]
         segments = {where.segment for where in blocks.values()}
-        for file in (root / BLOCKS_DIR).glob("*/*"):
+        for file in block_files:
             match = BLOCK_NAME.fullmatch(file.name)
-            if match is None:
-                continue
+            assert match is not None  # listed so
             key, kind, temp = match.groups()
             if kind == ".window":
                 wanted = key in blocks and blocks[key].window
@@ -148,11 +181,26 @@ class Janitor(Part):
                 log.warning("could not remove stale cache file %s: %s", file, exc)
             else:
                 removed += 1
+        cutoff = time.time() - self.sweep_grace_s
         for directory in {f.parent for f in stale}:
-            if directory.parent == root and directory.name in current:
+            # An agent's directory another worker may be about to write into is left; the
+            # blocks' directories always are.
+            if directory.parent != root or directory.name in current:
+                continue
+            if not _changed_before(directory, cutoff):
                 continue
             with contextlib.suppress(OSError):  # not empty: something else lives there
                 directory.rmdir()
         if removed:
             log.info("removed %d cache files no agent points at", removed)
         return removed
+
+
+def _changed_before(path: Path, cutoff: float) -> bool:
+    """Whether ``path`` was last written, linked or renamed before ``cutoff`` (a hard link or
+    a copy keeps the source's mtime, not its ctime). False when it is gone."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return max(stat.st_mtime, stat.st_ctime) < cutoff

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +25,23 @@ BLOCKS_DIR = "_blocks"  # agent ids start with a letter or digit: no agent has t
 # What saves name tails (``<message count>-<hex>.safetensors``) and the writer's temp files.
 WRITTEN_NAME = re.compile(r"\.?\d{6,}-[0-9a-f]+\.safetensors(\.tmp-\w+)?")
 # Segment, window and (older) block files, and their temp files.
-BLOCK_NAME = re.compile(r"\.?([0-9a-f]{32})(-\d+|\.window)?\.safetensors(\.tmp-\w+)?")
+BLOCK_NAME = re.compile(
+    r"\.?([0-9a-f]{32})(-\d+(?:-[0-9a-f]{8})?|\.window)?\.safetensors(\.tmp-\w+)?"
+)
+
+
+def segment_name(keys: Sequence[str]) -> str:
+    """A new segment's name: its last block's key, its count of blocks, 8 random hex digits."""
+    return f"{keys[-1]}-{len(keys)}-{secrets.token_hex(4)}"
+
+
+def names_segment_of(name: str, keys: Sequence[str]) -> bool:
+    """Whether ``name`` (no suffix) is that of a file holding ``keys``: a segment's (with or
+    without its random part) or, for one key, an older block file's."""
+    if name == keys[-1]:
+        return True
+    base = f"{keys[-1]}-{len(keys)}"
+    return name == base or re.fullmatch(re.escape(base) + r"-[0-9a-f]{8}", name) is not None
 
 
 def chain_keys(seed: bytes, tokens: Sequence[int], block_tokens: int) -> list[str]:

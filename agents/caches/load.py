@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.caches.layout import BLOCKS_DIR, remove_quietly
+from agents.caches.layout import BLOCKS_DIR, names_segment_of, remove_quietly
 from agents.caches.shared import Part
 from engine.errors import CacheFormatError, CacheUnusableError
 from engine.kv.assemble import assemble_paged
@@ -188,7 +188,7 @@ def _segment(
         not isinstance(keys, list)
         or not keys
         or not all(isinstance(k, str) for k in keys)
-        or name not in (keys[-1], f"{keys[-1]}-{len(keys)}")
+        or not names_segment_of(name, keys)
     ):
         raise StaleCacheError(f"{path.name} does not hold the blocks its name says")
     return keys, EncodedCache(tensors, meta)

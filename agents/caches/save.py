@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.caches.janitor import Janitor
-from agents.caches.layout import remove_all
+from agents.caches.layout import remove_all, segment_name
 from agents.caches.shared import Part, Shared
 from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs
 from engine.kv.paged import PagedCache, encode_paged, token_slice
@@ -154,7 +154,9 @@ class Saver(Part):
                         segment, (run[0] - first) * size, (run[-1] + 1 - first) * size
                     )
                 run_keys = [keys[j] for j in run]
-                name = f"{run_keys[-1]}-{len(run)}"
+                # Named for its blocks and made unique: workers sharing the directory may
+                # write the same run at once, and each removes only its own files.
+                name = segment_name(run_keys)
                 info = self.write_file(
                     layout.segment_path(name), part, {"keys": json.dumps(run_keys)}
                 )

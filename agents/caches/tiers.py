@@ -14,6 +14,7 @@ prefills exactly to, once, and keeps as a checkpoint for the conversations that 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from agents.caches.disk import DiskCaches
 from agents.caches.hot import HotTier, longest_shared
 from engine.request import PromptCache
 from store import CacheRecord, Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,10 +96,22 @@ class CacheTiers:
         self.disk = disk
         self._registry = registry
 
-    async def resume(self, agent_id: str) -> Resumed | None:
+    async def resume(self, agent_id: str, version: int | None = None) -> Resumed | None:
         """The agent's cache from the hot tier, else from disk (after a save in flight has
-        landed); None when it has none usable."""
+        landed); None when it has none usable. A copy in memory made at another ``version``
+        of the agent (another worker sharing the registry stored turns of it since) is
+        dropped: the newest cache is the one on disk."""
         hot = self.hot.get(agent_id)
+        if hot is not None and version is not None and hot.version != version:
+            log.info(
+                "agent %r: changed elsewhere since its cache in memory was made (version %d, "
+                "now %d); resuming from disk",
+                agent_id,
+                hot.version,
+                version,
+            )
+            self.hot.drop(agent_id)
+            hot = None
         if hot is not None:
             return Resumed(hot.cache, hot.message_count, "hot", hot.digest)
         await self.disk.wait(agent_id)  # a save in flight is the newest cache: let it land
@@ -182,12 +197,13 @@ class CacheTiers:
         cache: PromptCache,
         covered: int,
         digest: str,
+        version: int,
         then: Callable[[], None] | None = None,
     ) -> None:
         """A finished turn's cache, covering ``covered`` messages (``digest``: their
-        ``conversation_digest``): into the hot tier, and a save to disk scheduled (``then`` is
-        called when the save is over)."""
-        self.hot.put(agent_id, cache, covered, digest)
+        ``conversation_digest``) of the agent at ``version``: into the hot tier, and a save
+        to disk scheduled (``then`` is called when the save is over)."""
+        self.hot.put(agent_id, cache, covered, digest, version)
         self.disk.save(agent_id, cache, covered, digest, then=then)
 
     async def info(self, agent_id: str) -> CacheInfo:
@@ -204,12 +220,18 @@ class CacheTiers:
         await self.disk.wait(agent_id)
         self.hot.drop(agent_id)
 
-    async def fork(self, source_id: str, agent_id: str) -> None:
-        """Give ``agent_id`` the source's caches: the same entry in memory (the engine merges
-        caches into its batch by copy, so sharing it is safe) and the same files on disk."""
+    def advanced(self, agent_id: str, version: int) -> None:
+        """The agent moved on from ``version`` by messages appended after its caches' (which
+        still cover a prefix of its transcript)."""
+        self.hot.advance(agent_id, version)
+
+    async def fork(self, source_id: str, agent_id: str, version: int) -> None:
+        """Give ``agent_id`` (at ``version``) the source's caches: the same entry in memory
+        (the engine merges caches into its batch by copy, so sharing it is safe) and the same
+        files on disk."""
         hot = self.hot.get(source_id)
         if hot is not None:
-            self.hot.put(agent_id, hot.cache, hot.message_count, hot.digest)
+            self.hot.put(agent_id, hot.cache, hot.message_count, hot.digest, version)
         await self.disk.fork(source_id, agent_id)
 
     async def remove(self, agent_id: str) -> None:
