@@ -11,7 +11,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agents.caches.janitor import SWEEP_GRACE_S
 from engine.config import EngineConfig
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
 
@@ -90,7 +89,7 @@ class RuntimeConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     worker_id: str | None = Field(default=None, pattern=WORKER_ID_PATTERN)
     lease_s: float = Field(default=10.0, gt=0.5, le=3600)
-    sweep_grace_s: float = Field(default=SWEEP_GRACE_S, ge=0)
+    sweep_grace_s: float = Field(default=3600.0, ge=0)  # agents.caches.janitor.SWEEP_GRACE_S
 
     @model_validator(mode="after")
     def _one_batch_kv_bits(self) -> RuntimeConfig:

@@ -31,6 +31,7 @@ POLL_MAX_S = 0.5
 class _Held:
     token: int
     count: int  # the turn and saves holding it
+    lost: bool = False  # another worker took it (this one renewed too late): take it again
 
 
 class Leases:
@@ -66,7 +67,7 @@ class Leases:
         if self._closed:
             raise RuntimeClosedError("the runtime is closed")
         held = self._held.get(agent_id)
-        if held is not None:
+        if held is not None and not held.lost:
             held.count += 1
             return
         pending = self._releases.get(agent_id)
@@ -80,16 +81,29 @@ class Leases:
             if not waited:
                 waited = True
                 self.waits += 1
-                log.info("agent %r: its lease is held by another worker; waiting", agent_id)
+                holder = (await self._index.get([agent_id])).get(agent_id)
+                log.info(
+                    "agent %r: its lease is held by worker %r; waiting",
+                    agent_id,
+                    holder.worker_id if holder else "?",
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
-        self._held[agent_id] = _Held(lease.token, 1)
+        held = self._held.get(agent_id)
+        if held is not None:  # lost, taken again: its saves in flight hold the new lease
+            held.token, held.lost = lease.token, False
+            held.count += 1
+        else:
+            self._held[agent_id] = _Held(lease.token, 1)
         if self._renewer is None:
             self._renewer = asyncio.create_task(self._renew(), name="agentkv-lease-renewer")
 
     def hold_more(self, agent_id: str) -> None:
         """One more holder of a lease held now (a save, after its turn)."""
-        self._held[agent_id].count += 1
+        held = self._held.get(agent_id)
+        if held is None:
+            raise RuntimeError(f"agent {agent_id!r}: hold_more without a hold")
+        held.count += 1
 
     def drop(self, agent_id: str) -> None:
         """One holder fewer; the last gives the lease back (in the background)."""
@@ -117,14 +131,15 @@ class Leases:
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(self.seconds / 3)
-            if not self._held:
-                continue
             try:
-                still = await self._index.renew(self.holder, self.seconds)
+                still = await self._index.renew(self.holder, self.seconds, list(self._held))
             except Exception as exc:
                 log.warning("could not renew this worker's leases (%s); retrying", exc)
                 continue
-            for agent_id in [a for a in self._held if a not in still]:
+            for agent_id, held in self._held.items():
+                if agent_id in still or held.lost:
+                    continue
+                held.lost = True
                 self.lost += 1
                 log.warning(
                     "agent %r: its lease expired and another worker took it; a turn of it "

@@ -25,6 +25,7 @@ from engine.grammar import Grammar, GrammarError
 from engine.request import PromptCache
 from engine.sampling import SamplingParams
 from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry, ResponseIndex
+from store.models import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +186,23 @@ class AgentRuntime:
     async def delete_agent(self, agent_id: str) -> None:
         """Delete an agent, its transcript and every cache file it had."""
         self._check_open()
+        await self._delete(agent_id)
+
+    async def _delete(self, agent_id: str, if_expired: bool = False) -> bool:
+        """Delete the agent (``if_expired``: only if its idle time is still over its
+        ``idle_ttl_s`` once it is this worker's: another worker may have used it meanwhile).
+        Returns whether it was deleted."""
         async with self._turns.hold(agent_id):
+            if if_expired:
+                agent = await self._registry.get_agent(agent_id)
+                idle = (utcnow() - agent.updated_at).total_seconds()
+                if agent.idle_ttl_s is None or idle <= agent.idle_ttl_s:
+                    return False
             await self._caches.disk.wait(agent_id)
             await self._registry.delete_agent(agent_id)
             self._conversations.drop(agent_id)
             await self._caches.remove(agent_id)
+        return True
 
     async def fork(
         self, agent_id: str, new_id: str | None = None, *, name: str | None = None
@@ -222,7 +235,8 @@ class AgentRuntime:
             if self._lock(agent_id).locked():
                 continue
             try:
-                await self.delete_agent(agent_id)
+                if not await self._delete(agent_id, if_expired=True):
+                    continue  # a turn (on another worker) since the list was read
             except AgentNotFoundError:
                 continue  # deleted meanwhile
             expired.append(agent_id)

@@ -12,10 +12,13 @@ Routes::
     GET    /v1/models, /v1/models/{id}  the loaded model, readable by both SDKs
     *      /v1/agents...                agents REST (see server.api.agents)
     GET    /metrics                     Prometheus text format
+    GET    /live, /ready                liveness and readiness (see server.api.health)
 
-When an API key is set, every route needs it, as ``x-api-key: KEY`` (Anthropic SDK) or
-``Authorization: Bearer KEY`` (OpenAI SDK). Which agent answers a chat request is decided by
-:mod:`server.identity`; the agent's id comes back in the ``x-agent-id`` response header.
+When an API key is set, every route but /live and /ready needs it, as ``x-api-key: KEY``
+(Anthropic SDK) or ``Authorization: Bearer KEY`` (OpenAI SDK). Which agent answers a chat
+request is decided by :mod:`server.identity`; the agent's id comes back in the ``x-agent-id``
+response header, and every response names the worker that answered in ``x-agentkv-worker``
+(see :mod:`server.worker`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from fastapi.responses import Response
 from agents import AgentKVError, AgentRuntime, RuntimeConfig
 from server.api import agents as agents_api
 from server.api import anthropic as anthropic_api
+from server.api import health as health_api
 from server.api import openai as openai_api
 from server.api import responses as responses_api
 from server.api import stored_responses as stored_responses_api
@@ -45,6 +49,7 @@ from server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_
 from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, BodySizeLimit
 from server.metrics import RequestMetricsMiddleware, ServerMetrics
 from server.state import ModelInfo, ServerState, State
+from server.worker import HEALTH_PATHS, WORKER_HEADER, Drain, WorkerMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,9 @@ def create_app(
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
+    ``app.state.worker`` is the worker's id (``config.worker``), named on every response;
+    ``app.state.drain`` is its :class:`server.worker.Drain`, which ``/ready`` reports.
+
     Args:
         config: the runtime to serve.
         api_key: when set, every request must carry it (``x-api-key`` or a bearer token).
@@ -127,13 +135,14 @@ def create_app(
     if max_messages < 1:
         raise ValueError(f"max_messages must be positive, got {max_messages}")
     metrics = ServerMetrics()
+    worker, drain = config.worker, Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             runtime = await AgentRuntime.open(config)
-        except AgentKVError as exc:  # bad configuration (a budget too small...): say so
-            app.state.startup_error = exc
+        except (AgentKVError, ValueError) as exc:  # bad configuration (a budget too small, a
+            app.state.startup_error = exc  # database URL of no supported kind...): say so
             raise
         expiry = None
         try:
@@ -154,6 +163,7 @@ def create_app(
             gc.freeze()
             yield
         finally:
+            drain.stopping = True
             gc.unfreeze()
             if expiry is not None:
                 expiry.cancel()
@@ -164,6 +174,8 @@ def create_app(
     async def require_api_key(request: Request) -> None:
         if api_key is None or (request.method == "HEAD" and request.url.path in PREFLIGHTS):
             return  # the preflight carries no key
+        if request.url.path in HEALTH_PATHS:
+            return  # routers' health checks carry none either
         given = _given_key(request)
         if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError(
@@ -179,11 +191,14 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    install_error_handlers(app)
+    app.state.worker, app.state.drain = worker, drain
+    install_error_handlers(app, headers={WORKER_HEADER: worker})
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
-        app.add_middleware(HostCheck, hosts=allowed_hosts)
+        app.add_middleware(HostCheck, hosts=allowed_hosts, open_paths=HEALTH_PATHS)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(WorkerMiddleware, worker=worker, drain=drain)  # outermost: every reply
+    app.include_router(health_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)

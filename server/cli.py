@@ -90,6 +90,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.hosts import allowed_hosts, is_loopback
     from server.identity import DEFAULT_STATELESS_TTL_S
+    from server.worker import DrainingServer
 
     resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server
     api_key = args.api_key or os.environ.get("AGENTKV_API_KEY") or None
@@ -103,12 +104,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         batch_kv_bits=None if args.batch_kv_bits == "none" else int(args.batch_kv_bits),
     )
     given_budget = args.disk_budget_bytes
+    lease = {} if args.lease_s is None else {"lease_s": args.lease_s}
     config = RuntimeConfig(
         model=args.model,
         data_dir=args.data_dir,
         kv_bits=kv_bits,
         disk_budget_bytes="auto" if given_budget is None else given_budget or None,  # 0: none
         engine=engine,
+        db_url=args.db_url,
+        cache_dir=args.cache_dir,
+        worker_id=args.worker_id,
+        **lease,
     ).resolved()
     print(f"{PROG}: {_budgets(config, given_budget is None)}", file=sys.stderr)
     options: dict = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
@@ -124,8 +130,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options["keep_volatile"] = args.keep_volatile_metadata
     _log_to_stderr()
     app = create_app(config, api_key, **options)
+    print(
+        f"{PROG}: worker {app.state.worker}, registry {_shown_url(config.database)}",
+        file=sys.stderr,
+    )
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
+    server = DrainingServer(uvicorn_config, app.state.drain, grace_s=args.drain_grace_s)
     try:
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+        server.run()
     except SystemExit:  # uvicorn exits when the app fails to start
         if getattr(app.state, "startup_error", None) is None:
             raise
@@ -154,6 +166,44 @@ def _budgets(config: RuntimeConfig, disk_auto: bool) -> str:
         f"hot tier budget {gib(config.hot_cache_bytes)} ({HOT_CACHE_SHARE:.0%} of memory, at "
         f"most {gib(HOT_CACHE_MAX_BYTES)}), disk budget {disk_text}"
     )
+
+
+def _shown_url(database: str) -> str:
+    """A database URL or path as it can be logged: without a password."""
+    if "://" not in database:
+        return database
+    from sqlalchemy import make_url
+
+    return make_url(database).render_as_string(hide_password=True)
+
+
+def _worker_id(text: str) -> str:
+    from agents.config import WORKER_ID_PATTERN
+
+    if re.fullmatch(WORKER_ID_PATTERN, text) is None:
+        raise argparse.ArgumentTypeError(
+            "must be 1 to 64 letters, digits, '.', '_', ':' or '-', starting with a letter or "
+            f"digit, got {text!r}"
+        )
+    return text
+
+
+def _seconds(text: str) -> float:
+    """Seconds from 0 to 3600."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
+    return value
+
+
+def _lease_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0.5:  # RuntimeConfig.lease_s's bound
+        raise argparse.ArgumentTypeError(f"must be over 0.5, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -254,6 +304,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, metavar="SPEC", help="tiny:<name>, gemma3-270m or a model dir"
     )
     serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
+    serve.add_argument(
+        "--db-url",
+        metavar="URL",
+        help="the registry database, shared by every worker: a SQLAlchemy URL "
+        "(postgresql+asyncpg://user@host/agentkv, sqlite+aiosqlite:///path) or a SQLite file; "
+        "default: DATA_DIR/agentkv.sqlite",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the KV cache files, shared by every worker; default: DATA_DIR/caches",
+    )
+    serve.add_argument(
+        "--worker-id",
+        type=_worker_id,
+        metavar="ID",
+        help="this worker's name among those sharing the registry (in leases, logs, /ready "
+        "and the x-agentkv-worker header); default: HOSTNAME-PID",
+    )
+    serve.add_argument(
+        "--lease-s",
+        type=_lease_seconds,
+        metavar="SECONDS",
+        help="how long an agent's lease outlives a worker that stops renewing it (a crashed "
+        "worker's agents pass to another after this long; default: 10)",
+    )
+    serve.add_argument(
+        "--drain-grace-s",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM, /ready answers 503 at once and requests in flight finish; go on "
+        "accepting requests at least this long, so that a router's health checks take the "
+        "worker out before its port closes (default: 0)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000")
     serve.add_argument(

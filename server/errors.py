@@ -12,7 +12,9 @@ Status codes::
     400 invalid input: request validation (FastAPI's 422 is turned into 400, which both SDKs
         raise as BadRequestError), empty message, bad agent id, context too long, ValueError
     401 missing or wrong API key
-    404 unknown agent or route            409 agent id already taken
+    404 unknown agent or route
+    409 agent id already taken; the agent changed while the turn ran (another worker stored
+        a turn of it first: nothing of this one was stored)
     413 request body over the server's limit; a turn whose history + max_tokens can never fit
         the engine's KV memory budget (code ``kv_budget_exceeded``, param ``max_tokens``)
     429 (OpenAI) / 529 (Anthropic overloaded_error): the engine's admission queue is full
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from agents import (
+    AgentChangedError,
     AgentExistsError,
     AgentKVError,
     AgentNotFoundError,
@@ -139,7 +142,7 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(OVERLOADED, f"{exc}; retry in a moment")
     if isinstance(exc, AgentNotFoundError):
         return APIError(NOT_FOUND, str(exc))
-    if isinstance(exc, AgentExistsError):
+    if isinstance(exc, AgentExistsError | AgentChangedError):
         return APIError(CONFLICT, str(exc))
     if isinstance(exc, ContextLengthError):
         return APIError(CONTEXT_LENGTH, str(exc), "max_tokens")
@@ -169,8 +172,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error in the dialect of the route it happened on."""
+def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) -> None:
+    """Answer every error in the dialect of the route it happened on.
+
+    ``headers`` go on the answers to unexpected exceptions, which Starlette sends from outside
+    every middleware (the others get them from the middleware that adds them).
+    """
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         error = api_error(exc)
@@ -180,7 +187,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises these after answering, and uvicorn logs the traceback.
-        return api_error(exc).response(Dialect.of(request))
+        response = api_error(exc).response(Dialect.of(request))
+        response.headers.update(headers or {})
+        return response
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         message, param = _validation_message(exc)  # type: ignore[arg-type]

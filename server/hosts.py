@@ -52,11 +52,15 @@ def host_of(header: str) -> str:
 
 
 class HostCheck:
-    """ASGI middleware answering 421 to requests whose Host is not allowed."""
+    """ASGI middleware answering 421 to requests whose Host is not allowed (``open_paths``
+    aside: health checks, which a router sends with a Host of its own)."""
 
-    def __init__(self, app: ASGIApp, hosts: frozenset[str]):
+    def __init__(
+        self, app: ASGIApp, hosts: frozenset[str], open_paths: frozenset[str] = frozenset()
+    ):
         self.app = app
         self.hosts = hosts
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,7 +68,7 @@ class HostCheck:
             return
         header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
         host = host_of(header)
-        if host in self.hosts:
+        if host in self.hosts or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         shown = repr(header) if header else "no Host header"

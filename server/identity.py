@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import (
+    AgentExistsError,
     AgentNotFoundError,
     AgentRecord,
     AgentRuntime,
@@ -287,10 +288,13 @@ class Identity:
             await runtime.get_agent(agent_id)
             transcript = as_chat(await runtime.transcript(agent_id))
         except AgentNotFoundError:
-            await runtime.create_agent(
-                agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
-            )
-            transcript, created = [], True
+            try:
+                await runtime.create_agent(
+                    agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
+                )
+                transcript, created = [], True
+            except AgentExistsError:  # a request on this worker or another created it first
+                transcript = as_chat(await runtime.transcript(agent_id))
         imported = request.history if request.document is None and not transcript else []
         return Claim(agent_id, history=list(imported), document=request.document, created=created)
 

@@ -29,9 +29,17 @@ from server.state import ServerState
 AGENT_HEADER = "x-agent-id"
 AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
 """Route parameter type: the agent id a request names in its header."""
+CACHE_SOURCE_HEADER = "x-agentkv-cache-source"
+"""Response header of a whole (not streamed) turn: where its cache came from (``Reply.
+cache_source``: hot, disk, prefix, rebuilt or none)."""
 SESSION_HEADER = "x-claude-code-session-id"
 SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER)]
 """Route parameter type: the Claude Code session a request belongs to."""
+
+
+def reply_headers(reply: Reply) -> dict[str, str]:
+    """The headers of a whole turn's response: its agent and its cache source."""
+    return {AGENT_HEADER: reply.agent_id, CACHE_SOURCE_HEADER: reply.cache_source}
 
 
 def _events(state: ServerState, claim: Claim, request: TurnRequest) -> AsyncIterator[Any]:

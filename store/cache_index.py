@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Insert, delete, func, insert, select, update
+from sqlalchemy import Insert, delete, func, insert, select, union, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -89,13 +90,23 @@ class CacheIndex:
                 )
             return previous
 
-    async def add_blocks(self, new_blocks: Sequence[NewBlock]) -> None:
+    async def add_blocks(self, new_blocks: Sequence[NewBlock], keep_s: float = 0.0) -> None:
         """Record block (and window) files no cache lists yet: a prefix stored for later
-        caches. They are garbage to :meth:`collect_garbage` unless it is told to keep them (or
-        a cache lists another block of their segment)."""
+        caches. They are garbage to :meth:`collect_garbage` unless it is told to keep them, a
+        cache lists another block of their segment, or (``keep_s``) for that many seconds
+        from now, whichever worker collects."""
         async with self._db.write() as session:
             await database.hold(session, Lock.BLOCKS, shared=True)
             await _record_blocks(session, new_blocks)
+            if keep_s > 0 and new_blocks:
+                keys = sorted({block.key for block in new_blocks})
+                until = utcnow() + timedelta(seconds=keep_s)
+                for start in range(0, len(keys), _IN_CHUNK):
+                    await session.execute(
+                        update(KVBlock)
+                        .where(KVBlock.key.in_(keys[start : start + _IN_CHUNK]))
+                        .values(pinned_until=until)
+                    )
 
     async def known_blocks(self, keys: Sequence[str]) -> dict[str, StoredBlock]:
         """Which of ``keys`` are recorded, each mapped to where its file is and whether it has a
@@ -105,7 +116,8 @@ class CacheIndex:
 
     async def collect_garbage(self, keep: Sequence[str] = ()) -> list[tuple[str, StoredBlock]]:
         """Delete the rows of blocks whose file no cache needs: a segment's blocks go together,
-        when no cache lists any of them and none is in ``keep``.
+        when no cache lists any of them, none is in ``keep`` and none is pinned (see
+        :meth:`add_blocks`).
 
         Returns:
             (key, where it was) of each deleted block: the caller deletes the files.
@@ -113,11 +125,14 @@ class CacheIndex:
         async with self._db.write() as session:
             await database.hold(session, Lock.BLOCKS)  # no set or add_blocks meanwhile
             file_of = func.coalesce(KVBlock.segment, KVBlock.key)
-            needed = select(file_of).join(KVCacheBlock, KVCacheBlock.block_key == KVBlock.key)
+            needed = [
+                select(file_of).join(KVCacheBlock, KVCacheBlock.block_key == KVBlock.key),
+                select(file_of).where(KVBlock.pinned_until > utcnow()),
+            ]
             if keep:
-                needed = needed.union(select(file_of).where(KVBlock.key.in_(list(keep))))
+                needed.append(select(file_of).where(KVBlock.key.in_(list(keep))))
             rows = await session.execute(
-                delete(KVBlock).where(file_of.not_in(needed)).returning(*_LOCATION)
+                delete(KVBlock).where(file_of.not_in(union(*needed))).returning(*_LOCATION)
             )
             return [(row[0], _stored_block(row)) for row in rows]
 

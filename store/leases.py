@@ -109,15 +109,30 @@ class LeaseIndex:
             )
             return gone is not None
 
-    async def renew(self, holder: str, seconds: float) -> set[str]:
-        """Extend every lease ``holder`` has by ``seconds`` from now. Returns the agents it
-        still holds (a lease that expired and was taken by another holder is not among
-        them)."""
+    async def renew(self, holder: str, seconds: float, agent_ids: Sequence[str]) -> set[str]:
+        """Extend ``holder``'s leases of ``agent_ids`` by ``seconds`` from now, and give back
+        its others taken before this call (a release that failed, a hold cancelled once it
+        had taken the lease; not one a hold takes while this runs).
+
+        Returns:
+            The agents of ``agent_ids`` it still holds (a lease that expired and was taken by
+            another holder is not among them).
+        """
+        ids, now = sorted(set(agent_ids)), utcnow()
         async with self._db.write() as session:
+            await session.execute(
+                delete(AgentLease).where(
+                    AgentLease.holder == holder,
+                    AgentLease.agent_id.not_in(ids),
+                    AgentLease.acquired_at < now,
+                )
+            )
+            if not ids:
+                return set()
             rows = await session.scalars(
                 update(AgentLease)
-                .where(AgentLease.holder == holder)
-                .values(expires_at=utcnow() + timedelta(seconds=seconds))
+                .where(AgentLease.holder == holder, AgentLease.agent_id.in_(ids))
+                .values(expires_at=now + timedelta(seconds=seconds))
                 .returning(AgentLease.agent_id)
             )
             return set(rows)

@@ -191,6 +191,9 @@ class KVBlock(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     segment: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)  # 0005
     segment_index: Mapped[int | None] = mapped_column(Integer, nullable=True)  # 0005
+    # Kept through garbage collection until then, listed or not (0007): a prefix stored by
+    # one worker for turns of its own that have not saved yet, out of other workers' reach.
+    pinned_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class KVCacheBlock(Base):

@@ -5,6 +5,8 @@ Sizes and ratios here are sanity bounds, not performance targets: those live in 
 
 import importlib
 import json
+import os
+import shutil
 
 import pytest
 
@@ -293,3 +295,20 @@ def test_batch_kv_quick(tmp_path):
     assert rows["q4"]["hot_token_bytes"] < rows["q8"]["hot_token_bytes"]
     assert rows["q8"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
     assert rows["q8"]["hot_agents"] > rows["model"]["hot_agents"]
+
+
+def test_scaleout_quick(tmp_path):
+    if shutil.which("haproxy") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true, but haproxy is not installed (apt-get install haproxy)")
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    report = run_quick("bench_scaleout", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert [row["workers"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert (row["turns"], row["failed"]) == (8, 0)
+        assert row["tokens"] == 8 * report["max_tokens"]  # end tokens banned: every turn full
+        assert sum(row["turns_by_worker"].values()) == 8
+    assert list(report["rows"][0]["turns_by_worker"]) == ["w1"]
+    assert report["two_vs_one"] > 0

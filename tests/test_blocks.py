@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from agents import AgentRuntime, Reply, RuntimeConfig
 from agents.caches import BLOCKS_DIR, DiskStats, chain_keys
@@ -28,7 +28,7 @@ from engine.request import Checkpoint, PromptCache
 from store import Registry
 from store.cache_files import read_cache_file
 from store.database import Database
-from store.models import KVBlock, KVCacheBlock
+from store.models import KVBlock, KVCacheBlock, utcnow
 
 BLOCK = 16
 # About 120 tokens on the tiny models: seven full blocks of 16.
@@ -411,6 +411,21 @@ async def test_blocks_are_collected_when_no_cache_lists_them(tmp_path):
         assert await rows(rt, KVBlock) == len(await listed_blocks(rt, b.id))
 
         await rt.delete_agent(b.id)
+        # The head a's turn stored for others (the system prompt's blocks and window) is kept
+        # through every worker's collection for a while, listed or not; then it goes too.
+        async with database(rt) as db, db.read() as session:
+            pinned = set(await session.scalars(select(KVBlock.key)))
+            assert pinned and all(
+                until > utcnow() for until in await session.scalars(select(KVBlock.pinned_until))
+            )
+        head_files = {f.name for f in await files_of(rt, pinned)}
+        assert pinned <= shared and block_files(rt) - head_files == {
+            f"{key}.window.safetensors" for key in pinned if f"{key}.window.safetensors" in names
+        }
+        async with database(rt) as db, db.write() as session:
+            await session.execute(update(KVBlock).values(pinned_until=utcnow()))
+        await rt.engine.run(lambda: None)
+        assert await rt._caches.disk.collect() == len(pinned)
         assert block_files(rt) == set()
         assert await rows(rt, KVBlock) == await rows(rt, KVCacheBlock) == 0
         assert rt.stats()["disk"] == rt.stats()["disk"] | {"bytes": 0, "files": 0, "blocks": 0}

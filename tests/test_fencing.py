@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents import AgentChangedError, AgentRuntime, RuntimeConfig, TextDelta
+from agents.leases import Leases
 from store import AgentNotFoundError, NewMessage, Registry
 from store.models import AgentLease, utcnow
 
@@ -75,11 +76,11 @@ async def test_a_lease_excludes_other_holders_until_released_or_expired(db_url: 
         taken = await leases.acquire("a", "w2#1", "w2", 0)  # expires at once: a dead worker
         assert taken is not None
         assert await leases.get(["a"]) == {}  # expired: not held
-        assert await leases.renew("w2#1", 30) == {"a"}  # not taken meanwhile: renewed
+        assert await leases.renew("w2#1", 30, ["a"]) == {"a"}  # not taken meanwhile: renewed
         assert await leases.acquire("a", "w1#1", "w1", 30) is None
         await registry.leases.acquire("a", "w2#1", "w2", 0)
         assert await leases.acquire("a", "w1#1", "w1", 30) is not None  # expired: taken over
-        assert await leases.renew("w2#1", 30) == set()  # the old holder learns it lost it
+        assert await leases.renew("w2#1", 30, ["a"]) == set()  # the old holder learns it lost it
         assert await leases.release_all("w1#1") == 1
         with pytest.raises(AgentNotFoundError):
             await leases.acquire("nobody", "w1#1", "w1", 30)
@@ -184,3 +185,39 @@ async def test_a_dead_workers_lease_expires(tmp_path: Path, db_url: str) -> None
         await rt.flush()
     async with await Registry.open(db_url) as registry:
         assert await registry.leases.get(["a"]) == {}  # closing gave every lease back
+
+
+async def test_a_lease_lost_at_a_renewal_is_taken_again(db_url: str) -> None:
+    """A worker that renewed too late and lost an agent it still holds (a save of it pending)
+    notices at its next renewal, once, and takes the lease again before it next runs it."""
+    async with await Registry.open(db_url) as registry:
+        await registry.create_agent("a")
+        mine = Leases(registry.leases, "w1", 0.9)
+        await mine.hold("a")
+        mine.hold_more("a")  # the turn's save
+        mine.drop("a")  # the turn is over; the save is not
+        async with registry._db.write() as session:  # w1 stalled: its lease expired
+            await session.execute(update(AgentLease).values(expires_at=utcnow() - timedelta(1)))
+        theirs = await registry.leases.acquire("a", "w2#1", "w2", 30)
+        assert theirs is not None
+        await asyncio.sleep(0.6)  # a renewal (every 0.3 s) finds it taken
+        assert mine.lost == 1 and mine.held == 1
+        await asyncio.sleep(0.4)
+        assert mine.lost == 1  # counted once
+        holding = asyncio.create_task(mine.hold("a"))  # w1's next turn: waits for w2
+        await asyncio.sleep(0.2)
+        assert not holding.done() and mine.waits == 1
+        await registry.leases.release("a", "w2#1", theirs.token)
+        await holding
+        assert (await registry.leases.get(["a"]))["a"].holder == mine.holder
+        mine.drop("a")
+        mine.drop("a")  # the old save lands too: given back
+        await mine.settled()
+        assert await registry.leases.get(["a"]) == {}
+        await mine.close()
+
+
+def test_the_sweep_grace_defaults_to_the_janitors() -> None:
+    from agents.caches.janitor import SWEEP_GRACE_S
+
+    assert RuntimeConfig(model=MODEL).sweep_grace_s == SWEEP_GRACE_S

@@ -77,6 +77,7 @@ SCHEMA = {
         "created_at",
         "segment",  # added by 0005
         "segment_index",
+        "pinned_until",  # added by 0007
     ],
     "kv_cache_blocks": ["agent_id", "position", "block_key"],
     # added by 0006

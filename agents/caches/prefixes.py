@@ -28,6 +28,9 @@ from store import NewBlock
 log = logging.getLogger(__name__)
 
 PREFIX_TASKS = "\x00prefixes"  # key of shared-prefix writes among the writes in flight
+HEAD_KEEP_S = 900.0
+"""A stored head's blocks are kept through every worker's garbage collection this long, listed
+or not (this worker also pins them until the turns using them have saved)."""
 
 Prefix = tuple[PromptCache | None, int, Callable[[], None] | None]
 """A cache for the start of a prompt (None: prefill everything), how many of its tokens this
@@ -184,7 +187,8 @@ class Prefixes(Part):
                     )
                 else:
                     new_blocks.append(NewBlock(last, None, None, info.nbytes, info.checksum))
-            self._writes.call(self._registry.caches.add_blocks(new_blocks))
+            # Out of other workers' garbage collection while this one's turns save.
+            self._writes.call(self._registry.caches.add_blocks(new_blocks, HEAD_KEEP_S))
         except BaseException:
             remove_all(written)
             raise

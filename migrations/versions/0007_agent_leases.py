@@ -2,7 +2,9 @@
 
 ``agents.version`` counts the changes of an agent's transcript and system prompt (existing
 agents start at 0); a turn stores itself only while the agent is at the version it read.
-``agent_leases`` holds, per agent, the worker running its turns and until when. On PostgreSQL
+``agent_leases`` holds, per agent, the worker running its turns and until when;
+``kv_blocks.pinned_until`` keeps a stored prefix through every worker's garbage collection
+until then. On PostgreSQL
 the file sizes (``kv_caches.nbytes``, ``kv_blocks.nbytes`` and ``window_nbytes``) become
 64-bit, as SQLite's INTEGER already is.
 
@@ -45,12 +47,15 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("agent_id", name=op.f("pk_agent_leases")),
     )
     op.create_index(op.f("ix_agent_leases_holder"), "agent_leases", ["holder"])
+    op.add_column("kv_blocks", sa.Column("pinned_until", sa.DateTime(timezone=True)))
     _file_sizes(sa.BigInteger())
 
 
 def downgrade() -> None:
     """Downgrade schema."""
     _file_sizes(sa.Integer())
+    with op.batch_alter_table("kv_blocks") as batch:
+        batch.drop_column("pinned_until")
     op.drop_index(op.f("ix_agent_leases_holder"), table_name="agent_leases")
     op.drop_table("agent_leases")
     with op.batch_alter_table("agents") as batch:

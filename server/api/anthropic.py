@@ -57,11 +57,11 @@ from server.limits import MAX_STOP_SEQUENCES
 from server.sessions import named_agent, session_of, without_volatile_lines
 from server.state import ServerState, State
 from server.turns import (
-    AGENT_HEADER,
     AgentHeader,
     SessionHeader,
     TurnStream,
     TurnStreamingResponse,
+    reply_headers,
     run_turn,
 )
 
@@ -348,7 +348,7 @@ async def create_message(
         return TurnStreamingResponse(_events(model, turn, state, bool(request.tools)), turn)
     reply = await run_turn(state, request, http)
     msg = message(model, f"msg_{uuid.uuid4().hex}", reply, state)
-    return JSONResponse(msg, headers={AGENT_HEADER: reply.agent_id})
+    return JSONResponse(msg, headers=reply_headers(reply))
 
 
 @router.post("/v1/messages/count_tokens")

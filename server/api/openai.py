@@ -60,7 +60,13 @@ from server.limits import MAX_STOP_SEQUENCES
 from server.logprobs import logprob_content, top_logprobs
 from server.sessions import RESPONSES_SESSION_PREFIX, named_agent
 from server.state import State
-from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
+from server.turns import (
+    AgentHeader,
+    TurnStream,
+    TurnStreamingResponse,
+    reply_headers,
+    run_turn,
+)
 
 router = APIRouter()
 
@@ -427,4 +433,4 @@ async def create_chat_completion(
     logprobs = None
     if reply.logprobs is not None:
         logprobs = await logprob_content(state.runtime, reply.logprobs)
-    return JSONResponse(completion(body, reply, logprobs), headers={AGENT_HEADER: reply.agent_id})
+    return JSONResponse(completion(body, reply, logprobs), headers=reply_headers(reply))

@@ -74,7 +74,13 @@ from server.errors import APIError, Dialect, api_error
 from server.logprobs import logprob_content, top_logprobs
 from server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
 from server.state import State
-from server.turns import AGENT_HEADER, AgentHeader, TurnStream, TurnStreamingResponse, run_turn
+from server.turns import (
+    AgentHeader,
+    TurnStream,
+    TurnStreamingResponse,
+    reply_headers,
+    run_turn,
+)
 from store import ResponseRecord
 
 router = APIRouter()
@@ -470,7 +476,7 @@ async def create_response(
         logprobs = await logprob_content(state.runtime, reply.logprobs)
     response = _response(body, ids, created, reply, logprobs)
     await remember(response, reply)
-    return JSONResponse(response, headers={AGENT_HEADER: reply.agent_id})
+    return JSONResponse(response, headers=reply_headers(reply))
 
 
 @router.post("/v1/responses/input_tokens")
