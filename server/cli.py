@@ -188,15 +188,20 @@ def _worker_id(text: str) -> str:
     return text
 
 
-def _seconds(text: str) -> float:
-    """Seconds from 0 to 3600."""
+def _float_between(text: str, low: float, high: float, what: str = "a number") -> float:
+    """``text`` as a float from ``low`` to ``high``, or the argparse error saying so."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {text}")
     return value
+
+
+def _seconds(text: str) -> float:
+    """Seconds from 0 to 3600."""
+    return _float_between(text, 0, 3600, "a number of seconds")
 
 
 def _lease_seconds(text: str) -> float:
@@ -228,13 +233,7 @@ def _byte_size(text: str) -> int:
 
 
 def _stall_factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 1.1 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be between 1.1 and 100, got {text}")
-    return value
+    return _float_between(text, 1.1, 100)
 
 
 def _byte_size_or_zero(text: str) -> int:

@@ -12,13 +12,12 @@ list.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Insert, delete, func, insert, select, union, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import delete, func, insert, select, union, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
@@ -242,7 +241,6 @@ async def current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:
 async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) -> None:
     """Insert block rows; a known block's row takes the new file (it was written again because
     its file was gone), and gains a window file it lacked."""
-    upsert = _DIALECT_INSERTS[session.bind.dialect.name]
     # In key order: two saves sharing blocks then lock their rows in the same order (PostgreSQL),
     # never each waiting for the other.
     for block in sorted(new_blocks, key=_block_key):
@@ -263,7 +261,9 @@ async def _record_blocks(session: AsyncSession, new_blocks: Sequence[NewBlock]) 
             "segment": block.segment,
             "segment_index": block.segment_index,
         }
-        statement = upsert(KVBlock).values(key=block.key, created_at=utcnow(), **changes, **window)
+        statement = database.upsert(session, KVBlock).values(
+            key=block.key, created_at=utcnow(), **changes, **window
+        )
         if block.window_nbytes is not None:
             changes |= window
         await session.execute(
@@ -280,13 +280,6 @@ async def _known_blocks(session: AsyncSession, keys: Sequence[str]) -> dict[str,
         )
         known.update((row[0], _stored_block(row)) for row in rows)
     return known
-
-
-_DIALECT_INSERTS: dict[str, Callable[..., Insert]] = {
-    "sqlite": sqlite.insert,
-    "postgresql": postgresql.insert,
-}
-"""Each dialect's INSERT, which has ``on_conflict_do_update``."""
 
 
 def _block_key(block: NewBlock) -> str:

@@ -25,7 +25,9 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import URL, Connection, event, make_url
+from sqlalchemy import URL, Connection, Insert, event, make_url
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -131,6 +133,14 @@ async def hold(session: AsyncSession, lock: Lock, *, shared: bool = False) -> No
     """
     if session.bind.dialect.name == postgres.DIALECT:
         await postgres.hold(session, lock, shared=shared)
+
+
+def upsert(session: AsyncSession, table: Any) -> Insert:
+    """An INSERT into ``table`` in the session's dialect, which has ``on_conflict_do_update``
+    (SQLite's and PostgreSQL's share that API)."""
+    dialect = session.bind.dialect.name
+    insert = pg_dialect.insert if dialect == postgres.DIALECT else sqlite_dialect.insert
+    return insert(table)
 
 
 _CODES_BY_MESSAGE = (

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from store import database
@@ -69,9 +68,7 @@ class LeaseIndex:
         }
         try:
             async with self._db.write() as session:
-                dialect = session.bind.dialect.name
-                insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-                statement = insert(AgentLease).values(values)
+                statement = database.upsert(session, AgentLease).values(values)
                 taken = statement.excluded
                 row = (
                     await session.execute(
