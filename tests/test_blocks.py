@@ -187,6 +187,40 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert reply.token_ids == alone[0].token_ids
 
 
+async def test_a_turn_whose_lookup_missed_a_head_takes_it_when_it_is_prefilled(tmp_path):
+    """Two turns with one system prompt: the second reads the registry while the first is
+    prefilling the head and checks for heads in flight only after that one has finished
+    prefilling (its write not yet landed). It takes that head instead of prefilling again."""
+    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+        prefixes = rt._caches.disk._prefixes
+        looked_up = prefixes._stored
+        calls = 0
+
+        async def look_up_late(keys):
+            nonlocal calls
+            calls += 1
+            found = await looked_up(keys)
+            if calls == 2:  # the second turn: its read missed the head the first prefills
+                while not prefixes.heads:
+                    await asyncio.sleep(0.005)
+                await asyncio.shield(next(iter(prefixes.heads.values())))
+            return found
+
+        prefixes._stored = look_up_late
+        agents_ = [await rt.create_agent(system_prompt=SYSTEM) for _ in range(2)]
+        replies = await asyncio.gather(
+            *(rt.chat(a.id, f"Parcel {i} is late.", max_tokens=4) for i, a in enumerate(agents_))
+        )
+        await rt.flush()
+        assert calls == 2
+        assert sorted(r.cache_source for r in replies) == ["none", "prefix"]
+        head = max(r.usage.cached_tokens for r in replies)
+        assert sum(r.usage.prefilled_tokens for r in replies) == (
+            sum(r.usage.prompt_tokens for r in replies) - head
+        )
+        assert rt.stats()["disk"]["heads_in_flight"] == 0  # given up once stored
+
+
 def prompt_tokens(model: str, messages: list[dict]) -> list[int]:
     """The tokens the model's chat template makes of ``messages``, ready for the answer."""
     tokenizer = load_tokenizer(tiny_model_dir(model))

@@ -177,7 +177,8 @@ class DiskCaches:
             "prefix_lookups": stats.prefix_lookups,
             "prefix_hits": stats.prefix_hits,
             "prefix_tokens": stats.prefix_tokens,
-            # shared heads being prefilled now (turns that start alike wait for them), and
+            # shared heads being prefilled or stored now (turns that start alike wait for
+            # them), and
             # the segments kept for running turns that stored them
             "heads_in_flight": len(self._prefixes.heads),
             "pinned_blocks": len(self._janitor.pinned()),

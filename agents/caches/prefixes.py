@@ -45,8 +45,9 @@ class Prefixes(Part):
         self._saver = saver
         self._loader = loader
         self._storing: dict[str, asyncio.Task] = {}  # prefix writes in flight, by last key
-        # Shared heads being prefilled now, by the key of their last block: turns that start
-        # the same way wait for them instead of prefilling the same tokens again.
+        # Shared heads being prefilled now, or prefilled and not yet stored, by the key of
+        # their last block: turns that start the same way wait for them (or take them)
+        # instead of prefilling the same tokens again.
         self.heads: dict[str, asyncio.Future[PromptCache | None]] = {}
 
     def _usable(self, tokens: list[int]) -> int:
@@ -65,9 +66,11 @@ class Prefixes(Part):
         if usable * size <= at_least:
             return None
         keys = self._layout.keys(tokens[: usable * size])
+        # Heads in flight before the lookup too: one may land while the registry is read.
+        before = {n: head for n in range(usable, 0, -1) if (head := self.heads.get(keys[n - 1]))}
         stored = await self._stored(keys)
         for n in range(usable, stored, -1):  # a longer head is on its way: wait for it
-            pending = self.heads.get(keys[n - 1])
+            pending = self.heads.get(keys[n - 1]) or before.get(n)
             if n * size > at_least and pending is not None:  # noqa: SIM102 (awaits only then)
                 if (cache := await asyncio.shield(pending)) is not None:
                     return cache
@@ -132,8 +135,23 @@ class Prefixes(Part):
             release()
             raise
         finally:
-            del self.heads[keys[-1]]
             future.set_result(cache)
+            self._forget_head(keys[-1], future)
+
+    def _forget_head(self, key: str, future: asyncio.Future) -> None:
+        """Stop offering a head's prefilled cache once its blocks are stored (a turn that
+        read the registry before they landed takes the cache instead of prefilling again),
+        at once when it failed."""
+
+        def forget(_: object = None) -> None:
+            if self.heads.get(key) is future:
+                del self.heads[key]
+
+        writing = self._storing.get(key)
+        if future.result() is None or writing is None:
+            forget()
+        else:
+            writing.add_done_callback(forget)
 
     async def _stored(self, keys: Sequence[str]) -> int:
         """How many of ``keys`` (a chain) can be resumed from: the longest run of stored blocks
