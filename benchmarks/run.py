@@ -22,6 +22,7 @@ from benchmarks import (
     bench_peer,
     bench_policies,
     bench_prefill,
+    bench_q4_schemes,
     bench_resume,
     bench_roundtrip,
     bench_stall,
@@ -45,6 +46,7 @@ SUITE = {
     "event_loop": bench_event_loop,
     "stateless": bench_stateless,
     "fidelity": bench_fidelity,
+    "q4_schemes": bench_q4_schemes,
 }
 
 

@@ -181,6 +181,24 @@ def test_peer_quick(tmp_path):
     assert set(report["versions"]) >= {"agentkv", "mlx_lm"}
 
 
+def test_q4_schemes_quick(tmp_path):
+    report = run_quick("bench_q4_schemes", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    rows = {row["scheme"]: row for row in report["rows"]}
+    assert len(rows) == 5
+    control = rows["exact (control: the harness alone)"]
+    # Holding nothing quantized, the harness reproduces the exact model.
+    assert control["agreement"] == 1.0 and control["mean_kl"] < 1e-6
+    assert control["bits"] == 16 and control["vs_float16_8k"] == 1.0
+    today = rows["q4 per token (batch today)"]
+    kivi = rows["q4 per-channel keys, Hadamard values, window 32"]
+    assert today["bits"] == kivi["bits"] == 5.0
+    assert kivi["mean_kl"] < today["mean_kl"] / 4
+    assert today["vs_float16_8k"] == 5 / 16 < kivi["vs_float16_8k"] < 0.35
+    assert report["targets_met"] == {"four_bit_agreement": None}  # (a 4K history only)
+
+
 def test_fidelity_quick(tmp_path):
     report = run_quick("bench_fidelity", tmp_path)
 

@@ -1,0 +1,404 @@
+"""Four-bit KV schemes on a trained model: which keeps the exact model's next-token choices
+at the size of q4.
+
+    python -m benchmarks.bench_q4_schemes [--model gemma3-270m] [--history 4096] [--quick]
+
+The batch's q4 (``batch_kv_bits=4``: every position's keys and values ``mx.quantize``d in
+groups of 32 along the head dimension) keeps about 85% of teacher-forced top-1 tokens at a
+4K-token history on ``gemma3-270m`` (``bench_fidelity``). This benchmark measures the
+alternatives before one is built into the batch: each scheme's quantize-then-dequantize
+applied to every layer's keys and values as a batch would hold them, in float, attention
+unchanged. The history (``--history`` tokens of benchmarks/data/alice_ch1_2.txt, Lewis
+Carroll, public domain) is prefilled exactly and then held as the scheme holds it; the next
+``--continuation`` tokens of the text are fed one at a time (decode), each one's keys and
+values held by the scheme as they are written. Reported per scheme against the exact model
+fed the same tokens: top-1 agreement, mean and max KL(exact || scheme), and bytes.
+
+The schemes (combinations of):
+
+- **per token** (today's): groups of ``group`` values along the head dimension, a float16
+  scale and bias per group.
+- **Hadamard**: the head dimension rotated by a fixed random-sign Hadamard matrix before
+  quantizing (queries rotated alike, outputs rotated back: attention is unchanged), which
+  spreads a few large channels over all of them.
+- **per channel keys** (KIVI, Liu et al. 2024): each key channel quantized along the tokens,
+  in groups of ``group`` consecutive positions; a group is quantized once it is complete, the
+  positions of the incomplete one stay in float.
+- **smoothed keys**: keys centred and scaled per channel by statistics calibrated once on other
+  text (``--calibration``), then quantized per token; the query takes the scale.
+- **window**: the newest ``window`` positions of each layer stay in float.
+- mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32.
+
+``bits a value`` counts the quantized part (a group's float16 scale and bias included);
+``× float16 at 8K`` adds the float positions (the window, and for per-channel keys their
+incomplete group) of an agent with an 8K-token history on this model's layers (global layers
+hold every position, sliding ones their window), against the same agent held in float16.
+``targets_met.four_bit_agreement``: whether the best scheme at q4's size (5 bits a value)
+keeps 98% at a 4K-token history or longer (None for shorter ones); it says nothing of the
+batch's own q4, which is the per-token row. Writes benchmarks/results/q4_schemes.json and
+q4_schemes.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+from benchmarks.plots import save_plot, write_report
+from engine.batch_caches import as_float16
+from engine.models.loading import load_model
+
+RESULTS = Path(__file__).parent / "results"
+TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
+CAPACITY_HISTORY = 8192  # the history ``× float16 at 8K`` is counted at
+TARGET = 0.98  # top-1 agreement a four-bit scheme must keep at a 4K history
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """How keys and values are held: bits and group size of each, and the options above."""
+
+    key_bits: int = 4
+    value_bits: int = 4
+    key_group: int = 32
+    value_group: int = 32
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    per_channel_keys: bool = False
+    smooth_keys: bool = False
+    window: int = 0
+
+    @property
+    def bits(self) -> float:
+        """Bits a stored value takes on average, keys and values alike sized."""
+        keys = self.key_bits + (32 / self.key_group if self.key_bits < 16 else 0)
+        values = self.value_bits + (32 / self.value_group if self.value_bits < 16 else 0)
+        return (keys + values) / 2
+
+    @property
+    def float_positions(self) -> int:
+        """Most positions of a layer held in float at once."""
+        return self.window + (self.key_group - 1 if self.per_channel_keys else 0)
+
+    def held_fraction(self, held: list[int]) -> float:
+        """Bytes of an agent whose layers hold ``held`` positions, against float16."""
+        quantized = floats = 0
+        for n in held:
+            f = min(n, self.float_positions)
+            floats, quantized = floats + f, quantized + n - f
+        return (quantized * self.bits / 16 + floats) / sum(held)
+
+
+SCHEMES = {
+    "exact (control: the harness alone)": Scheme(16, 16),
+    "q8 per token": Scheme(8, 8),
+    "q4 per token (batch today)": Scheme(),
+    "q4 Hadamard": Scheme(rotate_keys=True, rotate_values=True),
+    "q4 window 32": Scheme(window=32),
+    "q4 Hadamard, window 32": Scheme(rotate_keys=True, rotate_values=True, window=32),
+    "q4 Hadamard, window 128": Scheme(rotate_keys=True, rotate_values=True, window=128),
+    "q4 group 64, Hadamard, window 64": Scheme(
+        key_group=64, value_group=64, rotate_keys=True, rotate_values=True, window=64
+    ),
+    "k5/v4 group 64, Hadamard": Scheme(5, 4, 64, 64, rotate_keys=True, rotate_values=True),
+    "k5/v4 group 64, Hadamard, window 32": Scheme(
+        5, 4, 64, 64, rotate_keys=True, rotate_values=True, window=32
+    ),
+    "k6/v3 group 64, Hadamard, window 32": Scheme(
+        6, 3, 64, 64, rotate_keys=True, rotate_values=True, window=32
+    ),
+    "q4 smoothed keys, window 32": Scheme(smooth_keys=True, window=32),
+    "q4 per-channel keys": Scheme(per_channel_keys=True),
+    "q4 per-channel keys, window 32": Scheme(per_channel_keys=True, window=32),
+    "q4 per-channel keys, Hadamard values, window 32": Scheme(
+        per_channel_keys=True, rotate_values=True, window=32
+    ),
+    "q4 per-channel keys, Hadamard values in groups of 64, window 32": Scheme(
+        value_group=64, per_channel_keys=True, rotate_values=True, window=32
+    ),
+    "q4 per-channel keys, Hadamard values, window 16": Scheme(
+        per_channel_keys=True, rotate_values=True, window=16
+    ),
+}
+
+
+QUICK = (  # one scheme of each kind
+    "exact (control: the harness alone)",
+    "q4 per token (batch today)",
+    "q4 Hadamard, window 32",
+    "q4 smoothed keys, window 32",
+    "q4 per-channel keys, Hadamard values, window 32",
+)
+
+
+def hadamard(dim: int) -> mx.array:
+    """An orthonormal ``dim`` x ``dim`` Hadamard matrix with fixed random signs on its rows
+    (``dim`` a power of two)."""
+    if dim & (dim - 1):
+        raise SystemExit(f"Hadamard schemes need a power-of-two head size, not {dim}")
+    h = np.ones((1, 1))
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=dim)
+    return mx.array(signs[:, None] * h / math.sqrt(dim), dtype=mx.float32)
+
+
+def round_trip(x: mx.array, bits: int, group: int) -> mx.array:
+    """``x`` quantized along its last axis (float16 first, as the batch does) and back;
+    16 bits: ``x`` as it is (the control)."""
+    if bits == 16:
+        return x
+    words, scales, biases = mx.quantize(as_float16(x), group_size=group, bits=bits)
+    return mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(x.dtype)
+
+
+class Held:
+    """What a scheme makes of keys or values: ``hold(x, layer)`` for positions leaving the
+    float part, in temporal order (a multiple of ``key_group`` of them for per-channel keys)."""
+
+    def __init__(self, scheme: Scheme, head_dim: int, smoothing: list | None):
+        self.scheme = scheme
+        self.rotation = hadamard(head_dim) if scheme.rotate_keys or scheme.rotate_values else None
+        self.smoothing = smoothing
+
+    def hold(self, x: mx.array, kind: str, layer: int) -> mx.array:
+        s = self.scheme
+        keys = kind == "keys"
+        bits, group = (s.key_bits, s.key_group) if keys else (s.value_bits, s.value_group)
+        rotate = s.rotate_keys if keys else s.rotate_values
+        if keys and s.smooth_keys:
+            mean, scale = self.smoothing[layer]
+            x = (x - mean) / scale
+        if rotate:
+            x = x @ self.rotation
+        if keys and s.per_channel_keys:  # groups of positions, channel by channel
+            x = round_trip(x.swapaxes(-1, -2), bits, group).swapaxes(-1, -2)
+        else:
+            x = round_trip(x, bits, group)
+        if rotate:
+            x = x @ self.rotation.T
+        if keys and s.smooth_keys:
+            x = x * scale + mean
+        return x
+
+
+class HeldLayer:
+    """A layer cache holding its positions as a scheme does: the newest in float (the window,
+    and the incomplete group of per-channel keys), older ones quantized once as they leave it;
+    a sliding layer keeps its last ``max_size`` positions."""
+
+    def __init__(self, keys, values, offset: int, max_size: int | None, held: Held, layer: int):
+        self.offset, self.max_size, self.held, self.layer = offset, max_size, held, layer
+        self.quantized = [keys[..., :0, :], values[..., :0, :]]
+        self.floats = [keys, values]
+        self._settle()
+
+    def _settle(self) -> None:
+        scheme = self.held.scheme
+        unit = scheme.key_group if scheme.per_channel_keys else 1
+        leaving = (self.floats[0].shape[2] - scheme.window) // unit * unit
+        if leaving <= 0:
+            return
+        for i, kind in enumerate(("keys", "values")):
+            old, self.floats[i] = self.floats[i][..., :leaving, :], self.floats[i][..., leaving:, :]
+            held = self.held.hold(old, kind, self.layer)
+            self.quantized[i] = mx.concatenate([self.quantized[i], held], axis=2)
+        mx.eval(self.quantized, self.floats)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        new = (keys, values)
+        self.floats = [
+            mx.concatenate([f, x], axis=2) for f, x in zip(self.floats, new, strict=True)
+        ]
+        self.offset += keys.shape[2]
+        self._settle()
+        if self.max_size is not None:
+            extra = self.quantized[0].shape[2] + self.floats[0].shape[2] - self.max_size
+            if extra > 0:
+                self.quantized = [x[..., extra:, :] for x in self.quantized]
+        k, v = (
+            mx.concatenate([q, f], axis=2) for q, f in zip(self.quantized, self.floats, strict=True)
+        )
+        return k, v
+
+
+def temporal(layer) -> tuple[mx.array, mx.array, int | None]:
+    """A prefilled mlx-lm layer cache's keys and values in temporal order, and its window."""
+    if not isinstance(layer, RotatingKVCache):
+        return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], None
+    n = min(layer.max_size, layer.offset)
+    keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    return keys[..., -n:, :], values[..., -n:, :], layer.max_size
+
+
+def prefill(model, tokens: list[int], chunk: int = 512) -> list:
+    layers = make_prompt_cache(model)
+    for i in range(0, len(tokens), chunk):
+        model(mx.array(tokens[i : i + chunk])[None], cache=layers)
+    mx.eval([layer.state for layer in layers])
+    return layers
+
+
+def calibrate(model, tokens: list[int]) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, each key channel's mean and standard deviation over ``tokens``."""
+    out = []
+    for layer in prefill(model, tokens):
+        keys = temporal(layer)[0].astype(mx.float32)
+        mean = mx.mean(keys, axis=2, keepdims=True)
+        std = mx.sqrt(mx.mean((keys - mean) ** 2, axis=2, keepdims=True)) + 1e-6
+        out.append((mean, std))
+    mx.eval(out)
+    return out
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def decode(model, layers: list, fed: list[int]) -> mx.array:
+    """Log-probabilities after each of ``fed``, fed one at a time."""
+    out = []
+    for token in fed:
+        out.append(log_softmax(model(mx.array([[token]]), cache=layers)[0, -1]))
+        mx.eval(out[-1])
+    return mx.stack(out)
+
+
+def compare(reference: mx.array, other: mx.array) -> dict:
+    kl = mx.sum(mx.exp(reference) * (reference - other), axis=-1)
+    agree = mx.mean(mx.argmax(reference, -1) == mx.argmax(other, -1))
+    return {"agreement": agree.item(), "mean_kl": mx.mean(kl).item(), "max_kl": mx.max(kl).item()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = tokenizer.encode(TEXT.read_text(encoding="utf-8"))
+    h, c = args.history, args.continuation
+    if len(ids) < h + c + args.calibration:
+        raise SystemExit(
+            f"{TEXT.name} has {len(ids)} tokens; this run needs {h + c + args.calibration}"
+        )
+    history, fed = ids[:h], ids[h : h + c]
+    smoothing = calibrate(model, ids[h + c : h + c + args.calibration])  # text not fed
+    exact = prefill(model, history)
+    reference = decode(model, exact, fed)
+    exact = prefill(model, history)
+    prefix = [temporal(layer) for layer in exact]
+    head_dim = prefix[0][0].shape[-1]
+    held_at_capacity = [
+        CAPACITY_HISTORY if w is None else min(w, CAPACITY_HISTORY) for _, _, w in prefix
+    ]
+    rows = []
+    schemes = {n: SCHEMES[n] for n in QUICK} if args.quick else SCHEMES
+    for name, scheme in schemes.items():
+        start = time.perf_counter()
+        held = Held(scheme, head_dim, smoothing)
+        layers = [
+            HeldLayer(k, v, layer.offset, w, held, i)
+            for i, ((k, v, w), layer) in enumerate(zip(prefix, exact, strict=True))
+        ]
+        stats = compare(reference, decode(model, layers, fed))
+        rows.append(
+            {"scheme": name, "bits": scheme.bits, "window": scheme.window}
+            | stats
+            | {"vs_float16_8k": scheme.held_fraction(held_at_capacity)}
+            | {"seconds": time.perf_counter() - start}
+        )
+        print(f"{name:<52}{rows[-1]['agreement']:>8.4f}{rows[-1]['mean_kl']:>11.2e}", flush=True)
+        del layers
+    four_bit = [r for r in rows if r["bits"] <= 5.0]  # q4's size: 4 bits and a group's scale
+    best = max(four_bit, key=lambda r: (r["agreement"], -r["mean_kl"]))
+    return {
+        "benchmark": "q4_schemes",
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.system()} {platform.machine()}, {mx.default_device()}",
+        "text": TEXT.name,
+        "history_tokens": h,
+        "continuation_tokens": c,
+        "calibration_tokens": args.calibration,
+        "best_four_bit": best["scheme"],
+        "targets_met": {"four_bit_agreement": best["agreement"] >= TARGET if h >= 4096 else None},
+        "rows": rows,
+    }
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"{report['model']}: {report['history_tokens']}-token history, "
+        f"{report['continuation_tokens']} tokens decoded one at a time ({report['date']})"
+    )
+    print(f"{'scheme':<52}{'bits':>6}{'agree':>8}{'mean KL':>11}{'max KL':>9}{'×f16@8K':>9}")
+    for r in report["rows"]:
+        print(
+            f"{r['scheme']:<52}{r['bits']:>6.2f}{r['agreement']:>8.4f}{r['mean_kl']:>11.2e}"
+            f"{r['max_kl']:>9.3f}{r['vs_float16_8k']:>9.3f}"
+        )
+    print(f"best at q4's size: {report['best_four_bit']}; targets met: {report['targets_met']}")
+
+
+def plot(report: dict, path: Path) -> Path:
+    rows = report["rows"]
+    names = [r["scheme"] for r in rows]
+    y = np.arange(len(rows))
+
+    def panel(key: str, label: str, log: bool):
+        def draw(ax) -> None:
+            ax.barh(y, [r[key] for r in rows])
+            ax.set_yticks(y, names, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel(label)
+            if log:
+                ax.set_xscale("log")
+            else:
+                ax.axvline(TARGET, color="k", lw=0.8, ls="--")
+                ax.set_xlim(0.7, 1.0)
+
+        return draw
+
+    title = (
+        f"{report['model']}: {report['history_tokens']}-token history, "
+        f"{report['continuation_tokens']} decoded tokens, {report['date']}"
+    )
+    return save_plot(
+        path,
+        [
+            panel("agreement", "top-1 agreement with the exact model", False),
+            panel("mean_kl", "mean KL (nats, log scale)", True),
+        ],
+        title,
+        panel_size=(6.5, 4.5),
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="four-bit KV schemes on a trained model")
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--history", type=int, default=4096)
+    parser.add_argument("--continuation", type=int, default=256, help="tokens decoded")
+    parser.add_argument("--calibration", type=int, default=1024, help="tokens for smoothing")
+    parser.add_argument("--quick", action="store_true", help="history 600, 8 tokens, 5 schemes")
+    parser.add_argument("--out", type=Path, default=RESULTS / "q4_schemes.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.history, args.continuation, args.calibration = 600, 8, 128
+    if args.history < 2 or args.continuation < 2 or args.calibration < 2:
+        parser.error("--history, --continuation and --calibration need at least 2 tokens")
+    report = run(args)
+    print_table(report)
+    write_report(report, args.out, plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
