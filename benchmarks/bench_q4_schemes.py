@@ -30,9 +30,10 @@ The schemes (combinations of):
 - mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32.
 
 ``bits a value`` counts the quantized part (a group's float16 scale and bias included);
-``× float16 at 8K`` adds the float positions (the window, and for per-channel keys their
-incomplete group) of an agent with an 8K-token history on this model's layers (global layers
-hold every position, sliding ones their window), against the same agent held in float16.
+``× float16 at 8K`` adds the float positions, counted as float16 (the window, and with
+per-channel keys the positions of their incomplete group, keys and values) of an agent with
+an 8K-token history on this model's layers (global layers hold every position, sliding ones
+their window), against the same agent held in float16.
 ``targets_met.four_bit_agreement``: whether the best scheme at q4's size (5 bits a value)
 keeps 98% at a 4K-token history or longer (None for shorter ones); it says nothing of the
 batch's own q4, which is the per-token row. Writes benchmarks/results/q4_schemes.json and
@@ -222,8 +223,10 @@ class HeldLayer:
         self._settle()
         if self.max_size is not None:
             extra = self.quantized[0].shape[2] + self.floats[0].shape[2] - self.max_size
-            if extra > 0:
-                self.quantized = [x[..., extra:, :] for x in self.quantized]
+            if extra > 0:  # the oldest positions go, quantized ones first
+                cut = min(extra, self.quantized[0].shape[2])
+                self.quantized = [x[..., cut:, :] for x in self.quantized]
+                self.floats = [x[..., extra - cut :, :] for x in self.floats]
         k, v = (
             mx.concatenate([q, f], axis=2) for q, f in zip(self.quantized, self.floats, strict=True)
         )

@@ -194,7 +194,7 @@ def test_q4_schemes_quick(tmp_path):
     today = rows["q4 per token (batch today)"]
     kivi = rows["q4 per-channel keys, Hadamard values, window 32"]
     assert today["bits"] == kivi["bits"] == 5.0
-    assert kivi["mean_kl"] < today["mean_kl"] / 4
+    assert 1e-5 < kivi["mean_kl"] < today["mean_kl"] / 4  # (quantized, far less harmed)
     assert today["vs_float16_8k"] == 5 / 16 < kivi["vs_float16_8k"] < 0.35
     assert report["targets_met"] == {"four_bit_agreement": None}  # (a 4K history only)
 
