@@ -39,9 +39,10 @@ class RuntimeConfig(BaseModel):
         kv_bits: quantization of caches saved to disk: None (exact), 8 or 4.
         batch_kv_bits: quantization of the KV held in memory, in the running batch and the hot
             tier: None (the model's precision), 8 or 4 (``EngineConfig.batch_kv_bits``, which
-            this sets; the two cannot disagree). When it equals ``kv_bits`` (and the group
-            sizes agree), caches go from disk to the batch and back without a dequantize: the
-            stored bytes never drift across resumes.
+            this sets; the two cannot disagree). When both are 8 (and the group sizes agree),
+            caches go from disk to the batch and back without a dequantize: the stored bytes
+            never drift across resumes. (q4 files hold keys per channel, which the batch's
+            per-token q4 does not: those are expanded on the way in and out.)
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
         hot_cache_bytes: memory budget for recently used agents' caches, held as the batch

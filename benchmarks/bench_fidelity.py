@@ -7,17 +7,19 @@ chapters I-II, public domain). For each history length H, one engine prefills th
 (``make_prompt_cache``: ``KVCache`` for global layers, ``RotatingKVCache`` for Gemma's sliding
 ones, so a 4K history is well past the 512-token window) and teacher-forces the next
 ``--continuation`` tokens of the text on a copy of that cache: the uninterrupted reference. It
-saves the cache three ways (``none``: exact, ``q8``, ``q4``) as the runtime stores caches
-(blocks and a tail: ``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
+saves the cache three ways (``none``: exact, ``q8``, ``q4``: keys per channel, values
+Hadamard-rotated, ``engine.kv.quant``) as the runtime stores caches (blocks and a tail:
+``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
 them back as a resume does (``decode_paged``) and teacher-forces the same tokens. Reported per
 variant: argmax agreement with the reference, mean and max KL(reference || resumed), perplexity
 of the continuation, bytes on disk. ``none`` must be token-identical (every log-probability equal).
 
 In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4 files as a
-batch holding KV quantized does (``Engine.packing``: the stored words packed as they are, no
-dequantize) into its group buffers (``KVLayout.buffers``), and teacher-force the same tokens
-through them: the history as stored, and every fed token's keys and values quantized as the
-batch writes them, attention on the quantized path.
+batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
+dequantize; q4's expanded, then packed per token, as the batch holds q4) into its group
+buffers (``KVLayout.buffers``), and teacher-force the same tokens through them: the history as
+held, and every fed token's keys and values quantized as the batch writes them, attention on
+the quantized path.
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
 generation thread. Writes benchmarks/results/fidelity.json and fidelity.png.
 """

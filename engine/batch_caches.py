@@ -7,10 +7,12 @@ of mlx-lm's fixed 256, so a few hundred short sequences do not each carry 256 em
 
 :class:`GroupQuantizedKVCache` and :class:`GroupQuantizedRotatingKVCache` hold a layer's keys and
 values quantized: each position's ``mx.quantize`` words, float16 scales and float16 biases
-packed into one uint32 row (:func:`packed`). That is exactly what a quantized cache file
-stores (``engine.kv``: the values cast to float16, then quantized), so a row read from a file
-of the same bits and group size joins the batch without a dequantize, and a finished row is
-stored and held in the hot tier as the batch held it: the bytes never drift across resumes.
+packed into one uint32 row (:func:`packed`). That is exactly what a q8 cache file stores
+(``engine.kv``: the values cast to float16, then quantized), so a row read from a q8 file of
+the same group size joins the batch without a dequantize, and a finished row is stored and
+held in the hot tier as the batch held it: the bytes never drift across resumes. (q4 files
+quantize keys per channel and rotate values first, which a batch row does not: a q4 row is
+expanded on its way from or to a file.)
 
 mlx-lm's batch caches only move positions along one axis (grow, rotate, pad, merge, extend,
 filter, extract, trim), so they run unchanged on packed arrays; a token's keys are quantized

@@ -89,6 +89,15 @@ async def files_of(rt: AgentRuntime, keys) -> list[Path]:
     return list(dict.fromkeys(layout.file_of(key, known[key]) for key in keys if key in known))
 
 
+def test_q4_blocks_are_keyed_apart_from_per_token_ones(tmp_path):
+    seeds = {bits: CacheLayout(tmp_path, "fp", bits, 32, 256).seed for bits in (None, 8, 4)}
+    # Exact and q8 keys are as they always were (their stored blocks stay found) ...
+    assert seeds[None] == b"agentkv-blocks-v2|fp|None|32|256"
+    assert seeds[8] == b"agentkv-blocks-v2|fp|8|32|256"
+    # ... and q4 blocks, which now hold keys per channel, never meet per-token ones.
+    assert seeds[4] == b"agentkv-blocks-v2|fp|4-channels|32|256"
+
+
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])
 async def test_a_turn_writes_its_new_blocks_and_a_tail(tmp_path, model):
     # (No shared head is stored for others: this counts the bytes of the agent's own saves.)

@@ -32,7 +32,12 @@ from engine.kv.encoded import (
 )
 from engine.kv.load import BlockRun, decode_paged
 from engine.kv.paged import encode_paged, split_blocks
-from engine.kv.quant import dequantize_on_host
+from engine.kv.quant import (
+    channel_span,
+    dequantize_on_host,
+    hadamard,
+    hadamard_on_host,
+)
 from engine.kv.whole import decode_cache, encode_cache
 from engine.request import GenerationRequest, PromptCache
 from store.cache_files import load_into_mlx
@@ -150,15 +155,82 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
         assert all(d.keys.dtype == mx.float32 for d in decoded.layers)
         pairs = await temporal_pairs(engine, original, decoded)
         worst[kv_bits] = 0.0
+        layouts = json.loads(encoded.metadata["layers"])
         for i, ((ok, ov), (dk, dv)) in enumerate(pairs):
             for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
                 scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
-                step = np.repeat(np.abs(scales), DEFAULT_GROUP_SIZE, axis=-1)
+                step = element_steps(scales, layouts[i], name, DEFAULT_GROUP_SIZE)
+                if name == "values" and layouts[i].get("rotated_values"):
+                    exact, approx = hadamard_on_host(exact), hadamard_on_host(approx)
                 err = np.abs(exact - approx)
                 # Affine rounding plus MLX's zero-point nudge, plus float16 casts in and out.
                 assert np.all(err <= 1.25 * step + 2**-10 * np.abs(exact))
                 worst[kv_bits] = max(worst[kv_bits], float(err.max()))
     assert 0 < worst[8] * 8 < worst[4]
+
+
+def element_steps(scales: np.ndarray, layout: dict, kind: str, group: int) -> np.ndarray:
+    """Each stored value's quantization step: its group's scale along the head dimension, or
+    for q4 keys in whole groups of positions, its channel's scale over them."""
+    *rows, _ = scales.shape
+    step = np.repeat(np.abs(scales), group, axis=-1)
+    if kind == "keys" and layout.get("channel_keys"):
+        a, b = channel_span(layout["offset"] - rows[-1], rows[-1], group)
+        if a == b:
+            return step
+        per = np.abs(scales[..., a:b, :]).reshape(*rows[:-1], (b - a) // group, 1, -1)
+        step[..., a:b, :] = np.broadcast_to(
+            per, (*rows[:-1], (b - a) // group, group, per.shape[-1])
+        ).reshape(*rows[:-1], b - a, -1)
+    return step
+
+
+def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
+    # One key channel 100x the others: per token, its range would set every channel's step.
+    mx.random.seed(5)
+    n, window = 150, 64  # the sliding layer holds 86..149: one whole group, 96..127
+    keys = mx.random.normal((1, 2, n, 64)) * mx.array([100.0] + [1.0] * 63)
+    values = mx.random.normal((1, 2, n, 64))
+    whole_layer, sliding = KVCache(), RotatingKVCache(max_size=window)
+    whole_layer.update_and_fetch(keys, values)
+    for t in range(n):
+        sliding.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    cache = PromptCache([whole_layer, sliding], list(range(n)))
+    encoded = encode_cache(cache, 4, 32)
+    layouts = json.loads(encoded.metadata["layers"])
+    assert [(x["channel_keys"], x["rotated_values"]) for x in layouts] == [(True, True)] * 2
+    x16 = np.array(keys.astype(mx.float16).astype(mx.float32))
+    for i, first in ((0, 0), (1, n - window)):
+        stored = x16[:, :, first:]
+        a, b = channel_span(first, n - first, 32)
+        assert (a, b) == ((0, 128) if i == 0 else (10, 42))
+        words = encoded.tensors[f"layers.{i}.keys.q"]
+        scales = encoded.tensors[f"layers.{i}.keys.scales"]
+        biases = encoded.tensors[f"layers.{i}.keys.biases"]
+        # Whole groups: each channel's float16 (max - min) / 15 and min over its 32 positions,
+        # laid out 2 channels to a position's slots (64 / 32).
+        groups = stored[:, :, a:b].reshape(1, 2, (b - a) // 32, 32, 64)
+        low, high = groups.min(axis=3), groups.max(axis=3)
+        want = ((high - low) / 15).astype(np.float16).reshape(1, 2, b - a, 2)
+        np.testing.assert_array_equal(scales[:, :, a:b], want)
+        np.testing.assert_array_equal(biases[:, :, a:b], low.astype(np.float16).reshape(want.shape))
+        # Elsewhere, per token, as mx.quantize stores it.
+        for lo, hi in ((0, a), (b, n - first)):
+            if hi > lo:
+                part = keys[:, :, first + lo : first + hi].astype(mx.float16)
+                q, s_, _ = mx.quantize(part, group_size=32, bits=4)
+                np.testing.assert_array_equal(words[:, :, lo:hi], np.array(q))
+                np.testing.assert_array_equal(scales[:, :, lo:hi], np.array(s_))
+        # The small channels keep a small step where whole groups hold them.
+        decoded = decode_cache(encoded).layers[i]
+        got = np.array(decoded.keys if i == 0 else decoded._temporal_order(decoded.keys))
+        err = np.abs(got[:, :, : n - first] - np.array(keys[:, :, first:]))
+        assert err[:, :, a:b, 1:].max() < 0.5 < err[:, :, b:, 1:].max()
+    # Values: rotated by the orthonormal Walsh-Hadamard transform, then quantized per token.
+    rotated = hadamard(values.astype(mx.float32))
+    q, _, _ = mx.quantize(rotated.astype(mx.float16), group_size=32, bits=4)
+    np.testing.assert_array_equal(encoded.tensors["layers.0.values.q"], np.array(q))
+    assert mx.allclose(hadamard(rotated), values, atol=1e-5).item()
 
 
 async def test_q8_cache_resumes_with_nearly_the_same_predictions(engine):
@@ -231,6 +303,8 @@ async def test_tensor_names_and_metadata(gemma):
         "keys_shape": [1, 2, WINDOW, 64],
         "values_shape": [1, 2, WINDOW, 64],
         "group_size": 32,
+        "channel_keys": True,
+        "rotated_values": True,
     }
     assert full == rotating | {"type": "KVCache", "max_size": None, "keep": None} | {
         "keys_shape": [1, 2, 130, 64],
@@ -446,6 +520,11 @@ async def test_host_dequantization_is_exact_in_float32_and_near_mlx(engine, kv_b
         for i, (a, b) in enumerate(zip(on_mlx.layers, on_host.layers, strict=True)):
             assert (type(a), a.offset) == (type(b), b.offset)
             group = layouts[i]["group_size"]
+            if kv_bits == 4:  # keys per channel, values rotated: the same float32 arithmetic
+                assert layouts[i]["channel_keys"] and layouts[i]["rotated_values"]
+                assert mx.array_equal(a.keys, b.keys).item()
+                assert mx.array_equal(a.values, b.values).item()
+                continue
             for kv, got, theirs in (("keys", b.keys, a.keys), ("values", b.values, a.values)):
                 # Exactly q * scale + bias in float32 (the cache's dtype here) ...
                 words, scales, biases = (
@@ -572,17 +651,18 @@ def write_paged(tmp_path, paged) -> tuple[str, list[str]]:
 @pytest.mark.parametrize("n", [10, 2 * BLOCK, 130])
 async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits, n):
     cache = await history(engine, n)
-    paged = await engine.run(encode_paged, cache, kv_bits, 32, BLOCK)
-    assert sorted(paged.segments) == ([0] if n >= BLOCK else [])  # one run: one segment
+    block = 2 * BLOCK if kv_bits == 4 else BLOCK  # q4: whole groups of 32 positions a block
+    paged = await engine.run(encode_paged, cache, kv_bits, 32, block)
+    assert sorted(paged.segments) == ([0] if n >= block else [])  # one run: one segment
     assert [j for first in paged.segments for j in paged.blocks_in(first)] == list(
-        range(n // BLOCK)
+        range(n // block)
     )
-    assert paged.tail.num_tokens == n % BLOCK
+    assert paged.tail.num_tokens == n % block
     whole = await engine.run(encode_cache, cache, kv_bits, 32)
     expected = await engine.run(decode_cache, dequantize_on_host(whole))
     # The numpy path (format 1 from tail and blocks) and the MLX path, CPU and GPU arithmetic.
-    blocks = [b for segment in paged.segments.values() for b in split_blocks(segment, BLOCK)]
-    assert len(blocks) == n // BLOCK
+    blocks = [b for segment in paged.segments.values() for b in split_blocks(segment, block)]
+    assert len(blocks) == n // block
     assembled = await engine.run(
         decode_cache, dequantize_on_host(assemble_paged(paged.tail, blocks))
     )
@@ -609,6 +689,29 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
             np.testing.assert_array_equal(b, d)
     if kv_bits is None:  # exact: resumes token for token like the original
         assert await resume(engine, decoded) == await resume(engine, cache)
+
+
+async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_path):
+    cache = await history(gemma, 3 * BLOCK + 5)  # BLOCK 16: half a 32-position key group
+    paged = await gemma.run(encode_paged, cache, 4, 32, BLOCK)
+    layouts = json.loads(paged.tail.metadata["layers"])
+    assert all("channel_keys" not in x and x["rotated_values"] for x in layouts)
+    entries = json.loads(paged.segments[0].metadata["layers"])
+    assert all("channel_keys" not in e and e["rotated_values"] for e in entries)
+    tail, block_paths = write_paged(tmp_path, paged)
+    decoded = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    blocks = split_blocks(paged.segments[0], BLOCK)
+    on_host = await gemma.run(decode_cache, dequantize_on_host(assemble_paged(paged.tail, blocks)))
+    for (a, b), (c, d) in await temporal_pairs(gemma, on_host, decoded):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+    # Blocks of another scheme than their tail's are refused.
+    whole_groups = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
+    block = whole_groups.segments[0]
+    per_token = [{k: v for k, v in e.items() if k != "channel_keys"} for e in entries]
+    relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(per_token)})
+    with pytest.raises(CacheFormatError, match="q4 scheme differs from the tail"):
+        assemble_paged(whole_groups.tail, [relabelled], join=False)
 
 
 async def test_encode_paged_writes_only_the_blocks_asked_for(gemma):

@@ -73,7 +73,9 @@ class CacheLayout:
         self.kv_bits = kv_bits
         self.group_size = group_size
         self.block_tokens = block_tokens
-        parts = ("agentkv-blocks-v2", fingerprint, str(kv_bits), str(group_size), str(block_tokens))
+        # q4 blocks hold keys per channel (engine.kv.quant): keyed apart from per-token ones.
+        bits = "4-channels" if kv_bits == 4 else str(kv_bits)
+        parts = ("agentkv-blocks-v2", fingerprint, bits, str(group_size), str(block_tokens))
         self.seed = "|".join(parts).encode()
 
     def keys(self, tokens: Sequence[int]) -> list[str]:

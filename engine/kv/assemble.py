@@ -132,10 +132,11 @@ def _check_block(
     for i, layout in globals_.items():
         entry = entries[i]
         layer_group = layout.get("group_size") if kv_bits else None
-        if entry.get("dtype") != layout["dtype"] or entry.get("group_size") != layout.get(
-            "group_size"
-        ):
-            raise CacheFormatError(f"block {j} layer {i}: dtype or group size differs from tail")
+        fields = ("dtype", "group_size", "channel_keys", "rotated_values")
+        if any(entry.get(f) != layout.get(f) for f in fields):
+            raise CacheFormatError(
+                f"block {j} layer {i}: dtype, group size or q4 scheme differs from the tail"
+            )
         for kv in ("keys", "values"):
             s = layout[f"{kv}_shape"]
             shape = (s[0], s[1], block_tokens, s[3])

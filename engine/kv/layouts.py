@@ -119,6 +119,11 @@ def layout_problem(layout: Any) -> str | None:
         return f"unknown dtype {layout['dtype']!r}; expected one of {list(DTYPES)}"
     if layout.get("group_size") not in (None, *GROUP_SIZES):
         return f"group_size must be null or one of {GROUP_SIZES}"
+    for flag in ("channel_keys", "rotated_values"):
+        if layout.get(flag, False) is not False and (
+            layout[flag] is not True or layout.get("group_size") is None
+        ):
+            return f"{flag} must be true or false, and true only for a quantized layer"
     if not ints(layout["offset"], low=1):
         return "offset must be a positive integer"
     if layout["type"] == "RotatingKVCache" and not (
@@ -138,4 +143,6 @@ def layout_problem(layout: Any) -> str | None:
         min(offset, max_size) <= length <= offset and layout["keep"] < max_size
     ):
         return f"a RotatingKVCache at offset {offset} cannot store {length} positions"
+    if layout.get("rotated_values") and v[3] & (v[3] - 1):
+        return f"rotated_values needs a power-of-two value head size, not {v[3]}"
     return None

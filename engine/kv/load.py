@@ -15,7 +15,7 @@ from engine.batch_caches import Packing, is_packed, join_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSION, block_tokens_of, parse_int
 from engine.kv.layouts import DTYPES, parse_paged_layouts
-from engine.kv.quant import dequantize_f32
+from engine.kv.quant import expand_layer_part
 from engine.request import PromptCache
 
 LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
@@ -51,8 +51,8 @@ def decode_paged(
     :func:`dequantize_on_host` computes). The cache is returned only if ``check`` passes.
 
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
-    bits and group size is not dequantized: its words, scales and biases are packed as the
-    batch holds them (``engine.batch_caches``), bit for bit what the file stores.
+    bits and group size, per token (q8), is not dequantized: its words, scales and biases are
+    packed as the batch holds them (``engine.batch_caches``), bit for bit what the file stores.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
@@ -84,17 +84,21 @@ def decode_paged(
 
         def packs(i: int, group: int | None) -> bool:
             return (
-                group is not None and packing is not None and packing.stores_as(i, kv_bits, group)
+                group is not None
+                and packing is not None
+                and packing.stores_as(i, kv_bits, group)
+                and not (layouts[i].get("channel_keys") or layouts[i].get("rotated_values"))
             )
 
         def materialize(
-            got: dict[str, mx.array], group: int | None, dtype: str, pack: bool
+            got: dict[str, mx.array], layout: dict, kind: str, group: int | None, pack: bool
         ) -> mx.array:
             if pack:
                 return join_packed(got[".q"], got[".scales"], got[".biases"])
+            dtype = layout["dtype"]
             if group is None:
                 return got[""].view(mx.bfloat16) if dtype == "bfloat16" else got[""]
-            x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, kv_bits, on_gpu)
+            x = expand_layer_part(got, layout, kind, kv_bits, group, on_gpu)
             return x.astype(DTYPES[dtype])
 
         globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
@@ -106,7 +110,7 @@ def decode_paged(
             for kv in ("keys", "values"):
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
                 pack = all(packs(i, group) for i in globals_)
-                stacked[kv] = materialize(got, group, first["dtype"], pack)
+                stacked[kv] = materialize(got, first, kv, group, pack)
         layers = []
         for i, layout in enumerate(layouts):
             group = layout.get("group_size") if kv_bits else None
@@ -121,7 +125,7 @@ def decode_paged(
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
                     got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
-                arrays.append(materialize(got, group, layout["dtype"], packs(i, group)))
+                arrays.append(materialize(got, layout, kv, group, packs(i, group)))
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:

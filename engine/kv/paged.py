@@ -10,12 +10,16 @@ encoded together as one *segment* (one file): ``n*B`` positions, which
 :func:`split_blocks` cuts back into blocks. ``assemble_paged`` turns a tail and its blocks
 back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
 
+q4 keys are quantized per channel in groups of ``group_size`` positions (``engine.kv.quant``)
+only when a block is a whole number of such groups; else (and for q8) per token.
+
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
 ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the
 global layers are alike, one tensor per part stacking them on the first axis. Metadata:
 ``format_version`` "2", ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON
-list of ``index``, ``dtype``, ``group_size``). Tail tensors: the same names for every layer
-(global layers only when the tail holds some of their positions); its ``layers`` layout adds
+list of ``index``, ``dtype``, ``group_size`` and q4's ``channel_keys`` / ``rotated_values``).
+Tail tensors: the same names for every layer (global layers only when the tail holds some of
+their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
 that ends exactly at a block boundary: what a new cache needs, with the blocks before it, to
 start there.
@@ -34,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs, tensor
 from engine.kv.layouts import temporal_layer
-from engine.kv.quant import layer_group_size, stored_kv
+from engine.kv.quant import layer_group_size, q4_scheme, stored_kv
 from engine.request import PromptCache
 
 
@@ -95,14 +99,16 @@ def encode_paged(
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
+        scheme = q4_scheme(kv_bits, layer_group, dims[1], block_tokens)
         if is_global(layer):
             keys, values = keys[..., low:, :], values[..., low:, :]
-            block_layers.append({"index": i, "dtype": layout["dtype"], "group_size": layer_group})
-            start = full * block_tokens
+            entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}
+            block_layers.append(entry | scheme)
+            start, first = full * block_tokens, low
         else:
-            start = total - keys.shape[2]
-        layouts.append(layout | {"group_size": layer_group, "start": start})
-        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing)
+            start = first = total - keys.shape[2]
+        layouts.append(layout | {"group_size": layer_group, "start": start} | scheme)
+        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, first, scheme)
     mx.eval(*pending.values())
     # Views of MLX memory, read here on the generation thread only: every array handed out
     # below is a numpy copy that owns its memory.

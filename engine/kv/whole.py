@@ -6,12 +6,14 @@ hand it to ``safetensors.numpy.save_file`` without touching MLX.
 
 Format (``format_version`` 1). Tensors: ``tokens`` (int32, 1-D) and, per layer ``i``, either
 ``layers.{i}.keys`` / ``layers.{i}.values`` (unquantized: the original dtype, bfloat16 as a
-uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (``mx.quantize``
-of the float16 cast: uint32 words, float16 scales and biases). Metadata: ``format_version``,
-``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred group size) and
-``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``, ``keep``, ``dtype``,
-``keys_shape``, ``values_shape`` and ``group_size``. Keys and values are stored in temporal order,
-only the positions in use.
+uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (uint32
+words, float16 scales and biases: ``mx.quantize`` of the float16 cast at 8 bits; at 4 bits,
+keys per channel and values rotated first, as ``engine.kv.quant`` describes). Metadata:
+``format_version``, ``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred
+group size) and ``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``,
+``keep``, ``dtype``, ``keys_shape``, ``values_shape`` and ``group_size`` (and at 4 bits
+``channel_keys`` / ``rotated_values`` where they apply). Keys and values are stored in temporal
+order, only the positions in use.
 
 Each layer is quantized with the first group size that divides its head dimension, trying the
 preferred one, then 64, 32, 128 (what ``mx.quantize`` accepts). A layer that none divides (head
@@ -30,7 +32,13 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.errors import CacheFormatError
 from engine.kv.encoded import DEFAULT_GROUP_SIZE, FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
 from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, temporal_layer
-from engine.kv.quant import layer_group_size, quantized_parts, stored_kv
+from engine.kv.quant import (
+    expand_layer_part,
+    layer_group_size,
+    q4_scheme,
+    quantized_parts,
+    stored_kv,
+)
 from engine.request import PromptCache
 
 
@@ -65,8 +73,10 @@ def encode_cache(
         keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        layouts.append(layout | {"group_size": layer_group})
-        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing)
+        scheme = q4_scheme(kv_bits, layer_group, dims[1])
+        layouts.append(layout | {"group_size": layer_group} | scheme)
+        start = layout["offset"] - keys.shape[2]
+        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, start, scheme)
     mx.eval(*pending.values())
     # np.array copies (C order): the result owns its memory, so no MLX buffer is freed elsewhere.
     tensors = {name: np.array(x, order="C") for name, x in pending.items()}
@@ -124,10 +134,7 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
             layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
         group_size = group_of(encoded, layout)
         layer.keys, layer.values = (
-            _read_kv(
-                encoded, f"layers.{i}.{kv}", layout[f"{kv}_shape"], layout["dtype"], group_size
-            )
-            for kv in ("keys", "values")
+            _read_kv(encoded, i, kv, layout, group_size) for kv in ("keys", "values")
         )
         layer.offset = layout["offset"]
         layers.append(layer)
@@ -136,13 +143,16 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
 
 
 def _read_kv(
-    encoded: EncodedCache, name: str, shape: tuple[int, ...], dtype: str, group_size: int | None
+    encoded: EncodedCache, i: int, kind: str, layout: dict, group_size: int | None
 ) -> mx.array:
+    name, shape, dtype = f"layers.{i}.{kind}", layout[f"{kind}_shape"], layout["dtype"]
     if group_size is None:
         x = mx.array(tensor(encoded, name, shape, STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    q, scales, biases = quantized_parts(encoded, name, shape, group_size)
-    x = mx.dequantize(
-        mx.array(q), mx.array(scales), mx.array(biases), group_size=group_size, bits=encoded.kv_bits
-    )
+    q, scales, biases = (mx.array(x) for x in quantized_parts(encoded, name, shape, group_size))
+    if layout.get("channel_keys", False) or layout.get("rotated_values", False):
+        got = {".q": q, ".scales": scales, ".biases": biases}
+        x = expand_layer_part(got, layout, kind, encoded.kv_bits, group_size, fused=False)
+    else:
+        x = mx.dequantize(q, scales, biases, group_size=group_size, bits=encoded.kv_bits)
     return x.astype(DTYPES[dtype])
