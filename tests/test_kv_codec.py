@@ -31,7 +31,7 @@ from engine.kv.encoded import (
     choose_group_size,
 )
 from engine.kv.load import BlockRun, decode_paged
-from engine.kv.paged import encode_paged, split_blocks
+from engine.kv.paged import PagedCache, encode_paged, split_blocks
 from engine.kv.quant import (
     channel_span,
     dequantize_on_host,
@@ -712,6 +712,30 @@ async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_pat
     relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(per_token)})
     with pytest.raises(CacheFormatError, match="q4 scheme differs from the tail"):
         assemble_paged(whole_groups.tail, [relabelled], join=False)
+
+
+async def test_a_q4_tail_at_a_block_boundary_with_no_new_blocks_saves(gemma, tmp_path):
+    # A turn ending on a block boundary whose blocks are all stored: the tail holds no
+    # position of the global layers (nothing to rotate), only the sliding windows.
+    cache = await history(gemma, 4 * BLOCK)
+    paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK, set())
+    assert paged.segments == {} and paged.tail.num_tokens == 0
+    every = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
+    tail, block_paths = write_paged(tmp_path, PagedCache(every.segments, paged.tail, 2 * BLOCK))
+    decoded = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    whole = await gemma.run(decode_cache, await gemma.run(encode_cache, cache, 4, 32))
+    for (a, b), (c, d) in await temporal_pairs(gemma, whole, decoded):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+
+
+def test_a_window_that_keeps_its_first_positions_stores_q4_keys_per_token():
+    layer = RotatingKVCache(max_size=64, keep=4)
+    for t in range(100):
+        layer.update_and_fetch(mx.full((1, 2, 1, 64), float(t)), mx.zeros((1, 2, 1, 64)))
+    encoded = encode_cache(PromptCache([layer], list(range(100))), 4, 32)
+    (stored,) = json.loads(encoded.metadata["layers"])
+    assert "channel_keys" not in stored and stored["rotated_values"] is True
 
 
 async def test_encode_paged_writes_only_the_blocks_asked_for(gemma):

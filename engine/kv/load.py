@@ -46,9 +46,10 @@ def decode_paged(
     runs are joined per layer and quantized layers are dequantized, and while MLX computes
     that, ``check`` sees every file's tensors (zero-copy numpy views of host memory) and
     metadata, the tail last, and raises to refuse them. Dequantization is in float32:
-    ``mx.dequantize`` with float32 scales on a GPU, ``q * scale + bias`` as plain array math
-    on a CPU (~15x faster than ``mx.dequantize`` there, and exactly what
-    :func:`dequantize_on_host` computes). The cache is returned only if ``check`` passes.
+    ``mx.dequantize`` with float32 scales on a GPU (q4 keys per channel: the CPU's math),
+    ``q * scale + bias`` as plain array math on a CPU (~15x faster than ``mx.dequantize``
+    there, and exactly what :func:`dequantize_on_host` computes). The cache is returned only
+    if ``check`` passes.
 
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
     bits and group size, per token (q8), is not dequantized: its words, scales and biases are

@@ -99,7 +99,7 @@ def encode_paged(
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = q4_scheme(kv_bits, layer_group, dims[1], block_tokens)
+        scheme = q4_scheme(kv_bits, layer_group, dims[1], block_tokens, layout["keep"])
         if is_global(layer):
             keys, values = keys[..., low:, :], values[..., low:, :]
             entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}

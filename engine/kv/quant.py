@@ -14,7 +14,8 @@ A per-channel key group is positions ``[k * group, (k + 1) * group)`` of the seq
 inside the stored ones; its ``group_size`` scales (and biases) are spread over its positions'
 scale slots, ``head_dim / group_size`` to a position, in channel order. So every tensor has
 the shapes of per-token q4 and is cut into blocks along the positions like it; positions of a
-group that is not whole (a sliding window's first, a cache's last) stay per token. A layer's
+group that is not whole (a sliding window's first, a cache's last) stay per token, and so do
+all of a window's keys when it keeps its first positions (mlx-lm's ``keep``). A layer's
 layout says which scheme it uses (``channel_keys``, ``rotated_values``); a layout without them
 (q8, unquantized, or a file written before) is per token.
 """
@@ -37,15 +38,20 @@ _warned_head_dims: set[int] = set()
 
 
 def q4_scheme(
-    kv_bits: int | None, group_size: int | None, value_dim: int, block_tokens: int | None = None
+    kv_bits: int | None,
+    group_size: int | None,
+    value_dim: int,
+    block_tokens: int | None = None,
+    keep: int | None = None,
 ) -> dict[str, bool]:
     """The layout fields of a layer quantized at ``kv_bits`` in groups of ``group_size``:
     ``channel_keys`` and ``rotated_values`` where they apply (q4; paged in blocks a whole
-    number of key groups long; a power-of-two value head size to rotate), else none."""
+    number of key groups long, and not a window that keeps its first positions, whose stored
+    order is not the positions'; a power-of-two value head size to rotate), else none."""
     if kv_bits != 4 or group_size is None:
         return {}
     fields = {}
-    if block_tokens is None or block_tokens % group_size == 0:
+    if (block_tokens is None or block_tokens % group_size == 0) and not keep:
         fields["channel_keys"] = True
     if value_dim & (value_dim - 1) == 0:
         fields["rotated_values"] = True
@@ -86,7 +92,7 @@ def stored_kv(
         if kind == "keys" and scheme.get("channel_keys"):
             q, scales, biases = quantize_channel_keys(x, start, group_size)
         else:
-            if kind == "values" and scheme.get("rotated_values"):
+            if kind == "values" and scheme.get("rotated_values") and x.size:
                 x = hadamard(x.astype(mx.float32))
             q, scales, biases = mx.quantize(as_float16(x), group_size=group_size, bits=kv_bits)
         out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
@@ -223,7 +229,7 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
             channels = kv == "keys" and layout.get("channel_keys", False)
             start = layout["offset"] - shape[2] if channels else None
             x = expand_on_host(*parts, kv_bits, group_size, start)
-            if kv == "values" and layout.get("rotated_values", False):
+            if kv == "values" and layout.get("rotated_values", False) and x.size:
                 x = hadamard_on_host(x)
             tensors[name] = _to_stored(x, layout["dtype"])
     metadata = encoded.metadata | {"kv_bits": "none", "group_size": "none"}
@@ -320,6 +326,6 @@ def expand_layer_part(
     if kind == "keys" and layout.get("channel_keys", False):
         start = layout["offset"] - got[".q"].shape[-2]
     x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, bits, fused, start)
-    if kind == "values" and layout.get("rotated_values", False):
+    if kind == "values" and layout.get("rotated_values", False) and x.size:
         x = hadamard(x)
     return x

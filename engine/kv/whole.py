@@ -73,7 +73,7 @@ def encode_cache(
         keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = q4_scheme(kv_bits, layer_group, dims[1])
+        scheme = q4_scheme(kv_bits, layer_group, dims[1], keep=layout["keep"])
         layouts.append(layout | {"group_size": layer_group} | scheme)
         start = layout["offset"] - keys.shape[2]
         pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, start, scheme)
