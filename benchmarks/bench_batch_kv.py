@@ -115,11 +115,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--agents", type=int, help="agents asking (default: 8 x --fits)")
-    parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
+    parser.add_argument("--quick", action="store_true", help="tiny:gemma3, 1000-token histories")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 4
+        args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 1000, 4
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
     write_report(report, args.out, plot)

@@ -16,10 +16,14 @@ of the continuation, bytes on disk. ``none`` must be token-identical (every log-
 
 In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4 files as a
 batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
-dequantize; q4's expanded, then packed per token, as the batch holds q4) into its group
-buffers (``KVLayout.buffers``), and teacher-force the same tokens through them: the history as
-held, and every fed token's keys and values quantized as the batch writes them, attention on
-the quantized path.
+dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
+the newest positions in float) into its group buffers (``KVLayout.buffers``), and
+teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
+history as held, every fed token's keys and values held as the batch writes them.
+``decode-q8`` and ``decode-q4`` feed them one a step, as generation decodes (each token's keys
+quantized before it is attended as the batch quantizes them); ``decode-exact``, the batch in
+the model's precision fed the same way, is their control (a step's attention computes in
+another order than a chunk's, which can flip near-ties on its own).
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
 generation thread. Writes benchmarks/results/fidelity.json and fidelity.png.
 """
@@ -49,7 +53,15 @@ from engine.request import PromptCache
 RESULTS = Path(__file__).parent / "results"
 TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
 VARIANTS = {"none": None, "q8": 8, "q4": 4}  # name -> kv_bits
-BATCH = {"batch-q8": 8, "batch-q4": 4}  # name -> batch_kv_bits (reading the file of those bits)
+# name -> (batch_kv_bits, reading the file of those bits, and whether the tokens are fed in
+# chunks of --chunk, as a prompt is, or one a step, as generation decodes them)
+BATCH = {
+    "batch-q8": (8, True),
+    "batch-q4": (4, True),
+    "decode-exact": (None, False),  # the control: the batch in the model's precision
+    "decode-q8": (8, False),
+    "decode-q4": (4, False),
+}
 TARGETS = {
     "q8_agreement_min": 0.99,
     "q4_agreement_min": 0.98,  # at 4K-token histories and longer, as the batch targets
@@ -177,13 +189,12 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
                 row["variants"][name] = stats | {"file_bytes": file_bytes, "load_s": load_s}
                 del cache, logprobs
-            for name, bits in BATCH.items():
+            for name, (bits, chunked) in BATCH.items():
                 layout = await eng.run(KVLayout.of, model, bits, args.group_size)
-                _, paths, file_bytes = run["files"][f"q{bits}"]
+                _, paths, file_bytes = run["files"]["none" if bits is None else f"q{bits}"]
                 cache = await eng.run(load_paged, paths, layout.packing)
-                logprobs, packed = await eng.run(
-                    batch_logprobs, model, layout, cache, fed, args.chunk
-                )
+                chunk = args.chunk if chunked else 1
+                logprobs, packed = await eng.run(batch_logprobs, model, layout, cache, fed, chunk)
                 stats = await eng.run(compare, reference, logprobs)
                 stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
                 stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
@@ -208,7 +219,7 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
         name: min(row["variants"][name]["agreement"] for row in rows if row["history"] >= 4096)
         if max(args.histories) >= 4096
         else None
-        for name in ("q4", *BATCH)
+        for name in ("q4", "batch-q8", "batch-q4", "decode-q8", "decode-q4")
     }
     exact = all(
         row["variants"]["none"]["max_abs_logprob_diff"] == 0.0
@@ -234,11 +245,16 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
             **{
                 f"{name.replace('-', '_')}_agreement": None
                 if long[name] is None
-                else long[name] >= TARGETS[f"{name.replace('-', '_')}_agreement_min"]
+                else long[name] >= TARGETS[f"{_target(name)}_agreement_min"]
                 for name in long
             },
         },
     }
+
+
+def _target(name: str) -> str:
+    """The target a variant is held to (fed a step at a time, as in chunks)."""
+    return name.replace("decode-", "batch-").replace("-", "_")
 
 
 def print_table(report: dict) -> None:
@@ -248,13 +264,13 @@ def print_table(report: dict) -> None:
         f"group size {report['group_size']}"
     )
     print(
-        f"{'history':>8}{'ppl hist':>10}{'variant':>9}{'agree':>9}{'mean KL':>11}{'max KL':>10}"
+        f"{'history':>8}{'ppl hist':>10}{'variant':>13}{'agree':>9}{'mean KL':>11}{'max KL':>10}"
         f"{'ppl cont':>10}{'MiB':>8}  top-1 flips: gap (nats) behind the reference's top-1"
     )
     for row in report["rows"]:
         for name, v in row["variants"].items():
             print(
-                f"{row['history']:>8}{row['history_perplexity']:>10.2f}{name:>9}"
+                f"{row['history']:>8}{row['history_perplexity']:>10.2f}{name:>13}"
                 f"{v['agreement']:>9.4f}{v['mean_kl']:>11.2e}{v['max_kl']:>10.2e}"
                 f"{v['perplexity']:>10.3f}{v['file_bytes'] / 2**20:>8.1f}  "
                 f"{len(v['flip_gaps_nats'])} flips, largest gap "

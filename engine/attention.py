@@ -33,6 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+from engine.batch_caches import hadamard
+
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
 
@@ -112,6 +114,10 @@ class StepCache:
                 continue
             out = _MLX_LM_SDPA(q, k, v, span.cache, scale=scale, mask=mask, sinks=sinks)
             outputs.append(out.transpose(2, 1, 0, 3) if span.prefill else out)
+        outputs = [
+            hadamard(out) if getattr(span.cache, "rotated_values", False) else out
+            for span, out in zip(self.spans, outputs, strict=True)
+        ]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
@@ -146,7 +152,8 @@ def ragged_attention(
     """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache`."""
     if isinstance(cache, StepCache):
         return cache.attend(queries, keys, values, scale, mask, sinks)
-    return _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    out = _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return hadamard(out) if getattr(cache, "rotated_values", False) else out
 
 
 def install(model: nn.Module) -> int:

@@ -5,26 +5,37 @@ inside the running batch (``EngineConfig.batch_kv_bits``).
 Buffers grow by ``growth(size)`` tokens (at least ``MIN_GROWTH``, else 1/16 of the size) instead
 of mlx-lm's fixed 256, so a few hundred short sequences do not each carry 256 empty positions.
 
-:class:`GroupQuantizedKVCache` and :class:`GroupQuantizedRotatingKVCache` hold a layer's keys and
-values quantized: each position's ``mx.quantize`` words, float16 scales and float16 biases
+**q8** (:class:`GroupQuantizedKVCache`, :class:`GroupQuantizedRotatingKVCache`): each
+position's keys and values ``mx.quantize``d, its words, float16 scales and float16 biases
 packed into one uint32 row (:func:`packed`). That is exactly what a q8 cache file stores
 (``engine.kv``: the values cast to float16, then quantized), so a row read from a q8 file of
 the same group size joins the batch without a dequantize, and a finished row is stored and
-held in the hot tier as the batch held it: the bytes never drift across resumes. (q4 files
-quantize keys per channel and rotate values first, which a batch row does not: a q4 row is
-expanded on its way from or to a file.)
-
-mlx-lm's batch caches only move positions along one axis (grow, rotate, pad, merge, extend,
-filter, extract, trim), so they run unchanged on packed arrays; a token's keys are quantized
-once, when written, and attention gets them back as (words, scales, biases) with the cache's
+held in the hot tier as the batch held it: the bytes never drift across resumes. mlx-lm's
+batch caches only move positions along one axis (grow, rotate, pad, merge, extend, filter,
+extract, trim), so they run unchanged on packed arrays; a token's keys are quantized once,
+when written, and attention gets them back as (words, scales, biases) with the cache's
 ``bits``, which sends mlx-lm's attention down its quantized path. Padding positions are zero
-words, scales and biases (they read as 0 and are masked anyway). A row extracted from a group
-is a ``KVCache`` / ``RotatingKVCache`` of packed arrays; its :class:`Packing` says how to read
-it (:meth:`Packing.expand` gives the float cache).
+words, scales and biases (they read as 0 and are masked anyway).
+
+**q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
+bits per position lose too much of the keys (a few channels are far larger than the rest), so
+q4 holds them as a q4 cache file does: keys per channel over groups of ``group_size``
+positions (KIVI; the group's scales spread over its positions' slots, so the packed rows keep
+per-position shapes and mlx-lm's operations still move them), values rotated by
+:func:`hadamard` and quantized per position, and the newest positions (:data:`FLOAT_WINDOW`
+and the key group not yet whole) kept in float beside the buffer. Attention reads keys and
+values expanded to the model's dtype and rotates its output back (``engine.attention``).
+A sliding window's ring holds one key group more than the window (:func:`ring_size`), so no
+group loses a scale slot while one of its positions is in the window.
+
+A row extracted from a group is a ``KVCache`` / ``RotatingKVCache`` of packed arrays (a q4
+row also carries ``recent``, its float positions); its :class:`Packing` says how to read it
+(:meth:`Packing.expand` gives the float cache).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +136,42 @@ def expand(x: mx.array, dim: int, dtype: mx.Dtype, bits: int, group_size: int) -
     return out.astype(dtype)
 
 
+SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)  # of the eight 4-bit values in a word, low first
+
+
+def quantize_per_channel(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Keys ``(..., L, D)`` (``L`` a multiple of ``group``) quantized to 4 bits per channel over
+    each group of ``group`` positions: the words along the head dimension, as ``mx.quantize``
+    packs them, and each group's ``D`` float16 scales (and biases) spread over its positions'
+    slots, ``D / group`` to a position, in channel order (``engine.kv.quant``)."""
+    *lead, n, dim = x.shape
+    g = x.astype(mx.float32).reshape(*lead, n // group, group, dim)
+    low, high = g.min(axis=-2, keepdims=True), g.max(axis=-2, keepdims=True)
+    scales, biases = ((high - low) / 15).astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
+    # Rounded against the float16 scale and bias a reader uses.
+    step, base = scales.astype(mx.float32), biases.astype(mx.float32)
+    q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, 15).astype(mx.uint32)
+    q = q.reshape(*lead, n, dim // 8, 8)
+    words = (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    slots = (*lead, n, dim // group)
+    return words, scales.reshape(slots), biases.reshape(slots)
+
+
+def hadamard(x: mx.array) -> mx.array:
+    """The orthonormal Walsh-Hadamard transform of ``x``'s last axis (a power of two long), in
+    ``x``'s dtype: its own inverse. ``mx.hadamard_transform``: butterflies of adds and
+    subtracts, then one scaling, the float32 bits ``engine.kv.quant.hadamard_on_host``
+    computes on a CPU."""
+    return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+
+
+def four_bit_codes(words: mx.array) -> mx.array:
+    """The 4-bit values of ``mx.quantize``'s words, in float32, along the last axis."""
+    packed = words.view(mx.uint8)
+    q = mx.stack([packed & 0xF, packed >> 4], axis=-1)  # each byte: low nibble first
+    return q.reshape(*words.shape[:-1], words.shape[-1] * 8).astype(mx.float32)
+
+
 @dataclass(frozen=True, slots=True)
 class Packing:
     """How the packed layers of a cache hold their keys and values (see :func:`packed`).
@@ -141,10 +188,20 @@ class Packing:
     group_sizes: tuple[int | None, ...]
     dims: tuple[tuple[int, int], ...]
     dtype: Any
+    channel: tuple[bool, ...] = ()
 
     def quantized(self, i: int) -> bool:
         """Whether layer ``i`` is held packed."""
         return self.group_sizes[i] is not None
+
+    def channel_keys(self, i: int) -> bool:
+        """Whether layer ``i`` is held as :class:`ChannelQuantizedKVCache` holds it (keys per
+        channel, values rotated, the newest positions in float)."""
+        return bool(self.channel) and self.channel[i]
+
+    @property
+    def any_channel(self) -> bool:
+        return any(self.channel)
 
     def packed_dims(self, i: int) -> tuple[int, int]:
         """Layer ``i``'s (key, value) words per head, packed."""
@@ -155,6 +212,8 @@ class Packing:
         """Layer ``i``'s single-row cache packed (as it is when it is already)."""
         if is_packed(row):
             return row
+        if self.channel_keys(i):
+            return channel_row(row, self.group_sizes[i])
         return _with(row, lambda x: packed(x, self.bits, self.group_sizes[i]))
 
     def parts(self, i: int, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
@@ -171,16 +230,19 @@ class Packing:
     def stores_as(self, i: int, bits: int | None, group_size: int | None) -> bool:
         """Whether layer ``i``'s packed words are what a file of ``bits`` quantizing the layer
         in groups of ``group_size`` stores."""
-        return bits == self.bits and group_size == self.group_sizes[i]
+        return bits == self.bits and group_size == self.group_sizes[i] and not self.channel_keys(i)
+
+    def expand_layer(self, i: int, row: Any) -> Any:
+        """Layer ``i``'s single-row cache in the model's precision (dequantized if packed)."""
+        if not is_packed(row):
+            return row
+        if self.channel_keys(i):
+            return expanded_channel_row(row, self.group_sizes[i], self.dims[i], self.dtype)
+        return _with(row, lambda x, kind: self.values(i, x, kind), "keys", "values")
 
     def expand(self, layers: list[Any]) -> list[Any]:
         """The rows of a cache in the model's precision (the packed ones dequantized)."""
-        out = []
-        for i, row in enumerate(layers):
-            if is_packed(row):
-                row = _with(row, lambda x, kind, i=i: self.values(i, x, kind), "keys", "values")
-            out.append(row)
-        return out
+        return [self.expand_layer(i, row) for i, row in enumerate(layers)]
 
 
 class _Quantized:
@@ -245,6 +307,328 @@ def quantized_buffer(
         merged.__class__ = GroupQuantizedRotatingKVCache
     merged.bits, merged.group_size = bits, group_size
     return merged
+
+
+FLOAT_WINDOW = (
+    16  # newest positions a channel-quantized layer holds in float, beyond its open group
+)
+
+
+def float_window(group: int) -> int:
+    """Positions a channel-quantized layer's float buffer holds: the :data:`FLOAT_WINDOW`
+    newest, and the positions of the key group not yet quantized."""
+    return FLOAT_WINDOW + group
+
+
+def channel_boundary(length: int, group: int) -> int:
+    """Of a sequence of ``length`` positions, how many a channel-quantized layer holds
+    quantized (whole key groups at least :data:`FLOAT_WINDOW` positions old); the rest are in
+    float."""
+    return max(0, (length - FLOAT_WINDOW) // group * group)
+
+
+def ring_size(window: int, group: int) -> int:
+    """Positions a channel-quantized sliding-window layer's ring holds: its window and one key
+    group more, so a position is overwritten only once its whole group has left the window
+    (the group's scales are spread over its positions' slots)."""
+    return window + group
+
+
+def channel_keys_f32(x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool) -> mx.array:
+    """Packed keys ``(B, H, L, words)`` held per channel, in float32: column ``c`` of row ``b``
+    holds position ``pos[b, c]``, its group's scales in the slots of the group's columns
+    (``wrap``: a ring, the columns counted modulo ``L``). Columns of no quantized group give
+    finite values the caller replaces or masks."""
+    words, extra = x[..., : dim // 8], x[..., dim // 8 :]
+    B, H, L, E = extra.shape
+    first = mx.arange(L)[None] - pos % group  # the column of each one's group's first position
+    cols = first[..., None] + mx.arange(group)
+    cols = cols % L if wrap else mx.clip(cols, 0, L - 1)
+    slots = mx.take_along_axis(extra, cols.reshape(B, 1, L * group, 1), axis=2)
+    slots = slots.view(SCALE_DTYPE).reshape(B, H, L, group, 2, E)
+    scales = slots[..., 0, :].reshape(B, H, L, dim).astype(mx.float32)
+    biases = slots[..., 1, :].reshape(B, H, L, dim).astype(mx.float32)
+    return four_bit_codes(words) * scales + biases
+
+
+def _values_f32(x: mx.array, dim: int, group: int) -> mx.array:
+    """Packed rotated values in float32, still rotated."""
+    words, scales, biases = unpacked(x, dim, 4, group)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    return mx.dequantize(words, scales, biases, group_size=group, bits=4)
+
+
+def _overlay(x: mx.array, recent: mx.array, floats: list[int], newest: int, wrap: bool) -> mx.array:
+    """``x`` with the positions each row holds in float (its newest ``floats[b]``, at columns
+    up to ``newest``) taken from ``recent`` (right-aligned: its last column is ``newest``)."""
+    L, f = x.shape[2], recent.shape[2]
+    m = min(f, L if wrap else newest + 1)
+    if m <= 0:
+        return x
+    ages = mx.arange(m - 1, -1, -1)
+    keep = (ages[None] < mx.array(floats)[:, None])[:, None, :, None]
+    if wrap:
+        cols: Any = (newest - m + 1 + mx.arange(m)) % L
+    else:
+        cols = slice(newest - m + 1, newest + 1)
+    x[:, :, cols, :] = mx.where(keep, recent[..., f - m :, :].astype(x.dtype), x[:, :, cols, :])
+    return x
+
+
+class _ChannelQuantized:
+    """Four-bit keys and values as a q4 cache file holds them, in a group buffer: keys per
+    channel over groups of ``group_size`` positions (their float16 scales spread over the
+    group's slots), values rotated by :func:`hadamard` and quantized per position; the newest
+    positions, :data:`FLOAT_WINDOW` and those of the key group not yet complete, also kept in
+    float (``recent``, right-aligned with the buffer), which attention reads instead.
+
+    mlx-lm's batch operations move the packed columns along one axis and ``recent`` along the
+    rows; each row's length is kept on the host (``lengths``), which says which of its columns
+    hold which positions. Attention gets keys and (rotated) values in the model's dtype;
+    ``rotated_values`` tells ``engine.attention`` to rotate its output back.
+    """
+
+    group_size: int
+    lengths: list[int]
+    recent: tuple[mx.array, mx.array] | None
+    rotated_values = True
+
+    def _wraps(self) -> bool:
+        return bool(getattr(self, "rotated", False))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        group, n = self.group_size, keys.shape[2]
+        rotated = hadamard(values.astype(mx.float32))
+        super().update_and_fetch(packed(keys, 4, group), packed(rotated, 4, group))  # type: ignore[misc]
+        old, self.lengths = self.lengths, [length + n for length in self.lengths]
+        if self.recent is None:
+            B, H, _, _ = keys.shape
+            f = float_window(group)
+            self.recent = tuple(mx.zeros((B, H, f, x.shape[3]), x.dtype) for x in (keys, values))
+        joined = [
+            mx.concatenate([r, x.astype(r.dtype)], axis=2)
+            for r, x in zip(self.recent, (keys, values), strict=True)
+        ]
+        for b, (was, now) in enumerate(zip(old, self.lengths, strict=True)):
+            first, stop = channel_boundary(was, group), channel_boundary(now, group)
+            if stop > first:
+                self._settle(b, joined[0], first, stop, now)
+        f = float_window(group)
+        self.recent = (joined[0][..., -f:, :], joined[1][..., -f:, :])
+        # This step attends in float to what was float before it and to what it wrote (a
+        # prompt's chunk sees itself unquantized); its newly whole groups are read quantized
+        # from the next step on.
+        floats = [was - channel_boundary(was, group) + n for was in old]
+        return self._fetch(joined, floats)
+
+    def _settle(self, b: int, joined: mx.array, first: int, stop: int, length: int) -> None:
+        """Quantize row ``b``'s keys of positions ``[first, stop)`` per channel (whole groups
+        leaving the float part) into its columns."""
+        oldest, youngest = length - 1 - first, length - stop  # their ages
+        width = joined.shape[2]
+        x = joined[b : b + 1, :, width - 1 - oldest : width - youngest, :]
+        data = join_packed(*quantize_per_channel(as_float16(x), self.group_size))
+        newest, L = self._idx - 1, self.keys.shape[2]
+        if self._wraps():
+            cols: Any = (newest - oldest + mx.arange(stop - first)) % L
+        else:
+            cols = slice(newest - oldest, newest - youngest + 1)
+        self.keys[b : b + 1, :, cols, :] = data
+
+    def _fetch(self, recent: list[mx.array], floats: list[int]) -> tuple[mx.array, mx.array]:
+        """Keys and rotated values for attention, each row's newest ``floats[b]`` positions
+        taken from ``recent`` (right-aligned with the buffer)."""
+        held_keys, held_values = self.keys_and_values()
+        group, (recent_keys, recent_values) = self.group_size, recent
+        L, newest, wrap = held_keys.shape[2], self._idx - 1, self._wraps()
+        ages = newest - mx.arange(L)
+        if wrap:
+            ages = ages % L
+        pos = mx.array(self.lengths)[:, None] - 1 - ages[None]
+        keys = channel_keys_f32(held_keys, recent_keys.shape[3], group, pos, wrap)
+        keys = _overlay(keys, recent_keys, floats, newest, wrap)
+        values = _values_f32(held_values, recent_values.shape[3], group)
+        values = _overlay(values, hadamard(recent_values.astype(mx.float32)), floats, newest, wrap)
+        return keys.astype(recent_keys.dtype), values.astype(recent_keys.dtype)
+
+    def filter(self, batch_indices: list[int]) -> None:
+        super().filter(batch_indices)  # type: ignore[misc]
+        self.lengths = [self.lengths[i] for i in batch_indices]
+        if self.recent is not None:
+            index = mx.array(batch_indices)
+            self.recent = tuple(r[index] for r in self.recent)
+
+    def extend(self, other: _ChannelQuantized) -> None:
+        mine, theirs = self._recent_for(other), other._recent_for(self)
+        super().extend(other)  # type: ignore[misc]
+        self.lengths = self.lengths + other.lengths
+        if mine is not None:
+            self.recent = tuple(mx.concatenate(p, axis=0) for p in zip(mine, theirs, strict=True))
+
+    def _recent_for(self, other: _ChannelQuantized) -> tuple[mx.array, mx.array] | None:
+        """``recent``, or zeros shaped like ``other``'s (None when neither has any)."""
+        if self.recent is not None or other.recent is None:
+            return self.recent
+        B = len(self.lengths)
+        return tuple(mx.zeros((B, *r.shape[1:]), r.dtype) for r in other.recent)
+
+    def extract(self, idx: int) -> Any:
+        row = super().extract(idx)  # type: ignore[misc]
+        if isinstance(row, RotatingKVCache):
+            row.max_size = self.max_size - self.group_size  # the model's window
+        row.recent = None if self.recent is None else tuple(r[idx : idx + 1] for r in self.recent)
+        return row
+
+    @property
+    def nbytes(self) -> int:
+        held = super().nbytes  # type: ignore[misc]
+        return held + (0 if self.recent is None else sum(r.nbytes for r in self.recent))
+
+
+class ChannelQuantizedKVCache(_ChannelQuantized, GroupKVCache):
+    """A group's buffer for one global-attention layer held as :class:`_ChannelQuantized`."""
+
+
+class ChannelQuantizedRotatingKVCache(_ChannelQuantized, GroupRotatingKVCache):
+    """A group's buffer for one sliding-window layer held as :class:`_ChannelQuantized`, in a
+    ring of :func:`ring_size` positions (its masks keep the model's window)."""
+
+
+def channel_buffer(rows: list[Any], window: int | None, group: int) -> Any:
+    """One group buffer of channel-quantized single-row caches (:func:`channel_row`; none:
+    one empty row)."""
+    if window is None:
+        merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
+        merged.__class__ = ChannelQuantizedKVCache
+    else:
+        merged = _merge_ring(rows, ring_size(window, group))
+        merged.__class__ = ChannelQuantizedRotatingKVCache
+    merged.group_size = group
+    merged.lengths = [row.offset for row in rows] or [0]
+    held = [getattr(row, "recent", None) for row in rows]
+    some = next((r for r in held if r is not None), None)
+    merged.recent = None
+    if some is not None:
+        parts = [r if r is not None else tuple(mx.zeros_like(x) for x in some) for r in held]
+        merged.recent = tuple(mx.concatenate([p[k] for p in parts], axis=0) for k in range(2))
+    return merged
+
+
+def _merge_ring(rows: list[Any], size: int) -> GroupRotatingKVCache:
+    """mlx-lm's merge of rotating caches, taking every column a packed row holds (its first
+    key group whole, which can be more than the window)."""
+    lengths = [0 if row.keys is None else row.keys.shape[2] for row in rows]
+    longest = max(lengths, default=0)
+    if longest == 0:
+        return GroupRotatingKVCache(size, [0] * max(1, len(rows)))
+    padding = [longest - n for n in lengths]
+    some = next(row for row in rows if row.keys is not None)
+    B, H = len(rows), some.keys.shape[1]
+    keys = mx.zeros((B, H, longest, some.keys.shape[3]), some.keys.dtype)
+    values = mx.zeros((B, H, longest, some.values.shape[3]), some.values.dtype)
+    for i, (p, row) in enumerate(zip(padding, rows, strict=True)):
+        if row.keys is not None:
+            keys[i : i + 1, :, p:] = row.keys
+            values[i : i + 1, :, p:] = row.values
+    merged = GroupRotatingKVCache(size, padding)
+    merged.keys, merged.values = keys, values
+    merged.offset = mx.array([row.offset for row in rows])
+    merged._idx = merged._offset = longest
+    return merged
+
+
+def channel_row(row: Any, group: int, stored: tuple[mx.array, mx.array] | None = None) -> Any:
+    """A float single-row cache as a :class:`_ChannelQuantized` layer holds it: positions in
+    whole key groups at least :data:`FLOAT_WINDOW` old quantized per channel, the rest per
+    position (their float in ``recent``), values rotated; a window from the start of its first
+    key group (positions before the window repeat its first, out of any query's reach).
+
+    ``stored``: the row's packed keys and values as a q4 file stores them (the same positions,
+    keys per channel in their whole groups): kept as they are wherever the row holds them
+    quantized, so a q4 file joins the batch without being quantized again."""
+    window = row.max_size if isinstance(row, RotatingKVCache) else None
+    out = KVCache() if window is None else RotatingKVCache(window)
+    out.offset, out.recent = row.offset, None
+    keys, values = _held(row)
+    if keys is None:
+        return out
+    n, held = row.offset, keys.shape[2]
+    start = (n - held) // group * group
+    if n - held > start:  # a window's first group: its earlier positions are gone
+        pad = n - held - start
+        keys, values = (
+            mx.concatenate([mx.repeat(x[..., :1, :], pad, axis=2), x], axis=2)
+            for x in (keys, values)
+        )
+    quantized = max(0, channel_boundary(n, group) - start)
+    parts = [packed(keys[..., quantized:, :], 4, group)]
+    if quantized:
+        parts.insert(
+            0, join_packed(*quantize_per_channel(as_float16(keys[..., :quantized, :]), group))
+        )
+    out.keys = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    out.values = packed(hadamard(values.astype(mx.float32)), 4, group)
+    if stored is not None:  # (a window's file can hold more positions than the window)
+        stored = tuple(x[..., x.shape[2] - held :, :] for x in stored)
+        first = n - held  # the position of the first one held
+        whole = -(-first // group) * group - start  # columns of the first whole stored group
+        if quantized > whole:
+            out.keys[..., whole:quantized, :] = stored[0][
+                ..., whole - (first - start) : quantized - (first - start), :
+            ]
+        out.values[..., first - start :, :] = stored[1]
+    f = float_window(group)
+    out.recent = tuple(_last(x, f) for x in (keys, values))
+    if window is not None:
+        out._idx = out.keys.shape[2]
+    return out
+
+
+def _held(row: Any) -> tuple[mx.array | None, mx.array | None]:
+    """A float row's keys and values in temporal order (a window: its last ``max_size``)."""
+    if row.keys is None or row.offset == 0:
+        return None, None
+    if not isinstance(row, RotatingKVCache):
+        return row.keys[..., : row.offset, :], row.values[..., : row.offset, :]
+    keys, values = row._temporal_order(row.keys), row._temporal_order(row.values)
+    n = min(row.offset, row.max_size, keys.shape[2])
+    return keys[..., -n:, :], values[..., -n:, :]
+
+
+def _last(x: mx.array, f: int) -> mx.array:
+    """The last ``f`` positions of ``x``, zeros before them when it holds fewer."""
+    if x.shape[2] >= f:
+        return x[..., -f:, :]
+    return mx.concatenate(
+        [mx.zeros((*x.shape[:2], f - x.shape[2], x.shape[3]), x.dtype), x], axis=2
+    )
+
+
+def expanded_channel_row(row: Any, group: int, dims: tuple[int, int], dtype: Any) -> Any:
+    """A :func:`channel_row` (or a row extracted from a channel-quantized buffer) in ``dtype``:
+    a window's last ``max_size`` positions."""
+    window = row.max_size if isinstance(row, RotatingKVCache) else None
+    out = KVCache() if window is None else RotatingKVCache(window)
+    out.offset = row.offset
+    if row.keys is None or row.offset == 0:
+        return out
+    n = row.offset
+    held_keys = row.keys if window is not None else row.keys[..., :n, :]
+    held_values = row.values if window is not None else row.values[..., :n, :]
+    L = held_keys.shape[2]
+    pos = (n - L + mx.arange(L))[None]
+    floats = [n - channel_boundary(n, group)]
+    keys = _overlay(
+        channel_keys_f32(held_keys, dims[0], group, pos, False), row.recent[0], floats, L - 1, False
+    )
+    values = hadamard(_values_f32(held_values, dims[1], group))
+    values = _overlay(values, row.recent[1], floats, L - 1, False)
+    if window is not None:
+        keep = min(L, window)
+        keys, values = keys[..., -keep:, :], values[..., -keep:, :]
+        out._idx = keep
+    out.keys, out.values = keys.astype(dtype), values.astype(dtype)
+    return out
 
 
 def is_packed(row: Any) -> bool:

@@ -54,8 +54,9 @@ class EngineConfig(BaseModel):
         stats_window_s: window of the aggregate decode tok/s.
         batch_kv_bits: hold the layers' keys and values quantized in the running batch (8
             or 4; None: in the model's precision): q8 in groups of 32 is 0.56x the bytes of
-            float16 (0.28x of float32; q4 0.31x and 0.16x), so the KV budget holds more
-            long-history turns.
+            float16 (0.28x of float32; q4 0.31x and 0.16x, plus each row's newest positions
+            in float: keys per channel, values rotated, see ``engine.batch_caches``), so the
+            KV budget holds more long-history turns.
         batch_kv_group_size: its quantization group size (32, 64 or 128; a layer whose
             heads it does not divide uses another that does, or stays unquantized).
     """

@@ -31,6 +31,8 @@ from engine.batch_caches import (
     GroupKVCache,
     GroupRotatingKVCache,
     Packing,
+    channel_buffer,
+    float_window,
     growth,
     is_packed,
     quantized_buffer,
@@ -87,6 +89,7 @@ class KVLayout:
         if bits is None:
             return cls(windows, tuple(token_bytes), heads)
         groups: list[int | None] = [None] * len(caches)
+        channel = [False] * len(caches)
         for i, (n, dk, dv) in enumerate(heads):
             chosen = choose_group_size(math.gcd(dk, dv), group_size)
             if chosen is None:
@@ -94,8 +97,11 @@ class KVLayout:
                 continue
             groups[i] = chosen
             token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen)
+            # q4 keeps keys per channel and rotates values (a power-of-two head size).
+            channel[i] = bits == 4 and dk % 8 == 0 and dv & (dv - 1) == 0
         dims = tuple((dk, dv) for _, dk, dv in heads)
-        packing = Packing(bits, tuple(groups), dims, caches[0].keys.dtype)
+        dtype = caches[0].keys.dtype
+        packing = Packing(bits, tuple(groups), dims, dtype, tuple(channel))
         return cls(windows, tuple(token_bytes), heads, (), packing)
 
     @property
@@ -113,10 +119,20 @@ class KVLayout:
 
     def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
         """Bytes a sequence of ``tokens`` holds on its own (``window_extra``: positions a
-        sliding layer holds beyond its window while a prefill chunk goes in)."""
-        return sum(
+        sliding layer holds beyond its window while a prefill chunk goes in; a layer held with
+        keys per channel: its ring's extra key group and its float positions)."""
+        held = sum(
             b * (tokens if w is None else min(tokens, w + window_extra)) for w, b in self.by_window
         )
+        return held + sum(self._channel_extra(i, tokens) for i in range(len(self.windows)))
+
+    def _channel_extra(self, i: int, tokens: int) -> int:
+        if self.packing is None or not self.packing.channel_keys(i):
+            return 0
+        group, (n, dk, dv) = self.packing.group_sizes[i], self.heads[i]
+        floats = float_window(group) * n * (dk + dv) * self.packing.dtype.size
+        ring = 0 if self.windows[i] is None else min(tokens, group) * self.token_bytes[i]
+        return floats + ring
 
     def padded_bytes(self, lengths: list[int]) -> int:
         """Bytes a group of sequences of these lengths holds, each padded to the longest."""
@@ -148,6 +164,8 @@ class KVLayout:
         w = self.windows[i]
         if self.quantized(i):
             rows = [self.packing.pack(i, x) for x in layers]
+            if self.packing.channel_keys(i):
+                return channel_buffer(rows, w, self.packing.group_sizes[i])
             return quantized_buffer(rows, w, self.packing.bits, self.packing.group_sizes[i])
         if not layers:
             return GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0])

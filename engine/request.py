@@ -58,9 +58,9 @@ class PromptCache:
 
     def __post_init__(self) -> None:
         if self.nbytes is None:
-            self.nbytes = sum(layer.nbytes for layer in self.layers)
+            self.nbytes = sum(_nbytes(layer) for layer in self.layers)
         if self.window_nbytes is None:
-            self.window_nbytes = sum(layer.nbytes for layer in self.layers if _is_window(layer))
+            self.window_nbytes = sum(_nbytes(layer) for layer in self.layers if _is_window(layer))
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +72,12 @@ class PromptCache:
         windows are not counted: many caches hold the same ones (the hot tier counts them
         once, see ``agents.caches.hot``)."""
         return self.nbytes + sum(point.nbytes for point in self.checkpoints if not point.head)
+
+    @property
+    def _channel_packed(self) -> bool:
+        """Whether some layers hold keys per channel (``batch_kv_bits=4``): their float copies
+        of the newest positions are of this cache's end, so it cannot be cut shorter."""
+        return self.packing is not None and self.packing.any_channel
 
     def as_head(self) -> PromptCache:
         """This cache, marked as a shared head: caches resumed from it keep a checkpoint where
@@ -111,7 +117,7 @@ class PromptCache:
         """The cache of the first ``keep`` tokens if it can be had (:meth:`prefix`), else of
         the longest checkpoint within them; None when neither can."""
         cut = self.prefix(keep)
-        if cut is not None:
+        if cut is not None or self._channel_packed:
             return cut
         from mlx_lm.models.cache import KVCache
 
@@ -145,13 +151,14 @@ class PromptCache:
 
         A global-attention layer just holds fewer positions. A sliding-window layer can only
         give back positions it still holds: once its window has moved on (it dropped the
-        oldest ones), only the whole cache is available.
+        oldest ones), only the whole cache is available. A cache packed with keys per channel
+        (``batch_kv_bits=4``) is only available whole.
         """
         from mlx_lm.models.cache import KVCache, RotatingKVCache
 
         if keep == self.num_tokens:
             return self
-        if not 0 < keep < self.num_tokens:
+        if not 0 < keep < self.num_tokens or self._channel_packed:
             return None
         layers = []
         for layer in self.layers:
@@ -174,6 +181,12 @@ class PromptCache:
             checkpoints=tuple(c for c in self.checkpoints if c.num_tokens <= keep),
             packing=self.packing,
         )
+
+
+def _nbytes(layer: Any) -> int:
+    """A layer's bytes, with the float copies of a channel-packed row's newest positions."""
+    recent = getattr(layer, "recent", None)
+    return layer.nbytes + (0 if recent is None else sum(x.nbytes for x in recent))
 
 
 def _is_window(layer: Any) -> bool:

@@ -208,7 +208,16 @@ def test_fidelity_quick(tmp_path):
     assert [row["history"] for row in report["rows"]] == [64, 600]  # 600: past the window
     for row in report["rows"]:
         assert row["continuation"] == 32
-        assert list(row["variants"]) == ["none", "q8", "q4", "batch-q8", "batch-q4"]
+        assert list(row["variants"]) == [
+            "none",
+            "q8",
+            "q4",
+            "batch-q8",
+            "batch-q4",
+            "decode-exact",
+            "decode-q8",
+            "decode-q4",
+        ]
         assert row["history_perplexity"] < 50  # a trained model on English prose
         # Resumed after a restart from an exact file: every log-probability is the same.
         exact = row["variants"]["none"]
@@ -218,13 +227,19 @@ def test_fidelity_quick(tmp_path):
         assert q8["agreement"] >= 0.9 and 0 < q8["mean_kl"] < q4["mean_kl"]
         sizes = [row["variants"][v]["file_bytes"] for v in ("none", "q8", "q4")]
         assert sizes == sorted(sizes, reverse=True)
-        # In the batch: every layer of a q8 file read packed as stored; a q4 file's keys are
-        # per channel, which the batch's q4 is not: expanded, then packed per position.
+        # In the batch: every layer of a q8 or q4 file read packed as stored (q4's newest
+        # positions in float), the continuation fed as a prompt: q4 close to the file itself.
         batch_q8, batch_q4 = row["variants"]["batch-q8"], row["variants"]["batch-q4"]
-        assert (batch_q8["packed_layers"], batch_q4["packed_layers"]) == (18, 0)
-        assert q4["mean_kl"] < batch_q4["mean_kl"]
+        assert (batch_q8["packed_layers"], batch_q4["packed_layers"]) == (18, 18)
+        assert q4["mean_kl"] / 2 < batch_q4["mean_kl"] < 2 * q4["mean_kl"]
         assert batch_q8["agreement"] >= 0.9 and 0 < batch_q8["mean_kl"] < batch_q4["mean_kl"]
         assert batch_q4["batch_token_bytes"] < batch_q8["batch_token_bytes"]
+        # Fed a token a step, as generation decodes: the exact batch stays (all but) exact.
+        control = row["variants"]["decode-exact"]
+        assert control["agreement"] == 1.0 and control["mean_kl"] < 1e-6
+        for bits in ("q8", "q4"):
+            decoded = row["variants"][f"decode-{bits}"]
+            assert decoded["agreement"] >= 0.9 and 0 < decoded["mean_kl"]
     assert report["exact_is_identical"] is True
     met = report["targets_met"]
     assert set(met) == {
@@ -233,10 +248,12 @@ def test_fidelity_quick(tmp_path):
         "q4_agreement",
         "batch_q8_agreement",
         "batch_q4_agreement",
+        "decode_q8_agreement",
+        "decode_q4_agreement",
     }
     assert met["exact"] is True
     # No 4K-token history in --quick: the targets measured there are not judged.
-    assert met["q4_agreement"] is met["batch_q8_agreement"] is met["batch_q4_agreement"] is None
+    assert {met[name] for name in met if name not in ("q8_agreement", "exact")} == {None}
 
 
 def test_mixed_quick(tmp_path):

@@ -55,6 +55,8 @@ def assert_same_cache(got: list, want: list) -> None:
         else:
             assert mx.array_equal(g.keys[..., : w.offset, :], w.keys[..., : w.offset, :]).item()
             assert mx.array_equal(g.values[..., : w.offset, :], w.values[..., : w.offset, :]).item()
+        if getattr(w, "recent", None) is not None:  # keys per channel: the newest in float
+            assert all(mx.array_equal(x, y).item() for x, y in zip(g.recent, w.recent, strict=True))
 
 
 def test_growth_is_small_for_short_buffers_and_proportional_for_long_ones():
@@ -238,3 +240,98 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     for row in rows:  # packed arrays holding no position
         row.keys = row.values = mx.zeros((1, 1, 0, 8), mx.uint32)
     assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))
+
+
+# ---- four bits: keys per channel, values rotated, the newest positions in float -------------
+
+
+def float_rows(keys: mx.array, values: mx.array, window: int | None) -> KVCache:
+    """A float single-row cache of ``keys`` / ``values`` (1, H, n, D), as mlx-lm fills one."""
+    row = KVCache() if window is None else RotatingKVCache(window)
+    row.update_and_fetch(keys, values)
+    return row
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(window):
+    """Two rows of different lengths decode 90 positions in one group (a 32-position window
+    wraps its ring several times): every key group the group quantized as it completed holds
+    the bytes quantizing the whole history at once gives, the float copies are the newest
+    positions exactly, and attention through the group equals attention over those positions
+    expanded (one key channel is 100x the others, which per-position scales would blur)."""
+    from engine.batch_caches import (
+        channel_buffer,
+        channel_row,
+        expanded_channel_row,
+        float_window,
+        hadamard,
+    )
+
+    group, H, D, steps = 32, 2, 64, 90
+    lengths = [7, 96]  # the window starts a key group: no position of one is lost
+    keys = mx.random.normal((2, H, max(lengths) + steps, D), key=mx.random.key(1))
+    keys = keys * mx.where(mx.arange(D) == 5, 100.0, 1.0)
+    values = mx.random.normal(keys.shape, key=mx.random.key(2))
+    rows = [
+        float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window)
+        for b, n in enumerate(lengths)
+    ]
+    buffer = channel_buffer([channel_row(r, group) for r in rows], window, group)
+    # What the whole history quantized at once gives (a window's first group whole too).
+    whole_rows = [
+        float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None)
+        for b, n in enumerate(lengths)
+    ]
+    query = mx.random.normal((2, H, 1, D), key=mx.random.key(3))
+    for t in range(steps):
+        mask = buffer.make_mask(1, window_size=window)
+        k = mx.stack([keys[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
+        v = mx.stack([values[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
+        got_k, got_v = buffer.update_and_fetch(k, v)
+        # This step attends to what the history before it holds, and to the new position in
+        # float (the group it completes is read quantized from the next step on).
+        before = [
+            expanded_channel_row(channel_row(row, group), group, (D, D), mx.float32)
+            for row in whole_rows
+        ]
+        for b, row in enumerate(whole_rows):
+            row.update_and_fetch(k[b : b + 1], v[b : b + 1])
+        out = mx.fast.scaled_dot_product_attention(query, got_k, got_v, scale=0.125, mask=mask)
+        out = hadamard(out)  # the values are held rotated
+        for b, want in enumerate(before):
+            wk = mx.concatenate([want.keys, k[b : b + 1]], axis=2)
+            wv = mx.concatenate([want.values, v[b : b + 1]], axis=2)
+            n = min(wk.shape[2], window or wk.shape[2])
+            wk, wv = wk[..., -n:, :], wv[..., -n:, :]
+            ref = mx.fast.scaled_dot_product_attention(query[b : b + 1], wk, wv, scale=0.125)
+            assert mx.allclose(out[b : b + 1], ref, atol=1e-4).item(), (window, t, b)
+    for b, row in enumerate(whole_rows):
+        got, want = buffer.extract(b), channel_row(row, group)
+        n, f = row.offset, float_window(group)
+        assert got.offset == want.offset == n
+        assert isinstance(got, KVCache if window is None else RotatingKVCache)
+        assert all(
+            mx.array_equal(x, y).item() for x, y in zip(got.recent, want.recent, strict=True)
+        )
+        assert mx.array_equal(got.recent[0][0, :, -1], keys[b, :, n - 1]).item()
+        assert got.recent[0].shape[2] == f
+        # The groups the window reaches (older ones are overwritten in its ring).
+        whole = -(-(n - min(n, window or n)) // group) * group
+        cols = want.keys.shape[2] - (n - whole)
+        assert mx.array_equal(got.keys[..., -(n - whole) :, :], want.keys[..., cols:, :]).item()
+        assert mx.array_equal(got.values[..., -(n - whole) :, :], want.values[..., cols:, :]).item()
+
+
+def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
+    from engine.batch_caches import channel_boundary, channel_row, join_packed, packed
+    from engine.kv.quant import hadamard, quantize_channel_keys
+
+    keys = mx.random.normal((1, 2, 150, 64), key=mx.random.key(4)) * 3
+    values = mx.random.normal((1, 2, 150, 64), key=mx.random.key(5))
+    row = channel_row(float_rows(keys, values, None), 32)
+    q = channel_boundary(150, 32)
+    assert q == 128  # whole groups at least FLOAT_WINDOW old
+    stored = join_packed(*quantize_channel_keys(keys[..., :q, :], 0, 32))
+    assert mx.array_equal(row.keys[..., :q, :], stored).item()
+    assert mx.array_equal(row.keys[..., q:, :], packed(keys[..., q:, :], 4, 32)).item()
+    assert mx.array_equal(row.values, packed(hadamard(values), 4, 32)).item()

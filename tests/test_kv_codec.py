@@ -691,6 +691,41 @@ async def test_paged_round_trip_equals_the_whole_cache(engine, tmp_path, kv_bits
         assert await resume(engine, decoded) == await resume(engine, cache)
 
 
+@pytest.mark.parametrize("n", [130, 150])  # 150: its window starts inside a key group
+async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
+    """A batch holding q4 (keys per channel, values rotated) takes a q4 file's words as they
+    are: the positions it holds quantized are exactly what quantizing the original cache gives
+    (not the file's dequantized values quantized again); the newest are float."""
+    from engine.batch_caches import channel_boundary, float_window, is_packed
+    from engine.kv_batch import KVLayout
+
+    cache = await history(gemma, n)
+    paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
+    tail, block_paths = write_paged(tmp_path, paged)
+    packing = (await gemma.run(KVLayout.of, gemma.model.model, 4, 32)).packing
+    got = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing)
+    assert got.packing == packing and all(is_packed(x) for x in got.layers)
+    floats = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    quantized = channel_boundary(n, 32)
+    for i, (row, original) in enumerate(zip(got.layers, cache.layers, strict=True)):
+        want = packing.pack(i, original)  # the batch's row of the original, float cache
+        assert row.keys.shape == want.keys.shape and row.offset == want.offset == n
+        first = n - min(n, original.max_size if isinstance(original, RotatingKVCache) else n)
+        whole = -(-first // 32) * 32 - first // 32 * 32  # columns before the first whole group
+        stop = quantized - first // 32 * 32
+        # (A 32-position window is all float: its positions are newer than FLOAT_WINDOW + 32.)
+        assert stop > whole or isinstance(original, RotatingKVCache)
+        assert mx.array_equal(row.keys[..., whole:stop, :], want.keys[..., whole:stop, :]).item()
+        assert mx.array_equal(
+            row.values[..., first % 32 :, :], want.values[..., first % 32 :, :]
+        ).item()
+        # The newest positions in float: what the file holds for them, expanded.
+        expanded = floats.layers[i]
+        held = min(float_window(32), expanded.keys.shape[2])
+        assert mx.array_equal(row.recent[0][..., -held:, :], expanded.keys[..., -held:, :]).item()
+        assert mx.array_equal(row.recent[1][..., -held:, :], expanded.values[..., -held:, :]).item()
+
+
 async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_path):
     cache = await history(gemma, 3 * BLOCK + 5)  # BLOCK 16: half a 32-position key group
     paged = await gemma.run(encode_paged, cache, 4, 32, BLOCK)

@@ -865,7 +865,7 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
     """With batch_kv_bits the hot tier keeps the packed rows (bytes per token by precision in
     stats and /metrics), a resume from it is packed already, and export_cache expands them."""
     per_token = {}
-    for bits in (None, 8):
+    for bits in (None, 8, 4):
         cfg = config(tmp_path / f"b{bits}", batch_kv_bits=bits, kv_bits=8)
         async with await AgentRuntime.open(cfg) as rt:
             await rt.create_agent("h")
@@ -883,18 +883,32 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
             exported = await rt.export_cache("h")
             assert exported.packing is None
             assert all(layer.keys.dtype == mx.float32 for layer in exported.layers)
+            if bits == 4:  # per position held: q4's bytes, and 48 positions in float
+                for packed, floats in zip(held.layers, exported.layers, strict=True):
+                    position = floats.nbytes / floats.keys.shape[2]
+                    quantized = packed.nbytes / packed.keys.shape[2]
+                    assert quantized / position == pytest.approx((0.5 + 4 / 32) / 4)
+                    assert sum(x.nbytes for x in packed.recent) == 48 * position
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"
     # A float32 value is 4 bytes; at q8 in groups of 32 it is 1 byte, plus a float16 scale
     # and bias (4 bytes) a group of 32.
     assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 32) / 4, rel=0.02)
+    # q4: half a byte a value and a scale and bias a group of 32, but 48 positions in float
+    # (more than this short cache holds: q4 pays off for long histories).
+    assert per_token[4] > per_token[8]
 
 
-@pytest.mark.parametrize("disk_bits", [None, 4])
-async def test_a_batch_quantized_otherwise_than_the_disk_still_resumes(tmp_path, disk_bits):
-    """batch_kv_bits=8 beside kv_bits None or 4: saves store the batch's rows expanded (then
-    quantized as the file says), resumes pack what they read."""
-    cfg = config(tmp_path, kv_bits=disk_bits, batch_kv_bits=8, hot_cache_bytes=0)
+@pytest.mark.parametrize(
+    ("batch_bits", "disk_bits"), [(8, None), (8, 4), (4, 4), (4, 8), (4, None)]
+)
+async def test_a_batch_quantized_otherwise_than_the_disk_still_resumes(
+    tmp_path, batch_bits, disk_bits
+):
+    """batch_kv_bits beside other kv_bits (and q4 beside q4: the batch's newest positions
+    are float): saves store the batch's rows expanded (then quantized as the file says),
+    resumes pack what they read."""
+    cfg = config(tmp_path, kv_bits=disk_bits, batch_kv_bits=batch_bits, hot_cache_bytes=0)
     async with await AgentRuntime.open(cfg) as rt:
         await rt.create_agent("m")
         for text in ("Hello there", "Go on", "And then?"):

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.batch_caches import Packing
+from engine.batch_caches import Packing, is_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache
 
@@ -26,9 +26,13 @@ def temporal_layer(
     """Keys and values of one layer in temporal order (used positions only), and its layout.
 
     A layer held packed (uint32 words, see ``engine.batch_caches``) is described by
-    ``packing``: its layout names the model's dtype and head sizes, its arrays stay packed."""
+    ``packing``: its layout names the model's dtype and head sizes, its arrays stay packed
+    (a layer held with keys per channel is expanded: the batch's float positions are the
+    newest, which a file quantizes on its own terms)."""
     if type(layer) not in LAYER_TYPES.values():
         raise ValueError(f"layer {i} is a {type(layer).__name__}; only {list(LAYER_TYPES)}")
+    if packing is not None and packing.channel_keys(i) and is_packed(layer):
+        layer = packing.expand_layer(i, layer)
     if layer.offset != num_tokens or layer.keys is None:
         raise ValueError(
             f"layer {i} holds {layer.offset} positions but the cache lists {num_tokens} tokens"

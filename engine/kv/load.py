@@ -5,13 +5,13 @@ MLX computes."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.batch_caches import Packing, is_packed, join_packed
+from engine.batch_caches import Packing, channel_row, is_packed, join_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSION, block_tokens_of, parse_int
 from engine.kv.layouts import DTYPES, parse_paged_layouts
@@ -91,6 +91,17 @@ def decode_paged(
                 and not (layouts[i].get("channel_keys") or layouts[i].get("rotated_values"))
             )
 
+        def keeps_channels(i: int, group: int | None) -> bool:
+            """Whether a batch holding keys per channel takes layer ``i``'s stored words."""
+            layout = layouts[i]
+            return (
+                group is not None
+                and packing is not None
+                and packing.channel_keys(i)
+                and (kv_bits, group) == (packing.bits, packing.group_sizes[i])
+                and bool(layout.get("channel_keys") and layout.get("rotated_values"))
+            )
+
         def materialize(
             got: dict[str, mx.array], layout: dict, kind: str, group: int | None, pack: bool
         ) -> mx.array:
@@ -104,6 +115,7 @@ def decode_paged(
 
         globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
         stacked = {}  # kv -> every global layer's keys or values, joined and materialized at once
+        stacked_words = {}  # kv -> the same, as stored (for a batch holding keys per channel)
         if meta.get("stacked") == "true" and globals_:
             first = layouts[globals_[0]]
             group = first.get("group_size") if kv_bits else None
@@ -112,21 +124,27 @@ def decode_paged(
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
                 pack = all(packs(i, group) for i in globals_)
                 stacked[kv] = materialize(got, first, kv, group, pack)
+                if any(keeps_channels(i, group) for i in globals_):
+                    stacked_words[kv] = join_packed(got[".q"], got[".scales"], got[".biases"])
         layers = []
         for i, layout in enumerate(layouts):
             group = layout.get("group_size") if kv_bits else None
             parts = [""] if group is None else [".q", ".scales", ".biases"]
-            arrays = []
+            arrays, words = [], []
             for kv in ("keys", "values"):
                 if stacked and layout["type"] == "KVCache":
                     g = globals_.index(i)
                     arrays.append(stacked[kv][g : g + 1])
+                    if keeps_channels(i, group):
+                        words.append(stacked_words[kv][g : g + 1])
                     continue
                 got = {}
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
                     got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
                 arrays.append(materialize(got, layout, kv, group, packs(i, group)))
+                if keeps_channels(i, group):
+                    words.append(join_packed(got[".q"], got[".scales"], got[".biases"]))
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:
@@ -134,6 +152,8 @@ def decode_paged(
                 layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
             layer.keys, layer.values = arrays
             layer.offset = layout["offset"]
+            if words:  # held as the file holds it; only the newest positions from the floats
+                layer = channel_row(layer, group, stored=tuple(words))
             layers.append(layer)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         # A missing or misshapen tensor: a damaged file says which here, else the files do
@@ -145,7 +165,7 @@ def decode_paged(
         raise CacheFormatError(f"{tail_path} and its blocks do not fit together: {exc!r}") from exc
     # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
     # hashes the files' memory here; nothing is returned unless it passes.
-    arrays = [x for layer in layers for x in (layer.keys, layer.values)]
+    arrays = [x for layer in layers for x in (layer.keys, layer.values, *layer_recent(layer))]
     mx.async_eval(*arrays)
     if check is not None:
         check(files)
@@ -153,6 +173,12 @@ def decode_paged(
     mx.eval(*arrays)
     packed = packing is not None and any(is_packed(layer) for layer in layers)
     return PromptCache(layers, token_list, packing=packing if packed else None)
+
+
+def layer_recent(layer: Any) -> tuple[mx.array, ...]:
+    """A channel-packed row's float copies of its newest positions (none for other rows)."""
+    recent = getattr(layer, "recent", None)
+    return () if recent is None else recent
 
 
 def _run_of(arrays: dict[str, mx.array], run: BlockRun, block_tokens: int) -> dict[str, mx.array]:

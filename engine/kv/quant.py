@@ -28,7 +28,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from engine.batch_caches import SCALE_DTYPE, Packing, as_float16
+from engine.batch_caches import Packing, as_float16, hadamard, quantize_per_channel
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
 from engine.kv.layouts import STORED, group_of, parse_layouts
@@ -121,34 +121,10 @@ def quantize_channel_keys(
     pieces = []
     if a:
         pieces.append(mx.quantize(x[..., :a, :], group_size=group, bits=4))
-    pieces.append(_per_channel(x[..., a:b, :], group))
+    pieces.append(quantize_per_channel(x[..., a:b, :], group))
     if b < x.shape[-2]:
         pieces.append(mx.quantize(x[..., b:, :], group_size=group, bits=4))
     return tuple(mx.concatenate([p[k] for p in pieces], axis=-2) for k in range(3))
-
-
-SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)  # of the eight 4-bit values in a word, low first
-
-
-def _per_channel(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
-    *lead, n, dim = x.shape
-    g = x.astype(mx.float32).reshape(*lead, n // group, group, dim)
-    low, high = g.min(axis=-2, keepdims=True), g.max(axis=-2, keepdims=True)
-    scales, biases = ((high - low) / 15).astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
-    # Rounded against the float16 scale and bias a reader uses.
-    step, base = scales.astype(mx.float32), biases.astype(mx.float32)
-    q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, 15).astype(mx.uint32)
-    q = q.reshape(*lead, n, dim // 8, 8)
-    words = (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
-    slots = (*lead, n, dim // group)
-    return words, scales.reshape(slots), biases.reshape(slots)
-
-
-def hadamard(x: mx.array) -> mx.array:
-    """The orthonormal Walsh-Hadamard transform of ``x``'s last axis (a power of two long), in
-    ``x``'s dtype: its own inverse. ``mx.hadamard_transform``: butterflies of adds and
-    subtracts, then one scaling, the float32 bits :func:`hadamard_on_host` computes on a CPU."""
-    return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
 
 
 def hadamard_on_host(x: np.ndarray) -> np.ndarray:
