@@ -42,8 +42,8 @@ class RuntimeConfig(BaseModel):
             this sets; the two cannot disagree). When both are 8 (and the group sizes agree),
             caches go from disk to the batch and back without a dequantize: the stored bytes
             never drift across resumes. (At 4 bits the batch holds keys per channel as q4
-            files do, but also its newest positions in float: a q4 cache is expanded on the
-            way in and out, and quantized again.)
+            files do, and its newest positions in float: a q4 file joins as stored, but a q4
+            row is expanded on its way to a file and quantized again there.)
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
         hot_cache_bytes: memory budget for recently used agents' caches, held as the batch

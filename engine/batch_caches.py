@@ -413,8 +413,8 @@ class _ChannelQuantized:
             first, stop = channel_boundary(was, group), channel_boundary(now, group)
             if stop > first:
                 self._settle(b, joined[0], first, stop, now)
-        f = float_window(group)
-        self.recent = (joined[0][..., -f:, :], joined[1][..., -f:, :])
+        f = float_window(group)  # (copies: a slice would keep all of ``joined`` alive)
+        self.recent = tuple(mx.contiguous(x[..., -f:, :]) for x in joined)
         # This step attends in float to what was float before it and to what it wrote (a
         # prompt's chunk sees itself unquantized); its newly whole groups are read quantized
         # from the next step on.
@@ -476,7 +476,10 @@ class _ChannelQuantized:
         row = super().extract(idx)  # type: ignore[misc]
         if isinstance(row, RotatingKVCache):
             row.max_size = self.max_size - self.group_size  # the model's window
-        row.recent = None if self.recent is None else tuple(r[idx : idx + 1] for r in self.recent)
+        if self.recent is None:
+            row.recent = None
+        else:  # copies, as mlx-lm's extract copies the buffers (a view keeps the group's alive)
+            row.recent = tuple(mx.contiguous(r[idx : idx + 1]) for r in self.recent)
         return row
 
     @property
@@ -596,9 +599,9 @@ def _held(row: Any) -> tuple[mx.array | None, mx.array | None]:
 
 
 def _last(x: mx.array, f: int) -> mx.array:
-    """The last ``f`` positions of ``x``, zeros before them when it holds fewer."""
+    """The last ``f`` positions of ``x`` (a copy), zeros before them when it holds fewer."""
     if x.shape[2] >= f:
-        return x[..., -f:, :]
+        return mx.contiguous(x[..., -f:, :])
     return mx.concatenate(
         [mx.zeros((*x.shape[:2], f - x.shape[2], x.shape[3]), x.dtype), x], axis=2
     )

@@ -84,8 +84,8 @@ class PromptCache:
         it ends (see :meth:`checkpointed`), so other conversations that start with the same
         tokens can be cut back to it exactly."""
         windows = {i: layer for i, layer in enumerate(self.layers) if _is_window(layer)}
-        if not windows or not self.tokens:
-            return self  # every layer is global: any prefix can be had anyway
+        if not windows or not self.tokens or self._channel_packed:
+            return self  # every layer is global: any prefix can be had anyway (or none)
         point = Checkpoint(self.num_tokens, windows, self.window_nbytes or 0, head=True)
         earlier = tuple(c for c in self.checkpoints if c.num_tokens < self.num_tokens)
         return dataclasses.replace(self, checkpoints=(point, *earlier))
@@ -101,8 +101,8 @@ class PromptCache:
         that rewrites its last turn (resends it changed) then resumes from the turn before.
         """
         windows = {i: layer for i, layer in enumerate(earlier.layers) if _is_window(layer)}
-        if not windows or not 0 < earlier.num_tokens < self.num_tokens:
-            return self
+        if not windows or not 0 < earlier.num_tokens < self.num_tokens or self._channel_packed:
+            return self  # (a cache packed with keys per channel is only had whole)
         heads = [c for c in earlier.checkpoints if c.head]
         points: list[Checkpoint] = []
         if recent:

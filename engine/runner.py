@@ -30,6 +30,7 @@ from engine.sequence import SeqStatus, Sequence
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
+CHANNEL_PROBE_TOKENS = 160  # a whole key group of up to 128 positions, FLOAT_WINDOW old
 
 
 @dataclass(slots=True)
@@ -78,10 +79,15 @@ class ModelRunner:
     def _quantize(self, layout: KVLayout) -> None:
         """Use ``layout`` (quantized layers) once a step of rows runs through it to finite
         logits; else keep the model's precision and say why."""
-        model, probe = self.model, mx.arange(1, PROBE_TOKENS + 1)
+        model, probe, split = self.model, mx.arange(1, PROBE_TOKENS + 1), 0
+        if layout.packing is not None and layout.packing.any_channel:
+            # Keys are quantized per channel once a group of them is FLOAT_WINDOW old: a
+            # second step reads the first's that way.
+            split = CHANNEL_PROBE_TOKENS
+            probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
         try:
-            got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe)
+            got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split)
             if not mx.all(mx.isfinite(got)).item():
                 raise UnsupportedModelError("its logits are not finite")
         except Exception as exc:
@@ -208,13 +214,19 @@ class ModelRunner:
                 return backbone, head
         return None, None
 
-    def _probe_rows(self, forward: Any, probe: mx.array) -> mx.array:
+    def _probe_rows(self, forward: Any, probe: mx.array, split: int = 0) -> mx.array:
+        """The logits of ``probe`` fed as one step of rows (``split``: two steps, the second
+        attending to the first's keys as the layout holds them)."""
         group = self.layout.empty_layers()
-        spans = [
-            StepCache([Span(layer, 0, probe.size, prefill=True)], mx.arange(probe.size))
-            for layer in group
-        ]
-        out = forward(probe[:, None], spans)[:, -1, :]
+        parts = [(probe[:split], 0), (probe[split:], split)] if split else [(probe, 0)]
+        for part, start in parts:
+            spans = [
+                StepCache(
+                    [Span(layer, 0, part.size, prefill=True)], mx.arange(start, start + part.size)
+                )
+                for layer in group
+            ]
+            out = forward(part[:, None], spans)[:, -1, :]
         mx.eval(out)
         return out
 
