@@ -54,6 +54,8 @@ def decode_paged(
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
     bits and group size, per token (q8), is not dequantized: its words, scales and biases are
     packed as the batch holds them (``engine.batch_caches``), bit for bit what the file stores.
+    A q4 layer (keys per channel, values rotated) joins a batch holding q4 with its stored
+    words too, its newest positions expanded into the float copies the batch keeps of them.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
