@@ -351,13 +351,6 @@ def channel_keys_f32(x: mx.array, dim: int, group: int, pos: mx.array, wrap: boo
     return four_bit_codes(words) * scales + biases
 
 
-def _values_f32(x: mx.array, dim: int, group: int) -> mx.array:
-    """Packed rotated values in float32, still rotated."""
-    words, scales, biases = unpacked(x, dim, 4, group)
-    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    return mx.dequantize(words, scales, biases, group_size=group, bits=4)
-
-
 def _overlay(x: mx.array, recent: mx.array, floats: list[int], newest: int, wrap: bool) -> mx.array:
     """``x`` with the positions each row holds in float (its newest ``floats[b]``, at columns
     up to ``newest``) taken from ``recent`` (right-aligned: its last column is ``newest``)."""
@@ -447,7 +440,7 @@ class _ChannelQuantized:
         pos = mx.array(self.lengths)[:, None] - 1 - ages[None]
         keys = channel_keys_f32(held_keys, recent_keys.shape[3], group, pos, wrap)
         keys = _overlay(keys, recent_keys, floats, newest, wrap)
-        values = _values_f32(held_values, recent_values.shape[3], group)
+        values = expand(held_values, recent_values.shape[3], mx.float32, 4, group)
         values = _overlay(values, hadamard(recent_values.astype(mx.float32)), floats, newest, wrap)
         return keys.astype(recent_keys.dtype), values.astype(recent_keys.dtype)
 
@@ -624,7 +617,7 @@ def expanded_channel_row(row: Any, group: int, dims: tuple[int, int], dtype: Any
     keys = _overlay(
         channel_keys_f32(held_keys, dims[0], group, pos, False), row.recent[0], floats, L - 1, False
     )
-    values = hadamard(_values_f32(held_values, dims[1], group))
+    values = hadamard(expand(held_values, dims[1], mx.float32, 4, group))
     values = _overlay(values, row.recent[1], floats, L - 1, False)
     if window is not None:
         keep = min(L, window)
