@@ -11,6 +11,12 @@ KV held at most, generated tokens per second over the run, and each against the 
 precision. Then, per precision, the same agents' finished caches (as the engine hands them
 back: packed when quantized) go one by one into a ``HotTier`` whose budget holds ``--fits`` of
 them in the model's precision: the agents it holds at the end and its bytes per token.
+Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
+heads, query heads, head size), ``--fits`` rows of ``--history`` positions: its decode step in
+the model's precision (float32), q8 and q4 as ``engine.attention`` runs them, and q4 with its
+keys expanded (as attention read them before folding each group's scales into the query):
+milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
+above what the buffer holds).
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -23,11 +29,22 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
 from agents.caches.hot import HotTier
 from benchmarks.bench_budget import ask
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
+from engine.attention import channel_attention, decode_attention
+from engine.batch_caches import (
+    GroupKVCache,
+    channel_buffer,
+    channel_row,
+    hadamard,
+    packed,
+    quantized_buffer,
+)
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import GenerationRequest
@@ -108,6 +125,84 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+STEPS = 5
+
+
+def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dict:
+    """One attention layer's decode step over ``rows`` histories of ``history`` positions,
+    per precision: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
+    kv_heads, q_heads, dim = layer
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    scale = dim**-0.5
+
+    def float_rows() -> list[KVCache]:
+        out = []
+        for b in range(rows):
+            row = KVCache()
+            shape = (1, kv_heads, history, dim)
+            row.update_and_fetch(
+                mx.random.normal(shape, key=mx.random.key(2 * b)),
+                mx.random.normal(shape, key=mx.random.key(2 * b + 1)),
+            )
+            mx.eval(row.keys, row.values)
+            out.append(row)
+        return out
+
+    def q8_row(row: KVCache) -> KVCache:
+        out = KVCache()
+        out.keys, out.values = (packed(x[..., :history, :], 8, 32) for x in (row.keys, row.values))
+        out.offset = history
+        return out
+
+    def attend(name: str, fetched: tuple, q: mx.array, cache) -> mx.array:
+        if name == "q4":
+            return channel_attention(q, fetched[0], scale, None, None)
+        if name == "q4 keys expanded":
+            keys, values = fetched[0].expanded()
+        else:
+            keys, values = fetched
+        if on_cpu and isinstance(keys, mx.array):
+            out = decode_attention(q, keys, values, scale, None)
+        else:
+            out = scaled_dot_product_attention(q, keys, values, cache, scale=scale, mask=None)
+        return out if name == "model" or name == "q8" else hadamard(out)
+
+    results = {}
+    for name in ("model", "q8", "q4", "q4 keys expanded"):
+        if name == "model":
+            buffer = GroupKVCache.merge(float_rows())
+        elif name == "q8":
+            buffer = quantized_buffer([q8_row(r) for r in float_rows()], None, 8, 32)
+        else:
+            buffer = channel_buffer([channel_row(r, 32) for r in float_rows()], None, 32)
+        mx.eval(buffer.state)
+        times, peaks = [], []
+        for step in range(STEPS):
+            k, v, q = (
+                mx.random.normal((rows, heads, 1, dim), key=mx.random.key(100 + 3 * step + i))
+                for i, heads in enumerate((kv_heads, kv_heads, q_heads))
+            )
+            fetched = buffer.update_and_fetch(k, v)
+            held = fetched[0]
+            mx.eval(fetched if name in ("model", "q8") else (held.keys, held.values, held.recent))
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+            start = time.perf_counter()
+            mx.eval(attend(name, fetched, q, buffer))
+            times.append(time.perf_counter() - start)
+            peaks.append(mx.get_peak_memory() - before)
+            del fetched, held
+        results[name] = {
+            "ms": round(1000 * min(times), 2),
+            "working_set_mb": round(max(peaks) / 2**20, 1),
+        }
+        del buffer
+    base = results["model"]
+    for row in results.values():
+        row["ms_vs_model"] = round(row["ms"] / base["ms"], 3)
+    return {"history": history, "rows": rows, "layer": list(layer), "by_precision": results}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="quantized KV in the batch: agents per budget")
     parser.add_argument("--model", default="tiny:gemma3-bench")
@@ -115,13 +210,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--agents", type=int, help="agents asking (default: 8 x --fits)")
+    parser.add_argument(
+        "--layer",
+        type=int,
+        nargs=3,
+        default=(8, 16, 256),
+        metavar=("KV_HEADS", "Q_HEADS", "DIM"),
+        help="the attention layer timed (default: a Gemma 3 12B global layer)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, 1000-token histories")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 1000, 4
+        args.layer = (2, 4, 64)
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
+    report["attention"] = attention_steps(args.history, args.fits, tuple(args.layer))
+    for name, row in report["attention"]["by_precision"].items():
+        print(
+            f"attention, one layer {tuple(args.layer)}, {args.fits} x {args.history}: {name}: "
+            f"{row['ms']:.1f} ms a step ({row['ms_vs_model']:.2f}x), working set "
+            f"{row['working_set_mb']:.1f} MB",
+            flush=True,
+        )
     write_report(report, args.out, plot)
     return report
 

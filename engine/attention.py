@@ -21,6 +21,11 @@ On MLX's CPU backend, decode spans (one query per row) attend through :func:`dec
 the same math as two matmuls over the key-value head groups: 1.6x faster than
 ``mx.fast.scaled_dot_product_attention`` there at a 16K-token history and 2.5x at 32K (its
 kernel reads the keys at about 1.6 GB/s), which is what a long agent costs the others.
+
+A four-bit layer (``engine.batch_caches``: keys per channel, values rotated, its newest
+positions in float) hands attention a :class:`~engine.batch_caches.ChannelHeld`, which
+:func:`channel_attention` reads without expanding the quantized keys (``bench_batch_kv``
+measures its working set and time against expanding them).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import hadamard
+from engine.batch_caches import ChannelHeld, hadamard, unpacked
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
@@ -109,15 +114,13 @@ class StepCache:
         outputs = []
         for span, k, v, mask in zip(self.spans, keys, values, masks, strict=True):
             q = span.as_block(queries)
-            if _ON_CPU[0] and not span.prefill and sinks is None and isinstance(k, mx.array):
-                outputs.append(decode_attention(q, k, v, scale, mask))
-                continue
-            out = _MLX_LM_SDPA(q, k, v, span.cache, scale=scale, mask=mask, sinks=sinks)
+            if isinstance(k, ChannelHeld):
+                out = channel_attention(q, k, scale, mask, sinks)
+            elif _ON_CPU[0] and not span.prefill and sinks is None and isinstance(k, mx.array):
+                out = decode_attention(q, k, v, scale, mask)
+            else:
+                out = _MLX_LM_SDPA(q, k, v, span.cache, scale=scale, mask=mask, sinks=sinks)
             outputs.append(out.transpose(2, 1, 0, 3) if span.prefill else out)
-        outputs = [
-            hadamard(out) if getattr(span.cache, "rotated_values", False) else out
-            for span, out in zip(self.spans, outputs, strict=True)
-        ]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 
@@ -152,8 +155,117 @@ def ragged_attention(
     """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache`."""
     if isinstance(cache, StepCache):
         return cache.attend(queries, keys, values, scale, mask, sinks)
-    out = _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    return hadamard(out) if getattr(cache, "rotated_values", False) else out
+    if isinstance(keys, ChannelHeld):
+        return channel_attention(queries, keys, scale, mask, sinks)
+    return _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def channel_attention(
+    queries: mx.array, held: ChannelHeld, scale: float, mask: Any, sinks: mx.array | None
+) -> mx.array:
+    """Attention of ``(B, Hq, Lq, D)`` queries over a four-bit layer held per channel.
+
+    A key group's codes ``c`` read as ``s * c + b`` with one scale ``s`` and bias ``b`` per
+    channel, so a query's score against them is ``(q * s) . c + q . b``: each key group meets
+    the query scaled by its scales in a matmul over its raw codes (:func:`_folded_scores`), and
+    the keys are never expanded. Columns a row holds in float are scored and weighted from
+    ``recent``. Values are quantized per position, as ``mx.quantized_matmul`` reads them.
+    Scores and weights are float32; the output is rotated back (the values are held rotated)
+    and given in the queries' dtype.
+
+    Where scaling the queries per group would hold more than the keys expanded (more than
+    ``group`` query rows a key-value head, as in a prompt's chunk), or the groups do not line
+    up (a ring whose size no group divides), the keys and values are expanded and attended in
+    float instead.
+    """
+    B, n_q, Lq, dk = queries.shape
+    n_kv, L, group = held.keys.shape[1], held.keys.shape[2], held.group
+    rows = n_q // n_kv * Lq  # query rows a key-value head
+    foldable = mask is None or isinstance(mask, mx.array)
+    if sinks is not None or rows > group or (held.wrap and L % group) or not foldable:
+        keys, values = held.expanded()
+        if _ON_CPU[0] and Lq == 1 and sinks is None and foldable:
+            out = decode_attention(queries, keys, values, scale, mask)
+        else:
+            out = _MLX_LM_SDPA(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        return hadamard(out)
+    recent_keys, recent_values = held.recent
+    dv, f = recent_values.shape[3], recent_keys.shape[2]
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
+    scores = _folded_scores(q, held)
+
+    # Columns held in float: scored against ``recent`` (column c: its entry of age c's).
+    in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
+    recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
+    recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
+    scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
+
+    if mask is not None:
+        shape = scores.shape
+        scores = scores.reshape(B, n_kv, rows // Lq, Lq, L)
+        mask = mask.reshape(-1, 1, 1, *mask.shape[-2:])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+        else:
+            scores = scores + mask.astype(mx.float32)
+        scores = scores.reshape(shape)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+
+    # Values: the quantized columns through their words, the float ones from ``recent``.
+    v_words, v_scales, v_biases = unpacked(held.values, dv, 4, group)
+    out = mx.quantized_matmul(
+        mx.where(in_float, mx.array(0, mx.float32), weights),
+        v_words,
+        v_scales.astype(mx.float32),
+        v_biases.astype(mx.float32),
+        transpose=False,
+        group_size=group,
+        bits=4,
+    )
+    age = f - 1 - mx.arange(f)  # of each recent entry
+    column = held.newest - age
+    reads = (age[None] < mx.array(held.floats)[:, None]) & (
+        age[None] < (L if held.wrap else held.newest + 1)
+    )
+    column = column % L if held.wrap else mx.clip(column, 0, L - 1)
+    recent_weights = mx.take(weights, column, axis=-1) * reads[:, None, None, :]
+    out = out + recent_weights @ hadamard(recent_values.astype(mx.float32))
+    return hadamard(out).reshape(B, n_q, Lq, dv).astype(queries.dtype)
+
+
+def _folded_scores(q: mx.array, held: ChannelHeld) -> mx.array:
+    """``(B, Hkv, rows, L)`` scores of queries ``q`` (scaled, ``(B, Hkv, rows, D)``) against
+    the buffer's quantized key groups, each group's scales folded into the queries (columns
+    of no quantized group give finite values the caller replaces or masks)."""
+    B, n_kv, rows, dk = q.shape
+    L, group = held.keys.shape[2], held.group
+    # Key groups laid out whole: row b's columns shifted so each group starts at a multiple of
+    # ``group`` (columns past the buffer repeat its edge; their scores are never read back).
+    shift = mx.array(held.shifts())[:, None]  # (B, 1)
+    n_groups = -(-(L + group - 1) // group)
+    cols = mx.arange(n_groups * group)[None] - shift
+    cols = cols % L if held.wrap else mx.clip(cols, 0, L - 1)
+    aligned = mx.take_along_axis(held.keys, cols[:, None, :, None], axis=2)
+    words = aligned[..., : dk // 8].reshape(B, n_kv, n_groups, group, dk // 8)
+    halves = aligned[..., dk // 8 :].view(mx.float16)
+    halves = halves.reshape(B, n_kv, n_groups, group, 2, dk // group)
+    scales = halves[..., 0, :].reshape(B, n_kv, n_groups, 1, dk).astype(mx.float32)
+    biases = halves[..., 1, :].reshape(B, n_kv, n_groups, dk).astype(mx.float32)
+    ones, zeros, size = _unit_scales(B, n_kv, n_groups, group, dk)
+    scores = mx.quantized_matmul(
+        q[:, :, None] * scales, words, ones, zeros, transpose=True, group_size=size, bits=4
+    )  # (B, Hkv, groups, rows, group)
+    scores = scores + (q @ biases.swapaxes(-1, -2)).swapaxes(-1, -2)[..., None]
+    scores = scores.transpose(0, 1, 3, 2, 4).reshape(B, n_kv, rows, n_groups * group)
+    return mx.take_along_axis(scores, (mx.arange(L)[None] + shift)[:, None, None, :], axis=-1)
+
+
+def _unit_scales(B: int, heads: int, groups: int, group: int, dim: int) -> tuple:
+    """Scales of one and biases of zero for ``mx.quantized_matmul`` to read four-bit codes as
+    they are, in its largest group that divides ``dim``, and that group size."""
+    size = next(g for g in (128, 64, 32) if dim % g == 0)
+    ones = mx.ones((B, heads, groups, group, dim // size), mx.float32)
+    return ones, mx.zeros_like(ones), size
 
 
 def install(model: nn.Module) -> int:

@@ -23,8 +23,9 @@ q4 holds them as a q4 cache file does: keys per channel over groups of ``group_s
 positions (KIVI; the group's scales spread over its positions' slots, so the packed rows keep
 per-position shapes and mlx-lm's operations still move them), values rotated by
 :func:`hadamard` and quantized per position, and the newest positions (:data:`FLOAT_WINDOW`
-and the key group not yet whole) kept in float beside the buffer. Attention reads keys and
-values expanded to the model's dtype and rotates its output back (``engine.attention``).
+and the key group not yet whole) kept in float beside the buffer. Attention scores the
+quantized keys as they are (each group's scales fold into the query) and rotates its output
+back (``engine.attention``).
 A sliding window's ring holds one key group more than the window (:func:`ring_size`), so no
 group loses a scale slot while one of its positions is in the window.
 
@@ -368,6 +369,67 @@ def _overlay(x: mx.array, recent: mx.array, floats: list[int], newest: int, wrap
     return x
 
 
+@dataclass(frozen=True, slots=True)
+class ChannelHeld:
+    """A channel-quantized layer as one step's attention reads it (``engine.attention``
+    attends over it without expanding the quantized keys; :meth:`expanded` expands them).
+
+    Attributes:
+        keys, values: the packed buffer ``(B, H, L, words)``: keys per channel in whole groups
+            (other columns hold them per position), values rotated by :func:`hadamard`.
+        recent: float keys and (unrotated) values ``(B, H, f, D)``, right-aligned with column
+            ``newest``; row ``b`` reads its newest ``floats[b]`` positions from them.
+        lengths: each row's length (its newest position is ``lengths[b] - 1``).
+        newest: the column of every row's newest position.
+        wrap: the columns are a ring (counted modulo ``L``).
+        group: the key group (and value quantization group) size.
+    """
+
+    keys: mx.array
+    values: mx.array
+    recent: tuple[mx.array, mx.array]
+    floats: tuple[int, ...]
+    lengths: tuple[int, ...]
+    newest: int
+    wrap: bool
+    group: int
+
+    @property
+    def ages(self) -> mx.array:
+        """``(L,)``: how many positions older than its row's newest each column holds (a
+        ring's columns past ``newest`` hold the oldest)."""
+        L = self.keys.shape[2]
+        ages = self.newest - mx.arange(L)
+        return ages % L if self.wrap else ages
+
+    @property
+    def positions(self) -> mx.array:
+        """``(B, L)``: the position each column holds (negative: padding)."""
+        return mx.array(self.lengths)[:, None] - 1 - self.ages[None]
+
+    def shifts(self) -> list[int]:
+        """Per row, how far its first column is into its key group (column 0 holds position
+        ``lengths[b] - 1 - newest``; a ring of a multiple of ``group`` keeps that phase)."""
+        return [(n - 1 - self.newest) % self.group for n in self.lengths]
+
+    def float_columns(self) -> mx.array:
+        """``(B, L)``: which columns each row reads from ``recent``."""
+        f = self.recent[0].shape[2]
+        ages = self.ages[None]
+        return (ages >= 0) & (ages < mx.array([min(n, f) for n in self.floats])[:, None])
+
+    def expanded(self) -> tuple[mx.array, mx.array]:
+        """Keys and rotated values in the model's dtype, every column expanded."""
+        (recent_keys, recent_values), group = self.recent, self.group
+        wrap = self.wrap
+        keys = channel_keys_f32(self.keys, recent_keys.shape[3], group, self.positions, wrap)
+        keys = _overlay(keys, recent_keys, self.floats, self.newest, wrap)
+        values = expand(self.values, recent_values.shape[3], mx.float32, 4, group)
+        rotated = hadamard(recent_values.astype(mx.float32))
+        values = _overlay(values, rotated, self.floats, self.newest, wrap)
+        return keys.astype(recent_keys.dtype), values.astype(recent_keys.dtype)
+
+
 class _ChannelQuantized:
     """Four-bit keys and values as a q4 cache file holds them, in a group buffer: keys per
     channel over groups of ``group_size`` positions (their float16 scales spread over the
@@ -377,19 +439,18 @@ class _ChannelQuantized:
 
     mlx-lm's batch operations move the packed columns along one axis and ``recent`` along the
     rows; each row's length is kept on the host (``lengths``), which says which of its columns
-    hold which positions. Attention gets keys and (rotated) values in the model's dtype;
-    ``rotated_values`` tells ``engine.attention`` to rotate its output back.
+    hold which positions. A step hands attention a :class:`ChannelHeld` (as both keys and
+    values), which ``engine.attention`` attends over without expanding the quantized keys.
     """
 
     group_size: int
     lengths: list[int]
     recent: tuple[mx.array, mx.array] | None
-    rotated_values = True
 
     def _wraps(self) -> bool:
         return bool(getattr(self, "rotated", False))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[ChannelHeld, ChannelHeld]:
         group, n = self.group_size, keys.shape[2]
         rotated = hadamard(values.astype(mx.float32))
         super().update_and_fetch(packed(keys, 4, group), packed(rotated, 4, group))  # type: ignore[misc]
@@ -411,8 +472,17 @@ class _ChannelQuantized:
         # This step attends in float to what was float before it and to what it wrote (a
         # prompt's chunk sees itself unquantized); its newly whole groups are read quantized
         # from the next step on.
-        floats = [was - channel_boundary(was, group) + n for was in old]
-        return self._fetch(joined, floats)
+        floats = tuple(was - channel_boundary(was, group) + n for was in old)
+        held = ChannelHeld(
+            *self.keys_and_values(),
+            tuple(joined),
+            floats,
+            tuple(self.lengths),
+            self._idx - 1,
+            self._wraps(),
+            group,
+        )
+        return held, held
 
     def _settle(self, b: int, joined: mx.array, first: int, stop: int, length: int) -> None:
         """Quantize row ``b``'s keys of positions ``[first, stop)`` per channel (whole groups
@@ -427,22 +497,6 @@ class _ChannelQuantized:
         else:
             cols = slice(newest - oldest, newest - youngest + 1)
         self.keys[b : b + 1, :, cols, :] = data
-
-    def _fetch(self, recent: list[mx.array], floats: list[int]) -> tuple[mx.array, mx.array]:
-        """Keys and rotated values for attention, each row's newest ``floats[b]`` positions
-        taken from ``recent`` (right-aligned with the buffer)."""
-        held_keys, held_values = self.keys_and_values()
-        group, (recent_keys, recent_values) = self.group_size, recent
-        L, newest, wrap = held_keys.shape[2], self._idx - 1, self._wraps()
-        ages = newest - mx.arange(L)
-        if wrap:
-            ages = ages % L
-        pos = mx.array(self.lengths)[:, None] - 1 - ages[None]
-        keys = channel_keys_f32(held_keys, recent_keys.shape[3], group, pos, wrap)
-        keys = _overlay(keys, recent_keys, floats, newest, wrap)
-        values = expand(held_values, recent_values.shape[3], mx.float32, 4, group)
-        values = _overlay(values, hadamard(recent_values.astype(mx.float32)), floats, newest, wrap)
-        return keys.astype(recent_keys.dtype), values.astype(recent_keys.dtype)
 
     def filter(self, batch_indices: list[int]) -> None:
         super().filter(batch_indices)  # type: ignore[misc]

@@ -336,6 +336,10 @@ def test_batch_kv_quick(tmp_path):
     assert rows["q4"]["hot_token_bytes"] < rows["q8"]["hot_token_bytes"]
     assert rows["q8"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
     assert rows["q8"]["hot_agents"] > rows["model"]["hot_agents"]
+    # One attention layer's step, timed per precision (q4 also with its keys expanded).
+    steps = report["attention"]["by_precision"]
+    assert list(steps) == ["model", "q8", "q4", "q4 keys expanded"]
+    assert all(s["ms"] > 0 and s["working_set_mb"] >= 0 for s in steps.values())
 
 
 def test_scaleout_quick(tmp_path):

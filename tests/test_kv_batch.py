@@ -259,6 +259,7 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
     the bytes quantizing the whole history at once gives, the float copies are the newest
     positions exactly, and attention through the group equals attention over those positions
     expanded (one key channel is 100x the others, which per-position scales would blur)."""
+    from engine.attention import channel_attention
     from engine.batch_caches import (
         channel_buffer,
         channel_row,
@@ -287,7 +288,7 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         mask = buffer.make_mask(1, window_size=window)
         k = mx.stack([keys[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
         v = mx.stack([values[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
-        got_k, got_v = buffer.update_and_fetch(k, v)
+        held, _ = buffer.update_and_fetch(k, v)
         # This step attends to what the history before it holds, and to the new position in
         # float (the group it completes is read quantized from the next step on).
         before = [
@@ -296,8 +297,13 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         ]
         for b, row in enumerate(whole_rows):
             row.update_and_fetch(k[b : b + 1], v[b : b + 1])
-        out = mx.fast.scaled_dot_product_attention(query, got_k, got_v, scale=0.125, mask=mask)
-        out = hadamard(out)  # the values are held rotated
+        # Attention over the quantized keys as they are, and over them expanded.
+        out = channel_attention(query, held, 0.125, mask, None)
+        keys_f, values_f = held.expanded()
+        expanded = mx.fast.scaled_dot_product_attention(
+            query, keys_f, values_f, scale=0.125, mask=mask
+        )
+        assert mx.allclose(out, hadamard(expanded), atol=1e-4).item(), (window, t)
         for b, want in enumerate(before):
             wk = mx.concatenate([want.keys, k[b : b + 1]], axis=2)
             wv = mx.concatenate([want.values, v[b : b + 1]], axis=2)
@@ -335,3 +341,46 @@ def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
     assert mx.array_equal(row.keys[..., :q, :], stored).item()
     assert mx.array_equal(row.keys[..., q:, :], packed(keys[..., q:, :], 4, 32)).item()
     assert mx.array_equal(row.values, packed(hadamard(values), 4, 32)).item()
+
+
+@pytest.mark.parametrize("window", [None, 48, 64])
+@pytest.mark.parametrize(("query_heads", "chunk"), [(2, 1), (8, 1), (4, 5), (4, 40)])
+def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expanded(
+    window, query_heads, chunk
+):
+    """Attention over a four-bit layer scores each key group against the query scaled by the
+    group's scales instead of expanding the keys (decode steps, grouped query heads, small
+    chunks with their causal mask, a ring of a whole number of groups); many query rows (a
+    40-token chunk) or a ring that splits a group expand them. Either way it gives what
+    attention over the expanded keys gives, rows of different lengths padded."""
+    from engine.attention import channel_attention
+    from engine.batch_caches import channel_buffer, channel_row, hadamard
+
+    group, H, D = 32, 2, 64
+    lengths = [3, 70, 161]
+    keys = mx.random.normal((3, H, 161, D), key=mx.random.key(6)) * mx.where(
+        mx.arange(D) == 9, 50.0, 1.0
+    )
+    values = mx.random.normal(keys.shape, key=mx.random.key(7))
+    rows = [
+        channel_row(float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window), group)
+        for b, n in enumerate(lengths)
+    ]
+    if chunk > 1:  # a prompt's chunk: one sequence's group
+        rows = rows[2:]
+    buffer = channel_buffer(rows, window, group)
+    B = len(rows)
+    for t in range(3):
+        mask = buffer.make_mask(chunk, window_size=window)
+        k, v = (
+            mx.random.normal((B, H, chunk, D), key=mx.random.key(20 + 2 * t + i)) for i in (0, 1)
+        )
+        held, _ = buffer.update_and_fetch(k, v)
+        query = mx.random.normal((B, query_heads, chunk, D), key=mx.random.key(40 + t))
+        got = channel_attention(query, held, 0.125, mask, None)
+        keys_f, values_f = held.expanded()
+        want = hadamard(
+            mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
+        )
+        assert got.shape == (B, query_heads, chunk, D)
+        assert mx.allclose(got, want, atol=1e-4).item(), (t, mx.abs(got - want).max().item())
