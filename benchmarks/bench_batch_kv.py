@@ -12,7 +12,8 @@ precision. Then, per precision, the same agents' finished caches (as the engine 
 back: packed when quantized) go one by one into a ``HotTier`` whose budget holds ``--fits`` of
 them in the model's precision: the agents it holds at the end and its bytes per token.
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
-heads, query heads, head size), ``--fits`` rows of ``--history`` positions: its decode step in
+heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
+each other, masked): its decode step in
 the model's precision (float32), q8 and q4 as ``engine.attention`` runs them, and q4 with its
 keys expanded (as attention read them before folding each group's scales into the query):
 milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
@@ -129,8 +130,9 @@ STEPS = 5
 
 
 def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dict:
-    """One attention layer's decode step over ``rows`` histories of ``history`` positions,
-    per precision: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
+    """One attention layer's decode step over ``rows`` histories of about ``history``
+    positions (row ``b``: ``5 * b`` fewer, so the group pads them), masked as the engine masks
+    a padded group, per precision: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
     kv_heads, q_heads, dim = layer
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     scale = dim**-0.5
@@ -139,7 +141,7 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
         out = []
         for b in range(rows):
             row = KVCache()
-            shape = (1, kv_heads, history, dim)
+            shape = (1, kv_heads, history - 5 * b, dim)  # padded, groups out of phase
             row.update_and_fetch(
                 mx.random.normal(shape, key=mx.random.key(2 * b)),
                 mx.random.normal(shape, key=mx.random.key(2 * b + 1)),
@@ -150,21 +152,22 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
 
     def q8_row(row: KVCache) -> KVCache:
         out = KVCache()
-        out.keys, out.values = (packed(x[..., :history, :], 8, 32) for x in (row.keys, row.values))
-        out.offset = history
+        n = row.offset
+        out.keys, out.values = (packed(x[..., :n, :], 8, 32) for x in (row.keys, row.values))
+        out.offset = row.offset
         return out
 
-    def attend(name: str, fetched: tuple, q: mx.array, cache) -> mx.array:
+    def attend(name: str, fetched: tuple, q: mx.array, cache, mask: mx.array) -> mx.array:
         if name == "q4":
-            return channel_attention(q, fetched[0], scale, None, None)
+            return channel_attention(q, fetched[0], scale, mask, None)
         if name == "q4 keys expanded":
             keys, values = fetched[0].expanded()
         else:
             keys, values = fetched
         if on_cpu and isinstance(keys, mx.array):
-            out = decode_attention(q, keys, values, scale, None)
+            out = decode_attention(q, keys, values, scale, mask)
         else:
-            out = scaled_dot_product_attention(q, keys, values, cache, scale=scale, mask=None)
+            out = scaled_dot_product_attention(q, keys, values, cache, scale=scale, mask=mask)
         return out if name == "model" or name == "q8" else hadamard(out)
 
     results = {}
@@ -182,16 +185,19 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
                 mx.random.normal((rows, heads, 1, dim), key=mx.random.key(100 + 3 * step + i))
                 for i, heads in enumerate((kv_heads, kv_heads, q_heads))
             )
+            mask = buffer.make_mask(1)
             fetched = buffer.update_and_fetch(k, v)
             held = fetched[0]
-            mx.eval(fetched if name in ("model", "q8") else (held.keys, held.values, held.recent))
+            mx.eval(
+                mask, fetched if name in ("model", "q8") else (held.keys, held.values, held.recent)
+            )
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()
-            mx.eval(attend(name, fetched, q, buffer))
+            mx.eval(attend(name, fetched, q, buffer, mask))
             times.append(time.perf_counter() - start)
             peaks.append(mx.get_peak_memory() - before)
-            del fetched, held
+            del fetched, held, mask
         results[name] = {
             "ms": round(1000 * min(times), 2),
             "working_set_mb": round(max(peaks) / 2**20, 1),

@@ -17,7 +17,8 @@ The only hook is ``scaled_dot_product_attention``: every mlx-lm model imports it
 ``mlx_lm.models.base`` by name, so :func:`install` points that name, in the model's own
 modules, at :func:`ragged_attention`, which hands any other cache straight to mlx-lm's function.
 
-On MLX's CPU backend, decode spans (one query per row) attend through :func:`decode_attention`,
+On MLX's CPU backend, decode spans (one query per row) of float or q8 layers attend through
+:func:`decode_attention`,
 the same math as two matmuls over the key-value head groups: 1.6x faster than
 ``mx.fast.scaled_dot_product_attention`` there at a 16K-token history and 2.5x at 32K (its
 kernel reads the keys at about 1.6 GB/s), which is what a long agent costs the others.
@@ -171,7 +172,7 @@ def channel_attention(
     the keys are never expanded. Columns a row holds in float are scored and weighted from
     ``recent``. Values are quantized per position, as ``mx.quantized_matmul`` reads them.
     Scores and weights are float32; the output is rotated back (the values are held rotated)
-    and given in the queries' dtype.
+    and given in the queries' dtype (the fallback below: in the keys', the same in practice).
 
     Where scaling the queries per group would hold more than the keys expanded (more than
     ``group`` query rows a key-value head, as in a prompt's chunk), or the groups do not line

@@ -81,8 +81,8 @@ class ModelRunner:
         logits; else keep the model's precision and say why."""
         model, probe, split = self.model, mx.arange(1, PROBE_TOKENS + 1), 0
         if layout.packing is not None and layout.packing.any_channel:
-            # Keys are quantized per channel once a group of them is FLOAT_WINDOW old: a
-            # second step reads the first's that way.
+            # Keys are quantized per channel once a group of them is FLOAT_WINDOW old: later
+            # steps read the first's that way (the last, one token, as a decode step does).
             split = CHANNEL_PROBE_TOKENS
             probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
@@ -215,10 +215,14 @@ class ModelRunner:
         return None, None
 
     def _probe_rows(self, forward: Any, probe: mx.array, split: int = 0) -> mx.array:
-        """The logits of ``probe`` fed as one step of rows (``split``: two steps, the second
-        attending to the first's keys as the layout holds them)."""
+        """The logits of ``probe`` fed as one step of rows (``split``: three steps, the
+        tokens from ``split`` on, then the last one alone, attending to the first's keys as
+        the layout holds them)."""
         group = self.layout.empty_layers()
-        parts = [(probe[:split], 0), (probe[split:], split)] if split else [(probe, 0)]
+        parts = [(probe, 0)]
+        if split:
+            last = probe.size - 1
+            parts = [(probe[:split], 0), (probe[split:last], split), (probe[last:], last)]
         for part, start in parts:
             spans = [
                 StepCache(
