@@ -37,13 +37,13 @@ from agents.caches.hot import HotTier
 from benchmarks.bench_budget import ask
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
-from engine.attention import channel_attention, decode_attention
+from engine.attention import decode_attention, quantized_attention
 from engine.batch_caches import (
     GroupKVCache,
+    Packing,
     channel_buffer,
     channel_row,
     hadamard,
-    packed,
     quantized_buffer,
 )
 from engine.config import EngineConfig
@@ -150,16 +150,11 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
             out.append(row)
         return out
 
-    def q8_row(row: KVCache) -> KVCache:
-        out = KVCache()
-        n = row.offset
-        out.keys, out.values = (packed(x[..., :n, :], 8, 32) for x in (row.keys, row.values))
-        out.offset = row.offset
-        return out
+    q8 = Packing(8, (32,), ((dim, dim),), mx.float32)
 
     def attend(name: str, fetched: tuple, q: mx.array, cache, mask: mx.array) -> mx.array:
-        if name == "q4":
-            return channel_attention(q, fetched[0], scale, mask, None)
+        if name in ("q8", "q4"):
+            return quantized_attention(q, fetched[0], scale, mask, None)
         if name == "q4 keys expanded":
             keys, values = fetched[0].expanded()
         else:
@@ -168,14 +163,14 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
             out = decode_attention(q, keys, values, scale, mask)
         else:
             out = scaled_dot_product_attention(q, keys, values, cache, scale=scale, mask=mask)
-        return out if name == "model" or name == "q8" else hadamard(out)
+        return out if name == "model" else hadamard(out)
 
     results = {}
     for name in ("model", "q8", "q4", "q4 keys expanded"):
         if name == "model":
             buffer = GroupKVCache.merge(float_rows())
         elif name == "q8":
-            buffer = quantized_buffer([q8_row(r) for r in float_rows()], None, 8, 32)
+            buffer = quantized_buffer([q8.pack(0, r) for r in float_rows()], None, 8, 32)
         else:
             buffer = channel_buffer([channel_row(r, 32) for r in float_rows()], None, 32)
         mx.eval(buffer.state)
@@ -188,9 +183,7 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
             mask = buffer.make_mask(1)
             fetched = buffer.update_and_fetch(k, v)
             held = fetched[0]
-            mx.eval(
-                mask, fetched if name in ("model", "q8") else (held.keys, held.values, held.recent)
-            )
+            mx.eval(mask, fetched if name == "model" else (held.keys, held.values, held.recent))
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()

@@ -21,7 +21,8 @@ the newest positions in float) into its group buffers (``KVLayout.buffers``), an
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
 history as held, every fed token's keys and values held as the batch writes them.
 ``decode-q8`` and ``decode-q4`` feed them one a step, as generation decodes (each token's keys
-quantized before it is attended as the batch quantizes them); ``decode-exact``, the batch in
+held as the batch holds a decoded token's before it is attended: q8 keeps its 16 newest
+decoded tokens in float too); ``decode-exact``, the batch in
 the model's precision fed the same way, is their control (a step's attention computes in
 another order than a chunk's, which can flip near-ties on its own).
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's

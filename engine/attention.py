@@ -17,16 +17,17 @@ The only hook is ``scaled_dot_product_attention``: every mlx-lm model imports it
 ``mlx_lm.models.base`` by name, so :func:`install` points that name, in the model's own
 modules, at :func:`ragged_attention`, which hands any other cache straight to mlx-lm's function.
 
-On MLX's CPU backend, decode spans (one query per row) of float or q8 layers attend through
+On MLX's CPU backend, decode spans (one query per row) of float layers attend through
 :func:`decode_attention`,
 the same math as two matmuls over the key-value head groups: 1.6x faster than
 ``mx.fast.scaled_dot_product_attention`` there at a 16K-token history and 2.5x at 32K (its
 kernel reads the keys at about 1.6 GB/s), which is what a long agent costs the others.
 
-A four-bit layer (``engine.batch_caches``: keys per channel, values rotated, its newest
-positions in float) hands attention a :class:`~engine.batch_caches.ChannelHeld`, which
-:func:`channel_attention` reads without expanding the quantized keys (``bench_batch_kv``
-measures its working set and time against expanding them).
+A quantized layer (``engine.batch_caches``: q8 per position, q4 keys per channel and values
+rotated, each with its newest positions in float) hands attention a
+:class:`~engine.batch_caches.HeldQuantized`, which :func:`quantized_attention` reads without
+expanding the quantized keys (``bench_batch_kv`` measures its working set and time against
+expanding them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import ChannelHeld, hadamard, unpacked
+from engine.batch_caches import HeldQuantized, QuantizedLayer, hadamard, unpacked
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
@@ -51,7 +52,9 @@ class Span:
 
     ``prefill``: the rows are consecutive tokens of one sequence (a B=1 group), not one token
     of each of the group's ``rows`` sequences. ``padded``: the group's buffer may hold positions
-    of no sequence (it has held more than one), so even a decode step needs a mask.
+    of no sequence (it has held more than one), so even a decode step needs a mask. ``given``:
+    per row of a decode span, whether its token was given rather than sampled (a forced one):
+    a quantized layer holds it as a prompt's.
     """
 
     cache: Any
@@ -59,6 +62,7 @@ class Span:
     rows: int
     prefill: bool
     padded: bool = True
+    given: tuple[bool, ...] | None = None
 
     @property
     def stop(self) -> int:
@@ -99,7 +103,12 @@ class StepCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
         fetched = [
-            s.cache.update_and_fetch(s.as_block(keys), s.as_block(values)) for s in self.spans
+            s.cache.write(
+                s.as_block(keys), s.as_block(values), prompt=s.prefill or s.given or False
+            )
+            if isinstance(s.cache, QuantizedLayer)
+            else s.cache.update_and_fetch(s.as_block(keys), s.as_block(values))
+            for s in self.spans
         ]
         return tuple(k for k, _ in fetched), tuple(v for _, v in fetched)
 
@@ -115,9 +124,9 @@ class StepCache:
         outputs = []
         for span, k, v, mask in zip(self.spans, keys, values, masks, strict=True):
             q = span.as_block(queries)
-            if isinstance(k, ChannelHeld):
-                out = channel_attention(q, k, scale, mask, sinks)
-            elif _ON_CPU[0] and not span.prefill and sinks is None and isinstance(k, mx.array):
+            if isinstance(k, HeldQuantized):
+                out = quantized_attention(q, k, scale, mask, sinks)
+            elif _ON_CPU[0] and not span.prefill and sinks is None:
                 out = decode_attention(q, k, v, scale, mask)
             else:
                 out = _MLX_LM_SDPA(q, k, v, span.cache, scale=scale, mask=mask, sinks=sinks)
@@ -156,50 +165,61 @@ def ragged_attention(
     """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache`."""
     if isinstance(cache, StepCache):
         return cache.attend(queries, keys, values, scale, mask, sinks)
-    if isinstance(keys, ChannelHeld):
-        return channel_attention(queries, keys, scale, mask, sinks)
+    if isinstance(keys, HeldQuantized):
+        return quantized_attention(queries, keys, scale, mask, sinks)
     return _MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def channel_attention(
-    queries: mx.array, held: ChannelHeld, scale: float, mask: Any, sinks: mx.array | None
+def quantized_attention(
+    queries: mx.array, held: HeldQuantized, scale: float, mask: Any, sinks: mx.array | None
 ) -> mx.array:
-    """Attention of ``(B, Hq, Lq, D)`` queries over a four-bit layer held per channel.
+    """Attention of ``(B, Hq, Lq, D)`` queries over a quantized layer.
 
-    A key group's codes ``c`` read as ``s * c + b`` with one scale ``s`` and bias ``b`` per
-    channel, so a query's score against them is ``(q * s) . c + q . b``: each key group meets
-    the query scaled by its scales in a matmul over its raw codes (:func:`_folded_scores`), and
-    the keys are never expanded. Columns a row holds in float are scored and weighted from
-    ``recent``. Values are quantized per position, as ``mx.quantized_matmul`` reads them.
-    Scores and weights are float32; the output is rotated back (the values are held rotated)
-    and given in the queries' dtype (the fallback below: in the keys', the same in practice).
+    Keys held per position (q8) are scored through ``mx.quantized_matmul`` as they are. Keys
+    held per channel (q4): a key group's codes ``c`` read as ``s * c + b`` with one scale ``s``
+    and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
+    each key group meets the query scaled by its scales in a matmul over its raw codes
+    (:func:`_folded_scores`), and the keys are never expanded. Columns a row holds in float
+    are scored and weighted from ``recent``. Values are quantized per position, as
+    ``mx.quantized_matmul`` reads them. Scores and weights are float32; the output is rotated
+    back where the values are held rotated, and given in the queries' dtype (the fallback
+    below: in the keys', the same in practice).
 
     Where scaling the queries per group would hold more than the keys expanded (more than
     ``group`` query rows a key-value head, as in a prompt's chunk), or the groups do not line
-    up (a ring whose size no group divides), the keys and values are expanded and attended in
-    float instead.
+    up (a ring whose size no group divides), q4's keys and values are expanded and attended in
+    float instead, and so are they for attention sinks; q8 refuses sinks (the load probe then
+    keeps the batch in the model's precision).
     """
     B, n_q, Lq, dk = queries.shape
-    n_kv, L, group = held.keys.shape[1], held.keys.shape[2], held.group
+    n_kv, L, group, bits = held.keys.shape[1], held.keys.shape[2], held.group, held.bits
     rows = n_q // n_kv * Lq  # query rows a key-value head
     foldable = mask is None or isinstance(mask, mx.array)
-    if sinks is not None or rows > group or (held.wrap and L % group) or not foldable:
+    if sinks is not None and not held.per_channel:
+        raise ValueError("q8 KV in the batch does not support attention sinks")
+    unfolded = held.per_channel and (rows > group or (held.wrap and L % group))
+    if unfolded or not foldable or sinks is not None:
         keys, values = held.expanded()
-        if _ON_CPU[0] and Lq == 1 and sinks is None and foldable:
+        if _ON_CPU[0] and Lq == 1 and foldable and sinks is None:
             out = decode_attention(queries, keys, values, scale, mask)
         else:
             out = _MLX_LM_SDPA(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
-        return hadamard(out)
+        return hadamard(out) if held.rotated else out
     recent_keys, recent_values = held.recent
     dv, f = recent_values.shape[3], recent_keys.shape[2]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
-    scores = _folded_scores(q, held)
+    if held.per_channel:
+        scores = _folded_scores(q, held)
+    else:
+        scores = _times_words(q, held.keys, dk, bits, group, transpose=True)
 
     # Columns held in float: scored against ``recent`` (column c: its entry of age c's).
-    in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
-    recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
-    recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
-    scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
+    blend = any(held.floats)  # (a q8 prompt's chunk reads none: no copies of its scores)
+    if blend:
+        in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
+        recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
+        recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
+        scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
 
     if mask is not None:
         shape = scores.shape
@@ -213,16 +233,11 @@ def channel_attention(
     weights = mx.softmax(scores, axis=-1, precise=True)
 
     # Values: the quantized columns through their words, the float ones from ``recent``.
-    v_words, v_scales, v_biases = unpacked(held.values, dv, 4, group)
-    out = mx.quantized_matmul(
-        mx.where(in_float, mx.array(0, mx.float32), weights),
-        v_words,
-        v_scales.astype(mx.float32),
-        v_biases.astype(mx.float32),
-        transpose=False,
-        group_size=group,
-        bits=4,
-    )
+    weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
+    out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
+    if not blend:
+        out = hadamard(out) if held.rotated else out
+        return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
     age = f - 1 - mx.arange(f)  # of each recent entry
     column = held.newest - age
     reads = (age[None] < mx.array(held.floats)[:, None]) & (
@@ -230,11 +245,13 @@ def channel_attention(
     )
     column = column % L if held.wrap else mx.clip(column, 0, L - 1)
     recent_weights = mx.take(weights, column, axis=-1) * reads[:, None, None, :]
-    out = out + recent_weights @ hadamard(recent_values.astype(mx.float32))
-    return hadamard(out).reshape(B, n_q, Lq, dv).astype(queries.dtype)
+    recent_values = recent_values.astype(mx.float32)
+    out = out + recent_weights @ (hadamard(recent_values) if held.rotated else recent_values)
+    out = hadamard(out) if held.rotated else out
+    return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
 
 
-def _folded_scores(q: mx.array, held: ChannelHeld) -> mx.array:
+def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     """``(B, Hkv, rows, L)`` scores of queries ``q`` (scaled, ``(B, Hkv, rows, D)``) against
     the buffer's quantized key groups, each group's scales folded into the queries (columns
     of no quantized group give finite values the caller replaces or masks)."""
@@ -259,6 +276,23 @@ def _folded_scores(q: mx.array, held: ChannelHeld) -> mx.array:
     scores = scores + (q @ biases.swapaxes(-1, -2)).swapaxes(-1, -2)[..., None]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(B, n_kv, rows, n_groups * group)
     return mx.take_along_axis(scores, (mx.arange(L)[None] + shift)[:, None, None, :], axis=-1)
+
+
+def _times_words(
+    x: mx.array, held: mx.array, dim: int, bits: int, group: int, transpose: bool
+) -> mx.array:
+    """``x`` times a packed buffer of heads of ``dim`` (``transpose``: times its transpose),
+    read through its words by ``mx.quantized_matmul``, in float32."""
+    words, scales, biases = unpacked(held, dim, bits, group)
+    return mx.quantized_matmul(
+        x,
+        words,
+        scales.astype(mx.float32),
+        biases.astype(mx.float32),
+        transpose=transpose,
+        group_size=group,
+        bits=bits,
+    )
 
 
 def _unit_scales(B: int, heads: int, groups: int, group: int, dim: int) -> tuple:

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from engine.batch_caches import (
+    FLOAT_WINDOW,
     MIN_GROWTH,
     GroupKVCache,
     GroupRotatingKVCache,
@@ -119,17 +120,20 @@ class KVLayout:
 
     def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
         """Bytes a sequence of ``tokens`` holds on its own (``window_extra``: positions a
-        sliding layer holds beyond its window while a prefill chunk goes in; a layer held with
-        keys per channel: its ring's extra key group and its float positions)."""
+        sliding layer holds beyond its window while a prefill chunk goes in; a quantized layer:
+        its float positions, and with keys per channel its ring's extra key group)."""
         held = sum(
             b * (tokens if w is None else min(tokens, w + window_extra)) for w, b in self.by_window
         )
-        return held + sum(self._channel_extra(i, tokens) for i in range(len(self.windows)))
+        return held + sum(self._float_extra(i, tokens) for i in range(len(self.windows)))
 
-    def _channel_extra(self, i: int, tokens: int) -> int:
-        if self.packing is None or not self.packing.channel_keys(i):
+    def _float_extra(self, i: int, tokens: int) -> int:
+        """A quantized layer's float positions (and a q4 ring's extra key group)."""
+        if self.packing is None or not self.packing.quantized(i):
             return 0
         group, (n, dk, dv) = self.packing.group_sizes[i], self.heads[i]
+        if not self.packing.channel_keys(i):
+            return FLOAT_WINDOW * n * (dk + dv) * self.packing.dtype.size
         floats = float_window(group) * n * (dk + dv) * self.packing.dtype.size
         ring = 0 if self.windows[i] is None else min(tokens, group) * self.token_bytes[i]
         return floats + ring

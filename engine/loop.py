@@ -294,10 +294,17 @@ class GenerationLoop(threading.Thread):
     # ---- leaving -----------------------------------------------------------------------------
 
     def _cache(self, layers: list, tokens: list[int]) -> PromptCache:
-        """A sequence's cache as the batch held it: rows held quantized stay packed (the hot
-        tier keeps them so, and the disk codec stores their words as they are)."""
+        """A finished sequence's cache as the batch held it: rows held quantized stay packed
+        (the hot tier keeps them so, and the disk codec stores their words as they are). A q8
+        row's float copies of the tokens it decoded served the turn that decoded them and end
+        with it: its cache is its words, what a q8 file stores, so the next turn resumes alike
+        from the hot tier, a file or a shared head."""
         packing = self.runner.layout.packing
         packed = packing is not None and any(is_packed(row) for row in layers)
+        if packed:
+            for i, row in enumerate(layers):
+                if is_packed(row) and not packing.channel_keys(i):
+                    row.recent = None
         return PromptCache(layers, tokens, packing=packing if packed else None)
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:

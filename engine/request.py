@@ -129,8 +129,7 @@ class PromptCache:
                 if i in point.windows:
                     layers.append(point.windows[i])
                 elif type(layer) is KVCache:
-                    trimmed = copy.copy(layer)  # as in prefix(): the arrays are shared, intact
-                    trimmed.offset = point.num_tokens
+                    trimmed = _cut(layer, point.num_tokens)  # as in prefix()
                     layers.append(trimmed)
                 else:
                     return None
@@ -167,9 +166,7 @@ class PromptCache:
                 kind is RotatingKVCache and layer.offset <= layer.max_size
             ):
                 return None
-            # A shallow copy with a shorter length: no MLX work, and the original is intact.
-            trimmed = copy.copy(layer)
-            trimmed.offset = keep
+            trimmed = _cut(layer, keep)
             if kind is RotatingKVCache:
                 trimmed._idx = keep
             layers.append(trimmed)
@@ -181,6 +178,17 @@ class PromptCache:
             checkpoints=tuple(c for c in self.checkpoints if c.num_tokens <= keep),
             packing=self.packing,
         )
+
+
+def _cut(layer: Any, keep: int) -> Any:
+    """A shallow copy of ``layer`` holding its first ``keep`` positions: no MLX work, and the
+    original is intact (a quantized row's float copies of its newest positions are left
+    behind: the batch expands the cut row's from its words)."""
+    trimmed = copy.copy(layer)
+    trimmed.offset = keep
+    if getattr(layer, "recent", None) is not None:
+        trimmed.recent = None
+    return trimmed
 
 
 def _nbytes(layer: Any) -> int:

@@ -79,15 +79,15 @@ class ModelRunner:
     def _quantize(self, layout: KVLayout) -> None:
         """Use ``layout`` (quantized layers) once a step of rows runs through it to finite
         logits; else keep the model's precision and say why."""
-        model, probe, split = self.model, mx.arange(1, PROBE_TOKENS + 1), 0
+        model, probe, split = self.model, mx.arange(1, PROBE_TOKENS + 1), PROBE_TOKENS - 1
         if layout.packing is not None and layout.packing.any_channel:
             # Keys are quantized per channel once a group of them is FLOAT_WINDOW old: later
-            # steps read the first's that way (the last, one token, as a decode step does).
+            # steps read the first's that way.
             split = CHANNEL_PROBE_TOKENS
             probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
-        try:
-            got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split)
+        try:  # (its last token a decode step, as attention reads decoded tokens otherwise)
+            got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split, True)
             if not mx.all(mx.isfinite(got)).item():
                 raise UnsupportedModelError("its logits are not finite")
         except Exception as exc:
@@ -113,8 +113,11 @@ class ModelRunner:
         row = 0
         for group in plan.decode:
             n = len(group.seqs)
+            given = tuple(seq.request.forced_token is not None for seq in group.seqs)
             for i, layer in enumerate(group.layers):
-                spans[i].append(Span(layer, row, n, prefill=False, padded=group.padded))
+                spans[i].append(
+                    Span(layer, row, n, False, group.padded, given if any(given) else None)
+                )
             positions.append(group.positions)
             for seq in group.seqs:
                 plan.fed.append((seq, seq.pending))
@@ -214,19 +217,24 @@ class ModelRunner:
                 return backbone, head
         return None, None
 
-    def _probe_rows(self, forward: Any, probe: mx.array, split: int = 0) -> mx.array:
-        """The logits of ``probe`` fed as one step of rows (``split``: three steps, the
-        tokens from ``split`` on, then the last one alone, attending to the first's keys as
-        the layout holds them)."""
+    def _probe_rows(
+        self, forward: Any, probe: mx.array, split: int = 0, decode: bool = False
+    ) -> mx.array:
+        """The logits of ``probe`` fed as one step of rows (``split``: the tokens from
+        ``split`` on in later steps, attending to the first's keys as the layout holds them;
+        ``decode``: the last of them alone, as a decode step feeds a sampled token)."""
         group = self.layout.empty_layers()
-        parts = [(probe, 0)]
-        if split:
-            last = probe.size - 1
-            parts = [(probe[:split], 0), (probe[split:last], split), (probe[last:], last)]
+        last = probe.size - 1 if decode else probe.size
+        parts = [(probe[:split], 0), (probe[split:last], split)] if split else [(probe, 0)]
+        parts = [p for p in parts if p[0].size]
+        if decode:
+            parts.append((probe[last:], last))
         for part, start in parts:
+            prefill = not (decode and start == last)
             spans = [
                 StepCache(
-                    [Span(layer, 0, part.size, prefill=True)], mx.arange(start, start + part.size)
+                    [Span(layer, 0, part.size, prefill=prefill)],
+                    mx.arange(start, start + part.size),
                 )
                 for layer in group
             ]

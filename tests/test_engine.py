@@ -549,17 +549,46 @@ def test_batch_kv_bits_takes_8_4_or_none():
 async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
     monkeypatch, caplog
 ):
-    from mlx_lm.models import base
+    from engine import attention
 
-    def refuse(*args, **kwargs):  # as mlx-lm answers a model with attention sinks
-        raise ValueError("Quantized SDPA does not support attention sinks.")
+    quantized = attention.quantized_attention
 
-    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", refuse)
+    def with_sinks(queries, held, scale, mask, sinks):  # as a model with attention sinks calls
+        return quantized(queries, held, scale, mask, mx.zeros((queries.shape[1],)))
+
+    monkeypatch.setattr(attention, "quantized_attention", with_sinks)
     eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
     try:
         assert eng.stats().batch_kv_bits == 0
         assert "cannot attend to quantized keys" in caplog.text and "sinks" in caplog.text
         result = await eng.generate(GenerationRequest(prompt(eng, 9), max_tokens=4))
         assert result.error is None and len(result.token_ids) == 4
+    finally:
+        await eng.close()
+
+
+async def test_a_forced_token_is_held_at_q8_as_a_prompts_token():
+    """A cache ending in a forced token (how a shared head is made) holds, at q8 in the batch,
+    the bytes of the same tokens fed as a prompt: a forced token is given, not decoded, so it
+    attends to itself through its words, not in float as a sampled token does."""
+    eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
+    try:
+        tokens = [(7 * i) % 300 + 20 for i in range(40)]
+        forced = await eng.generate(
+            GenerationRequest(tokens[:-1], max_tokens=1, forced_token=tokens[-1])
+        )
+        prompted = await eng.generate(GenerationRequest(tokens, max_tokens=2))
+        assert forced.cache.tokens == tokens == prompted.cache.tokens[: len(tokens)]
+
+        def same(a, b) -> list[bool]:
+            n = len(tokens)
+            return [
+                mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
+                and mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
+                for x, y in zip(a.layers, b.layers, strict=True)
+            ]
+
+        assert forced.cache.layers[0].keys.dtype == mx.uint32  # packed: q8 words
+        assert await eng.run(same, forced.cache, prompted.cache) == [True] * 4
     finally:
         await eng.close()

@@ -229,6 +229,7 @@ def test_a_quantized_layer_holds_fewer_bytes_a_token(model):
     group = KVGroup.start(q8, Seq(300), prefilled(model, 300))
     for i, w in enumerate(exact.windows):
         assert q4.token_bytes[i] < q8.token_bytes[i] < exact.token_bytes[i]
+        assert group.layers[i].recent is None  # float copies of decoded tokens only
         held = group.layers[i].nbytes
         positions = 300 if w is None else min(300, w)
         assert q8.token_bytes[i] * positions <= held <= q8.token_bytes[i] * (300 + growth(300))
@@ -240,6 +241,64 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     for row in rows:  # packed arrays holding no position
         row.keys = row.values = mx.zeros((1, 1, 0, 8), mx.uint32)
     assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))
+
+
+def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float():
+    """q8 holds every position as its words and keeps float copies of each row's newest
+    FLOAT_WINDOW decoded tokens: a decode step attends to those (and to itself) in float and
+    to the rest through the words, while a prompt's chunk, and a cache that joins, are read
+    through the words alone; a row leaves with its float copies and rejoins with them."""
+    from engine.attention import quantized_attention
+    from engine.batch_caches import FLOAT_WINDOW, Packing, expand, packed, quantized_buffer
+
+    H, D, group, prompt, steps = 2, 64, 32, 3, 24
+    lengths = [5, 40]
+    total = max(lengths) + prompt + steps
+    keys = mx.random.normal((2, H, total, D), key=mx.random.key(11)) * 4
+    values = mx.random.normal(keys.shape, key=mx.random.key(12))
+    packing = Packing(8, (group,), ((D, D),), mx.float32)
+    rows = [
+        packing.pack(0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None))
+        for b, n in enumerate(lengths)
+    ]
+    buffer = quantized_buffer(rows, None, 8, group)
+
+    def as_words(x: mx.array) -> mx.array:
+        return expand(packed(x, 8, group), D, mx.float32, 8, group)
+
+    def step(n: int, is_prompt: bool, t: int) -> list[int]:
+        """Write ``n`` positions a row; check attention; return each row's float count."""
+        mask = buffer.make_mask(n, window_size=None)
+        at = [length + t for length in lengths]
+        k = mx.stack([keys[b, :, a : a + n] for b, a in enumerate(at)])
+        v = mx.stack([values[b, :, a : a + n] for b, a in enumerate(at)])
+        held, _ = buffer.write(k, v, prompt=is_prompt)
+        query = mx.random.normal((2, 2 * H, n, D), key=mx.random.key(50 + t))
+        got = quantized_attention(query, held, 0.125, mask, None)
+        for b, a in enumerate(at):
+            end, floats = a + n, held.floats[b]
+            wk, wv = as_words(keys[b : b + 1, :, :end]), as_words(values[b : b + 1, :, :end])
+            if floats:
+                wk[..., end - floats :, :] = keys[b : b + 1, :, end - floats : end]
+                wv[..., end - floats :, :] = values[b : b + 1, :, end - floats : end]
+            causal = "causal" if n > 1 else None
+            want = mx.fast.scaled_dot_product_attention(
+                query[b : b + 1], wk, wv, scale=0.125, mask=causal
+            )
+            assert mx.allclose(got[b : b + 1], want, atol=1e-4).item(), (t, b)
+        return list(held.floats)
+
+    assert step(prompt, True, 0) == [0, 0]  # a prompt's chunk: through its words
+    for t in range(steps):
+        decoded = min(t, FLOAT_WINDOW)  # float copies before this step
+        assert step(1, False, prompt + t) == [decoded + 1] * 2
+    row = buffer.extract(1)
+    assert row.float_count == FLOAT_WINDOW
+    n = lengths[1] + prompt + steps
+    assert mx.array_equal(row.recent[0][0], keys[1, :, n - FLOAT_WINDOW : n]).item()
+    again = quantized_buffer([row], None, 8, group)
+    assert again.counts == [FLOAT_WINDOW]
+    assert mx.array_equal(again.keys[..., :n, :], row.keys[..., :n, :]).item()
 
 
 # ---- four bits: keys per channel, values rotated, the newest positions in float -------------
@@ -259,7 +318,7 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
     the bytes quantizing the whole history at once gives, the float copies are the newest
     positions exactly, and attention through the group equals attention over those positions
     expanded (one key channel is 100x the others, which per-position scales would blur)."""
-    from engine.attention import channel_attention
+    from engine.attention import quantized_attention
     from engine.batch_caches import (
         channel_buffer,
         channel_row,
@@ -298,7 +357,7 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         for b, row in enumerate(whole_rows):
             row.update_and_fetch(k[b : b + 1], v[b : b + 1])
         # Attention over the quantized keys as they are, and over them expanded.
-        out = channel_attention(query, held, 0.125, mask, None)
+        out = quantized_attention(query, held, 0.125, mask, None)
         keys_f, values_f = held.expanded()
         expanded = mx.fast.scaled_dot_product_attention(
             query, keys_f, values_f, scale=0.125, mask=mask
@@ -353,7 +412,7 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
     chunks with their causal mask, a ring of a whole number of groups); many query rows (a
     40-token chunk) or a ring that splits a group expand them. Either way it gives what
     attention over the expanded keys gives, rows of different lengths padded."""
-    from engine.attention import channel_attention
+    from engine.attention import quantized_attention
     from engine.batch_caches import channel_buffer, channel_row, hadamard
 
     group, H, D = 32, 2, 64
@@ -377,7 +436,7 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         )
         held, _ = buffer.update_and_fetch(k, v)
         query = mx.random.normal((B, query_heads, chunk, D), key=mx.random.key(40 + t))
-        got = channel_attention(query, held, 0.125, mask, None)
+        got = quantized_attention(query, held, 0.125, mask, None)
         keys_f, values_f = held.expanded()
         want = hadamard(
             mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
