@@ -61,12 +61,15 @@ def force_tool_call(monkeypatch):
     monkeypatch.setattr(SamplingParams, "make_logits_processors", processors)
     monkeypatch.setattr(turns, "_events", forcing_events)
 
-    def force(name: str, arguments: dict, text: str = "") -> None:
-        call = json.dumps({"name": name, "arguments": arguments})
-        reply = f"{text}<tool_call>\n{call}\n</tool_call>"
+    def say(reply: str) -> None:
         tokens = tokenizer.encode(reply, add_special_tokens=False)
         scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
+    def force(name: str, arguments: dict, text: str = "") -> None:
+        call = json.dumps({"name": name, "arguments": arguments})
+        say(f"{text}<tool_call>\n{call}\n</tool_call>")
+
+    force.say = say  # ``force_tool_call.say(text)``: the next such request answers ``text``
     return force
 
 

@@ -330,7 +330,12 @@ def claude_env(server: str, tmp_path) -> dict[str, str]:
 
 
 @pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
-def test_claude_cli_print_and_continue(server, http, tmp_path):
+def test_claude_cli_print_and_continue(server, http, tmp_path, force_tool_call):
+    # Each turn answers visible text: the tiny model's own answer can be empty for some
+    # prompts (its date and paths vary), and the CLI then retries with an edited first
+    # message and replaces the empty answer with its own words, which no cache can match.
+    force_tool_call.say("Hi! How can I help?")
+    force_tool_call.say("Hello again.")
     env = claude_env(server, tmp_path)
     (tmp_path / "project").mkdir()
 
@@ -346,10 +351,12 @@ def test_claude_cli_print_and_continue(server, http, tmp_path):
 
     first = claude("Say hi")
     assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "Hi! How can I help?"
     cached = metric(http, "agentkv_input_tokens_total", kind="cached")
     prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled")
     follow_up = claude("--continue", "And again")
     assert follow_up.returncode == 0, follow_up.stderr
+    assert follow_up.stdout.strip() == "Hello again."
     cached = metric(http, "agentkv_input_tokens_total", kind="cached") - cached
     prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled") - prefilled
     assert cached / (cached + prefilled) >= 0.95
