@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -30,6 +31,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -45,7 +47,13 @@ from store.postgres import Lock
 DRIVER = "sqlite+aiosqlite"
 DRIVERS = {"sqlite": DRIVER, "postgresql": postgres.DRIVER}
 """The driver of each supported database; a URL naming the database alone gets this one."""
-PRAGMAS = ("busy_timeout=5000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
+BUSY_TIMEOUT_MS = 5000
+PRAGMAS = (
+    f"busy_timeout={BUSY_TIMEOUT_MS}",
+    "journal_mode=WAL",
+    "synchronous=NORMAL",
+    "foreign_keys=ON",
+)
 _BEGIN_OPTION = "agentkv_sqlite_begin"
 WRITE: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE"}
 """Execution options for a connection whose transaction will write."""
@@ -314,8 +322,12 @@ async def upgrade(
     """
     config = alembic_config(script_location)
     try:
-        async with _migrating(), engine.connect() as connection:
-            await connection.run_sync(_run_upgrade, config, revision)
+        async with _migrating():
+            connection = await connect(engine)
+            try:
+                await connection.run_sync(_run_upgrade, config, revision)
+            finally:
+                await connection.close()
     except MigrationError:
         raise
     except Exception as exc:  # alembic, the database, or a bug in a revision script
@@ -332,6 +344,30 @@ def _migrating() -> asyncio.Lock:
     and a migration yields to the loop at every statement: registries opened at once in one
     process migrate one after the other (other processes wait on the database's own lock)."""
     return _MIGRATING.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+
+
+async def connect(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of the engine; on SQLite, retried while the file is locked, for up to
+    ``busy_timeout``.
+
+    Connections that switch a new file to WAL at the same moment (workers started together on
+    one new registry) can each hold a read lock the other's switch waits on: SQLite then fails
+    one at once with "database is locked", without calling its busy handler. Once the file is
+    in WAL, connecting takes no lock that can clash this way.
+    """
+    if engine.dialect.name != "sqlite":
+        return await engine.connect()
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            return await engine.connect()
+        except OperationalError as exc:
+            busy = storage_error(exc).code == "SQLITE_BUSY"
+            if not busy or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def _cannot_write(engine: AsyncEngine, exc: Exception) -> RegistryStorageError | None:
