@@ -1,8 +1,9 @@
 """Quantized KV in the running batch and the hot tier (``batch_kv_bits``): how many
 long-history agents one KV budget lets decode together, and how fast, and how many one hot-tier
-budget holds, in the model's precision, q8 and q4.
+budget holds, in the model's precision, q8 and q4, and against float16.
 
-    python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4] [--quick]
+    python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4]
+        [--group-size 32] [--no-float16] [--quick]
 
 The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
 precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
@@ -11,6 +12,11 @@ KV held at most, generated tokens per second over the run, and each against the 
 precision. Then, per precision, the same agents' finished caches (as the engine hands them
 back: packed when quantized) go one by one into a ``HotTier`` whose budget holds ``--fits`` of
 them in the model's precision: the agents it holds at the end and its bytes per token.
+The capacity baseline is float16 (unless ``--no-float16``): the model's weights cast to
+float16 in a temporary copy, KV in float16, in the same two budgets (``3 * --fits`` agents ask
+for 2 tokens each: only the counts are wanted; float16 is emulated and slow on CPU), and each
+row's agents against its count (``agents_vs_float16``, ``hot_agents_vs_float16``). q8 and q4
+quantize in groups of ``--group-size`` (``batch_kv_group_size``).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
 heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
 each other, masked): its decode step in
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +42,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from agents.caches.hot import HotTier
-from benchmarks.bench_budget import ask
+from benchmarks.bench_budget import ask, group_size
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
 from engine.attention import decode_attention, quantized_attention
@@ -46,8 +54,9 @@ from engine.batch_caches import (
     hadamard,
     quantized_buffer,
 )
-from engine.config import EngineConfig
+from engine.config import DEFAULT_GROUP_SIZE, EngineConfig
 from engine.engine import Engine
+from engine.models.loading import resolve_model_path
 from engine.request import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,7 +77,7 @@ async def need_bytes(args: argparse.Namespace) -> int:
 async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> dict:
     """The agents' finished caches (``--history`` tokens and one more), put one by one into a
     hot tier of ``budget`` bytes: what it holds at the end."""
-    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits))
+    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits, **group_size(args)))
     try:
         vocab = eng.model.vocab_size
         hot = HotTier(budget)
@@ -90,6 +99,47 @@ async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> d
     }
 
 
+def float16_copy(spec: str, root: Path) -> Path:
+    """The model ``spec`` names with its floating-point weights cast to float16, written under
+    ``root`` (its config and tokenizer files copied as they are)."""
+    source = resolve_model_path(spec)
+    target = root / f"{source.name}-float16"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    for path in source.glob("*.safetensors"):
+        weights = mx.load(str(path))
+        cast = {
+            k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
+        mx.save_safetensors(str(target / path.name), cast, metadata={"format": "mlx"})
+    return target
+
+
+def show(name: str, row: dict) -> None:
+    print(
+        f"{name:>7}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
+        f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
+        f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed; a hot tier of "
+        f"{row['hot_budget_mb']:.1f} MB holds {row['hot_agents']} "
+        f"({row['hot_token_bytes']:.0f} bytes a token)",
+        flush=True,
+    )
+
+
+async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) -> dict:
+    """The capacity baseline: the model cast to float16, KV in float16, in the same budgets.
+    ``3 * --fits`` agents ask for 2 tokens each (more than fit: only the count is wanted; its
+    tok/s is float16 on this device, emulated and slow on CPU)."""
+    with tempfile.TemporaryDirectory() as root:
+        spec = str(float16_copy(args.model, Path(root)))
+        asking = argparse.Namespace(
+            **{**vars(args), "model": spec, "agents": 3 * args.fits, "tokens": 2}
+        )
+        row, need = await ask(asking, budget, None)
+        row |= await hot_held(asking, None, hot_budget)
+    return row | {"need_mb": need / 2**20}
+
+
 async def run(args: argparse.Namespace) -> dict:
     budget = args.fits * await need_bytes(args)
     # The hot tier's budget: what --fits agents' caches hold in the model's precision.
@@ -100,25 +150,34 @@ async def run(args: argparse.Namespace) -> dict:
         row, need = await ask(args, budget, bits)
         row |= await hot_held(args, bits, hot_budget)
         rows[name] = row | {"need_mb": need / 2**20}
-        print(
-            f"{name:>5}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
-            f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
-            f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed; a hot tier of "
-            f"{row['hot_budget_mb']:.1f} MB holds {row['hot_agents']} "
-            f"({row['hot_token_bytes']:.0f} bytes a token)",
-            flush=True,
-        )
+        show(name, rows[name])
+    float16 = None
+    if args.float16:
+        float16 = await float16_row(args, budget, hot_budget)
+        show("float16", float16)
     base = rows["model"]
     for row in rows.values():
         row["agents_vs_model"] = round(row["max_in_batch"] / base["max_in_batch"], 3)
         row["tps_vs_model"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         row["hot_agents_vs_model"] = round(row["hot_agents"] / base["hot_agents"], 3)
+        if float16 is not None:
+            row["agents_vs_float16"] = round(row["max_in_batch"] / float16["max_in_batch"], 3)
+            row["hot_agents_vs_float16"] = round(row["hot_agents"] / float16["hot_agents"], 3)
+    if float16 is not None:
+        for name in ("q8", "q4"):
+            print(
+                f"{name}: {rows[name]['agents_vs_float16']:.3f}x the float16 agents in the "
+                f"batch, {rows[name]['hot_agents_vs_float16']:.3f}x in the hot tier",
+                flush=True,
+            )
     return {
         "benchmark": "batch_kv",
         "model": args.model,
         "history": args.history,
         "tokens": args.tokens,
         "fits": args.fits,
+        "group_size": args.group_size,
+        "float16": float16,
         "budget_mb": budget / 2**20,
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
@@ -129,7 +188,9 @@ async def run(args: argparse.Namespace) -> dict:
 STEPS = 5
 
 
-def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dict:
+def attention_steps(
+    history: int, rows: int, layer: tuple[int, int, int], group: int = DEFAULT_GROUP_SIZE
+) -> dict:
     """One attention layer's decode step over ``rows`` histories of about ``history``
     positions (row ``b``: ``5 * b`` fewer, so the group pads them), masked as the engine masks
     a padded group, per precision: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
@@ -150,7 +211,7 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
             out.append(row)
         return out
 
-    q8 = Packing(8, (32,), ((dim, dim),), mx.float32)
+    q8 = Packing(8, (group,), ((dim, dim),), mx.float32)
 
     def attend(name: str, fetched: tuple, q: mx.array, cache, mask: mx.array) -> mx.array:
         if name in ("q8", "q4"):
@@ -170,9 +231,9 @@ def attention_steps(history: int, rows: int, layer: tuple[int, int, int]) -> dic
         if name == "model":
             buffer = GroupKVCache.merge(float_rows())
         elif name == "q8":
-            buffer = quantized_buffer([q8.pack(0, r) for r in float_rows()], None, 8, 32)
+            buffer = quantized_buffer([q8.pack(0, r) for r in float_rows()], None, 8, group)
         else:
-            buffer = channel_buffer([channel_row(r, 32) for r in float_rows()], None, 32)
+            buffer = channel_buffer([channel_row(r, group) for r in float_rows()], None, group)
         mx.eval(buffer.state)
         times, peaks = [], []
         for step in range(STEPS):
@@ -217,6 +278,19 @@ def main(argv: list[str] | None = None) -> dict:
         metavar=("KV_HEADS", "Q_HEADS", "DIM"),
         help="the attention layer timed (default: a Gemma 3 12B global layer)",
     )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=DEFAULT_GROUP_SIZE,
+        help="batch_kv_group_size of the q8 and q4 rows",
+    )
+    parser.add_argument(
+        "--no-float16",
+        dest="float16",
+        action="store_false",
+        help="skip the float16 capacity baseline (the model cast to float16)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, 1000-token histories")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
@@ -225,7 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.layer = (2, 4, 64)
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
-    report["attention"] = attention_steps(args.history, args.fits, tuple(args.layer))
+    report["attention"] = attention_steps(
+        args.history, args.fits, tuple(args.layer), args.group_size
+    )
     for name, row in report["attention"]["by_precision"].items():
         print(
             f"attention, one layer {tuple(args.layer)}, {args.fits} x {args.history}: {name}: "

@@ -29,6 +29,12 @@ from engine.request import GenerationRequest
 RESULTS = Path(__file__).parent / "results"
 
 
+def group_size(args: argparse.Namespace) -> dict:
+    """``batch_kv_group_size`` when ``args`` has a ``group_size`` (else the default's)."""
+    size = getattr(args, "group_size", None)
+    return {} if size is None else {"batch_kv_group_size": size}
+
+
 async def ask(
     args: argparse.Namespace, budget: int | None, batch_kv_bits: int | None = None
 ) -> tuple[dict, int]:
@@ -36,7 +42,10 @@ async def ask(
     of what the batch did, and the KV bytes one of them sets aside."""
     agents = getattr(args, "agents", None) or 4 * args.fits
     config = EngineConfig(
-        completion_batch_size=agents, kv_budget_bytes=budget, batch_kv_bits=batch_kv_bits
+        completion_batch_size=agents,
+        kv_budget_bytes=budget,
+        batch_kv_bits=batch_kv_bits,
+        **group_size(args),
     )
     eng = await Engine.open(args.model, config)
     steps: list[StepRecord] = []

@@ -336,6 +336,13 @@ def test_batch_kv_quick(tmp_path):
     assert rows["q4"]["hot_token_bytes"] < rows["q8"]["hot_token_bytes"]
     assert rows["q8"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
     assert rows["q8"]["hot_agents"] > rows["model"]["hot_agents"]
+    # The capacity baseline: the float32 model cast to float16 fits twice its agents.
+    float16 = report["float16"]
+    assert float16["failed"] == 0 and float16["completed"] == float16["agents"]
+    assert float16["max_in_batch"] == 2 * rows["model"]["max_in_batch"]
+    assert float16["hot_agents"] == 2 * rows["model"]["hot_agents"]
+    q8_ratio = rows["q8"]["max_in_batch"] / float16["max_in_batch"]
+    assert rows["q8"]["agents_vs_float16"] == round(q8_ratio, 3)
     # One attention layer's step, timed per precision (q4 also with its keys expanded).
     steps = report["attention"]["by_precision"]
     assert list(steps) == ["model", "q8", "q4", "q4 keys expanded"]
