@@ -129,7 +129,9 @@ def show(name: str, row: dict) -> None:
 async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) -> dict:
     """The capacity baseline: the model cast to float16, KV in float16, in the same budgets.
     ``3 * --fits`` agents ask for 2 tokens each (more than fit: only the count is wanted; its
-    tok/s is float16 on this device, emulated and slow on CPU)."""
+    tok/s is float16 on this device, emulated and slow on CPU). Asking for 2 tokens rather
+    than ``--tokens`` each reserves up to 14 positions fewer of 8K: it can only favour
+    float16."""
     with tempfile.TemporaryDirectory() as root:
         spec = str(float16_copy(args.model, Path(root)))
         asking = argparse.Namespace(

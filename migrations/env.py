@@ -86,11 +86,8 @@ async def run_async_migrations() -> None:
     """Command-line path: open an engine configured exactly like the registry's."""
     engine = database.create_engine(database.database_url(_url()))
     try:
-        connection = await database.connect(engine)
-        try:
+        async with database.connect(engine) as connection:
             await connection.run_sync(do_run_migrations)
-        finally:
-            await connection.close()
     finally:
         await engine.dispose()
 

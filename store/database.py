@@ -322,12 +322,8 @@ async def upgrade(
     """
     config = alembic_config(script_location)
     try:
-        async with _migrating():
-            connection = await connect(engine)
-            try:
-                await connection.run_sync(_run_upgrade, config, revision)
-            finally:
-                await connection.close()
+        async with _migrating(), connect(engine) as connection:
+            await connection.run_sync(_run_upgrade, config, revision)
     except MigrationError:
         raise
     except Exception as exc:  # alembic, the database, or a bug in a revision script
@@ -346,15 +342,24 @@ def _migrating() -> asyncio.Lock:
     return _MIGRATING.setdefault(asyncio.get_running_loop(), asyncio.Lock())
 
 
-async def connect(engine: AsyncEngine) -> AsyncConnection:
-    """A connection of the engine; on SQLite, retried while the file is locked, for up to
-    ``busy_timeout``.
+@asynccontextmanager
+async def connect(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A connection of the engine, closed on exit; on SQLite, connecting is retried while the
+    file is locked, for about ``busy_timeout`` (no new attempt starts after it).
 
     Connections that switch a new file to WAL at the same moment (workers started together on
     one new registry) can each hold a read lock the other's switch waits on: SQLite then fails
     one at once with "database is locked", without calling its busy handler. Once the file is
     in WAL, connecting takes no lock that can clash this way.
     """
+    connection = await _connected(engine)
+    try:
+        yield connection
+    finally:
+        await asyncio.shield(connection.close())  # as AsyncConnection's own __aexit__ does
+
+
+async def _connected(engine: AsyncEngine) -> AsyncConnection:
     if engine.dialect.name != "sqlite":
         return await engine.connect()
     deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
@@ -362,8 +367,8 @@ async def connect(engine: AsyncEngine) -> AsyncConnection:
     while True:
         try:
             return await engine.connect()
-        except OperationalError as exc:
-            busy = storage_error(exc).code == "SQLITE_BUSY"
+        except OperationalError as exc:  # SQLITE_BUSY, or SQLITE_BUSY_RECOVERY and the like
+            busy = storage_error(exc).code.startswith("SQLITE_BUSY")
             if not busy or time.monotonic() + delay > deadline:
                 raise
         await asyncio.sleep(delay)

@@ -303,11 +303,8 @@ def test_engines_connecting_to_a_new_sqlite_file_at_once_all_connect(tmp_path: P
             engine = database.create_engine(database.database_url(path))
             try:
                 start.wait()
-                connection = await database.connect(engine)
-                try:
+                async with database.connect(engine) as connection:
                     return (await connection.exec_driver_sql("PRAGMA journal_mode")).scalar()
-                finally:
-                    await connection.close()
             finally:
                 await engine.dispose()
 
