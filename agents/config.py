@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE
+from engine.config import EngineConfig, group_size_for
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
 
 # hot_cache_bytes="auto": this share of the physical memory, at most HOT_CACHE_MAX_BYTES (the
 # fallback where the platform does not say how much memory it has).
@@ -45,7 +45,9 @@ class RuntimeConfig(BaseModel):
             files do, and its newest positions in float: a q4 file joins as stored, but a q4
             row is expanded on its way to a file and quantized again there.)
         kv_group_size: preferred quantization group size; a layer whose head size it does not
-            divide uses 64, 32 or 128, whichever divides it, or is saved unquantized.
+            divide uses 64, 32 or 128, whichever divides it, or is saved unquantized. None:
+            128 at 8 bits (keys rotated), 32 at 4 (keys per channel), as the batch quantizes
+            (``engine.config.GROUP_SIZE_BY_BITS``).
         hot_cache_bytes: memory budget for recently used agents' caches, held as the batch
             held them (quantized with ``batch_kv_bits``). "auto":
             ``HOT_CACHE_SHARE`` (10%) of the physical memory, at most ``HOT_CACHE_MAX_BYTES``
@@ -81,7 +83,7 @@ class RuntimeConfig(BaseModel):
     db_url: str | None = None
     cache_dir: Path | None = None
     kv_bits: Literal[8, 4] | None = 8
-    kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
+    kv_group_size: Literal[32, 64, 128] | None = None
     batch_kv_bits: Literal[8, 4] | None = None
     hot_cache_bytes: Bytes | Literal["auto"] = "auto"
     disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
@@ -104,14 +106,19 @@ class RuntimeConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: ``engine`` with ``batch_kv_bits`` (set here or there),
-        quantizing in ``kv_group_size`` unless ``engine.batch_kv_group_size`` was given, so
-        the words a cache file stores are the batch's."""
+        quantizing in ``kv_group_size`` (when given) unless ``engine.batch_kv_group_size`` was
+        given, so the words a cache file stores are the batch's."""
         update: dict[str, object] = {}
         if self.batch_kv_bits is not None:
             update["batch_kv_bits"] = self.batch_kv_bits
         if "batch_kv_group_size" not in self.engine.model_fields_set:
             update["batch_kv_group_size"] = self.kv_group_size
         return EngineConfig.model_validate(self.engine.model_dump() | update)
+
+    @property
+    def disk_group_size(self) -> int:
+        """The cache files' quantization group size: ``kv_group_size``, else ``kv_bits``'."""
+        return group_size_for(self.kv_bits, self.kv_group_size)
 
     @property
     def database(self) -> str:

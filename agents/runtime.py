@@ -55,7 +55,7 @@ class AgentRuntime:
             registry,
             engine,
             config.kv_bits,
-            config.kv_group_size,
+            config.disk_group_size,
             block_tokens=config.kv_block_tokens,
             budget_bytes=config.disk_budget_bytes,
             share_prefixes=config.share_prefixes,

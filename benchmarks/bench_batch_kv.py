@@ -3,7 +3,7 @@ long-history agents one KV budget lets decode together, and how fast, and how ma
 budget holds, in the model's precision, q8 and q4, and against float16.
 
     python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4]
-        [--group-size 32] [--no-float16] [--quick]
+        [--group-size 128] [--no-float16] [--quick]
 
 The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
 precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
@@ -16,7 +16,8 @@ The capacity baseline is float16 (unless ``--no-float16``): the model's weights 
 float16 in a temporary copy, KV in float16, in the same two budgets (``3 * --fits`` agents ask
 for 2 tokens each: only the counts are wanted; float16 is emulated and slow on CPU), and each
 row's agents against its count (``agents_vs_float16``, ``hot_agents_vs_float16``). q8 and q4
-quantize in groups of ``--group-size`` (``batch_kv_group_size``).
+quantize in groups of ``--group-size`` (``batch_kv_group_size``; default: each precision's
+own, 128 and 32).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
 heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
 each other, masked): its decode step in
@@ -54,7 +55,7 @@ from engine.batch_caches import (
     hadamard,
     quantized_buffer,
 )
-from engine.config import DEFAULT_GROUP_SIZE, EngineConfig
+from engine.config import EngineConfig, choose_group_size, group_size_for
 from engine.engine import Engine
 from engine.models.loading import resolve_model_path
 from engine.request import GenerationRequest
@@ -178,7 +179,7 @@ async def run(args: argparse.Namespace) -> dict:
         "history": args.history,
         "tokens": args.tokens,
         "fits": args.fits,
-        "group_size": args.group_size,
+        "group_size": args.group_size or "q8 128, q4 32",
         "float16": float16,
         "budget_mb": budget / 2**20,
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
@@ -191,11 +192,13 @@ STEPS = 5
 
 
 def attention_steps(
-    history: int, rows: int, layer: tuple[int, int, int], group: int = DEFAULT_GROUP_SIZE
+    history: int, rows: int, layer: tuple[int, int, int], group: int | None = None
 ) -> dict:
     """One attention layer's decode step over ``rows`` histories of about ``history``
     positions (row ``b``: ``5 * b`` fewer, so the group pads them), masked as the engine masks
-    a padded group, per precision: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
+    a padded group, per precision (in groups of ``group``, else of each one's own; q8's keys
+    rotated as the batch holds them): ``ms`` (the best of :data:`STEPS`) and
+    ``working_set_mb``."""
     kv_heads, q_heads, dim = layer
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     scale = dim**-0.5
@@ -213,7 +216,9 @@ def attention_steps(
             out.append(row)
         return out
 
-    q8 = Packing(8, (group,), ((dim, dim),), mx.float32)
+    # (as the batch chooses: another size where the preferred one does not divide the heads)
+    g8, g4 = (choose_group_size(dim, group_size_for(bits, group)) for bits in (8, 4))
+    q8 = Packing(8, (g8,), ((dim, dim),), mx.float32, (False,), (dim & (dim - 1) == 0,))
 
     def attend(name: str, fetched: tuple, q: mx.array, cache, mask: mx.array) -> mx.array:
         if name in ("q8", "q4"):
@@ -233,9 +238,10 @@ def attention_steps(
         if name == "model":
             buffer = GroupKVCache.merge(float_rows())
         elif name == "q8":
-            buffer = quantized_buffer([q8.pack(0, r) for r in float_rows()], None, 8, group)
+            rows_ = [q8.pack(0, r) for r in float_rows()]
+            buffer = quantized_buffer(rows_, None, 8, g8, q8.keys_rotated(0))
         else:
-            buffer = channel_buffer([channel_row(r, group) for r in float_rows()], None, group)
+            buffer = channel_buffer([channel_row(r, g4) for r in float_rows()], None, g4)
         mx.eval(buffer.state)
         times, peaks = [], []
         for step in range(STEPS):
@@ -284,8 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--group-size",
         type=int,
         choices=(32, 64, 128),
-        default=DEFAULT_GROUP_SIZE,
-        help="batch_kv_group_size of the q8 and q4 rows",
+        help="batch_kv_group_size of the q8 and q4 rows (default: each precision's own)",
     )
     parser.add_argument(
         "--no-float16",

@@ -46,8 +46,8 @@ from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
 from engine.batch_caches import is_packed
+from engine.config import group_size_for
 from engine.engine import Engine
-from engine.kv.encoded import DEFAULT_GROUP_SIZE
 from engine.kv_batch import KVLayout
 from engine.request import PromptCache
 
@@ -149,7 +149,8 @@ async def before_restart(args: argparse.Namespace, cache_dir: Path) -> tuple[dic
             files = {}
             for name, bits in VARIANTS.items():
                 path = cache_dir / f"h{h}-{name}"
-                files[name] = (path, *await eng.run(save, cache, bits, args.group_size, path))
+                group = group_size_for(bits, args.group_size)
+                files[name] = (path, *await eng.run(save, cache, bits, group, path))
             runs[h] = {
                 "fed": fed,
                 "reference": await eng.run(np.array, reference),  # host memory across restart
@@ -191,7 +192,8 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 row["variants"][name] = stats | {"file_bytes": file_bytes, "load_s": load_s}
                 del cache, logprobs
             for name, (bits, chunked) in BATCH.items():
-                layout = await eng.run(KVLayout.of, model, bits, args.group_size)
+                group = group_size_for(bits, args.group_size)
+                layout = await eng.run(KVLayout.of, model, bits, group)
                 _, paths, file_bytes = run["files"]["none" if bits is None else f"q{bits}"]
                 cache = await eng.run(load_paged, paths, layout.packing)
                 chunk = args.chunk if chunked else 1
@@ -234,7 +236,7 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
         "sliding_window": info["sliding_window"],
         "histories": args.histories,
         "continuation_tokens": args.continuation,
-        "group_size": args.group_size,
+        "group_size": args.group_size or "q8 128, q4 32",
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
         "exact_is_identical": exact,
@@ -325,7 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens")
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward pass")
-    parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=(32, 64, 128))
+    parser.add_argument(
+        "--group-size", type=int, choices=(32, 64, 128), help="default: each precision's own"
+    )
     parser.add_argument("--cache-dir", type=Path, help="where to write files (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="histories 64 and 600, 32 tokens")
     parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")

@@ -10,8 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.batch_caches import Packing
+from engine.config import group_size_for
 from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, DEFAULT_GROUP_SIZE, EncodedCache
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, EncodedCache
 from engine.kv.load import LoadedFile, decode_paged
 from engine.kv.paged import encode_paged, split_blocks, token_slice
 from engine.request import PromptCache
@@ -22,17 +23,18 @@ def save_paged(
     directory: Path,
     cache: PromptCache,
     kv_bits: int | None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     blocks_per_file: int | None = None,
 ) -> list[Path]:
-    """Write the cache's blocks and tail under ``directory``: their paths, the tail last.
+    """Write the cache's blocks and tail under ``directory``: their paths, the tail last
+    (quantized in groups of ``group_size``, None: ``kv_bits``' own, as the runtime's default).
 
     ``blocks_per_file`` None: all blocks in one segment, as a save of the whole history writes
     them; N: segments of N blocks, as a history built by turns of about N blocks each leaves.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    paged = encode_paged(cache, kv_bits, group_size, block_tokens)
+    paged = encode_paged(cache, kv_bits, group_size_for(kv_bits, group_size), block_tokens)
     paths = []
     for first, segment in paged.segments.items():
         count = segment.num_tokens // block_tokens

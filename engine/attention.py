@@ -175,7 +175,8 @@ def quantized_attention(
 ) -> mx.array:
     """Attention of ``(B, Hq, Lq, D)`` queries over a quantized layer.
 
-    Keys held per position (q8) are scored through ``mx.quantized_matmul`` as they are. Keys
+    Keys held per position (q8) are scored through ``mx.quantized_matmul`` as they are (held
+    rotated by :func:`~engine.batch_caches.hadamard`: against the query rotated once). Keys
     held per channel (q4): a key group's codes ``c`` read as ``s * c + b`` with one scale ``s``
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
@@ -210,8 +211,9 @@ def quantized_attention(
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
     if held.per_channel:
         scores = _folded_scores(q, held)
-    else:
-        scores = _times_words(q, held.keys, dk, bits, group, transpose=True)
+    else:  # (keys held rotated: scored by the query rotated alike, ``Hq . Hk = q . k``)
+        q_keys = hadamard(q) if held.rotated_keys else q
+        scores = _times_words(q_keys, held.keys, dk, bits, group, transpose=True)
 
     # Columns held in float: scored against ``recent`` (column c: its entry of age c's).
     blend = any(held.floats)  # (a q8 prompt's chunk reads none: no copies of its scores)

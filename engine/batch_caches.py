@@ -7,9 +7,11 @@ of mlx-lm's fixed 256, so a few hundred short sequences do not each carry 256 em
 
 **q8** (:class:`GroupQuantizedKVCache`, :class:`GroupQuantizedRotatingKVCache`): each
 position's keys and values ``mx.quantize``d, its words, float16 scales and float16 biases
-packed into one uint32 row (:func:`packed`). That is exactly what a q8 cache file stores
-(``engine.kv``: the values cast to float16, then quantized), so a row read from a q8 file of
-the same group size joins the batch without a dequantize, and a finished row is stored and
+packed into one uint32 row (:func:`packed`), keys rotated first by :func:`hadamard` (a
+power-of-two head size: ``Packing.rotated_keys``; attention rotates the query alike). That is
+exactly what a q8 cache file stores (``engine.kv``: keys rotated, cast to float16, then
+quantized), so a row read from a q8 file of the same group size joins the batch without a
+dequantize, and a finished row is stored and
 held in the hot tier as the batch held it: the bytes never drift across resumes. mlx-lm's
 batch caches only move positions along one axis (grow, rotate, pad, merge, extend, filter,
 extract, trim), so they run unchanged on packed arrays; a token's keys are quantized once,
@@ -168,6 +170,11 @@ def hadamard(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
 
 
+def rotated_if(x: mx.array, rotate: bool) -> mx.array:
+    """``x`` rotated by :func:`hadamard` in float32 when ``rotate``, else as it is."""
+    return hadamard(x.astype(mx.float32)) if rotate and x.size else x
+
+
 def four_bit_codes(words: mx.array) -> mx.array:
     """The 4-bit values of ``mx.quantize``'s words, in float32, along the last axis."""
     packed = words.view(mx.uint8)
@@ -185,6 +192,9 @@ class Packing:
             ``dtype`` (no group size divides its heads).
         dims: per layer, its (key, value) head sizes.
         dtype: the model's KV dtype, what :meth:`expand` gives back.
+        channel: per layer, held as :class:`ChannelQuantizedKVCache` holds it (q4).
+        rotated_keys: per layer, its keys rotated by :func:`hadamard` before they are
+            quantized per position (q8 with a power-of-two key head size).
     """
 
     bits: int
@@ -192,6 +202,7 @@ class Packing:
     dims: tuple[tuple[int, int], ...]
     dtype: Any
     channel: tuple[bool, ...] = ()
+    rotated_keys: tuple[bool, ...] = ()
 
     def quantized(self, i: int) -> bool:
         """Whether layer ``i`` is held packed."""
@@ -206,6 +217,16 @@ class Packing:
     def any_channel(self) -> bool:
         return any(self.channel)
 
+    def keys_rotated(self, i: int) -> bool:
+        """Whether layer ``i`` holds its keys rotated by :func:`hadamard` (q8)."""
+        return bool(self.rotated_keys) and self.rotated_keys[i]
+
+    def scheme(self, i: int) -> dict[str, bool]:
+        """Layer ``i``'s layout flags as a cache file names them (``engine.kv.quant``)."""
+        if self.channel_keys(i):
+            return {"channel_keys": True, "rotated_values": True}
+        return {"rotated_keys": True} if self.keys_rotated(i) else {}
+
     def packed_dims(self, i: int) -> tuple[int, int]:
         """Layer ``i``'s (key, value) words per head, packed."""
         group = self.group_sizes[i]
@@ -217,7 +238,12 @@ class Packing:
             return row
         if self.channel_keys(i):
             return channel_row(row, self.group_sizes[i])
-        return _with(row, lambda x: packed(x, self.bits, self.group_sizes[i]))
+        rotated, bits, group = self.keys_rotated(i), self.bits, self.group_sizes[i]
+
+        def pack(x: mx.array, kind: str) -> mx.array:
+            return packed(rotated_if(x, rotated and kind == "keys"), bits, group)
+
+        return _with(row, pack, "keys", "values")
 
     def parts(self, i: int, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
         """Layer ``i``'s packed keys (``kind`` "keys") or values as (words, float16 scales,
@@ -226,14 +252,25 @@ class Packing:
         return unpacked(x, dim, self.bits, self.group_sizes[i])
 
     def values(self, i: int, x: mx.array, kind: str) -> mx.array:
-        """Layer ``i``'s packed keys (``kind`` "keys") or values in the model's dtype."""
+        """Layer ``i``'s packed keys (``kind`` "keys") or values in the model's dtype (keys
+        held rotated rotated back)."""
         dim = self.dims[i][0 if kind == "keys" else 1]
+        if kind == "keys" and self.keys_rotated(i):
+            x = rotated_if(expand(x, dim, mx.float32, self.bits, self.group_sizes[i]), True)
+            return x.astype(self.dtype)
         return expand(x, dim, self.dtype, self.bits, self.group_sizes[i])
 
-    def stores_as(self, i: int, bits: int | None, group_size: int | None) -> bool:
+    def stores_as(
+        self, i: int, bits: int | None, group_size: int | None, scheme: dict[str, bool]
+    ) -> bool:
         """Whether layer ``i``'s packed words are what a file of ``bits`` quantizing the layer
-        in groups of ``group_size`` stores."""
-        return bits == self.bits and group_size == self.group_sizes[i] and not self.channel_keys(i)
+        per position in groups of ``group_size``, under the layout flags ``scheme``, stores."""
+        return (
+            bits == self.bits
+            and group_size == self.group_sizes[i]
+            and not self.channel_keys(i)
+            and scheme == self.scheme(i)
+        )
 
     def expand_layer(self, i: int, row: Any) -> Any:
         """Layer ``i``'s single-row cache in the model's precision (dequantized if packed)."""
@@ -323,6 +360,8 @@ class HeldQuantized:
         bits: 8 or 4.
         per_channel: keys quantized per channel in whole groups (q4), else per position.
         rotated: values held rotated by :func:`hadamard` (q4).
+        rotated_keys: keys held rotated by :func:`hadamard` (q8; ``recent`` holds them
+            unrotated).
     """
 
     keys: mx.array
@@ -336,6 +375,7 @@ class HeldQuantized:
     bits: int
     per_channel: bool
     rotated: bool
+    rotated_keys: bool = False
 
     @property
     def ages(self) -> mx.array:
@@ -362,14 +402,15 @@ class HeldQuantized:
         return (ages >= 0) & (ages < mx.array([min(n, f) for n in self.floats])[:, None])
 
     def expanded(self) -> tuple[mx.array, mx.array]:
-        """Keys and values (``rotated`` if held so) in the model's dtype, every column
-        expanded."""
+        """Keys and values in the model's dtype, every column expanded (keys rotated back;
+        values rotated if ``rotated``)."""
         (recent_keys, recent_values), group, bits = self.recent, self.group, self.bits
         wrap, dk, dv = self.wrap, recent_keys.shape[3], recent_values.shape[3]
         if self.per_channel:
             keys = channel_keys_f32(self.keys, dk, group, self.positions, wrap)
         else:
             keys = expand(self.keys, dk, mx.float32, bits, group)
+            keys = hadamard(keys) if self.rotated_keys else keys
         keys = _overlay(keys, recent_keys, self.floats, self.newest, wrap)
         values = expand(self.values, dv, mx.float32, bits, group)
         recent_values = recent_values.astype(mx.float32)
@@ -393,8 +434,8 @@ class QuantizedLayer:
     them (``counts``: how many a row has): a prompt's positions, and a cache's, are read
     through their words, so a turn computes the same whether its prompt came in one chunk or
     many, or from a cache (a finished row leaves its float copies behind:
-    ``engine.loop``). The float copies raise the top-1 agreement of decoding at a 4K history
-    from 98.05% to 99.61% on ``gemma3-270m`` (``bench_fidelity``).
+    ``engine.loop``). The float copies raised the top-1 agreement of decoding at a 4K history
+    from 98.05% to 99.61% on ``gemma3-270m`` (``bench_fidelity``, groups of 32, keys unrotated).
     """
 
     bits: int
@@ -404,6 +445,7 @@ class QuantizedLayer:
     recent: tuple[mx.array, mx.array] | None
     per_channel = False  # keys quantized per channel as their groups complete (q4)
     rotated_values = False  # values held rotated by :func:`hadamard` (q4)
+    rotated_keys = False  # keys held rotated by :func:`hadamard` (q8, set per buffer)
 
     def _wraps(self) -> bool:
         return bool(getattr(self, "rotated", False))
@@ -436,8 +478,9 @@ class QuantizedLayer:
         tokens; per row: which rows' tokens were given, not sampled, as a forced token is);
         what attention reads for the step."""
         bits, group, n = self.bits, self.group_size, keys.shape[2]
-        stored = hadamard(values.astype(mx.float32)) if self.rotated_values else values
-        super().update_and_fetch(packed(keys, bits, group), packed(stored, bits, group))  # type: ignore[misc]
+        key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
+        value_words = packed(rotated_if(values, self.rotated_values), bits, group)
+        super().update_and_fetch(key_words, value_words)  # type: ignore[misc]
         old, self.lengths = self.lengths, [length + n for length in self.lengths]
         f = self.float_positions()
         if self.recent is None:
@@ -461,6 +504,7 @@ class QuantizedLayer:
             bits,
             self.per_channel,
             self.rotated_values,
+            self.rotated_keys,
         )
         return held, held
 
@@ -513,8 +557,11 @@ class GroupQuantizedRotatingKVCache(QuantizedLayer, GroupRotatingKVCache):
     """A group's buffer for one sliding-window layer, its keys and values quantized."""
 
 
-def quantized_buffer(rows: list[Any], window: int | None, bits: int, group_size: int) -> Any:
-    """One group buffer of packed single-row caches (none: one empty row)."""
+def quantized_buffer(
+    rows: list[Any], window: int | None, bits: int, group_size: int, rotated_keys: bool = False
+) -> Any:
+    """One group buffer of packed single-row caches (none: one empty row); ``rotated_keys``:
+    they hold their keys rotated by :func:`hadamard`."""
     if window is None:
         merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
         merged.__class__ = GroupQuantizedKVCache
@@ -522,6 +569,7 @@ def quantized_buffer(rows: list[Any], window: int | None, bits: int, group_size:
         merged = GroupRotatingKVCache.merge(rows) if rows else GroupRotatingKVCache(window, [0])
         merged.__class__ = GroupQuantizedRotatingKVCache
     merged.bits = bits
+    merged.rotated_keys = rotated_keys
     return _with_recent(merged, rows, group_size)
 
 

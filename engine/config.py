@@ -9,10 +9,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-# 32 rather than mlx-lm's 64: on a trained model (gemma3-270m, 4K history) q8 keeps 99.2% of
-# teacher-forced top-1 tokens against 98.4% at 64, for 6% more bytes (q8 0.5625x of float16).
+# The group size a precision quantizes in unless told. q4 (keys per channel): 32, which keeps
+# 98% of teacher-forced top-1 tokens at a 4K history on gemma3-270m, against 95% at 128. q8
+# (keys rotated, ``engine.kv.quant``): 128, 0.516x the bytes of float16 against 0.5625x at 32,
+# diverging from the exact model about as much as unrotated keys in groups of 32 did (README,
+# *Resume fidelity*). Codec functions called without a group size, and layers of no quantization,
+# use DEFAULT_GROUP_SIZE.
 DEFAULT_GROUP_SIZE = 32
+GROUP_SIZE_BY_BITS = {8: 128, 4: 32}
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
+
+
+def group_size_for(bits: int | None, preferred: int | None = None) -> int:
+    """The group size to quantize at ``bits`` in: ``preferred``, else the precision's own."""
+    if preferred is not None:
+        return preferred
+    return GROUP_SIZE_BY_BITS.get(bits, DEFAULT_GROUP_SIZE)  # type: ignore[arg-type]
 
 
 def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
@@ -53,12 +65,13 @@ class EngineConfig(BaseModel):
         priority_aging_per_s: priority a waiting request gains per second of waiting.
         stats_window_s: window of the aggregate decode tok/s.
         batch_kv_bits: hold the layers' keys and values quantized in the running batch (8
-            or 4; None: in the model's precision): q8 in groups of 32 is 0.56x the bytes of
-            float16 (0.28x of float32; q4 0.31x and 0.16x, plus each row's newest positions
-            in float: keys per channel, values rotated, see ``engine.batch_caches``), so the
-            KV budget holds more long-history turns.
+            or 4; None: in the model's precision): q8 in groups of 128 is 0.52x the bytes of
+            float16 (0.26x of float32; keys rotated), q4 in groups of 32 0.31x and 0.16x
+            (keys per channel, values rotated), each plus a row's newest positions in float
+            (see ``engine.batch_caches``), so the KV budget holds more long-history turns.
         batch_kv_group_size: its quantization group size (32, 64 or 128; a layer whose
-            heads it does not divide uses another that does, or stays unquantized).
+            heads it does not divide uses another that does, or stays unquantized). None:
+            128 at 8 bits, 32 at 4 (:data:`GROUP_SIZE_BY_BITS`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -73,7 +86,12 @@ class EngineConfig(BaseModel):
     priority_aging_per_s: float = Field(default=0.1, ge=0.0)
     stats_window_s: float = Field(default=10.0, gt=0.0)
     batch_kv_bits: Literal[8, 4] | None = None
-    batch_kv_group_size: Literal[32, 64, 128] = DEFAULT_GROUP_SIZE
+    batch_kv_group_size: Literal[32, 64, 128] | None = None
+
+    @property
+    def batch_group_size(self) -> int:
+        """The batch's quantization group size: ``batch_kv_group_size``, else its bits'."""
+        return group_size_for(self.batch_kv_bits, self.batch_kv_group_size)
 
     @model_validator(mode="before")
     @classmethod

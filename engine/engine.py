@@ -42,7 +42,11 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
 
 def _describe(packing: Packing) -> str:
     groups = sorted({g for g in packing.group_sizes if g is not None})
-    return f"at {packing.bits} bits in groups of {'/'.join(map(str, groups))} ({packing.dtype})"
+    rotated = ", keys rotated" if any(packing.rotated_keys) else ""
+    return (
+        f"at {packing.bits} bits in groups of {'/'.join(map(str, groups))}{rotated} "
+        f"({packing.dtype})"
+    )
 
 
 def _expanded(cache: PromptCache) -> PromptCache:

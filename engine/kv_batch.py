@@ -39,7 +39,7 @@ from engine.batch_caches import (
     quantized_buffer,
     quantized_token_bytes,
 )
-from engine.config import DEFAULT_GROUP_SIZE, choose_group_size
+from engine.config import choose_group_size, group_size_for
 from engine.errors import InvalidCacheError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -68,12 +68,12 @@ class KVLayout:
         object.__setattr__(self, "by_window", tuple(sums.items()))
 
     @classmethod
-    def of(
-        cls, model: Any, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
-    ) -> KVLayout:
+    def of(cls, model: Any, bits: int | None = None, group_size: int | None = None) -> KVLayout:
         """Read the model's layers off one token run through fresh caches; ``bits``: hold the
-        layers quantized (in groups of ``group_size``, or of another size that divides their
-        heads: a layer none divides stays unquantized, logged once)."""
+        layers quantized (in groups of ``group_size``, None: the precision's own, or of
+        another size that divides their heads: a layer none divides stays unquantized,
+        logged once)."""
+        group_size = group_size_for(bits, group_size)
         caches = make_prompt_cache(model)
         for c in caches:
             if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
@@ -91,6 +91,7 @@ class KVLayout:
             return cls(windows, tuple(token_bytes), heads)
         groups: list[int | None] = [None] * len(caches)
         channel = [False] * len(caches)
+        rotated = [False] * len(caches)
         for i, (n, dk, dv) in enumerate(heads):
             chosen = choose_group_size(math.gcd(dk, dv), group_size)
             if chosen is None:
@@ -100,9 +101,11 @@ class KVLayout:
             token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen)
             # q4 keeps keys per channel and rotates values (a power-of-two head size).
             channel[i] = bits == 4 and dk % 8 == 0 and dv & (dv - 1) == 0
+            # q8 rotates keys (a power-of-two head size), as a q8 file stores them.
+            rotated[i] = bits == 8 and dk & (dk - 1) == 0
         dims = tuple((dk, dv) for _, dk, dv in heads)
         dtype = caches[0].keys.dtype
-        packing = Packing(bits, tuple(groups), dims, dtype, tuple(channel))
+        packing = Packing(bits, tuple(groups), dims, dtype, tuple(channel), tuple(rotated))
         return cls(windows, tuple(token_bytes), heads, (), packing)
 
     @property
@@ -170,7 +173,9 @@ class KVLayout:
             rows = [self.packing.pack(i, x) for x in layers]
             if self.packing.channel_keys(i):
                 return channel_buffer(rows, w, self.packing.group_sizes[i])
-            return quantized_buffer(rows, w, self.packing.bits, self.packing.group_sizes[i])
+            group = self.packing.group_sizes[i]
+            bits = self.packing.bits
+            return quantized_buffer(rows, w, bits, group, self.packing.keys_rotated(i))
         if not layers:
             return GroupKVCache([0]) if w is None else GroupRotatingKVCache(w, [0])
         return (GroupKVCache if w is None else GroupRotatingKVCache).merge(layers)

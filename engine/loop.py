@@ -100,7 +100,7 @@ class GenerationLoop(threading.Thread):
         try:
             self.model = load_model(self._model_spec)
             self.runner = ModelRunner(
-                self.model.model, self.config.batch_kv_bits, self.config.batch_kv_group_size
+                self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
             )
             self.scheduler = Scheduler(self.config, self.runner.layout, self._budget())
         except BaseException as exc:  # surfaced to the opener by wait_ready()

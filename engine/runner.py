@@ -22,7 +22,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from engine.attention import Span, StepCache, install
-from engine.config import DEFAULT_GROUP_SIZE
 from engine.errors import UnsupportedModelError
 from engine.kv_batch import KVGroup, KVLayout
 from engine.sequence import SeqStatus, Sequence
@@ -59,12 +58,11 @@ class StepPlan:
 class ModelRunner:
     """Runs steps of the batch through one model (on the generation thread)."""
 
-    def __init__(
-        self, model: nn.Module, kv_bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE
-    ):
+    def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int | None = None):
         """``kv_bits``: hold the layers' KV quantized in the batch (see
-        ``engine.batch_caches``), in groups of ``group_size``; a model whose attention cannot
-        take quantized keys (attention sinks) keeps them in its precision, with a warning."""
+        ``engine.batch_caches``), in groups of ``group_size`` (None: the precision's own); a
+        model whose attention cannot take quantized keys (attention sinks) keeps them in its
+        precision, with a warning."""
         self.model = model
         if not install(model):
             raise UnsupportedModelError(

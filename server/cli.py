@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-kv-bits",
         choices=("8", "4", "none"),
         default="none",
-        help="hold the running batch's KV quantized (8: 0.56x the bytes of "
+        help="hold the running batch's KV quantized (8: 0.52x the bytes of "
         "float16), so one KV budget holds more long-history agents (default: none)",
     )
     serve.add_argument(

@@ -333,7 +333,8 @@ def test_batch_kv_quick(tmp_path):
     assert rows["q4"]["need_mb"] < rows["q8"]["need_mb"] < rows["model"]["need_mb"]
     # And the hot tier holds the agents' caches as the batch held them: more of them.
     assert rows["model"]["hot_agents"] == report["fits"]
-    assert rows["q4"]["hot_token_bytes"] < rows["q8"]["hot_token_bytes"]
+    # (q4's float positions outweigh its smaller words over these short sliding windows.)
+    assert rows["q4"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
     assert rows["q8"]["hot_token_bytes"] < rows["model"]["hot_token_bytes"]
     assert rows["q8"]["hot_agents"] > rows["model"]["hot_agents"]
     # The capacity baseline: the float32 model cast to float16 fits twice its agents.

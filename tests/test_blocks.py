@@ -78,7 +78,7 @@ def layout_of(rt: AgentRuntime) -> CacheLayout:
     """The runtime's cache layout (paths, names, block keys), built from its settings."""
     c = rt.config
     fingerprint = rt.engine.model.fingerprint
-    return CacheLayout(c.caches_path, fingerprint, c.kv_bits, c.kv_group_size, c.kv_block_tokens)
+    return CacheLayout(c.caches_path, fingerprint, c.kv_bits, c.disk_group_size, c.kv_block_tokens)
 
 
 async def files_of(rt: AgentRuntime, keys) -> list[Path]:
@@ -89,12 +89,13 @@ async def files_of(rt: AgentRuntime, keys) -> list[Path]:
     return list(dict.fromkeys(layout.file_of(key, known[key]) for key in keys if key in known))
 
 
-def test_q4_blocks_are_keyed_apart_from_per_token_ones(tmp_path):
+def test_quantized_blocks_are_keyed_apart_from_those_of_earlier_schemes(tmp_path):
     seeds = {bits: CacheLayout(tmp_path, "fp", bits, 32, 256).seed for bits in (None, 8, 4)}
-    # Exact and q8 keys are as they always were (their stored blocks stay found) ...
+    # Exact keys are as they always were (their stored blocks stay found) ...
     assert seeds[None] == b"agentkv-blocks-v2|fp|None|32|256"
-    assert seeds[8] == b"agentkv-blocks-v2|fp|8|32|256"
-    # ... and q4 blocks, which now hold keys per channel, never meet per-token ones.
+    # ... and q8 blocks, which now hold keys rotated, and q4 blocks, keys per channel, never
+    # meet the per-token, unrotated ones stored before.
+    assert seeds[8] == b"agentkv-blocks-v2|fp|8-rotated-keys|32|256"
     assert seeds[4] == b"agentkv-blocks-v2|fp|4-channels|32|256"
 
 
@@ -565,7 +566,7 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
 
 
 async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_path):
-    from engine.kv.encoded import FORMAT_VERSION
+    from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION
     from engine.kv.whole import encode_cache
     from store import NewCacheEntry
     from store.cache_files import write_cache_file
@@ -608,7 +609,7 @@ async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_pat
         assert reply.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
         await rt.flush()
         record = (await rt.cache_info(agent.id)).stored
-        assert record.format_version == 2 and record.blocks
+        assert record.format_version == PAGED_FORMAT_VERSION == 3 and record.blocks
         assert not (rt.config.caches_path / rel).exists()
 
 

@@ -528,7 +528,8 @@ async def test_a_cache_packed_otherwise_than_the_batch_is_refused():
         await q8.close()
     q4 = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=4))
     try:
-        with pytest.raises(InvalidCacheError, match=r"packed at 8 bits in groups of 32.*at 4 bits"):
+        held = r"packed at 8 bits in groups of 64, keys rotated.*at 4 bits"
+        with pytest.raises(InvalidCacheError, match=held):
             q4.submit(GenerationRequest([5], cache=packed))
         with pytest.raises(InvalidCacheError, match="no packing"):
             q4.submit(GenerationRequest([5], cache=PromptCache(packed.layers, packed.tokens)))

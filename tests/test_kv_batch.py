@@ -243,28 +243,39 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))
 
 
-def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float():
-    """q8 holds every position as its words and keeps float copies of each row's newest
-    FLOAT_WINDOW decoded tokens: a decode step attends to those (and to itself) in float and
-    to the rest through the words, while a prompt's chunk, and a cache that joins, are read
-    through the words alone; a row leaves with its float copies and rejoins with them."""
+@pytest.mark.parametrize("rotated", [True, False])
+def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
+    """q8 holds every position as its words (keys ``rotated``: of their Hadamard transform)
+    and keeps float copies of each row's newest FLOAT_WINDOW decoded tokens: a decode step
+    attends to those (and to itself) in float and to the rest through the words, while a
+    prompt's chunk, and a cache that joins, are read through the words alone; a row leaves
+    with its float copies and rejoins with them."""
     from engine.attention import quantized_attention
-    from engine.batch_caches import FLOAT_WINDOW, Packing, expand, packed, quantized_buffer
+    from engine.batch_caches import (
+        FLOAT_WINDOW,
+        Packing,
+        expand,
+        hadamard,
+        packed,
+        quantized_buffer,
+    )
 
     H, D, group, prompt, steps = 2, 64, 32, 3, 24
     lengths = [5, 40]
     total = max(lengths) + prompt + steps
     keys = mx.random.normal((2, H, total, D), key=mx.random.key(11)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(12))
-    packing = Packing(8, (group,), ((D, D),), mx.float32)
+    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (rotated,))
     rows = [
         packing.pack(0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None))
         for b, n in enumerate(lengths)
     ]
-    buffer = quantized_buffer(rows, None, 8, group)
+    buffer = quantized_buffer(rows, None, 8, group, rotated)
 
-    def as_words(x: mx.array) -> mx.array:
-        return expand(packed(x, 8, group), D, mx.float32, 8, group)
+    def as_words(x: mx.array, rotate: bool = False) -> mx.array:
+        if not rotate:
+            return expand(packed(x, 8, group), D, mx.float32, 8, group)
+        return hadamard(expand(packed(hadamard(x), 8, group), D, mx.float32, 8, group))
 
     def step(n: int, is_prompt: bool, t: int) -> list[int]:
         """Write ``n`` positions a row; check attention; return each row's float count."""
@@ -277,7 +288,8 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float():
         got = quantized_attention(query, held, 0.125, mask, None)
         for b, a in enumerate(at):
             end, floats = a + n, held.floats[b]
-            wk, wv = as_words(keys[b : b + 1, :, :end]), as_words(values[b : b + 1, :, :end])
+            wk = as_words(keys[b : b + 1, :, :end], rotated)
+            wv = as_words(values[b : b + 1, :, :end])
             if floats:
                 wk[..., end - floats :, :] = keys[b : b + 1, :, end - floats : end]
                 wv[..., end - floats :, :] = values[b : b + 1, :, end - floats : end]
@@ -296,9 +308,12 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float():
     assert row.float_count == FLOAT_WINDOW
     n = lengths[1] + prompt + steps
     assert mx.array_equal(row.recent[0][0], keys[1, :, n - FLOAT_WINDOW : n]).item()
-    again = quantized_buffer([row], None, 8, group)
+    again = quantized_buffer([row], None, 8, group, rotated)
     assert again.counts == [FLOAT_WINDOW]
     assert mx.array_equal(again.keys[..., :n, :], row.keys[..., :n, :]).item()
+    # The row's keys expand to what their words hold (rotated back).
+    expanded = packing.expand_layer(0, row).keys[..., :n, :]
+    assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
 
 
 # ---- four bits: keys per channel, values rotated, the newest positions in float -------------

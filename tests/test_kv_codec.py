@@ -160,7 +160,7 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
             for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
                 scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
                 step = element_steps(scales, layouts[i], name, DEFAULT_GROUP_SIZE)
-                if name == "values" and layouts[i].get("rotated_values"):
+                if layouts[i].get(f"rotated_{name}"):  # bounded where quantized
                     exact, approx = hadamard_on_host(exact), hadamard_on_host(approx)
                 err = np.abs(exact - approx)
                 # Affine rounding plus MLX's zero-point nudge, plus float16 casts in and out.
@@ -519,14 +519,17 @@ async def test_host_dequantization_is_exact_in_float32_and_near_mlx(engine, kv_b
         layouts = json.loads(encoded.metadata["layers"])
         for i, (a, b) in enumerate(zip(on_mlx.layers, on_host.layers, strict=True)):
             assert (type(a), a.offset) == (type(b), b.offset)
-            group = layouts[i]["group_size"]
-            if kv_bits == 4:  # keys per channel, values rotated: the same float32 arithmetic
+            group, rotated = layouts[i]["group_size"], layouts[i].get("rotated_keys", False)
+            assert rotated == (kv_bits == 8)  # head size 64
+            # Keys per channel or rotated: the same float32 arithmetic on MLX as on the host.
+            assert mx.array_equal(a.keys, b.keys).item()
+            assert mx.array_equal(a.values, b.values).item()
+            if kv_bits == 4:  # keys per channel, values rotated
                 assert layouts[i]["channel_keys"] and layouts[i]["rotated_values"]
-                assert mx.array_equal(a.keys, b.keys).item()
-                assert mx.array_equal(a.values, b.values).item()
                 continue
             for kv, got, theirs in (("keys", b.keys, a.keys), ("values", b.values, a.values)):
-                # Exactly q * scale + bias in float32 (the cache's dtype here) ...
+                # Exactly q * scale + bias in float32 (the cache's dtype here; keys rotated
+                # back) ...
                 words, scales, biases = (
                     mx.array(encoded.tensors[f"layers.{i}.{kv}.{p}"])
                     for p in ("q", "scales", "biases")
@@ -538,6 +541,10 @@ async def test_host_dequantization_is_exact_in_float32_and_near_mlx(engine, kv_b
                     group_size=group,
                     bits=kv_bits,
                 )
+                if kv == "keys":
+                    exact = mx.array(hadamard_on_host(np.array(exact)))
+                    assert mx.array_equal(got, exact).item()
+                    continue
                 assert mx.array_equal(got, exact).item()
                 # ... and within mx.dequantize's float16 rounding of q * scale, then of the sum.
                 scaled = got - mx.repeat(biases.astype(mx.float32), group, axis=-1)
@@ -726,6 +733,56 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
         assert mx.array_equal(row.recent[1][..., -held:, :], expanded.values[..., -held:, :]).item()
 
 
+async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_rotated(
+    gemma, tmp_path, monkeypatch
+):
+    """q8 files store keys rotated, as a q8 batch holds them: a file joins such a batch with
+    its words as stored (saved again, the same bytes). A q8 file written before keys were
+    rotated (its layouts without ``rotated_keys``) still loads: expanded as stored, unrotated
+    (the batch packs such a row, rotated, when it joins)."""
+    import engine.kv.paged
+    from engine.batch_caches import is_packed
+    from engine.kv_batch import KVLayout
+
+    cache = await history(gemma, 130)
+    packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
+    assert all(packing.rotated_keys)  # head size 64
+    paged = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
+    tail, block_paths = write_paged(tmp_path, paged)
+    assert all(x["rotated_keys"] for x in json.loads(paged.tail.metadata["layers"]))
+    got = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing)
+    assert got.packing == packing and all(is_packed(x) for x in got.layers)
+    again = await gemma.run(encode_paged, got, 8, 64, BLOCK)
+    for old, new in [(paged.tail, again.tail), (paged.segments[0], again.segments[0])]:
+        assert old.tensors.keys() == new.tensors.keys()
+        for name, x in old.tensors.items():
+            np.testing.assert_array_equal(x, new.tensors[name], err_msg=name)
+
+    # As agentkv wrote q8 files before (format 2): no flags, keys quantized as they are.
+    monkeypatch.setattr(engine.kv.paged, "quant_scheme", lambda *args, **kwargs: {})
+    legacy = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
+    monkeypatch.undo()
+    assert paged.tail.metadata["format_version"] == "3"
+    legacy = PagedCache(
+        {
+            j: EncodedCache(b.tensors, b.metadata | {"format_version": "2"})
+            for j, b in legacy.segments.items()
+        },
+        EncodedCache(legacy.tail.tensors, legacy.tail.metadata | {"format_version": "2"}),
+        BLOCK,
+    )
+    assert not any("rotated_keys" in x for x in json.loads(legacy.tail.metadata["layers"]))
+    (tmp_path / "legacy").mkdir()
+    tail, block_paths = write_paged(tmp_path / "legacy", legacy)
+    floats = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    got = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing)
+    assert got.packing is None and not any(is_packed(x) for x in got.layers)
+    for row, expanded, original in zip(got.layers, floats.layers, cache.layers, strict=True):
+        exact, approx = temporal(original)[0], temporal(expanded)[0]
+        np.testing.assert_array_equal(temporal(row)[0], approx)
+        assert np.abs(exact - approx).max() < 0.02 * np.abs(exact).max()  # read unrotated
+
+
 async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_path):
     cache = await history(gemma, 3 * BLOCK + 5)  # BLOCK 16: half a 32-position key group
     paged = await gemma.run(encode_paged, cache, 4, 32, BLOCK)
@@ -745,7 +802,7 @@ async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_pat
     block = whole_groups.segments[0]
     per_token = [{k: v for k, v in e.items() if k != "channel_keys"} for e in entries]
     relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(per_token)})
-    with pytest.raises(CacheFormatError, match="q4 scheme differs from the tail"):
+    with pytest.raises(CacheFormatError, match="quantization scheme differs from the tail"):
         assemble_paged(whole_groups.tail, [relabelled], join=False)
 
 
@@ -759,6 +816,36 @@ async def test_a_q4_tail_at_a_block_boundary_with_no_new_blocks_saves(gemma, tmp
     tail, block_paths = write_paged(tmp_path, PagedCache(every.segments, paged.tail, 2 * BLOCK))
     decoded = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
     whole = await gemma.run(decode_cache, await gemma.run(encode_cache, cache, 4, 32))
+    for (a, b), (c, d) in await temporal_pairs(gemma, whole, decoded):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+
+
+@pytest.mark.parametrize(("kv_bits", "group"), [(None, 32), (4, 32), (8, 32), (8, 64)])
+async def test_a_q8_batch_row_at_a_block_boundary_with_no_new_blocks_saves(
+    gemma, tmp_path, kv_bits, group
+):
+    """A q8 batch's row (keys rotated) ending on a block boundary, all its blocks stored: its
+    global layers' tail is empty, whether the file keeps the batch's words or expands them."""
+    from engine.kv_batch import KVLayout
+
+    cache = await history(gemma, 4 * BLOCK)
+    packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
+
+    def pack() -> list:
+        rows = [packing.pack(i, layer) for i, layer in enumerate(cache.layers)]
+        mx.eval(*(x for row in rows for x in (row.keys, row.values)))
+        return rows
+
+    rows = await gemma.run(pack)
+    packed = PromptCache(rows, cache.tokens, packing=packing)
+    block = 2 * BLOCK if kv_bits == 4 else BLOCK
+    paged = await gemma.run(encode_paged, packed, kv_bits, group, block, set())
+    assert paged.segments == {} and paged.tail.num_tokens == 0
+    every = await gemma.run(encode_paged, packed, kv_bits, group, block)
+    tail, block_paths = write_paged(tmp_path, PagedCache(every.segments, paged.tail, block))
+    decoded = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    whole = await gemma.run(decode_cache, await gemma.run(encode_cache, packed, kv_bits, group))
     for (a, b), (c, d) in await temporal_pairs(gemma, whole, decoded):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, d)
@@ -834,7 +921,7 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
         )
     with pytest.raises(CacheFormatError, match="holds 53 positions, blocks and tail 37"):
         assemble_paged(exact.tail, blocks[:2], join=False)
-    with pytest.raises(CacheFormatError, match="not a format-2 tail"):
+    with pytest.raises(CacheFormatError, match="not a format-2/3 tail"):
         assemble_paged(blocks[0], blocks, join=False)
     assert assemble_paged(exact.tail, blocks, join=False) is None
 

@@ -194,10 +194,29 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             await rt.chat("q", "Hello there", max_tokens=20)
         async with await AgentRuntime.open(config(data, kv_bits=bits)) as rt:
             entry = (await rt.cache_info("q")).stored
-            assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, 32, 2)
+            group = {8: 128, 4: 32}[bits]  # each precision's own (the head size 64: q8 in 64s)
+            assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, group, 2)
             reply = await rt.chat("q", "Again", max_tokens=8)
             assert reply.cache_source == "disk"
             assert len(await rt.transcript("q")) == 4
+
+
+async def test_a_q8_cache_saved_in_other_groups_resumes_and_is_saved_again_in_the_new(tmp_path):
+    """Caches saved in q8 groups of 32 (the default before keys were rotated) resume from disk
+    under the default groups, and the next save stores them in those."""
+    data = tmp_path / "q8"
+    async with await AgentRuntime.open(config(data, kv_group_size=32, batch_kv_bits=8)) as rt:
+        await rt.create_agent("q")
+        await rt.chat("q", "Hello there", max_tokens=12)
+        await rt.flush()
+        assert (await rt.cache_info("q")).stored.group_size == 32
+    async with await AgentRuntime.open(config(data, batch_kv_bits=8)) as rt:
+        reply = await rt.chat("q", "Again", max_tokens=8)
+        assert reply.cache_source == "disk"
+        assert reply.usage.cached_tokens > 0
+        await rt.flush()
+        assert (await rt.cache_info("q")).stored.group_size == 128
+        assert len(await rt.transcript("q")) == 4
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -891,9 +910,9 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
                     assert sum(x.nbytes for x in packed.recent) == 48 * position
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"
-    # A float32 value is 4 bytes; at q8 in groups of 32 it is 1 byte, plus a float16 scale
-    # and bias (4 bytes) a group of 32.
-    assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 32) / 4, rel=0.02)
+    # A float32 value is 4 bytes; at q8 in groups of 64 (128 does not divide the head size
+    # 64) it is 1 byte, plus a float16 scale and bias (4 bytes) a group of 64.
+    assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 64) / 4, rel=0.02)
     # q4: half a byte a value and a scale and bias a group of 32, but 48 positions in float
     # (more than this short cache holds: q4 pays off for long histories).
     assert per_token[4] > per_token[8]
@@ -931,6 +950,12 @@ def test_runtime_batch_kv_bits_is_the_engines():
     assert engine(kv_group_size=64).batch_kv_group_size == 64
     given = EngineConfig(batch_kv_group_size=128, batch_kv_bits=8)
     assert engine(kv_group_size=64, engine=given).batch_kv_group_size == 128
+    # Unset, each precision quantizes in its own groups, disk and batch alike.
+    assert engine(batch_kv_bits=8).batch_group_size == 128
+    assert engine(batch_kv_bits=4).batch_group_size == 32
+    assert RuntimeConfig(model="m").disk_group_size == 128  # kv_bits 8
+    assert RuntimeConfig(model="m", kv_bits=4).disk_group_size == 32
+    assert RuntimeConfig(model="m", kv_bits=4, kv_group_size=64).disk_group_size == 64
     copied = RuntimeConfig(model="m").model_copy(update={"batch_kv_bits": 8})
     assert copied.engine_config().batch_kv_bits == 8
     with pytest.raises(ValidationError, match="disagree"):

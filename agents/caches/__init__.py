@@ -3,7 +3,7 @@ blocks shared between agents.
 
 Layout under the cache root::
 
-    <agent id>/<messages>-<hex>.safetensors     the agent's tail (format 2; format 1: a whole
+    <agent id>/<messages>-<hex>.safetensors     the agent's tail (format 3 or 2; format 1: a whole
                                                 cache, still read, replaced at the next save)
     _blocks/<key[:2]>/<key>-<n>.safetensors     a segment: n consecutive blocks, the last one
                                                 ``key``, written by one save (a block is the

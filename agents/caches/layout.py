@@ -73,8 +73,9 @@ class CacheLayout:
         self.kv_bits = kv_bits
         self.group_size = group_size
         self.block_tokens = block_tokens
-        # q4 blocks hold keys per channel (engine.kv.quant): keyed apart from per-token ones.
-        bits = "4-channels" if kv_bits == 4 else str(kv_bits)
+        # q4 blocks hold keys per channel and q8 blocks keys rotated (engine.kv.quant): keyed
+        # apart from the per-token, unrotated ones stored before.
+        bits = {4: "4-channels", 8: "8-rotated-keys"}.get(kv_bits, str(kv_bits))
         parts = ("agentkv-blocks-v2", fingerprint, bits, str(group_size), str(block_tokens))
         self.seed = "|".join(parts).encode()
 

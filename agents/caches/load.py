@@ -22,7 +22,7 @@ from agents.caches.layout import BLOCKS_DIR, names_segment_of, remove_quietly
 from agents.caches.shared import Part
 from engine.errors import CacheFormatError, CacheUnusableError
 from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION, EncodedCache, block_tokens_of
+from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSIONS, EncodedCache, block_tokens_of
 from engine.kv.load import BlockRun, LoadedFile, decode_paged
 from engine.kv.paged import split_blocks
 from engine.kv.quant import dequantize_on_host
@@ -56,7 +56,7 @@ class Loader(Part):
             if record.model_fingerprint != self._layout.fingerprint:
                 raise StaleCacheError("saved for another model")
             meta: dict[str, str] = {}
-            if record.format_version == PAGED_FORMAT_VERSION:
+            if record.format_version in PAGED_FORMAT_VERSIONS:
                 tail = self._layout.root / record.path
                 check = functools.partial(_check_tail, record, meta)
                 cache = await self.load_paged(tail, list(record.blocks), record.checksum, check)

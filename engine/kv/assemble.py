@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 
 from engine.errors import CacheFormatError
-from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION, EncodedCache, tensor
+from engine.kv.encoded import (
+    FORMAT_VERSION,
+    PAGED_FORMAT_VERSIONS,
+    EncodedCache,
+    is_paged_format,
+    tensor,
+)
 from engine.kv.layouts import STORED, parse_paged_layouts, part_names
 from engine.kv.quant import quantized_parts
 
@@ -25,9 +31,9 @@ def assemble_paged(
             settings, layer set, shapes, token counts).
     """
     meta = tail.metadata
-    if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
+    if not is_paged_format(meta, "tail"):
         raise CacheFormatError(
-            f"not a format-{PAGED_FORMAT_VERSION} tail (format_version "
+            f"not a format-{'/'.join(map(str, PAGED_FORMAT_VERSIONS))} tail (format_version "
             f"{meta.get('format_version')!r}, kind {meta.get('kind')!r})"
         )
     kv_bits, group_size = tail.kv_bits, tail.group_size
@@ -113,8 +119,10 @@ def _check_block(
     globals_: dict[int, dict[str, Any]],
 ) -> None:
     meta = block.metadata
-    if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "block":
-        raise CacheFormatError(f"block {j} is not a format-{PAGED_FORMAT_VERSION} block")
+    if not is_paged_format(meta, "block"):
+        raise CacheFormatError(
+            f"block {j} is not a format-{'/'.join(map(str, PAGED_FORMAT_VERSIONS))} block"
+        )
     if block.kv_bits != kv_bits or block.group_size != group_size:
         raise CacheFormatError(
             f"block {j} is stored as kv_bits {block.kv_bits}/group {block.group_size}, "
@@ -132,10 +140,11 @@ def _check_block(
     for i, layout in globals_.items():
         entry = entries[i]
         layer_group = layout.get("group_size") if kv_bits else None
-        fields = ("dtype", "group_size", "channel_keys", "rotated_values")
+        fields = ("dtype", "group_size", "channel_keys", "rotated_values", "rotated_keys")
         if any(entry.get(f) != layout.get(f) for f in fields):
             raise CacheFormatError(
-                f"block {j} layer {i}: dtype, group size or q4 scheme differs from the tail"
+                f"block {j} layer {i}: dtype, group size or quantization scheme differs from "
+                "the tail"
             )
         for kv in ("keys", "values"):
             s = layout[f"{kv}_shape"]

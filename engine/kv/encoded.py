@@ -18,7 +18,21 @@ from engine.config import (  # noqa: F401  (this module's names for them)
 from engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
-PAGED_FORMAT_VERSION = 2
+# Paged files are written as format 3: format 2 with q8 keys rotated where a layer's layout
+# says ``rotated_keys`` (``engine.kv.quant``). An agentkv that reads only format 2 would read
+# such keys as they are, so it refuses these files instead (the agent is rebuilt from its
+# transcript); format-2 files, which never rotate, are still read.
+PAGED_FORMAT_VERSION = 3
+PAGED_FORMAT_VERSIONS = (2, 3)  # read
+
+
+def is_paged_format(meta: dict[str, str], kind: str) -> bool:
+    """Whether a file's metadata says it is a paged ``kind`` ("tail" or "block") this agentkv
+    reads."""
+    versions = {str(v) for v in PAGED_FORMAT_VERSIONS}
+    return meta.get("format_version") in versions and meta.get("kind") == kind
+
+
 DEFAULT_BLOCK_TOKENS = 256
 
 

@@ -123,7 +123,7 @@ def layout_problem(layout: Any) -> str | None:
         return f"unknown dtype {layout['dtype']!r}; expected one of {list(DTYPES)}"
     if layout.get("group_size") not in (None, *GROUP_SIZES):
         return f"group_size must be null or one of {GROUP_SIZES}"
-    for flag in ("channel_keys", "rotated_values"):
+    for flag in ("channel_keys", "rotated_values", "rotated_keys"):
         if layout.get(flag, False) is not False and (
             layout[flag] is not True or layout.get("group_size") is None
         ):
@@ -149,4 +149,6 @@ def layout_problem(layout: Any) -> str | None:
         return f"a RotatingKVCache at offset {offset} cannot store {length} positions"
     if layout.get("rotated_values") and v[3] & (v[3] - 1):
         return f"rotated_values needs a power-of-two value head size, not {v[3]}"
+    if layout.get("rotated_keys") and (k[3] & (k[3] - 1) or layout.get("channel_keys")):
+        return f"rotated_keys needs per-token keys of a power-of-two head size, not {k[3]}"
     return None

@@ -13,9 +13,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from engine.batch_caches import Packing, channel_row, is_packed, join_packed
 from engine.errors import CacheFormatError
-from engine.kv.encoded import PAGED_FORMAT_VERSION, block_tokens_of, parse_int
+from engine.kv.encoded import PAGED_FORMAT_VERSIONS, block_tokens_of, is_paged_format, parse_int
 from engine.kv.layouts import DTYPES, parse_paged_layouts
-from engine.kv.quant import expand_layer_part
+from engine.kv.quant import SCHEME_FLAGS, expand_layer_part
 from engine.request import PromptCache
 
 LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
@@ -52,8 +52,9 @@ def decode_paged(
     if ``check`` passes.
 
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
-    bits and group size, per token (q8), is not dequantized: its words, scales and biases are
-    packed as the batch holds them (``engine.batch_caches``), bit for bit what the file stores.
+    bits, group size and scheme, per token (q8, keys rotated), is not dequantized: its words,
+    scales and biases are packed as the batch holds them (``engine.batch_caches``), bit for
+    bit what the file stores.
     A q4 layer (keys per channel, values rotated) joins a batch holding q4 with its stored
     words too, its newest positions expanded into the float copies the batch keeps of them.
 
@@ -72,8 +73,10 @@ def decode_paged(
     ]
     try:
         tail, meta = loaded[-1]
-        if meta.get("format_version") != str(PAGED_FORMAT_VERSION) or meta.get("kind") != "tail":
-            raise CacheFormatError(f"{tail_path} is not a format-{PAGED_FORMAT_VERSION} tail")
+        if not is_paged_format(meta, "tail"):
+            raise CacheFormatError(
+                f"{tail_path} is not a tail of format {'/'.join(map(str, PAGED_FORMAT_VERSIONS))}"
+            )
         kv_bits = parse_int(meta, "kv_bits", (4, 8))
         layouts = parse_paged_layouts(meta)
         block_tokens = block_tokens_of(meta)
@@ -89,8 +92,7 @@ def decode_paged(
             return (
                 group is not None
                 and packing is not None
-                and packing.stores_as(i, kv_bits, group)
-                and not (layouts[i].get("channel_keys") or layouts[i].get("rotated_values"))
+                and packing.stores_as(i, kv_bits, group, scheme_of(layouts[i]))
             )
 
         def keeps_channels(i: int, group: int | None) -> bool:
@@ -175,6 +177,11 @@ def decode_paged(
     mx.eval(*arrays)
     packed = packing is not None and any(is_packed(layer) for layer in layers)
     return PromptCache(layers, token_list, packing=packing if packed else None)
+
+
+def scheme_of(layout: dict) -> dict[str, bool]:
+    """A layer's quantization flags (``engine.kv.quant.quant_scheme``) as its layout sets them."""
+    return {flag: True for flag in SCHEME_FLAGS if layout.get(flag, False)}
 
 
 def layer_recent(layer: Any) -> tuple[mx.array, ...]:

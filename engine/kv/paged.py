@@ -1,4 +1,5 @@
-"""Paged caches (format 2), encoding: blocks, segments and the tail.
+"""Paged caches (format 3; format 2 without q8's rotated keys), encoding: blocks, segments and
+the tail.
 
 A cache is stored as fixed-size blocks of its global-attention (``KVCache``) layers plus a
 small per-save "tail". Block ``j`` holds positions ``[j*B, (j+1)*B)`` of every global layer
@@ -11,13 +12,14 @@ encoded together as one *segment* (one file): ``n*B`` positions, which
 back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
 
 q4 keys are quantized per channel in groups of ``group_size`` positions (``engine.kv.quant``)
-only when a block is a whole number of such groups; else (and for q8) per token.
+only when a block is a whole number of such groups; else (and for q8, keys rotated) per token.
 
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
 ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the
 global layers are alike, one tensor per part stacking them on the first axis. Metadata:
-``format_version`` "2", ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON
-list of ``index``, ``dtype``, ``group_size`` and q4's ``channel_keys`` / ``rotated_values``).
+``format_version`` "3", ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON
+list of ``index``, ``dtype``, ``group_size``, q8's ``rotated_keys`` and q4's ``channel_keys`` /
+``rotated_values``).
 Tail tensors: the same names for every layer (global layers only when the tail holds some of
 their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
@@ -38,7 +40,7 @@ from mlx_lm.models.cache import KVCache
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs, tensor
 from engine.kv.layouts import temporal_layer
-from engine.kv.quant import layer_group_size, q4_scheme, stored_kv
+from engine.kv.quant import layer_group_size, quant_scheme, stored_kv
 from engine.request import PromptCache
 
 
@@ -99,7 +101,7 @@ def encode_paged(
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = q4_scheme(kv_bits, layer_group, dims[1], block_tokens, layout["keep"])
+        scheme = quant_scheme(kv_bits, layer_group, dims, block_tokens, layout["keep"])
         if is_global(layer):
             keys, values = keys[..., low:, :], values[..., low:, :]
             entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}

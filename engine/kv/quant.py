@@ -2,9 +2,12 @@
 thread, or in MLX on the generation thread, both in float32.
 
 q8 quantizes every position's keys and values along the head dimension (``mx.quantize``, a
-float16 scale and bias per group of ``group_size`` values). q4 does that to values rotated by
-an orthonormal Walsh-Hadamard transform of the head dimension (:func:`hadamard`: a few large
-channels spread over all of them), and quantizes keys per channel instead: each channel over
+float16 scale and bias per group of ``group_size`` values), keys rotated first by an
+orthonormal Walsh-Hadamard transform of the head dimension (:func:`hadamard`; a power-of-two
+head size): a key's few large channels otherwise set its groups' scales, and the rest lose
+their precision (``bench_fidelity`` and ``bench_q4_schemes`` measure it). q4 quantizes values
+rotated the same way (a few large channels spread over all of them), and quantizes keys per
+channel instead: each channel over
 ``group_size`` consecutive positions (KIVI). Keys have outlier channels that one per-token
 scale cannot serve; along the positions, a channel's values are alike. On ``gemma3-270m`` at a
 4K-token history that keeps 98.0% of teacher-forced top-1 tokens, against 90.2% for per-token
@@ -16,8 +19,9 @@ scale slots, ``head_dim / group_size`` to a position, in channel order. So every
 the shapes of per-token q4 and is cut into blocks along the positions like it; positions of a
 group that is not whole (a sliding window's first, a cache's last) stay per token, and so do
 all of a window's keys when it keeps its first positions (mlx-lm's ``keep``). A layer's
-layout says which scheme it uses (``channel_keys``, ``rotated_values``); a layout without them
-(q8, unquantized, or a file written before) is per token.
+layout says which scheme it uses (``channel_keys``, ``rotated_values``, q8's
+``rotated_keys``); a layout without them (unquantized, or a file written before) is per token
+and unrotated.
 """
 
 from __future__ import annotations
@@ -34,22 +38,28 @@ from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tens
 from engine.kv.layouts import STORED, group_of, parse_layouts
 
 log = logging.getLogger(__name__)
+ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's flag for each
+SCHEME_FLAGS = ("channel_keys", "rotated_values", "rotated_keys")
 _warned_head_dims: set[int] = set()
 
 
-def q4_scheme(
+def quant_scheme(
     kv_bits: int | None,
     group_size: int | None,
-    value_dim: int,
+    dims: tuple[int, int],
     block_tokens: int | None = None,
     keep: int | None = None,
 ) -> dict[str, bool]:
-    """The layout fields of a layer quantized at ``kv_bits`` in groups of ``group_size``:
-    ``channel_keys`` and ``rotated_values`` where they apply (q4; paged in blocks a whole
-    number of key groups long, and not a window that keeps its first positions, whose stored
-    order is not the positions'; a power-of-two value head size to rotate), else none."""
-    if kv_bits != 4 or group_size is None:
+    """The layout flags of a layer of (key, value) head sizes ``dims`` quantized at
+    ``kv_bits`` in groups of ``group_size``: q8's ``rotated_keys`` (a power-of-two key head
+    size), q4's ``channel_keys`` and ``rotated_values`` where they apply (paged in blocks a
+    whole number of key groups long, and not a window that keeps its first positions, whose
+    stored order is not the positions'; a power-of-two value head size to rotate), else none."""
+    key_dim, value_dim = dims
+    if group_size is None or kv_bits is None:
         return {}
+    if kv_bits == 8:
+        return {"rotated_keys": True} if key_dim & (key_dim - 1) == 0 else {}
     fields = {}
     if (block_tokens is None or block_tokens % group_size == 0) and not keep:
         fields["channel_keys"] = True
@@ -70,18 +80,18 @@ def stored_kv(
 ) -> dict[str, mx.array]:
     """Layer ``i``'s keys and values as stored: as they are (bfloat16 as its uint16 bits), or
     quantized words, scales and biases (lazy); ``start``: the position of the first one;
-    ``scheme``: :func:`q4_scheme`'s fields (per-channel keys, rotated values).
+    ``scheme``: :func:`quant_scheme`'s flags (rotated keys; per-channel keys, rotated values).
 
     Keys and values packed by the batch (``packing``, ``engine.batch_caches``) are the words,
     scales and biases ``mx.quantize`` made of their float16 cast: stored as they are when the
-    file's bits and group size are the batch's and it quantizes them per token (no dequantize,
-    no drift across resumes), else dequantized first."""
+    file's bits, group size and scheme are the batch's, per token (no dequantize, no drift
+    across resumes), else dequantized first."""
     scheme = scheme or {}
     out = {}
     for kind, x in (("keys", keys), ("values", values)):
         name = f"layers.{i}.{kind}"
         if x.dtype == mx.uint32:  # packed by the batch
-            if packing.stores_as(i, kv_bits, group_size) and not scheme:
+            if packing.stores_as(i, kv_bits, group_size, scheme):
                 q, scales, biases = packing.parts(i, x, kind)
                 out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
                 continue
@@ -92,7 +102,7 @@ def stored_kv(
         if kind == "keys" and scheme.get("channel_keys"):
             q, scales, biases = quantize_channel_keys(x, start, group_size)
         else:
-            if kind == "values" and scheme.get("rotated_values") and x.size:
+            if scheme.get(ROTATED[kind]) and x.size:
                 x = hadamard(x.astype(mx.float32))
             q, scales, biases = mx.quantize(as_float16(x), group_size=group_size, bits=kv_bits)
         out |= {f"{name}.q": q, f"{name}.scales": scales, f"{name}.biases": biases}
@@ -205,7 +215,7 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
             channels = kv == "keys" and layout.get("channel_keys", False)
             start = layout["offset"] - shape[2] if channels else None
             x = expand_on_host(*parts, kv_bits, group_size, start)
-            if kv == "values" and layout.get("rotated_values", False) and x.size:
+            if layout.get(ROTATED[kv], False) and x.size:
                 x = hadamard_on_host(x)
             tensors[name] = _to_stored(x, layout["dtype"])
     metadata = encoded.metadata | {"kv_bits": "none", "group_size": "none"}
@@ -302,6 +312,6 @@ def expand_layer_part(
     if kind == "keys" and layout.get("channel_keys", False):
         start = layout["offset"] - got[".q"].shape[-2]
     x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, bits, fused, start)
-    if kind == "values" and layout.get("rotated_values", False) and x.size:
+    if layout.get(ROTATED[kind], False) and x.size:
         x = hadamard(x)
     return x

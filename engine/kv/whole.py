@@ -7,13 +7,14 @@ hand it to ``safetensors.numpy.save_file`` without touching MLX.
 Format (``format_version`` 1). Tensors: ``tokens`` (int32, 1-D) and, per layer ``i``, either
 ``layers.{i}.keys`` / ``layers.{i}.values`` (unquantized: the original dtype, bfloat16 as a
 uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (uint32
-words, float16 scales and biases: ``mx.quantize`` of the float16 cast at 8 bits; at 4 bits,
-keys per channel and values rotated first, as ``engine.kv.quant`` describes). Metadata:
+words, float16 scales and biases: ``mx.quantize`` of the float16 cast, at 8 bits keys rotated
+first; at 4 bits, keys per channel and values rotated first, as ``engine.kv.quant``
+describes). Metadata:
 ``format_version``, ``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred
 group size) and ``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``,
-``keep``, ``dtype``, ``keys_shape``, ``values_shape`` and ``group_size`` (and at 4 bits
-``channel_keys`` / ``rotated_values`` where they apply). Keys and values are stored in temporal
-order, only the positions in use.
+``keep``, ``dtype``, ``keys_shape``, ``values_shape`` and ``group_size`` (and where they
+apply, at 8 bits ``rotated_keys``, at 4 bits ``channel_keys`` / ``rotated_values``). Keys and
+values are stored in temporal order, only the positions in use.
 
 Each layer is quantized with the first group size that divides its head dimension, trying the
 preferred one, then 64, 32, 128 (what ``mx.quantize`` accepts). A layer that none divides (head
@@ -33,9 +34,10 @@ from engine.errors import CacheFormatError
 from engine.kv.encoded import DEFAULT_GROUP_SIZE, FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
 from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, temporal_layer
 from engine.kv.quant import (
+    SCHEME_FLAGS,
     expand_layer_part,
     layer_group_size,
-    q4_scheme,
+    quant_scheme,
     quantized_parts,
     stored_kv,
 )
@@ -73,7 +75,7 @@ def encode_cache(
         keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = q4_scheme(kv_bits, layer_group, dims[1], keep=layout["keep"])
+        scheme = quant_scheme(kv_bits, layer_group, dims, keep=layout["keep"])
         layouts.append(layout | {"group_size": layer_group} | scheme)
         start = layout["offset"] - keys.shape[2]
         pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, start, scheme)
@@ -150,7 +152,7 @@ def _read_kv(
         x = mx.array(tensor(encoded, name, shape, STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
     q, scales, biases = (mx.array(x) for x in quantized_parts(encoded, name, shape, group_size))
-    if layout.get("channel_keys", False) or layout.get("rotated_values", False):
+    if any(layout.get(flag, False) for flag in SCHEME_FLAGS):
         got = {".q": q, ".scales": scales, ".biases": biases}
         x = expand_layer_part(got, layout, kind, encoded.kv_bits, group_size, fused=False)
     else:
