@@ -1,7 +1,7 @@
-"""Save and load a prompt cache as the runtime stores it (format 2): blocks of 256 tokens in
-segment files (the blocks one save added) and a tail, each a checksummed safetensors file, read
-back with ``decode_paged`` (``mx.load``, every file verified from that memory, blocks joined,
-float32 dequantization). Generation thread."""
+"""Save and load a prompt cache as the runtime stores it (format 2, or 3 with q8's rotated
+keys): blocks of 256 tokens in segment files (the blocks one save added) and a tail, each a
+checksummed safetensors file, read back with ``decode_paged`` (``mx.load``, every file
+verified from that memory, blocks joined, float32 dequantization). Generation thread."""
 
 from __future__ import annotations
 

@@ -10,15 +10,15 @@ position's keys and values ``mx.quantize``d, its words, float16 scales and float
 packed into one uint32 row (:func:`packed`), keys rotated first by :func:`hadamard` (a
 power-of-two head size: ``Packing.rotated_keys``; attention rotates the query alike). That is
 exactly what a q8 cache file stores (``engine.kv``: keys rotated, cast to float16, then
-quantized), so a row read from a q8 file of the same group size joins the batch without a
-dequantize, and a finished row is stored and
-held in the hot tier as the batch held it: the bytes never drift across resumes. mlx-lm's
-batch caches only move positions along one axis (grow, rotate, pad, merge, extend, filter,
-extract, trim), so they run unchanged on packed arrays; a token's keys are quantized once,
-when written, and attention reads them through ``mx.quantized_matmul`` as they are
-(``engine.attention``). A row also keeps float copies of the newest :data:`FLOAT_WINDOW` tokens
-it decoded (:class:`QuantizedLayer`), which attention reads instead of their words. Padding
-positions are zero words, scales and biases (they read as 0 and are masked anyway).
+quantized), so a row read from a q8 file of the same group size (its keys rotated) joins the
+batch without a dequantize, and a finished row is stored and held in the hot tier as the batch
+held it: the bytes never drift across resumes. mlx-lm's batch caches only move positions along
+one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run unchanged on
+packed arrays; a token's keys are quantized once, when written, and attention reads them
+through ``mx.quantized_matmul`` as they are (``engine.attention``). A row also keeps float
+copies of the newest :data:`FLOAT_WINDOW` tokens it decoded (:class:`QuantizedLayer`), which
+attention reads instead of their words. Padding positions are zero words, scales and biases
+(they read as 0 and are masked anyway).
 
 **q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
 bits per position lose too much of the keys (a few channels are far larger than the rest), so

@@ -214,7 +214,7 @@ class CacheRecord:
     format_version: int
     created_at: datetime
     blocks: tuple[str, ...] = ()
-    """Keys of the blocks the cache is made of, in order (format 2); empty for format 1."""
+    """Keys of the blocks the cache is made of, in order (formats 2 and 3); empty for format 1."""
 
     @classmethod
     def from_row(cls, row: KVCache, blocks: tuple[str, ...] = ()) -> CacheRecord:

@@ -762,7 +762,13 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_rota
     monkeypatch.setattr(engine.kv.paged, "quant_scheme", lambda *args, **kwargs: {})
     legacy = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
     monkeypatch.undo()
+    # Rotated keys make format 3 (which an agentkv reading only format 2 refuses); files
+    # without them stay format 2.
     assert paged.tail.metadata["format_version"] == "3"
+    assert {s.metadata["format_version"] for s in paged.segments.values()} == {"3"}
+    for bits, block in ((None, BLOCK), (4, 2 * BLOCK)):
+        other = await gemma.run(encode_paged, cache, bits, 32, block)
+        assert other.tail.metadata["format_version"] == "2"
     legacy = PagedCache(
         {
             j: EncodedCache(b.tensors, b.metadata | {"format_version": "2"})

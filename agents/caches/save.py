@@ -23,7 +23,7 @@ from typing import Any
 from agents.caches.janitor import Janitor
 from agents.caches.layout import remove_all, segment_name
 from agents.caches.shared import Part, Shared
-from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs
+from engine.kv.encoded import EncodedCache, consecutive_runs
 from engine.kv.paged import PagedCache, encode_paged, token_slice
 from engine.request import PromptCache
 from store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry
@@ -112,7 +112,7 @@ class Saver(Part):
                 model_fingerprint=layout.fingerprint,
                 nbytes=info.nbytes,
                 checksum=info.checksum,
-                format_version=PAGED_FORMAT_VERSION,
+                format_version=int(paged.tail.metadata["format_version"]),
                 kv_bits=layout.kv_bits,
                 group_size=layout.group_size if layout.kv_bits else None,
                 message_count=int(tail_meta["message_count"]),

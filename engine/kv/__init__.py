@@ -7,7 +7,7 @@ One noun a module; import from the module (this package imports nothing, so
     layouts     each layer's description in a file's metadata, read and checked
     quant       quantizing keys and values, and expanding them (numpy or MLX)
     whole       format 1: a whole cache in one file (encode, decode)
-    paged       format 2: blocks, segments and a tail (encode, split)
+    paged       formats 2 and 3: blocks, segments and a tail (encode, split)
     assemble    a tail and its blocks checked and joined in numpy (any thread)
     load        a tail and its blocks loaded straight into MLX (the generation thread)
 """

@@ -18,12 +18,17 @@ from engine.config import (  # noqa: F401  (this module's names for them)
 from engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
-# Paged files are written as format 3: format 2 with q8 keys rotated where a layer's layout
-# says ``rotated_keys`` (``engine.kv.quant``). An agentkv that reads only format 2 would read
-# such keys as they are, so it refuses these files instead (the agent is rebuilt from its
-# transcript); format-2 files, which never rotate, are still read.
+# Paged files with q8 keys rotated (a layer's layout says ``rotated_keys``, ``engine.kv.quant``)
+# are written as format 3: an agentkv that reads only format 2 would read such keys as they
+# are, so it refuses these files instead (the agent is rebuilt from its transcript). Files
+# without rotated keys (exact, q4, unquantized layers) stay format 2, which every version reads.
 PAGED_FORMAT_VERSION = 3
 PAGED_FORMAT_VERSIONS = (2, 3)  # read
+
+
+def paged_format_of(layouts: list[dict]) -> int:
+    """The format a paged file of these layer layouts is written as."""
+    return PAGED_FORMAT_VERSION if any(x.get("rotated_keys") for x in layouts) else 2
 
 
 def is_paged_format(meta: dict[str, str], kind: str) -> bool:

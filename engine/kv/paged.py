@@ -1,5 +1,5 @@
-"""Paged caches (format 3; format 2 without q8's rotated keys), encoding: blocks, segments and
-the tail.
+"""Paged caches (format 2; format 3 where q8 keys are rotated), encoding: blocks, segments
+and the tail.
 
 A cache is stored as fixed-size blocks of its global-attention (``KVCache``) layers plus a
 small per-save "tail". Block ``j`` holds positions ``[j*B, (j+1)*B)`` of every global layer
@@ -17,9 +17,9 @@ only when a block is a whole number of such groups; else (and for q8, keys rotat
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
 ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the
 global layers are alike, one tensor per part stacking them on the first axis. Metadata:
-``format_version`` "3", ``kind`` "block", ``kv_bits``, ``group_size`` and ``layers`` (JSON
-list of ``index``, ``dtype``, ``group_size``, q8's ``rotated_keys`` and q4's ``channel_keys`` /
-``rotated_values``).
+``format_version`` "2" ("3" with q8's rotated keys), ``kind`` "block", ``kv_bits``,
+``group_size`` and ``layers`` (JSON list of ``index``, ``dtype``, ``group_size``, q8's
+``rotated_keys`` and q4's ``channel_keys`` / ``rotated_values``).
 Tail tensors: the same names for every layer (global layers only when the tail holds some of
 their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from engine.errors import CacheFormatError
-from engine.kv.encoded import PAGED_FORMAT_VERSION, EncodedCache, consecutive_runs, tensor
+from engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
 from engine.kv.layouts import temporal_layer
 from engine.kv.quant import layer_group_size, quant_scheme, stored_kv
 from engine.request import PromptCache
@@ -117,7 +117,7 @@ def encode_paged(
     host = {name: np.asarray(x) for name, x in pending.items()}
     tokens = np.array(cache.tokens, dtype=np.int32)
     common = {
-        "format_version": str(PAGED_FORMAT_VERSION),
+        "format_version": str(paged_format_of(layouts)),
         "kv_bits": "none" if kv_bits is None else str(kv_bits),
         "group_size": "none" if kv_bits is None else str(group_size),
     }
