@@ -375,7 +375,7 @@ class HeldQuantized:
     bits: int
     per_channel: bool
     rotated: bool
-    rotated_keys: bool = False
+    rotated_keys: bool
 
     @property
     def ages(self) -> mx.array:

@@ -733,7 +733,7 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
         assert mx.array_equal(row.recent[1][..., -held:, :], expanded.values[..., -held:, :]).item()
 
 
-async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_rotated(
+async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read_unrotated(
     gemma, tmp_path, monkeypatch
 ):
     """q8 files store keys rotated, as a q8 batch holds them: a file joins such a batch with
