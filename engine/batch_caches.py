@@ -170,6 +170,12 @@ def hadamard(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
 
 
+def rotates_keys(bits: int | None, key_dim: int) -> bool:
+    """Whether keys of ``key_dim`` are held rotated by :func:`hadamard` at ``bits``: q8's, of
+    a power-of-two head size (the batch and the cache files alike)."""
+    return bits == 8 and key_dim & (key_dim - 1) == 0
+
+
 def rotated_if(x: mx.array, rotate: bool) -> mx.array:
     """``x`` rotated by :func:`hadamard` in float32 when ``rotate``, else as it is."""
     return hadamard(x.astype(mx.float32)) if rotate and x.size else x

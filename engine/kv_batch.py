@@ -38,10 +38,10 @@ from engine.batch_caches import (
     is_packed,
     quantized_buffer,
     quantized_token_bytes,
+    rotates_keys,
 )
 from engine.config import choose_group_size, group_size_for
 from engine.errors import InvalidCacheError, UnsupportedModelError
-from engine.kv.quant import quant_scheme
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
@@ -103,7 +103,7 @@ class KVLayout:
             # q4 keeps keys per channel and rotates values (a power-of-two head size).
             channel[i] = bits == 4 and dk % 8 == 0 and dv & (dv - 1) == 0
             # q8 rotates keys (a power-of-two head size), as a q8 file stores them.
-            rotated[i] = quant_scheme(bits, chosen, (dk, dv)).get("rotated_keys", False)
+            rotated[i] = rotates_keys(bits, dk)
         dims = tuple((dk, dv) for _, dk, dv in heads)
         dtype = caches[0].keys.dtype
         packing = Packing(bits, tuple(groups), dims, dtype, tuple(channel), tuple(rotated))

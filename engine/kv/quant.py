@@ -32,7 +32,13 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from engine.batch_caches import Packing, as_float16, hadamard, quantize_per_channel
+from engine.batch_caches import (
+    Packing,
+    as_float16,
+    hadamard,
+    quantize_per_channel,
+    rotates_keys,
+)
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
 from engine.kv.layouts import STORED, group_of, parse_layouts
@@ -59,7 +65,7 @@ def quant_scheme(
     if group_size is None or kv_bits is None:
         return {}
     if kv_bits == 8:
-        return {"rotated_keys": True} if key_dim & (key_dim - 1) == 0 else {}
+        return {"rotated_keys": True} if rotates_keys(kv_bits, key_dim) else {}
     fields = {}
     if (block_tokens is None or block_tokens % group_size == 0) and not keep:
         fields["channel_keys"] = True
