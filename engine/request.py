@@ -58,9 +58,11 @@ class PromptCache:
 
     def __post_init__(self) -> None:
         if self.nbytes is None:
-            self.nbytes = sum(_nbytes(layer) for layer in self.layers)
+            self.nbytes = sum(layer_nbytes(layer) for layer in self.layers)
         if self.window_nbytes is None:
-            self.window_nbytes = sum(_nbytes(layer) for layer in self.layers if _is_window(layer))
+            self.window_nbytes = sum(
+                layer_nbytes(layer) for layer in self.layers if _is_window(layer)
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -191,7 +193,7 @@ def _cut(layer: Any, keep: int) -> Any:
     return trimmed
 
 
-def _nbytes(layer: Any) -> int:
+def layer_nbytes(layer: Any) -> int:
     """A layer's bytes, with the float copies of a channel-packed row's newest positions."""
     recent = getattr(layer, "recent", None)
     return layer.nbytes + (0 if recent is None else sum(x.nbytes for x in recent))

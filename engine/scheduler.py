@@ -29,6 +29,7 @@ from engine.admission import AdmissionQueue
 from engine.config import EngineConfig, Policy
 from engine.kv_batch import KVGroup, KVLayout, best_group
 from engine.pacing import MIN_CHUNK, PrefillPacer
+from engine.request import layer_nbytes
 from engine.runner import StepPlan
 from engine.sequence import SeqStatus, Sequence
 
@@ -233,14 +234,14 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.paused += 1
-        self.paused_bytes += sum(layer.nbytes for layer in seq.cache)
+        self.paused_bytes += sum(layer_nbytes(layer) for layer in seq.cache)
         self.enqueue(seq, arrival=None if rotate else seq.arrival, force=True)
 
     def _unpause(self, seq: Sequence) -> None:
         """``seq`` left the queue: it no longer counts as paused."""
         if seq.status is SeqStatus.PAUSED:
             self.paused -= 1
-            self.paused_bytes -= sum(layer.nbytes for layer in seq.cache)
+            self.paused_bytes -= sum(layer_nbytes(layer) for layer in seq.cache)
 
     def _join(self, seq: Sequence) -> None:
         group = KVGroup.start(self.layout, seq, seq.cache)

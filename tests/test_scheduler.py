@@ -92,9 +92,11 @@ def greedy(eng: Engine, tokens: list[int], max_tokens: int) -> list[int]:
     return [int(t) for t, _ in steps]
 
 
-async def budget_for(spec: str, requests: list[GenerationRequest]) -> int:
+async def budget_for(
+    spec: str, requests: list[GenerationRequest], config: EngineConfig | None = None
+) -> int:
     """The KV bytes these requests set aside, together."""
-    eng = await Engine.open(spec)
+    eng = await Engine.open(spec, config or EngineConfig())
     try:
         return sum(eng.kv_bytes_needed(r) for r in requests)
     finally:
@@ -161,6 +163,35 @@ async def test_a_higher_priority_turn_preempts_and_the_paused_turn_resumes_exact
     assert low_result.token_ids == greedy(eng, low.prompt_tokens, 80)
     assert high_result.token_ids == greedy(eng, high.prompt_tokens, 10)
     assert low_result.cache.tokens == low.prompt_tokens + low_result.token_ids
+
+
+async def test_a_paused_q4_turn_counts_its_float_positions_in_the_paused_bytes():
+    """A q4 row keeps float copies of its newest positions beside its words; while it is
+    paused its bytes count both, and nothing once it has resumed."""
+    config = EngineConfig(batch_kv_bits=4)
+    low = GenerationRequest(prompt_of(60), max_tokens=60, ignore_eos=True)
+    high = GenerationRequest(prompt_of(30, salt=4), max_tokens=10, ignore_eos=True, priority=10)
+    budget = await budget_for("tiny:gemma3", [low], config)  # only one of them fits
+    eng = await Engine.open("tiny:gemma3", config.model_copy(update={"kv_budget_bytes": budget}))
+    try:
+        low_handle = eng.submit(low)
+        for _ in range(20):
+            await anext(low_handle)
+        high_handle = eng.submit(high)
+        await anext(high_handle)  # high decodes: low is paused
+        paused = eng._thread.scheduler.queue.peek()
+        words = sum(layer.nbytes for layer in paused.cache)
+        floats = sum(sum(x.nbytes for x in layer.recent) for layer in paused.cache)
+        during = eng.stats()
+        await high_handle.result()
+        low_result = await low_handle.result()
+        after = eng.stats()
+    finally:
+        await eng.close()
+    assert during.paused == 1 and floats > 0
+    assert during.kv_paused_bytes == words + floats
+    assert after.paused == 0 and after.kv_paused_bytes == 0
+    assert len(low_result.token_ids) == 60
 
 
 async def test_a_preempted_sampled_turn_continues_its_own_random_stream():
