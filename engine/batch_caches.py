@@ -81,6 +81,19 @@ class GroupRotatingKVCache(BatchRotatingKVCache):
     def step(self) -> int:
         return growth(self._offset)
 
+    def extract(self, idx: int) -> Any:
+        """mlx-lm's extract, cut to the row's newest ``max_size`` positions: what any later
+        step reads (the next decode step's write keeps as many, a prompt's chunk one fewer),
+        where a prompt's last chunk leaves up to ``chunk - 1`` more. A ring of q4 key groups
+        (``per_channel``) is given whole: its groups' scales lie over their positions."""
+        row = super().extract(idx)
+        over = row.keys.shape[2] - self.max_size
+        if over > 0 and not getattr(self, "per_channel", False):
+            row.keys = mx.contiguous(row.keys[:, :, over:])
+            row.values = mx.contiguous(row.values[:, :, over:])
+            row._idx = row.keys.shape[2]
+        return row
+
 
 SCALE_DTYPE = mx.float16  # of scales and biases, as a quantized cache file stores them
 FLOAT16_MAX = 65504.0

@@ -180,7 +180,12 @@ class Engine:
         """The KV bytes ``request`` sets aside in the budget while it runs."""
         cached = request.cache.num_tokens if request.cache else 0
         tokens = cached + len(request.prompt_tokens) + request.max_tokens
-        return self._thread.scheduler.layout.reservation(tokens, self.config.prefill_step_size)
+        layout = self._thread.scheduler.layout
+        layers = request.cache.layers if request.cache else None
+        chunk = self.config.prefill_step_size
+        return layout.reservation(
+            tokens, layout.overhang(layers, len(request.prompt_tokens), chunk)
+        )
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request.

@@ -150,11 +150,29 @@ class KVLayout:
         owned = sum(self.owned_bytes(n) for n in lengths)
         return self.padded_bytes(lengths) <= (1 + PADDING_TOLERANCE) * owned
 
-    def reservation(self, final_tokens: int, chunk: int) -> int:
+    def reservation(self, final_tokens: int, overhang: int) -> int:
         """What a sequence ending at ``final_tokens`` may hold at most: its own bytes with the
-        buffer's growth step, a prefill chunk's overhang and its group's padding allowance."""
-        held = self.owned_bytes(final_tokens + growth(final_tokens), window_extra=chunk)
+        buffer's growth step, ``overhang`` positions beyond each sliding window
+        (:meth:`overhang`) and its group's padding allowance."""
+        held = self.owned_bytes(final_tokens + growth(final_tokens), window_extra=overhang)
         return int(held * (1 + PADDING_TOLERANCE)) + 1
+
+    def overhang(self, layers: list[Any] | None, prompt: int, chunk: int) -> int:
+        """Positions a sequence's sliding layers may hold beyond their windows in the batch:
+        the largest chunk of its ``prompt`` tokens still to come (chunks of at most ``chunk``;
+        a chunk of ``c`` leaves a ring ``c - 1`` over its window until the next decode step
+        writes in place), or what its cache's ``layers`` hold over their windows now (a cache
+        cut right after a chunk), whichever is more. A short turn on a long history reserves
+        its own chunk, not ``prefill_step_size``, in every sliding layer."""
+        extra = min(prompt, chunk)
+        for i, layer in enumerate(layers or ()):
+            w = self.windows[i]
+            if w is None or layer.keys is None:
+                continue
+            if self.packing is not None and self.packing.channel_keys(i):
+                w += self.packing.group_sizes[i]  # its ring's key group (``_float_extra``)
+            extra = max(extra, layer.keys.shape[2] - w)
+        return extra
 
     def buffers(self, layers: list[Any]) -> list[Any]:
         """One sequence's group buffers (a row each, copied) from its checked ``layers``: what
@@ -259,6 +277,17 @@ class KVGroup:
     @property
     def held_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def settled(self) -> bool:
+        """Whether no sliding layer holds positions beyond its ring. A prompt's chunk leaves
+        them until the row's next decode step writes in place; a group that merged then would
+        pad every row of the other group to them, past what those rows reserved."""
+        return all(
+            layer.keys is None or layer.keys.shape[2] <= layer.max_size
+            for layer in self.layers
+            if isinstance(layer, GroupRotatingKVCache)
+        )
 
     @property
     def positions(self) -> mx.array:

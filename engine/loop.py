@@ -124,7 +124,7 @@ class GenerationLoop(threading.Thread):
     def _budget(self) -> int:
         layout = self.runner.layout
         budget = self.config.kv_budget_bytes or default_budget_bytes()
-        smallest = layout.reservation(2, self.config.prefill_step_size)
+        smallest = layout.reservation(2, overhang=1)
         if budget < smallest:
             raise KVBudgetError(
                 f"kv_budget_bytes={budget} is smaller than the smallest turn of this model "

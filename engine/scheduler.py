@@ -74,8 +74,12 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------------
 
     def need(self, seq: Sequence) -> int:
-        """KV bytes ``seq`` may hold in the batch: its history + prompt + max_tokens."""
-        return self.layout.reservation(seq.final_tokens, self.config.prefill_step_size)
+        """KV bytes ``seq`` may hold in the batch: its history + prompt + max_tokens, and its
+        sliding windows' overhang (``KVLayout.overhang``; ``seq.cache`` while it is outside the
+        batch)."""
+        chunk = self.config.prefill_step_size
+        overhang = self.layout.overhang(seq.cache, len(seq.prompt), chunk)
+        return self.layout.reservation(seq.final_tokens, overhang)
 
     def enqueue(self, seq: Sequence, arrival: float | None = None, force: bool = False) -> None:
         if arrival is None:
@@ -245,8 +249,8 @@ class Scheduler:
 
     def _join(self, seq: Sequence) -> None:
         group = KVGroup.start(self.layout, seq, seq.cache)
-        seq.cache = None
         seq.reserved = self.need(seq)
+        seq.cache = None
         self.reserved_bytes += seq.reserved
         seq.status = SeqStatus.PREFILLING if seq.prompt else SeqStatus.DECODING
         seq.steps = 0
@@ -263,6 +267,11 @@ class Scheduler:
         tolerance: fewer groups, fewer attention calls per layer."""
         self._regroup = False
         decoding = [g for g in self.groups if g.seqs[0].status is SeqStatus.DECODING]
+        # A group whose last prompt chunk left its rings over their windows waits a step.
+        unsettled = [g for g in decoding if not g.settled]
+        if unsettled:
+            self._regroup = True
+            decoding = [g for g in decoding if g.settled]
         for group in sorted(decoding, key=lambda g: len(g.seqs)):
             others = [g for g in decoding if g is not group and g.seqs]
             if not group.seqs or not others:

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
+from engine.attention import install
 from engine.kv_batch import (
     MIN_GROWTH,
     PADDING_TOLERANCE,
@@ -164,11 +170,39 @@ def test_a_group_compacts_after_its_longest_sequence_leaves(model):
     assert_same_cache(group.extract(short_seq), short_cache)
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_row_cut_right_after_a_chunk_leaves_with_its_window_only(model, bits):
+    """A prompt's chunk leaves a sliding ring over its window until the next decode step
+    writes in place; a row extracted then holds its window's newest positions (all any later
+    step reads), and decodes on exactly as the uncut cache does."""
+    layout = KVLayout.of(model, bits=bits)
+    window = min((w for w in layout.windows if w), default=None)
+    if window is None:
+        pytest.skip("no sliding-window layers")
+    n = 2 * window + 7
+    install(model)  # (a quantized group hands attention what it holds)
+    group = KVGroup.start(layout, Seq(n), None)
+    tokens = mx.array([(5 * i) % 400 + 16 for i in range(n)])
+    model(tokens[None], cache=group.layers)  # one chunk: the group's rings hold all n positions
+    sliding = [c for c in group.layers if isinstance(c, BatchRotatingKVCache)]
+    assert {c.keys.shape[2] for c in sliding} == {n}
+    newest = [(c.keys[..., -window:, :], c.values[..., -window:, :]) for c in sliding]
+    row = group.extract(group.seqs[0])
+    assert [c.keys.shape[2] for c in row] == [min(n, w or n) for w in layout.windows]
+    kept = [c for c in row if isinstance(c, RotatingKVCache)]
+    for c, (keys, values) in zip(kept, newest, strict=True):
+        assert mx.array_equal(c.keys, keys).item() and mx.array_equal(c.values, values).item()
+    assert layout.overhang(row, prompt=1, chunk=512) == 1
+    if bits is None:  # the model's own caches of the same chunk, uncut
+        token, original = mx.array([[21]]), prefilled(model, n)
+        assert mx.array_equal(model(token, cache=row), model(token, cache=original)).item()
+
+
 def test_a_reservation_covers_history_growth_and_padding(model):
     layout = KVLayout.of(model)
     for tokens in (2, 300, 5000):
         held = layout.owned_bytes(tokens)
-        assert layout.reservation(tokens, chunk=16) >= held * (1 + PADDING_TOLERANCE)
+        assert layout.reservation(tokens, overhang=16) >= held * (1 + PADDING_TOLERANCE)
 
 
 # ---- quantized in the batch (batch_kv_bits) -------------------------------------------------

@@ -14,6 +14,7 @@ from engine.admission import AdmissionQueue
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloadedError, KVBudgetError
+from engine.kv_batch import KVGroup
 from engine.meter import StepRecord
 from engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
 from engine.request import FinishReason, GenerationRequest
@@ -192,6 +193,75 @@ async def test_a_paused_q4_turn_counts_its_float_positions_in_the_paused_bytes()
     assert during.kv_paused_bytes == words + floats
     assert after.paused == 0 and after.kv_paused_bytes == 0
     assert len(low_result.token_ids) == 60
+
+
+async def histories_and_turns(eng: Engine, n: int) -> list[GenerationRequest]:
+    """``n`` 4-token turns, each on a 200-token history of its own."""
+    turns = []
+    for i in range(n):
+        history = GenerationRequest(prompt_of(200, salt=i), max_tokens=1, ignore_eos=True)
+        cache = (await eng.generate(history)).cache
+        turns.append(GenerationRequest([40 + i, 41, 42, 43], 12, ignore_eos=True, cache=cache))
+    return turns
+
+
+async def test_short_turns_on_long_histories_reserve_their_own_chunk_in_sliding_windows():
+    """tiny:gemma3's sliding layers hold 32 positions. A 4-token turn on a 200-token history
+    reserves 3 positions beyond them, not a whole ``prefill_step_size`` chunk (its history's
+    rings were cut to their windows when it left the batch): three such turns decode together
+    in a budget that holds one of them reserving whole chunks, each as it decodes alone."""
+    eng = await Engine.open("tiny:gemma3")
+    try:
+        turns = await histories_and_turns(eng, 3)
+        layout = eng._thread.scheduler.layout
+        windows = [w for w in layout.windows if w is not None]
+        rings = [c.keys.shape[2] for c in turns[0].cache.layers if hasattr(c, "max_size")]
+        final = turns[0].cache.num_tokens + 4 + 12
+        whole_chunks = layout.reservation(final, overhang=512)
+        budget = sum(eng.kv_bytes_needed(t) for t in turns)
+        alone = [(await eng.generate(t)).token_ids for t in turns]
+    finally:
+        await eng.close()
+    assert rings == [32] * len(rings) and windows == [32] * len(windows)
+    assert budget < 2 * whole_chunks
+    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        results = await asyncio.gather(*(eng.generate(t) for t in turns))
+    finally:
+        await eng.close()
+    assert [r.token_ids for r in results] == alone
+    assert max(s.decode_rows for s in steps) == 3
+    assert all(s.kv_held_bytes <= s.kv_reserved_bytes <= budget for s in steps)
+
+
+async def test_a_group_merges_only_once_its_rings_are_back_within_their_windows(monkeypatch):
+    """A prompt's last chunk leaves a row's sliding rings over their windows until its first
+    decode step; a merge then would pad the other group's rows to that overhang, past what
+    they reserved. Two short turns and a 200-token prompt prefilled in one chunk: every
+    merge leaves the rings within their windows and the group within its rows' reservations,
+    and each turn gives its tokens alone."""
+    merges: list[tuple[bool, int, int]] = []
+    absorb = KVGroup.absorb
+
+    def recorded(self: KVGroup, other: KVGroup) -> None:
+        absorb(self, other)
+        merges.append((self.settled, self.held_bytes, sum(s.reserved for s in self.seqs)))
+
+    monkeypatch.setattr(KVGroup, "absorb", recorded)
+    config = EngineConfig(policy="throughput_first")  # each prompt in one chunk
+    eng = await Engine.open("tiny:gemma3", config)
+    try:
+        turns = await histories_and_turns(eng, 2)
+        turns.append(GenerationRequest(prompt_of(200, salt=5), 12, ignore_eos=True))
+        alone = [(await eng.generate(t)).token_ids for t in turns]
+        merges.clear()
+        results = await asyncio.gather(*(eng.generate(t) for t in turns))
+    finally:
+        await eng.close()
+    assert [r.token_ids for r in results] == alone
+    assert merges and all(settled and held <= reserved for settled, held, reserved in merges)
 
 
 async def test_a_preempted_sampled_turn_continues_its_own_random_stream():
