@@ -1,18 +1,27 @@
 """The KV memory budget: 4 x K agents ask at once with room for K.
 
     python -m benchmarks.bench_budget [--model tiny:gemma3-bench] [--quick]
+    python -m benchmarks.bench_budget --mix [--long 32768] [--history 1024] [--prompt 128]
+        [--budget-mb MB]
 
 ``4 * --fits`` agents, each with a ``--history``-token history (synthetic caches, see
 ``benchmarks.synthetic``) and ``--tokens`` to generate, ask at once. With ``kv_budget_bytes`` set
 to what ``--fits`` of them need, every step records how many are in the batch and the bytes it
 holds and sets aside; the same turns without a budget (the default, a share of memory) show what
 the batch would hold otherwise. Writes benchmarks/results/budget.json and .png.
+
+``--mix``, the heterogeneous case: one agent with a ``--long``-token history and ``4 * --fits``
+agents with ``--history``-token ones ask at once, each with a new turn of ``--prompt`` tokens,
+under ``--budget-mb`` (default: what the long one and ``--fits`` short ones set aside): what
+each sets aside, the most agents decoding together and the KV held. A fixed ``--budget-mb``
+compares versions of the engine. Writes benchmarks/results/budget_mix.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import platform
 import time
 from pathlib import Path
@@ -24,7 +33,7 @@ from benchmarks.synthetic import synthetic_cache
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.meter import StepRecord
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, GenerationResult
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -121,6 +130,85 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+async def mixed(args: argparse.Namespace) -> dict:
+    """``--mix``: one long agent and ``4 * --fits`` short ones under one budget."""
+    short = 4 * args.fits
+
+    async def asking(budget: int | None) -> tuple[Engine, list[GenerationRequest]]:
+        config = EngineConfig(completion_batch_size=short + 1, kv_budget_bytes=budget)
+        eng = await Engine.open(args.model, config)
+        vocab, requests = eng.model.vocab_size, []
+        for i in range(short + 1):
+            history = args.long if i == 0 else args.history
+            cache = await eng.run(synthetic_cache, eng.model.model, history, i, vocab)
+            prompt = [16 + (7 * i + j) % 256 for j in range(args.prompt)]
+            requests.append(  # no cache back: the batch's memory, not the results'
+                GenerationRequest(
+                    prompt, args.tokens, ignore_eos=True, cache=cache, return_cache=False
+                )
+            )
+        return eng, requests
+
+    eng, requests = await asking(None)
+    need_long, need_short = (eng.kv_bytes_needed(r) for r in requests[:2])
+    await eng.close()
+    default = need_long + args.fits * need_short
+    budget = int(args.budget_mb * 2**20) if args.budget_mb else default
+    eng, requests = await asking(budget)
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(eng.generate(r) for r in requests))
+        wall = time.perf_counter() - start
+    finally:
+        await eng.close()
+    row = {
+        "budget_mb": budget / 2**20,
+        "need_long_mb": need_long / 2**20,
+        "need_short_mb": need_short / 2**20,
+        "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
+        "agents": short + 1,
+        "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
+        "max_beside_long": beside(results[0], results[1:]),
+        "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
+        "held_under_budget_every_step": all(s.kv_held_bytes <= budget for s in steps),
+        "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+        "wall_s": wall,
+    }
+    print(
+        f"one {args.long}-token agent and {short} of {args.history} tokens, {args.prompt}-token "
+        f"turns: {row['need_long_mb']:.1f} MB and {row['need_short_mb']:.2f} MB set aside; "
+        f"in {row['budget_mb']:.1f} MB at most {row['max_in_batch']} in the batch, "
+        f"{row['max_beside_long']} short ones beside the long one, KV held at most "
+        f"{row['max_held_mb']:.1f} MB "
+        f"(every step under: {row['held_under_budget_every_step']}), {row['completed']}/"
+        f"{row['agents']} completed, {row['tokens_per_s']:.1f} tok/s",
+        flush=True,
+    )
+    return {
+        "benchmark": "budget_mix",
+        "model": args.model,
+        "long": args.long,
+        "history": args.history,
+        "prompt": args.prompt,
+        "tokens": args.tokens,
+        "fits": args.fits,
+        "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "row": row,
+    }
+
+
+def beside(long: GenerationResult, short: list[GenerationResult]) -> int:
+    """The most ``short`` turns in the batch at once while ``long`` was (from each turn's
+    admission to its end)."""
+    start, end = long.stats.admitted_at, long.stats.finished_at
+    spans = [(r.stats.admitted_at, r.stats.finished_at) for r in short]
+    moments = [start] + [a for a, _ in spans if start <= a <= end]
+    return max(sum(a <= t < b for a, b in spans) for t in moments)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="4 x K agents ask with room for K")
     parser.add_argument("--model", default="tiny:gemma3-bench")
@@ -128,12 +216,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
-    parser.add_argument("--out", type=Path, default=RESULTS / "budget.json")
+    parser.add_argument("--mix", action="store_true", help="one long agent among short ones")
+    parser.add_argument("--long", type=int, default=32768, help="--mix: the long history")
+    parser.add_argument("--prompt", type=int, default=128, help="--mix: each new turn's tokens")
+    parser.add_argument("--budget-mb", type=float, help="--mix: the budget (default: see above)")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 6
+        args.long, args.prompt = 1200, 24
+    if args.mix:
+        if args.history == 8192:  # the default is for the uniform run
+            args.history = 1024
+        report = asyncio.run(mixed(args))
+        out = args.out or RESULTS / "budget_mix.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
+        return report
     report = asyncio.run(run(args))
-    write_report(report, args.out, plot)
+    write_report(report, args.out or RESULTS / "budget.json", plot)
     return report
 
 

@@ -109,6 +109,9 @@ SCHEMES = {
     "q8 Hadamard keys": Scheme(8, 8, rotate_keys=True),
     "q8 Hadamard keys, group 64": Scheme(8, 8, 64, 64, rotate_keys=True),
     "q8 Hadamard keys, group 128": Scheme(8, 8, 128, 128, rotate_keys=True),
+    "q8 Hadamard keys and values, group 128": Scheme(
+        8, 8, 128, 128, rotate_keys=True, rotate_values=True
+    ),
     "q4 per token (batch today)": Scheme(),
     "q4 Hadamard": Scheme(rotate_keys=True, rotate_values=True),
     "q4 window 32": Scheme(window=32),

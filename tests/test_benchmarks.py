@@ -278,6 +278,21 @@ def test_budget_quick(tmp_path):
     assert bounded["held_under_budget_every_step"] is True
 
 
+def test_budget_mix_quick(tmp_path):
+    out = tmp_path / "x.json"
+    report = importlib.import_module("benchmarks.bench_budget").main(
+        ["--mix", "--quick", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+    row = report["row"]
+    assert row["completed"] == row["agents"] == 9
+    assert row["need_long_mb"] > row["need_short_mb"] > 0
+    # The budget holds the long agent and two short ones: never more beside it.
+    assert row["max_beside_long"] == 2
+    assert row["held_under_budget_every_step"] is True
+
+
 def test_prefill_quick(tmp_path):
     report = run_quick("bench_prefill", tmp_path)
 
