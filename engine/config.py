@@ -13,8 +13,7 @@ GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 # 98% of teacher-forced top-1 tokens at a 4K history on gemma3-270m, against 95% at 128. q8
 # (keys rotated, ``engine.kv.quant``): 128, 0.516x the bytes of float16 against 0.5625x at 32,
 # diverging from the exact model about as much as unrotated keys in groups of 32 did (README,
-# *Resume fidelity*). Codec functions called without a group size, and layers of no quantization,
-# use DEFAULT_GROUP_SIZE.
+# *Resume fidelity*). Unquantized caches record DEFAULT_GROUP_SIZE (it is not used).
 DEFAULT_GROUP_SIZE = 32
 GROUP_SIZE_BY_BITS = {8: 128, 4: 32}
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one

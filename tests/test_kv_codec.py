@@ -20,16 +20,17 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from engine.config import GROUP_SIZE_BY_BITS
 from engine.engine import Engine
 from engine.errors import CacheFormatError
 from engine.kv.assemble import assemble_paged
 from engine.kv.encoded import (
-    DEFAULT_GROUP_SIZE,
     FORMAT_VERSION,
     GROUP_SIZES,
     EncodedCache,
     choose_group_size,
 )
+from engine.kv.layouts import group_of
 from engine.kv.load import BlockRun, decode_paged
 from engine.kv.paged import PagedCache, encode_paged, split_blocks
 from engine.kv.quant import (
@@ -149,7 +150,8 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
     worst = {}
     for kv_bits in (8, 4):
         encoded = await engine.run(encode_cache, original, kv_bits)
-        assert (encoded.kv_bits, encoded.group_size) == (kv_bits, DEFAULT_GROUP_SIZE)
+        # No group size given: the precision's own (q8 128, keys rotated; q4 32).
+        assert (encoded.kv_bits, encoded.group_size) == (kv_bits, GROUP_SIZE_BY_BITS[kv_bits])
         decoded = await engine.run(decode_cache, encoded)
         assert [layout(d) for d in decoded.layers] == [layout(o) for o in original.layers]
         assert all(d.keys.dtype == mx.float32 for d in decoded.layers)
@@ -159,7 +161,7 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
         for i, ((ok, ov), (dk, dv)) in enumerate(pairs):
             for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
                 scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
-                step = element_steps(scales, layouts[i], name, DEFAULT_GROUP_SIZE)
+                step = element_steps(scales, layouts[i], name, group_of(encoded, layouts[i]))
                 if layouts[i].get(f"rotated_{name}"):  # bounded where quantized
                     exact, approx = hadamard_on_host(exact), hadamard_on_host(approx)
                 err = np.abs(exact - approx)
@@ -259,12 +261,13 @@ async def test_q4_cache_resumes(gemma):
 
 async def test_quantized_sizes_against_float16(engine):
     cache = await history(engine, 130)
-    encoded = {b: await engine.run(encode_cache, cache, b) for b in (None, 8, 4)}
+    encoded = {b: await engine.run(encode_cache, cache, b, 32) for b in (8, 4)}
+    encoded[None] = await engine.run(encode_cache, cache, None)
     token_bytes = encoded[None].tensors["tokens"].nbytes
     assert token_bytes == 130 * 4
     fp16_kv = (encoded[None].nbytes - token_bytes) // 2  # the tiny models are float32
     ratios = {b: (encoded[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)}
-    # The default group size 32: (d + 4d/32) / 2d and (d/2 + 4d/32) / 2d.
+    # Groups of 32: (d + 4d/32) / 2d and (d/2 + 4d/32) / 2d.
     assert ratios == {8: 0.5625, 4: 0.3125}
     assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.57
     assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.32
@@ -272,6 +275,13 @@ async def test_quantized_sizes_against_float16(engine):
     assert {b: (at_64[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)} == {
         8: 0.53125,
         4: 0.28125,
+    }
+    # No group size: each precision's own, q8 128 (64 here: 128 does not divide the heads of
+    # 64) and q4 32.
+    default = {b: await engine.run(encode_cache, cache, b) for b in (8, 4)}
+    assert {b: (default[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)} == {
+        8: 0.53125,
+        4: 0.3125,
     }
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import (  # noqa: F401  (this module's names for them)
-    DEFAULT_GROUP_SIZE,
     FALLBACK_GROUP_SIZES,
     GROUP_SIZES,
     choose_group_size,

@@ -30,8 +30,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine.config import group_size_for
 from engine.errors import CacheFormatError
-from engine.kv.encoded import DEFAULT_GROUP_SIZE, FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
+from engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
 from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, temporal_layer
 from engine.kv.quant import (
     SCHEME_FLAGS,
@@ -45,7 +46,7 @@ from engine.request import PromptCache
 
 
 def encode_cache(
-    cache: PromptCache, kv_bits: int | None, group_size: int = DEFAULT_GROUP_SIZE
+    cache: PromptCache, kv_bits: int | None, group_size: int | None = None
 ) -> EncodedCache:
     """Copy a prompt cache into host memory, quantizing keys and values if asked.
 
@@ -53,7 +54,8 @@ def encode_cache(
         cache: Per-layer ``KVCache`` / ``RotatingKVCache`` and the tokens they hold.
         kv_bits: None to store keys and values bit-exactly, or 8 / 4 to quantize them.
         group_size: Preferred quantization group size along the head dimension (ignored when
-            unquantized); a layer it does not divide uses :func:`choose_group_size`'s choice.
+            unquantized; None: the precision's own, ``engine.config.GROUP_SIZE_BY_BITS``); a
+            layer it does not divide uses :func:`choose_group_size`'s choice.
 
     Returns:
         The encoded cache.
@@ -65,6 +67,7 @@ def encode_cache(
     """
     if kv_bits not in (None, 4, 8):
         raise ValueError(f"kv_bits must be None, 8 or 4, got {kv_bits!r}")
+    group_size = group_size_for(kv_bits, group_size)
     if kv_bits is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size {group_size} is not supported; use one of {GROUP_SIZES}")
     if cache.num_tokens == 0 or not cache.layers:
