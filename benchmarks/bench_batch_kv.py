@@ -43,7 +43,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from agents.caches.hot import HotTier
-from benchmarks.bench_budget import ask, group_size
+from benchmarks.bench_budget import PRECISIONS, ask, group_size
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
 from engine.attention import decode_attention, quantized_attention
@@ -61,7 +61,6 @@ from engine.models.loading import resolve_model_path
 from engine.request import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
-PRECISIONS = {"model": None, "q8": 8, "q4": 4}
 
 
 async def need_bytes(args: argparse.Namespace) -> int:

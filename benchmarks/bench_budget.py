@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_budget [--model tiny:gemma3-bench] [--quick]
     python -m benchmarks.bench_budget --mix [--long 32768] [--history 1024] [--prompt 128]
-        [--budget-mb MB]
+        [--agents 16] [--bits model q8 q4] [--budget-mb MB]
 
 ``4 * --fits`` agents, each with a ``--history``-token history (synthetic caches, see
 ``benchmarks.synthetic``) and ``--tokens`` to generate, ask at once. With ``kv_budget_bytes`` set
@@ -10,11 +10,13 @@ to what ``--fits`` of them need, every step records how many are in the batch an
 holds and sets aside; the same turns without a budget (the default, a share of memory) show what
 the batch would hold otherwise. Writes benchmarks/results/budget.json and .png.
 
-``--mix``, the heterogeneous case: one agent with a ``--long``-token history and ``4 * --fits``
-agents with ``--history``-token ones ask at once, each with a new turn of ``--prompt`` tokens,
-under ``--budget-mb`` (default: what the long one and ``--fits`` short ones set aside): what
-each sets aside, the most agents decoding together and the KV held. A fixed ``--budget-mb``
-compares versions of the engine. Writes benchmarks/results/budget_mix.json.
+``--mix``, the heterogeneous case: one agent with a ``--long``-token history and ``--agents``
+(default ``4 * --fits``) with ``--history``-token ones ask at once, each with a new turn of
+``--prompt`` tokens, under ``--budget-mb`` (default: what the long one and ``--fits`` short ones
+set aside in the first of ``--bits``), once per precision of ``--bits`` (KV in the batch: the
+model's, q8, q4), same budget: what each sets aside, the most short agents in the batch while
+the long one is, the KV held and tok/s. A fixed ``--budget-mb`` compares versions of the
+engine. Writes benchmarks/results/budget_mix.json.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from engine.meter import StepRecord
 from engine.request import GenerationRequest, GenerationResult
 
 RESULTS = Path(__file__).parent / "results"
+PRECISIONS = {"model": None, "q8": 8, "q4": 4}  # --mix: KV in the batch (batch_kv_bits)
 
 
 def group_size(args: argparse.Namespace) -> dict:
@@ -131,11 +134,17 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 async def mixed(args: argparse.Namespace) -> dict:
-    """``--mix``: one long agent and ``4 * --fits`` short ones under one budget."""
-    short = 4 * args.fits
+    """``--mix``: one long agent and ``--agents`` short ones under one budget, per precision
+    of ``--bits`` (the budget: the model's precision's default, or ``--budget-mb``)."""
+    short = args.agents or 4 * args.fits
 
-    async def asking(budget: int | None) -> tuple[Engine, list[GenerationRequest]]:
-        config = EngineConfig(completion_batch_size=short + 1, kv_budget_bytes=budget)
+    async def asking(budget: int | None, bits: int | None) -> tuple[Engine, list]:
+        config = EngineConfig(  # room for everyone but in memory: the budget decides
+            completion_batch_size=short + 1,
+            prefill_batch_size=short + 1,
+            kv_budget_bytes=budget,
+            batch_kv_bits=bits,
+        )
         eng = await Engine.open(args.model, config)
         vocab, requests = eng.model.vocab_size, []
         for i in range(short + 1):
@@ -149,43 +158,54 @@ async def mixed(args: argparse.Namespace) -> dict:
             )
         return eng, requests
 
-    eng, requests = await asking(None)
-    need_long, need_short = (eng.kv_bytes_needed(r) for r in requests[:2])
-    await eng.close()
-    default = need_long + args.fits * need_short
-    budget = int(args.budget_mb * 2**20) if args.budget_mb else default
-    eng, requests = await asking(budget)
-    steps: list[StepRecord] = []
-    eng.add_step_listener(steps.append)
-    try:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(eng.generate(r) for r in requests))
-        wall = time.perf_counter() - start
-    finally:
+    budget = None
+    if args.budget_mb:
+        budget = int(args.budget_mb * 2**20)
+    rows = {}
+    for name in args.bits:
+        bits = PRECISIONS[name]
+        eng, requests = await asking(None, bits)
+        need_long, need_short = (eng.kv_bytes_needed(r) for r in requests[:2])
         await eng.close()
-    row = {
-        "budget_mb": budget / 2**20,
-        "need_long_mb": need_long / 2**20,
-        "need_short_mb": need_short / 2**20,
-        "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
-        "agents": short + 1,
-        "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
-        "max_beside_long": beside(results[0], results[1:]),
-        "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
-        "held_under_budget_every_step": all(s.kv_held_bytes <= budget for s in steps),
-        "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
-        "wall_s": wall,
-    }
-    print(
-        f"one {args.long}-token agent and {short} of {args.history} tokens, {args.prompt}-token "
-        f"turns: {row['need_long_mb']:.1f} MB and {row['need_short_mb']:.2f} MB set aside; "
-        f"in {row['budget_mb']:.1f} MB at most {row['max_in_batch']} in the batch, "
-        f"{row['max_beside_long']} short ones beside the long one, KV held at most "
-        f"{row['max_held_mb']:.1f} MB "
-        f"(every step under: {row['held_under_budget_every_step']}), {row['completed']}/"
-        f"{row['agents']} completed, {row['tokens_per_s']:.1f} tok/s",
-        flush=True,
-    )
+        if budget is None:  # the first precision's default (the model's, unless told)
+            budget = need_long + args.fits * need_short
+        eng, requests = await asking(budget, bits)
+        steps: list[StepRecord] = []
+        eng.add_step_listener(steps.append)
+        try:
+            start = time.perf_counter()
+            results = await asyncio.gather(*(eng.generate(r) for r in requests))
+            wall = time.perf_counter() - start
+            preemptions = eng.stats().preemptions
+        finally:
+            await eng.close()
+        row = rows[name] = {
+            "budget_mb": budget / 2**20,
+            "need_long_mb": need_long / 2**20,
+            "need_short_mb": need_short / 2**20,
+            "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
+            "agents": short + 1,
+            "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
+            "max_beside_long": beside(results[0], results[1:]),
+            "preemptions": preemptions,  # (a paused turn counts as in the batch: want 0)
+            "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
+            "held_under_budget_every_step": all(s.kv_held_bytes <= budget for s in steps),
+            "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+            "wall_s": wall,
+        }
+        print(
+            f"{name:>5}: one {args.long}-token agent and {short} of {args.history} tokens, "
+            f"{args.prompt}-token turns: {row['need_long_mb']:.1f} MB and "
+            f"{row['need_short_mb']:.2f} MB set aside; in {row['budget_mb']:.1f} MB at most "
+            f"{row['max_in_batch']} in the batch, {row['max_beside_long']} short ones beside the "
+            f"long one, KV held at most {row['max_held_mb']:.1f} MB (every step under: "
+            f"{row['held_under_budget_every_step']}), {row['completed']}/{row['agents']} "
+            f"completed, {row['tokens_per_s']:.1f} tok/s",
+            flush=True,
+        )
+    first = rows[args.bits[0]]
+    for row in rows.values():
+        row["beside_long_vs_first"] = round(row["max_beside_long"] / first["max_beside_long"], 3)
     return {
         "benchmark": "budget_mix",
         "model": args.model,
@@ -196,7 +216,7 @@ async def mixed(args: argparse.Namespace) -> dict:
         "fits": args.fits,
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
-        "row": row,
+        "rows": rows,
     }
 
 
@@ -213,21 +233,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="4 x K agents ask with room for K")
     parser.add_argument("--model", default="tiny:gemma3-bench")
     parser.add_argument("--fits", type=int, default=4, help="K: agents the budget has room for")
-    parser.add_argument("--history", type=int, default=8192)
+    parser.add_argument("--history", type=int, help="default 8192; --mix: 1024 (the short ones)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, tiny sizes")
     parser.add_argument("--mix", action="store_true", help="one long agent among short ones")
     parser.add_argument("--long", type=int, default=32768, help="--mix: the long history")
     parser.add_argument("--prompt", type=int, default=128, help="--mix: each new turn's tokens")
     parser.add_argument("--budget-mb", type=float, help="--mix: the budget (default: see above)")
+    parser.add_argument("--agents", type=int, help="--mix: short agents (default: 4 x --fits)")
+    parser.add_argument(
+        "--bits", nargs="+", choices=list(PRECISIONS), default=["model"], help="--mix: KV in"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 300, 6
         args.long, args.prompt = 1200, 24
+    if args.history is None:
+        args.history = 1024 if args.mix else 8192
     if args.mix:
-        if args.history == 8192:  # the default is for the uniform run
-            args.history = 1024
         report = asyncio.run(mixed(args))
         out = args.out or RESULTS / "budget_mix.json"
         out.parent.mkdir(parents=True, exist_ok=True)

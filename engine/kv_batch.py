@@ -161,17 +161,23 @@ class KVLayout:
         """Positions a sequence's sliding layers may hold beyond their windows in the batch:
         the largest chunk of its ``prompt`` tokens still to come (chunks of at most ``chunk``;
         a chunk of ``c`` leaves a ring ``c - 1`` over its window until the next decode step
-        writes in place), or what its cache's ``layers`` hold over their windows now (a cache
-        cut right after a chunk), whichever is more. A short turn on a long history reserves
-        its own chunk, not ``prefill_step_size``, in every sliding layer."""
+        writes in place). A short turn on a long history reserves its own chunk, not
+        ``prefill_step_size``, in every sliding layer. A cache's float and q8 rows join cut to
+        their windows (mlx-lm's merge); a q4 row joins with every column it holds (its key
+        groups whole), so what its ``layers`` hold beyond their rings counts too. Layers that
+        do not match the model count nothing here (joining refuses them)."""
         extra = min(prompt, chunk)
-        for i, layer in enumerate(layers or ()):
-            w = self.windows[i]
-            if w is None or layer.keys is None:
+        if not layers or self.packing is None or not self.packing.any_channel:
+            return extra
+        for i, (layer, w) in enumerate(zip(layers, self.windows, strict=False)):
+            if w is None or not self.packing.channel_keys(i):
                 continue
-            if self.packing is not None and self.packing.channel_keys(i):
-                w += self.packing.group_sizes[i]  # its ring's key group (``_float_extra``)
-            extra = max(extra, layer.keys.shape[2] - w)
+            if not isinstance(layer, RotatingKVCache) or not isinstance(layer.keys, mx.array):
+                continue
+            if not is_packed(layer):
+                continue
+            ring = w + self.packing.group_sizes[i]  # with its extra key group (_float_extra)
+            extra = max(extra, layer.keys.shape[2] - ring)
         return extra
 
     def buffers(self, layers: list[Any]) -> list[Any]:

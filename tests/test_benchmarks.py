@@ -285,11 +285,11 @@ def test_budget_mix_quick(tmp_path):
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
-    row = report["row"]
+    row = report["rows"]["model"]
     assert row["completed"] == row["agents"] == 9
     assert row["need_long_mb"] > row["need_short_mb"] > 0
     # The budget holds the long agent and two short ones: never more beside it.
-    assert row["max_beside_long"] == 2
+    assert row["max_beside_long"] == 2 and row["preemptions"] == 0
     assert row["held_under_budget_every_step"] is True
 
 

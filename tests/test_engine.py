@@ -255,6 +255,36 @@ async def test_cache_from_another_model_fails_only_that_request(gemma):
     assert good.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
+@pytest.mark.parametrize(
+    ("source", "target", "bits"),
+    [
+        ("tiny:gemma3", "tiny:llama", None),
+        ("tiny:gemma3", "tiny:llama", 4),
+        ("tiny:llama", "tiny:gemma3", 4),
+    ],
+)
+async def test_a_cache_of_another_model_is_refused_as_invalid_at_any_precision(
+    source, target, bits
+):
+    """Sizing a turn's reservation reads its cache's layers before joining checks them: a
+    cache of another model (more or fewer layers, windows where the model has none) still
+    fails as an InvalidCacheError, the batch held quantized or not."""
+    other = await Engine.open(source)
+    try:
+        foreign = (await other.generate(GenerationRequest(prompt(other, 5), max_tokens=3))).cache
+    finally:
+        await other.close()
+    eng = await Engine.open(target, EngineConfig(batch_kv_bits=bits))
+    try:
+        request = GenerationRequest(prompt(eng, 3), max_tokens=3, cache=foreign)
+        assert eng.kv_bytes_needed(request) > 0
+        result = await eng.generate(request)
+    finally:
+        await eng.close()
+    assert result.finish_reason is FinishReason.ERROR
+    assert isinstance(result.error, InvalidCacheError)
+
+
 async def test_failed_step_fails_the_batch_and_engine_keeps_serving(gemma, monkeypatch):
     model_cls = type(gemma.model.model.layers[0])  # every forward pass runs it
     real_call = model_cls.__call__

@@ -193,9 +193,37 @@ def test_a_row_cut_right_after_a_chunk_leaves_with_its_window_only(model, bits):
     for c, (keys, values) in zip(kept, newest, strict=True):
         assert mx.array_equal(c.keys, keys).item() and mx.array_equal(c.values, values).item()
     assert layout.overhang(row, prompt=1, chunk=512) == 1
-    if bits is None:  # the model's own caches of the same chunk, uncut
-        token, original = mx.array([[21]]), prefilled(model, n)
+    # mlx-lm's own caches of the same chunk hold all n positions; they join cut to their
+    # windows (its merge), so they reserve only the turn's chunk too.
+    original = prefilled(model, n)
+    assert {c.keys.shape[2] for c in original if isinstance(c, RotatingKVCache)} == {n}
+    assert layout.overhang(original, prompt=4, chunk=512) == 4
+    joined = KVGroup.start(layout, Seq(n), original)
+    sliding = [c for c in joined.layers if isinstance(c, BatchRotatingKVCache)]
+    assert {c.keys.shape[2] for c in sliding} == {window}
+    if bits is None:  # the uncut caches decode the same
+        token = mx.array([[21]])
         assert mx.array_equal(model(token, cache=row), model(token, cache=original)).item()
+
+
+def test_a_q4_row_keeps_its_key_groups_whole_and_reserves_what_it_holds(model):
+    """A q4 ring is not cut on its way out (its key groups' scales lie over their positions):
+    the columns it holds beyond its ring (the window and one key group) count in what it
+    reserves when it joins again."""
+    layout = KVLayout.of(model, bits=4)
+    window = min((w for w in layout.windows if w), default=None)
+    if window is None:
+        pytest.skip("no sliding-window layers")
+    group = layout.packing.group_sizes[layout.windows.index(window)]
+    n = 2 * window + group + 7
+    install(model)
+    buffers = KVGroup.start(layout, Seq(n), None)
+    tokens = mx.array([(5 * i) % 400 + 16 for i in range(n)])
+    model(tokens[None], cache=buffers.layers)
+    row = buffers.extract(buffers.seqs[0])
+    assert {c.keys.shape[2] for c in row if isinstance(c, RotatingKVCache)} == {n}
+    assert layout.overhang(row, prompt=1, chunk=512) == n - (window + group)
+    assert layout.overhang(row, prompt=512, chunk=512) == 512
 
 
 def test_a_reservation_covers_history_growth_and_padding(model):

@@ -170,29 +170,35 @@ async def test_a_paused_q4_turn_counts_its_float_positions_in_the_paused_bytes()
     """A q4 row keeps float copies of its newest positions beside its words; while it is
     paused its bytes count both, and nothing once it has resumed."""
     config = EngineConfig(batch_kv_bits=4)
-    low = GenerationRequest(prompt_of(60), max_tokens=60, ignore_eos=True)
-    high = GenerationRequest(prompt_of(30, salt=4), max_tokens=10, ignore_eos=True, priority=10)
+    low = GenerationRequest(prompt_of(60), max_tokens=200, ignore_eos=True)
+    high = GenerationRequest(prompt_of(30, salt=4), max_tokens=150, ignore_eos=True, priority=10)
     budget = await budget_for("tiny:gemma3", [low], config)  # only one of them fits
     eng = await Engine.open("tiny:gemma3", config.model_copy(update={"kv_budget_bytes": budget}))
+
+    def paused_now() -> tuple[int, int, int, int]:  # on the generation thread, between steps
+        scheduler = eng._thread.scheduler
+        cache = scheduler.queue.peek().cache
+        words = sum(layer.nbytes for layer in cache)
+        floats = sum(sum(x.nbytes for x in layer.recent) for layer in cache)
+        return scheduler.paused, scheduler.paused_bytes, words, floats
+
     try:
         low_handle = eng.submit(low)
         for _ in range(20):
             await anext(low_handle)
         high_handle = eng.submit(high)
-        await anext(high_handle)  # high decodes: low is paused
-        paused = eng._thread.scheduler.queue.peek()
-        words = sum(layer.nbytes for layer in paused.cache)
-        floats = sum(sum(x.nbytes for x in layer.recent) for layer in paused.cache)
+        await anext(high_handle)  # high decodes (for 150 tokens): low is paused
+        paused, paused_bytes, words, floats = await eng.run(paused_now)
         during = eng.stats()
         await high_handle.result()
         low_result = await low_handle.result()
         after = eng.stats()
     finally:
         await eng.close()
-    assert during.paused == 1 and floats > 0
-    assert during.kv_paused_bytes == words + floats
+    assert paused == during.paused == 1 and floats > 0
+    assert paused_bytes == during.kv_paused_bytes == words + floats
     assert after.paused == 0 and after.kv_paused_bytes == 0
-    assert len(low_result.token_ids) == 60
+    assert len(low_result.token_ids) == 200
 
 
 async def histories_and_turns(eng: Engine, n: int) -> list[GenerationRequest]:
@@ -207,9 +213,9 @@ async def histories_and_turns(eng: Engine, n: int) -> list[GenerationRequest]:
 
 async def test_short_turns_on_long_histories_reserve_their_own_chunk_in_sliding_windows():
     """tiny:gemma3's sliding layers hold 32 positions. A 4-token turn on a 200-token history
-    reserves 3 positions beyond them, not a whole ``prefill_step_size`` chunk (its history's
-    rings were cut to their windows when it left the batch): three such turns decode together
-    in a budget that holds one of them reserving whole chunks, each as it decodes alone."""
+    reserves 4 positions beyond them, not a whole ``prefill_step_size`` chunk: three such turns
+    decode together in a budget that holds one of them reserving whole chunks, each as it
+    decodes alone."""
     eng = await Engine.open("tiny:gemma3")
     try:
         turns = await histories_and_turns(eng, 3)
