@@ -13,7 +13,7 @@ the batch would hold otherwise. Writes benchmarks/results/budget.json and .png.
 ``--mix``, the heterogeneous case: one agent with a ``--long``-token history and ``--agents``
 (default ``4 * --fits``) with ``--history``-token ones ask at once, each with a new turn of
 ``--prompt`` tokens, under ``--budget-mb`` (default: what the long one and ``--fits`` short ones
-set aside in the first of ``--bits``), once per precision of ``--bits`` (KV in the batch: the
+set aside in the model's precision), once per precision of ``--bits`` (KV in the batch: the
 model's, q8, q4), same budget: what each sets aside, the most short agents in the batch while
 the long one is, the KV held and tok/s. A fixed ``--budget-mb`` compares versions of the
 engine. Writes benchmarks/results/budget_mix.json.
@@ -158,17 +158,33 @@ async def mixed(args: argparse.Namespace) -> dict:
             )
         return eng, requests
 
-    budget = None
+    async def needs(bits: int | None) -> tuple[int, int]:
+        """What the long agent and a short one set aside (no turn runs)."""
+        eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits))
+        try:
+            vocab = eng.model.vocab_size
+            return tuple(  # type: ignore[return-value]
+                eng.kv_bytes_needed(
+                    GenerationRequest(
+                        [16] * args.prompt,
+                        args.tokens,
+                        cache=await eng.run(synthetic_cache, eng.model.model, history, 0, vocab),
+                    )
+                )
+                for history in (args.long, args.history)
+            )
+        finally:
+            await eng.close()
+
     if args.budget_mb:
         budget = int(args.budget_mb * 2**20)
+    else:  # the model's precision's: the long agent and --fits short ones
+        need_long, need_short = await needs(None)
+        budget = need_long + args.fits * need_short
     rows = {}
     for name in args.bits:
         bits = PRECISIONS[name]
-        eng, requests = await asking(None, bits)
-        need_long, need_short = (eng.kv_bytes_needed(r) for r in requests[:2])
-        await eng.close()
-        if budget is None:  # the first precision's default (the model's, unless told)
-            budget = need_long + args.fits * need_short
+        need_long, need_short = await needs(bits)
         eng, requests = await asking(budget, bits)
         steps: list[StepRecord] = []
         eng.add_step_listener(steps.append)
@@ -185,7 +201,6 @@ async def mixed(args: argparse.Namespace) -> dict:
             "need_short_mb": need_short / 2**20,
             "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
             "agents": short + 1,
-            "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
             "max_beside_long": beside(results[0], results[1:]),
             "preemptions": preemptions,  # (a paused turn counts as in the batch: want 0)
             "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
@@ -197,15 +212,15 @@ async def mixed(args: argparse.Namespace) -> dict:
             f"{name:>5}: one {args.long}-token agent and {short} of {args.history} tokens, "
             f"{args.prompt}-token turns: {row['need_long_mb']:.1f} MB and "
             f"{row['need_short_mb']:.2f} MB set aside; in {row['budget_mb']:.1f} MB at most "
-            f"{row['max_in_batch']} in the batch, {row['max_beside_long']} short ones beside the "
-            f"long one, KV held at most {row['max_held_mb']:.1f} MB (every step under: "
+            f"{row['max_beside_long']} short ones beside the long one, KV held at most "
+            f"{row['max_held_mb']:.1f} MB (every step under: "
             f"{row['held_under_budget_every_step']}), {row['completed']}/{row['agents']} "
             f"completed, {row['tokens_per_s']:.1f} tok/s",
             flush=True,
         )
-    first = rows[args.bits[0]]
+    first = rows[args.bits[0]]["max_beside_long"]
     for row in rows.values():
-        row["beside_long_vs_first"] = round(row["max_beside_long"] / first["max_beside_long"], 3)
+        row["beside_long_vs_first"] = round(row["max_beside_long"] / first, 3) if first else None
     return {
         "benchmark": "budget_mix",
         "model": args.model,
@@ -224,7 +239,13 @@ def beside(long: GenerationResult, short: list[GenerationResult]) -> int:
     """The most ``short`` turns in the batch at once while ``long`` was (from each turn's
     admission to its end)."""
     start, end = long.stats.admitted_at, long.stats.finished_at
-    spans = [(r.stats.admitted_at, r.stats.finished_at) for r in short]
+    if start is None or end is None:
+        return 0
+    spans = [
+        (r.stats.admitted_at, r.stats.finished_at)
+        for r in short
+        if r.stats.admitted_at is not None and r.stats.finished_at is not None
+    ]
     moments = [start] + [a for a, _ in spans if start <= a <= end]
     return max(sum(a <= t < b for a, b in spans) for t in moments)
 

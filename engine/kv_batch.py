@@ -172,12 +172,13 @@ class KVLayout:
         for i, (layer, w) in enumerate(zip(layers, self.windows, strict=False)):
             if w is None or not self.packing.channel_keys(i):
                 continue
-            if not isinstance(layer, RotatingKVCache) or not isinstance(layer.keys, mx.array):
+            if not isinstance(layer, RotatingKVCache) or layer.max_size != w:
                 continue
-            if not is_packed(layer):
+            keys = layer.keys
+            if not isinstance(keys, mx.array) or keys.ndim != 4 or not is_packed(layer):
                 continue
             ring = w + self.packing.group_sizes[i]  # with its extra key group (_float_extra)
-            extra = max(extra, layer.keys.shape[2] - ring)
+            extra = max(extra, keys.shape[2] - ring)
         return extra
 
     def buffers(self, layers: list[Any]) -> list[Any]:

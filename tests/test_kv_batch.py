@@ -224,6 +224,20 @@ def test_a_q4_row_keeps_its_key_groups_whole_and_reserves_what_it_holds(model):
     assert {c.keys.shape[2] for c in row if isinstance(c, RotatingKVCache)} == {n}
     assert layout.overhang(row, prompt=1, chunk=512) == n - (window + group)
     assert layout.overhang(row, prompt=512, chunk=512) == 512
+    # Layers that do not match the model count nothing (joining refuses them), and raise
+    # nothing here: another window, keys of another shape or kind, fewer or more layers.
+    i = next(j for j, c in enumerate(row) if isinstance(c, RotatingKVCache))
+    other = RotatingKVCache(window + 1)
+    other.keys, other.values, other.offset = row[i].keys, row[i].values, row[i].offset
+    flat = RotatingKVCache(window)
+    flat.keys, flat.values = mx.zeros((3, 4), mx.uint32), mx.zeros((3, 4), mx.uint32)
+    tupled = RotatingKVCache(window)
+    tupled.keys = (row[i].keys, row[i].keys)
+    for odd in (other, flat, tupled, KVCache()):
+        layers = [odd if isinstance(c, RotatingKVCache) else c for c in row]
+        assert layout.overhang(layers, prompt=3, chunk=512) == 3
+    assert layout.overhang(row[:0], prompt=3, chunk=512) == 3
+    assert layout.overhang([*row, *row], prompt=3, chunk=512) == n - (window + group)
 
 
 def test_a_reservation_covers_history_growth_and_padding(model):
