@@ -162,17 +162,12 @@ async def mixed(args: argparse.Namespace) -> dict:
         """What the long agent and a short one set aside (no turn runs)."""
         eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits))
         try:
-            vocab = eng.model.vocab_size
-            return tuple(  # type: ignore[return-value]
-                eng.kv_bytes_needed(
-                    GenerationRequest(
-                        [16] * args.prompt,
-                        args.tokens,
-                        cache=await eng.run(synthetic_cache, eng.model.model, history, 0, vocab),
-                    )
-                )
-                for history in (args.long, args.history)
-            )
+            vocab, needed = eng.model.vocab_size, []
+            for history in (args.long, args.history):
+                cache = await eng.run(synthetic_cache, eng.model.model, history, 0, vocab)
+                request = GenerationRequest([16] * args.prompt, args.tokens, cache=cache)
+                needed.append(eng.kv_bytes_needed(request))
+            return needed[0], needed[1]
         finally:
             await eng.close()
 
