@@ -180,12 +180,8 @@ class Engine:
         """The KV bytes ``request`` sets aside in the budget while it runs."""
         cached = request.cache.num_tokens if request.cache else 0
         tokens = cached + len(request.prompt_tokens) + request.max_tokens
-        layout = self._thread.scheduler.layout
         layers = request.cache.layers if request.cache else None
-        chunk = self.config.prefill_step_size
-        return layout.reservation(
-            tokens, layout.overhang(layers, len(request.prompt_tokens), chunk)
-        )
+        return self._thread.scheduler.need_for(tokens, layers, len(request.prompt_tokens))
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request.

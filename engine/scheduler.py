@@ -74,12 +74,15 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------------
 
     def need(self, seq: Sequence) -> int:
-        """KV bytes ``seq`` may hold in the batch: its history + prompt + max_tokens, and its
-        sliding windows' overhang (``KVLayout.overhang``; ``seq.cache`` while it is outside the
-        batch)."""
-        chunk = self.config.prefill_step_size
-        overhang = self.layout.overhang(seq.cache, len(seq.prompt), chunk)
-        return self.layout.reservation(seq.final_tokens, overhang)
+        """KV bytes ``seq`` may hold in the batch (``seq.cache`` while it is outside it)."""
+        return self.need_for(seq.final_tokens, seq.cache, len(seq.prompt))
+
+    def need_for(self, final_tokens: int, layers: list | None, prompt: int) -> int:
+        """KV bytes a turn may hold in the batch: its history + prompt + max_tokens
+        (``final_tokens``), and its sliding windows' overhang (``KVLayout.overhang``) from
+        its cache's ``layers`` and the ``prompt`` tokens it has still to feed."""
+        overhang = self.layout.overhang(layers, prompt, self.config.prefill_step_size)
+        return self.layout.reservation(final_tokens, overhang)
 
     def enqueue(self, seq: Sequence, arrival: float | None = None, force: bool = False) -> None:
         if arrival is None:
@@ -268,10 +271,10 @@ class Scheduler:
         self._regroup = False
         decoding = [g for g in self.groups if g.seqs[0].status is SeqStatus.DECODING]
         # A group whose last prompt chunk left its rings over their windows waits a step.
-        unsettled = [g for g in decoding if not g.settled]
-        if unsettled:
+        settled = [g for g in decoding if g.settled]
+        if len(settled) < len(decoding):
             self._regroup = True
-            decoding = [g for g in decoding if g.settled]
+        decoding = settled
         for group in sorted(decoding, key=lambda g: len(g.seqs)):
             others = [g for g in decoding if g is not group and g.seqs]
             if not group.seqs or not others:
