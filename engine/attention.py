@@ -181,7 +181,8 @@ def quantized_attention(
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
     (:func:`_folded_scores`), and the keys are never expanded. Columns a row holds in float
-    are scored and weighted from ``recent``. Values are quantized per position, as
+    are scored and weighted from ``recent``, and so is each query's own column in a q8
+    prompt's chunk. Values are quantized per position, as
     ``mx.quantized_matmul`` reads them. Scores and weights are float32; the output is rotated
     back where the values are held rotated, and given in the queries' dtype (the fallback
     below: in the keys', the same in practice).
@@ -217,6 +218,20 @@ def quantized_attention(
 
     # Columns held in float: scored against ``recent`` (column c: its entry of age c's).
     blend = any(held.floats)  # (a q8 prompt's chunk reads none: no copies of its scores)
+    # A q8 prompt's chunk: each query reads its own position in float (``recent``'s last
+    # ``Lq`` entries), as a decode step does. Every way of computing a position (in a chunk of
+    # any size, a step, after any cache) has its own keys and values at hand, so a turn still
+    # computes the same however its prompt came.
+    own = Lq > 1 and not blend and not held.per_channel
+    if own:
+        g = rows // Lq
+        own_keys = recent_keys[:, :, -Lq:].astype(mx.float32)[:, :, None]  # (B, Hkv, 1, Lq, D)
+        own_scores = mx.sum(q.reshape(B, n_kv, g, Lq, dk) * own_keys, axis=-1)
+        own_scores = own_scores.reshape(B, n_kv, rows, 1)
+        own_col = held.newest - (Lq - 1) + mx.arange(Lq)  # query i's own column
+        own_col = mx.tile(own_col % L if held.wrap else own_col, g)[:, None]  # (rows, 1)
+        on_own = mx.arange(L)[None] == own_col  # (rows, L)
+        scores = mx.where(on_own, own_scores, scores)
     if blend:
         in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
         recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
@@ -236,7 +251,14 @@ def quantized_attention(
 
     # Values: the quantized columns through their words, the float ones from ``recent``.
     weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
+    if own:
+        own_weights = mx.take_along_axis(weights, own_col[None, None], axis=-1)  # (B, Hkv, rows, 1)
+        weights_q = mx.where(on_own, mx.array(0, mx.float32), weights)
     out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
+    if own:
+        own_values = recent_values[:, :, -Lq:].astype(mx.float32)
+        own_values = hadamard(own_values) if held.rotated else own_values
+        out = out + own_weights * mx.tile(own_values, (1, 1, g, 1))
     if not blend:
         out = hadamard(out) if held.rotated else out
         return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)

@@ -17,8 +17,8 @@ one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run 
 packed arrays; a token's keys are quantized once, when written, and attention reads them
 through ``mx.quantized_matmul`` as they are (``engine.attention``). A row also keeps float
 copies of the newest :data:`FLOAT_WINDOW` tokens it decoded (:class:`QuantizedLayer`), which
-attention reads instead of their words. Padding positions are zero words, scales and biases
-(they read as 0 and are masked anyway).
+attention reads instead of their words, as it reads every query's own position. Padding
+positions are zero words, scales and biases (they read as 0 and are masked anyway).
 
 **q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
 bits per position lose too much of the keys (a few channels are far larger than the rest), so
@@ -450,11 +450,12 @@ class QuantizedLayer:
 
     q8 (:class:`GroupQuantizedKVCache`) holds every position per position, as a q8 file stores
     it, and attends in float to the tokens a row decoded, the newest :data:`FLOAT_WINDOW` of
-    them (``counts``: how many a row has): a prompt's positions, and a cache's, are read
-    through their words, so a turn computes the same whether its prompt came in one chunk or
-    many, or from a cache (a finished row leaves its float copies behind:
-    ``engine.loop``). The float copies raised the top-1 agreement of decoding at a 4K history
-    from 98.05% to 99.61% on ``gemma3-270m`` (``bench_fidelity``, groups of 32, keys unrotated).
+    them (``counts``: how many a row has), and every query to its own position: a prompt's
+    other positions, and a cache's, are read through their words, so a turn computes the same
+    whether its prompt came in one chunk or many, or from a cache (a finished row leaves its
+    float copies behind: ``engine.loop``). The float copies raised the top-1 agreement of
+    decoding at a 4K history from 98.05% to 99.61% on ``gemma3-270m`` (``bench_fidelity``,
+    groups of 32, keys unrotated).
     """
 
     bits: int
@@ -480,8 +481,13 @@ class QuantizedLayer:
         (rows of ``old`` lengths before it; ``prompt``: all rows' positions are a prompt's,
         or per row), and the rows' ``counts`` after it."""
         prompts = prompt if isinstance(prompt, tuple) else (prompt,) * len(old)
-        floats = tuple(0 if p else c + n for c, p in zip(self.counts, prompts, strict=True))
-        self.counts = [min(f, FLOAT_WINDOW) for f in floats]
+        # A prompt's position reads itself in float (in a chunk of more than one,
+        # ``engine.attention`` reads each query's own column) and keeps no copy for later ones.
+        floats = tuple(
+            int(n == 1) if p else c + n for c, p in zip(self.counts, prompts, strict=True)
+        )
+        kept = zip(floats, prompts, strict=True)
+        self.counts = [0 if p else min(f, FLOAT_WINDOW) for f, p in kept]
         return floats
 
     def update_and_fetch(

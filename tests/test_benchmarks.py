@@ -223,6 +223,10 @@ def test_fidelity_quick(tmp_path):
         exact = row["variants"]["none"]
         assert (exact["agreement"], exact["max_abs_logprob_diff"]) == (1.0, 0.0)
         assert exact["perplexity"] == row["reference_perplexity"]
+        assert exact["agreement_95"] == [0.8928, 1.0]  # all of 32 tokens agree
+        for v in row["variants"].values():
+            low, high = v["agreement_95"]
+            assert low <= v["agreement"] <= high
         q8, q4 = row["variants"]["q8"], row["variants"]["q4"]
         assert q8["agreement"] >= 0.9 and 0 < q8["mean_kl"] < q4["mean_kl"]
         sizes = [row["variants"][v]["file_bytes"] for v in ("none", "q8", "q4")]

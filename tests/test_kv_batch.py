@@ -324,8 +324,8 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
     """q8 holds every position as its words (keys ``rotated``: of their Hadamard transform)
     and keeps float copies of each row's newest FLOAT_WINDOW decoded tokens: a decode step
     attends to those (and to itself) in float and to the rest through the words, while a
-    prompt's chunk, and a cache that joins, are read through the words alone; a row leaves
-    with its float copies and rejoins with them."""
+    prompt's chunk, and a cache that joins, are read through the words but for each query's
+    own position; a row leaves with its float copies and rejoins with them."""
     from engine.attention import quantized_attention
     from engine.batch_caches import (
         FLOAT_WINDOW,
@@ -363,23 +363,25 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
         query = mx.random.normal((2, 2 * H, n, D), key=mx.random.key(50 + t))
         got = quantized_attention(query, held, 0.125, mask, None)
         for b, a in enumerate(at):
-            end, floats = a + n, held.floats[b]
-            wk = as_words(keys[b : b + 1, :, :end], rotated)
-            wv = as_words(values[b : b + 1, :, :end])
-            if floats:
-                wk[..., end - floats :, :] = keys[b : b + 1, :, end - floats : end]
-                wv[..., end - floats :, :] = values[b : b + 1, :, end - floats : end]
-            causal = "causal" if n > 1 else None
-            want = mx.fast.scaled_dot_product_attention(
-                query[b : b + 1], wk, wv, scale=0.125, mask=causal
-            )
-            assert mx.allclose(got[b : b + 1], want, atol=1e-4).item(), (t, b)
+            for i in range(n):  # query i: position a + i, its newest ``own`` ones in float
+                end, own = a + i + 1, held.floats[b] if n == 1 else 1
+                wk = as_words(keys[b : b + 1, :, :end], rotated)
+                wv = as_words(values[b : b + 1, :, :end])
+                wk[..., end - own :, :] = keys[b : b + 1, :, end - own : end]
+                wv[..., end - own :, :] = values[b : b + 1, :, end - own : end]
+                want = mx.fast.scaled_dot_product_attention(
+                    query[b : b + 1, :, i : i + 1], wk, wv, scale=0.125
+                )
+                assert mx.allclose(got[b : b + 1, :, i : i + 1], want, atol=1e-4).item(), (t, b)
         return list(held.floats)
 
-    assert step(prompt, True, 0) == [0, 0]  # a prompt's chunk: through its words
+    # A prompt's chunk: each query reads its own position in float, the rest through words.
+    assert step(prompt, True, 0) == [0, 0]
+    decoded = 0  # float copies before a step
     for t in range(steps):
-        decoded = min(t, FLOAT_WINDOW)  # float copies before this step
-        assert step(1, False, prompt + t) == [decoded + 1] * 2
+        given = t == 5  # a forced token is held as a prompt's: it reads itself in float only
+        assert step(1, given, prompt + t) == [1 if given else decoded + 1] * 2
+        decoded = 0 if given else min(decoded + 1, FLOAT_WINDOW)
     row = buffer.extract(1)
     assert row.float_count == FLOAT_WINDOW
     n = lengths[1] + prompt + steps
