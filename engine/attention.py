@@ -181,24 +181,30 @@ def quantized_attention(
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
     (:func:`_folded_scores`), and the keys are never expanded. Columns a row holds in float
-    are scored and weighted from ``recent``, and so is each query's own column in a q8
-    prompt's chunk. Values are quantized per position, as
-    ``mx.quantized_matmul`` reads them. Scores and weights are float32; the output is rotated
-    back where the values are held rotated, and given in the queries' dtype (the fallback
-    below: in the keys', the same in practice).
+    are scored and weighted from ``recent``, and so is each query's own column at q8. Values
+    are quantized per position, as ``mx.quantized_matmul`` reads them. Scores and weights are
+    float32; the output is rotated back where the values are held rotated, and given in the
+    queries' dtype (the fallback below: in the keys', the same in practice).
 
     Where scaling the queries per group would hold more than the keys expanded (more than
     ``group`` query rows a key-value head, as in a prompt's chunk), or the groups do not line
     up (a ring whose size no group divides), q4's keys and values are expanded and attended in
     float instead, and so are they for attention sinks; q8 refuses sinks (the load probe then
-    keeps the batch in the model's precision).
+    keeps the batch in the model's precision) and always reads its words (a ``"causal"`` mask,
+    which none of the batch's buffers makes, is made an array for it).
     """
     B, n_q, Lq, dk = queries.shape
     n_kv, L, group, bits = held.keys.shape[1], held.keys.shape[2], held.group, held.bits
     rows = n_q // n_kv * Lq  # query rows a key-value head
     foldable = mask is None or isinstance(mask, mx.array)
-    if sinks is not None and not held.per_channel:
-        raise ValueError("q8 KV in the batch does not support attention sinks")
+    if not held.per_channel:
+        if sinks is not None:
+            raise ValueError("q8 KV in the batch does not support attention sinks")
+        if isinstance(mask, str):  # causal over the positions the columns hold
+            at = mx.array(held.lengths)[:, None] - Lq + mx.arange(Lq)  # (B, Lq) query positions
+            held_at = held.positions[:, None, :]  # (B, 1, L)
+            mask = ((held_at >= 0) & (held_at <= at[..., None]))[:, None]
+            foldable = True
     unfolded = held.per_channel and (rows > group or (held.wrap and L % group))
     if unfolded or not foldable or sinks is not None:
         keys, values = held.expanded()
@@ -216,24 +222,26 @@ def quantized_attention(
         q_keys = hadamard(q) if held.rotated_keys else q
         scores = _times_words(q_keys, held.keys, dk, bits, group, transpose=True)
 
-    # Columns held in float: scored against ``recent`` (column c: its entry of age c's).
-    blend = any(held.floats)  # (a q8 prompt's chunk reads none: no copies of its scores)
-    # A q8 prompt's chunk: each query reads its own position in float (``recent``'s last
-    # ``Lq`` entries), as a decode step does. Every way of computing a position (in a chunk of
-    # any size, a step, after any cache) has its own keys and values at hand, so a turn still
-    # computes the same however its prompt came.
-    own = Lq > 1 and not blend and not held.per_channel
+    # q8: each query reads its own position in float (``recent``'s last ``Lq`` entries), in a
+    # decode step, a forced token and a prompt's chunk alike. Every way of computing a position
+    # (a chunk of any size, a step, after any cache) has its own keys and values at hand, and
+    # they are read by the same operations whatever the step's shape, so a turn computes the
+    # same, bit for bit, however its prompt came.
+    own = not held.per_channel
     if own:
         g = rows // Lq
         own_keys = recent_keys[:, :, -Lq:].astype(mx.float32)[:, :, None]  # (B, Hkv, 1, Lq, D)
         own_scores = mx.sum(q.reshape(B, n_kv, g, Lq, dk) * own_keys, axis=-1)
-        own_scores = own_scores.reshape(B, n_kv, rows, 1)
         own_col = held.newest - (Lq - 1) + mx.arange(Lq)  # query i's own column
-        own_col = mx.tile(own_col % L if held.wrap else own_col, g)[:, None]  # (rows, 1)
-        on_own = mx.arange(L)[None] == own_col  # (rows, L)
-        scores = mx.where(on_own, own_scores, scores)
+        own_col = mx.tile(own_col % L if held.wrap else own_col, g)[None, None, :, None]
+        scores = mx.put_along_axis(scores, own_col, own_scores.reshape(B, n_kv, rows, 1), -1)
+
+    # Other columns held in float (the newest a row decoded; q4: its newest positions): scored
+    # against ``recent`` (column c: its entry of age c's). A q8 prompt's chunk reads none.
+    first = 1 if own else 0  # (age 0 is the query's own)
+    blend = any(n > first for n in held.floats)
     if blend:
-        in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
+        in_float = held.float_columns(first)[:, None, None, :]  # (B, 1, 1, L)
         recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
         recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
         scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
@@ -252,21 +260,20 @@ def quantized_attention(
     # Values: the quantized columns through their words, the float ones from ``recent``.
     weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
     if own:
-        own_weights = mx.take_along_axis(weights, own_col[None, None], axis=-1)  # (B, Hkv, rows, 1)
-        weights_q = mx.where(on_own, mx.array(0, mx.float32), weights)
+        own_weights = mx.take_along_axis(weights, own_col, axis=-1)  # (B, Hkv, rows, 1)
+        weights_q = mx.put_along_axis(weights_q, own_col, mx.array(0, mx.float32), -1)
     out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
-    if own:
-        own_values = recent_values[:, :, -Lq:].astype(mx.float32)
-        own_values = hadamard(own_values) if held.rotated else own_values
-        out = out + own_weights * mx.tile(own_values, (1, 1, g, 1))
+    if own:  # (q8's values are not rotated)
+        out = out + own_weights * mx.tile(
+            recent_values[:, :, -Lq:].astype(mx.float32), (1, 1, g, 1)
+        )
     if not blend:
         out = hadamard(out) if held.rotated else out
         return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
     age = f - 1 - mx.arange(f)  # of each recent entry
     column = held.newest - age
-    reads = (age[None] < mx.array(held.floats)[:, None]) & (
-        age[None] < (L if held.wrap else held.newest + 1)
-    )
+    reads = (age[None] >= first) & (age[None] < mx.array(held.floats)[:, None])
+    reads &= age[None] < (L if held.wrap else held.newest + 1)
     column = column % L if held.wrap else mx.clip(column, 0, L - 1)
     recent_weights = mx.take(weights, column, axis=-1) * reads[:, None, None, :]
     recent_values = recent_values.astype(mx.float32)

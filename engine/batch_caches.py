@@ -414,11 +414,12 @@ class HeldQuantized:
         ``lengths[b] - 1 - newest``; a ring of a multiple of ``group`` keeps that phase)."""
         return [(n - 1 - self.newest) % self.group for n in self.lengths]
 
-    def float_columns(self) -> mx.array:
-        """``(B, L)``: which columns each row reads from ``recent``."""
+    def float_columns(self, first: int = 0) -> mx.array:
+        """``(B, L)``: which columns each row reads from ``recent`` (of age ``first`` or more:
+        at q8 each query reads its own column, age 0, on its own)."""
         f = self.recent[0].shape[2]
         ages = self.ages[None]
-        return (ages >= 0) & (ages < mx.array([min(n, f) for n in self.floats])[:, None])
+        return (ages >= first) & (ages < mx.array([min(n, f) for n in self.floats])[:, None])
 
     def expanded(self) -> tuple[mx.array, mx.array]:
         """Keys and values in the model's dtype, every column expanded (keys rotated back;
@@ -481,13 +482,8 @@ class QuantizedLayer:
         (rows of ``old`` lengths before it; ``prompt``: all rows' positions are a prompt's,
         or per row), and the rows' ``counts`` after it."""
         prompts = prompt if isinstance(prompt, tuple) else (prompt,) * len(old)
-        # A prompt's position reads itself in float (in a chunk of more than one,
-        # ``engine.attention`` reads each query's own column) and keeps no copy for later ones.
-        floats = tuple(
-            int(n == 1) if p else c + n for c, p in zip(self.counts, prompts, strict=True)
-        )
-        kept = zip(floats, prompts, strict=True)
-        self.counts = [0 if p else min(f, FLOAT_WINDOW) for f, p in kept]
+        floats = tuple(0 if p else c + n for c, p in zip(self.counts, prompts, strict=True))
+        self.counts = [min(f, FLOAT_WINDOW) for f in floats]
         return floats
 
     def update_and_fetch(
@@ -603,7 +599,7 @@ def _with_recent(merged: Any, rows: list[Any], group: int) -> Any:
     merged.group_size = group
     merged.lengths = [row.offset for row in rows] or [0]
     held = [getattr(row, "recent", None) for row in rows]
-    # (a row without float copies reads every position through its words)
+    # (a row without float copies reads every position through its words but its own)
     merged.counts = [
         getattr(row, "float_count", 0) if r is not None else 0
         for row, r in zip(rows, held, strict=True)

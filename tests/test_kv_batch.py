@@ -364,7 +364,7 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
         got = quantized_attention(query, held, 0.125, mask, None)
         for b, a in enumerate(at):
             for i in range(n):  # query i: position a + i, its newest ``own`` ones in float
-                end, own = a + i + 1, held.floats[b] if n == 1 else 1
+                end, own = a + i + 1, max(held.floats[b], 1)
                 wk = as_words(keys[b : b + 1, :, :end], rotated)
                 wv = as_words(values[b : b + 1, :, :end])
                 wk[..., end - own :, :] = keys[b : b + 1, :, end - own : end]
@@ -380,7 +380,7 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
     decoded = 0  # float copies before a step
     for t in range(steps):
         given = t == 5  # a forced token is held as a prompt's: it reads itself in float only
-        assert step(1, given, prompt + t) == [1 if given else decoded + 1] * 2
+        assert step(1, given, prompt + t) == [0 if given else decoded + 1] * 2
         decoded = 0 if given else min(decoded + 1, FLOAT_WINDOW)
     row = buffer.extract(1)
     assert row.float_count == FLOAT_WINDOW
@@ -392,6 +392,49 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
     # The row's keys expand to what their words hold (rotated back).
     expanded = packing.expand_layer(0, row).keys[..., :n, :]
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunked(window):
+    """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
+    eight positions in chunks of every shape, a forced token among them: each position's
+    attention output is the same (bit for bit in a global layer), as each reads its own
+    position in float and the rest through the words whatever the chunk."""
+    from engine.attention import quantized_attention
+    from engine.batch_caches import Packing, quantized_buffer
+
+    H, D, group, cached, fed = 2, 64, 32, 20, 8
+    keys = mx.random.normal((1, H, cached + fed, D), key=mx.random.key(21)) * 4
+    values = mx.random.normal(keys.shape, key=mx.random.key(22))
+    queries = mx.random.normal((1, 2 * H, fed, D), key=mx.random.key(23))
+    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+
+    def outputs(chunks: list[int], forced_last: bool = False, named: bool = False) -> list:
+        row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], window))
+        buffer = quantized_buffer([row], window, 8, group, True)
+        got, at = [], 0
+        for n in chunks:
+            k, v = (x[..., cached + at : cached + at + n, :] for x in (keys, values))
+            mask = "causal" if named else buffer.make_mask(n, window_size=window)
+            given = (True,) if forced_last and n == 1 else True  # a decode span's forced token
+            held, _ = buffer.write(k, v, prompt=given)
+            out = quantized_attention(queries[..., at : at + n, :], held, 0.125, mask, None)
+            got += [out[..., i, :] for i in range(n)]
+            at += n
+        mx.eval(got)
+        return got
+
+    whole = outputs([fed])
+    if window is None:  # mlx-lm's named mask, made an array over the positions held
+        named = outputs([fed], named=True)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(whole, named, strict=True))
+    for chunks, forced in [([7, 1], False), ([7, 1], True), ([3, 5], False), ([1] * 8, False)]:
+        again = outputs(chunks, forced)
+        for a, b in zip(whole, again, strict=True):
+            if window is None:
+                assert mx.array_equal(a, b).item(), chunks
+            else:  # a ring written in place orders its columns otherwise: sums in another order
+                assert mx.allclose(a, b, rtol=0, atol=1e-5).item(), chunks
 
 
 # ---- four bits: keys per channel, values rotated, the newest positions in float -------------
