@@ -109,6 +109,15 @@ SCHEMES = {
     "q8 Hadamard keys": Scheme(8, 8, rotate_keys=True),
     "q8 Hadamard keys, group 64": Scheme(8, 8, 64, 64, rotate_keys=True),
     "q8 Hadamard keys, group 128": Scheme(8, 8, 128, 128, rotate_keys=True),
+    "q8 Hadamard keys, group 128, a query's own position in float": Scheme(
+        8, 8, 128, 128, rotate_keys=True, window=1
+    ),
+    "q8 Hadamard keys, group 128, newest 2 in float": Scheme(
+        8, 8, 128, 128, rotate_keys=True, window=2
+    ),
+    "q8 Hadamard keys, group 128, newest 16 in float": Scheme(
+        8, 8, 128, 128, rotate_keys=True, window=16
+    ),
     "q8 Hadamard keys and values, group 128": Scheme(
         8, 8, 128, 128, rotate_keys=True, rotate_values=True
     ),
@@ -138,6 +147,12 @@ SCHEMES = {
     ),
     "q4 per-channel keys, Hadamard values, window 16": Scheme(
         per_channel_keys=True, rotate_values=True, window=16
+    ),
+    "q4 per-channel keys, Hadamard values in groups of 64, window 16": Scheme(
+        value_group=64, per_channel_keys=True, rotate_values=True, window=16
+    ),
+    "q4 per-channel keys and Hadamard values in groups of 64, window 16": Scheme(
+        key_group=64, value_group=64, per_channel_keys=True, rotate_values=True, window=16
     ),
 }
 
