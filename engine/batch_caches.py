@@ -499,6 +499,8 @@ class QuantizedLayer:
         tokens; per row: which rows' tokens were given, not sampled, as a forced token is);
         what attention reads for the step."""
         bits, group, n = self.bits, self.group_size, keys.shape[2]
+        if n > 1 and prompt is not True:  # (attention reads a chunk's own columns once)
+            raise ValueError(f"a step of {n} positions a row is a prompt's chunk")
         key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
         value_words = packed(rotated_if(values, self.rotated_values), bits, group)
         super().update_and_fetch(key_words, value_words)  # type: ignore[misc]

@@ -601,7 +601,7 @@ async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
 async def test_a_forced_token_is_held_at_q8_as_a_prompts_token():
     """A cache ending in a forced token (how a shared head is made) holds, at q8 in the batch,
     the bytes of the same tokens fed as a prompt: a forced token is given, not decoded, so it
-    attends to itself through its words, not in float as a sampled token does."""
+    keeps no float copy for the tokens after it, as a prompt's positions keep none."""
     eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
     try:
         tokens = [(7 * i) % 300 + 20 for i in range(40)]

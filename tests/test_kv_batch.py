@@ -397,7 +397,7 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
 @pytest.mark.parametrize("window", [None, 16])
 def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunked(window):
     """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
-    eight positions in chunks of every shape, a forced token among them: each position's
+    eight positions in chunks of every shape, or seven and a decoded token: each position's
     attention output is the same (bit for bit in a global layer), as each reads its own
     position in float and the rest through the words whatever the chunk."""
     from engine.attention import quantized_attention
@@ -409,14 +409,14 @@ def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunke
     queries = mx.random.normal((1, 2 * H, fed, D), key=mx.random.key(23))
     packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
 
-    def outputs(chunks: list[int], forced_last: bool = False, named: bool = False) -> list:
+    def outputs(chunks: list[int], decoded_last: bool = False, named: bool = False) -> list:
         row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], window))
         buffer = quantized_buffer([row], window, 8, group, True)
         got, at = [], 0
         for n in chunks:
             k, v = (x[..., cached + at : cached + at + n, :] for x in (keys, values))
             mask = "causal" if named else buffer.make_mask(n, window_size=window)
-            given = (True,) if forced_last and n == 1 else True  # a decode span's forced token
+            given = not (decoded_last and n == 1)  # a decoded token: it reads itself in float
             held, _ = buffer.write(k, v, prompt=given)
             out = quantized_attention(queries[..., at : at + n, :], held, 0.125, mask, None)
             got += [out[..., i, :] for i in range(n)]
@@ -428,8 +428,8 @@ def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunke
     if window is None:  # mlx-lm's named mask, made an array over the positions held
         named = outputs([fed], named=True)
         assert all(mx.array_equal(a, b).item() for a, b in zip(whole, named, strict=True))
-    for chunks, forced in [([7, 1], False), ([7, 1], True), ([3, 5], False), ([1] * 8, False)]:
-        again = outputs(chunks, forced)
+    for chunks, decoded in [([7, 1], False), ([7, 1], True), ([3, 5], False), ([1] * 8, False)]:
+        again = outputs(chunks, decoded)
         for a, b in zip(whole, again, strict=True):
             if window is None:
                 assert mx.array_equal(a, b).item(), chunks
