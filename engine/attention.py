@@ -232,8 +232,8 @@ def quantized_attention(
         g = rows // Lq
         own_keys = recent_keys[:, :, -Lq:].astype(mx.float32)[:, :, None]  # (B, Hkv, 1, Lq, D)
         own_scores = mx.sum(q.reshape(B, n_kv, g, Lq, dk) * own_keys, axis=-1)
-        own_col = held.newest - (Lq - 1) + mx.arange(Lq)  # query i's own column
-        own_col = mx.tile(own_col % L if held.wrap else own_col, g)[None, None, :, None]
+        # Query i's own column (a chunk is written in order, a ring put back in order first).
+        own_col = mx.tile(held.newest - (Lq - 1) + mx.arange(Lq), g)[None, None, :, None]
         scores = mx.put_along_axis(scores, own_col, own_scores.reshape(B, n_kv, rows, 1), -1)
 
     # Other columns held in float (the newest a row decoded; q4: its newest positions): scored
