@@ -131,7 +131,9 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
     ``3 * --fits`` agents ask for 2 tokens each (more than fit: only the count is wanted; its
     tok/s is float16 on this device, emulated and slow on CPU). Asking for 2 tokens rather
     than ``--tokens`` each reserves up to 14 positions fewer of 8K: it can only favour
-    float16."""
+    float16. The same float16 model with q8 and q4 in the batch (``8 * --fits`` asking, counts
+    only) gives ``quantized``: their float positions are float16 there, as on a float16 or
+    bfloat16 model, where on the float32 model they are float32."""
     with tempfile.TemporaryDirectory() as root:
         spec = str(float16_copy(args.model, Path(root)))
         asking = argparse.Namespace(
@@ -139,7 +141,20 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
         )
         row, need = await ask(asking, budget, None)
         row |= await hot_held(asking, None, hot_budget)
-    return row | {"need_mb": need / 2**20}
+        quantized = {}
+        for name, bits in PRECISIONS.items():
+            if bits is None:
+                continue
+            asking.agents = 8 * args.fits
+            held, _ = await ask(asking, budget, bits)
+            held |= await hot_held(asking, bits, hot_budget)
+            quantized[name] = {
+                "max_in_batch": held["max_in_batch"],
+                "hot_agents": held["hot_agents"],
+                "agents_vs_float16": round(held["max_in_batch"] / row["max_in_batch"], 3),
+                "hot_agents_vs_float16": round(held["hot_agents"] / row["hot_agents"], 3),
+            }
+    return row | {"need_mb": need / 2**20, "quantized": quantized}
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -167,9 +182,12 @@ async def run(args: argparse.Namespace) -> dict:
             row["hot_agents_vs_float16"] = round(row["hot_agents"] / float16["hot_agents"], 3)
     if float16 is not None:
         for name in ("q8", "q4"):
+            same = float16["quantized"][name]
             print(
                 f"{name}: {rows[name]['agents_vs_float16']:.3f}x the float16 agents in the "
-                f"batch, {rows[name]['hot_agents_vs_float16']:.3f}x in the hot tier",
+                f"batch, {rows[name]['hot_agents_vs_float16']:.3f}x in the hot tier; on the "
+                f"float16 model {same['agents_vs_float16']:.3f}x and "
+                f"{same['hot_agents_vs_float16']:.3f}x",
                 flush=True,
             )
     return {

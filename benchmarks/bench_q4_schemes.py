@@ -28,6 +28,8 @@ The schemes (combinations of):
 - **smoothed keys**: keys centred and scaled per channel by statistics calibrated once on other
   text (``--calibration``), then quantized per token; the query takes the scale.
 - **window**: the newest ``window`` positions of each layer stay in float.
+- **first position**: a global layer's first position (the BOS token, which many heads attend
+  to heavily) stays in float (``sink``); with per-channel keys, the key groups start after it.
 - mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32.
 - q8 in larger groups, keys rotated or not: what q8 would need to hold 1.85x the float16
   agents (groups of 32 hold 1.78x at most, of 64 1.88x, of 128 1.94x).
@@ -79,6 +81,7 @@ class Scheme:
     per_channel_keys: bool = False
     smooth_keys: bool = False
     window: int = 0
+    sink: int = 0
 
     @property
     def bits(self) -> float:
@@ -90,7 +93,7 @@ class Scheme:
     @property
     def float_positions(self) -> int:
         """Most positions of a layer held in float at once."""
-        return self.window + (self.key_group - 1 if self.per_channel_keys else 0)
+        return self.sink + self.window + (self.key_group - 1 if self.per_channel_keys else 0)
 
     def held_fraction(self, held: list[int]) -> float:
         """Bytes of an agent whose layers hold ``held`` positions, against float16."""
@@ -153,6 +156,18 @@ SCHEMES = {
     ),
     "q4 per-channel keys and Hadamard values in groups of 64, window 16": Scheme(
         key_group=64, value_group=64, per_channel_keys=True, rotate_values=True, window=16
+    ),
+    "q4 per-channel keys, Hadamard values, window 16, first position in float": Scheme(
+        per_channel_keys=True, rotate_values=True, window=16, sink=1
+    ),
+    "q4 group 64: per-channel keys, Hadamard values, window 16, first position in float": Scheme(
+        key_group=64, value_group=64, per_channel_keys=True, rotate_values=True, window=16, sink=1
+    ),
+    "q8 Hadamard keys and values, group 128, a query's own position in float": Scheme(
+        8, 8, 128, 128, rotate_keys=True, rotate_values=True, window=1
+    ),
+    "q8 Hadamard keys, group 128, own position and first position in float": Scheme(
+        8, 8, 128, 128, rotate_keys=True, window=1, sink=1
     ),
 }
 
@@ -224,8 +239,10 @@ class HeldLayer:
 
     def __init__(self, keys, values, offset: int, max_size: int | None, held: Held, layer: int):
         self.offset, self.max_size, self.held, self.layer = offset, max_size, held, layer
+        sink = held.scheme.sink if max_size is None and offset == keys.shape[2] else 0
+        self.sink = [keys[..., :sink, :], values[..., :sink, :]]
         self.quantized = [keys[..., :0, :], values[..., :0, :]]
-        self.floats = [keys, values]
+        self.floats = [keys[..., sink:, :], values[..., sink:, :]]
         self._settle()
 
     def _settle(self) -> None:
@@ -254,7 +271,8 @@ class HeldLayer:
                 self.quantized = [x[..., cut:, :] for x in self.quantized]
                 self.floats = [x[..., extra - cut :, :] for x in self.floats]
         k, v = (
-            mx.concatenate([q, f], axis=2) for q, f in zip(self.quantized, self.floats, strict=True)
+            mx.concatenate([s, q, f], axis=2)
+            for s, q, f in zip(self.sink, self.quantized, self.floats, strict=True)
         )
         return k, v
 

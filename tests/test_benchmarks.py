@@ -363,6 +363,15 @@ def test_batch_kv_quick(tmp_path):
     assert float16["hot_agents"] == 2 * rows["model"]["hot_agents"]
     q8_ratio = rows["q8"]["max_in_batch"] / float16["max_in_batch"]
     assert rows["q8"]["agents_vs_float16"] == round(q8_ratio, 3)
+    # q8 and q4 on the float16 model: their float positions in float16 cost less than in
+    # float32, so the same budgets hold at least as many.
+    same = float16["quantized"]
+    assert list(same) == ["q8", "q4"]
+    for name in ("q8", "q4"):
+        assert same[name]["max_in_batch"] >= rows[name]["max_in_batch"]
+        assert same[name]["hot_agents"] >= rows[name]["hot_agents"]
+        ratio = same[name]["max_in_batch"] / float16["max_in_batch"]
+        assert same[name]["agents_vs_float16"] == round(ratio, 3)
     # One attention layer's step, timed per precision (q4 also with its keys expanded).
     steps = report["attention"]["by_precision"]
     assert list(steps) == ["model", "q8", "q4", "q4 keys expanded"]
