@@ -131,9 +131,10 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
     ``3 * --fits`` agents ask for 2 tokens each (more than fit: only the count is wanted; its
     tok/s is float16 on this device, emulated and slow on CPU). Asking for 2 tokens rather
     than ``--tokens`` each reserves up to 14 positions fewer of 8K: it can only favour
-    float16. The same float16 model with q8 and q4 in the batch (``8 * --fits`` asking, counts
-    only) gives ``quantized``: their float positions are float16 there, as on a float16 or
-    bfloat16 model, where on the float32 model they are float32."""
+    float16. The same float16 model with q8 and q4 in the batch (``8 * --fits`` asking for
+    ``--tokens`` each, so that none finishes before the batch fills; counts only) gives
+    ``quantized``: their float positions are float16 there, as on a float16 or bfloat16
+    model, where on the float32 model they are float32."""
     with tempfile.TemporaryDirectory() as root:
         spec = str(float16_copy(args.model, Path(root)))
         asking = argparse.Namespace(
@@ -145,7 +146,7 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
         for name, bits in PRECISIONS.items():
             if bits is None:
                 continue
-            asking.agents = 8 * args.fits
+            asking.agents, asking.tokens = 8 * args.fits, args.tokens
             held, _ = await ask(asking, budget, bits)
             held |= await hot_held(asking, bits, hot_budget)
             quantized[name] = {
