@@ -15,7 +15,9 @@ them in the model's precision: the agents it holds at the end and its bytes per 
 The capacity baseline is float16 (unless ``--no-float16``): the model's weights cast to
 float16 in a temporary copy, KV in float16, in the same two budgets (``3 * --fits`` agents ask
 for 2 tokens each: only the counts are wanted; float16 is emulated and slow on CPU), and each
-row's agents against its count (``agents_vs_float16``, ``hot_agents_vs_float16``). q8 and q4
+row's agents against its count (``agents_vs_float16``, ``hot_agents_vs_float16``); q8 and q4
+are counted on that float16 model too (``float16.quantized``: their float positions float16,
+as on a float16 or bfloat16 model). q8 and q4
 quantize in groups of ``--group-size`` (``batch_kv_group_size``; default: each precision's
 own, 128 and 32).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
@@ -131,7 +133,7 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
     ``3 * --fits`` agents ask for 2 tokens each (more than fit: only the count is wanted; its
     tok/s is float16 on this device, emulated and slow on CPU). Asking for 2 tokens rather
     than ``--tokens`` each reserves up to 14 positions fewer of 8K: it can only favour
-    float16. The same float16 model with q8 and q4 in the batch (``8 * --fits`` asking for
+    float16. The same float16 model with q8 and q4 in the batch (``--agents`` asking for
     ``--tokens`` each, so that none finishes before the batch fills; counts only) gives
     ``quantized``: their float positions are float16 there, as on a float16 or bfloat16
     model, where on the float32 model they are float32."""
@@ -146,7 +148,7 @@ async def float16_row(args: argparse.Namespace, budget: int, hot_budget: int) ->
         for name, bits in PRECISIONS.items():
             if bits is None:
                 continue
-            asking.agents, asking.tokens = 8 * args.fits, args.tokens
+            asking.agents, asking.tokens = args.agents, args.tokens
             held, _ = await ask(asking, budget, bits)
             held |= await hot_held(asking, bits, hot_budget)
             quantized[name] = {
