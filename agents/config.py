@@ -107,12 +107,15 @@ class RuntimeConfig(BaseModel):
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: ``engine`` with ``batch_kv_bits`` (set here or there),
         quantizing in ``kv_group_size`` (when given) unless ``engine.batch_kv_group_size`` was
-        given, so the words a cache file stores are the batch's."""
+        given, so the words a cache file stores are the batch's; its stored blocks'
+        ``kv_block_tokens`` are where the batch's caches may start (``cache_block_tokens``)."""
         update: dict[str, object] = {}
         if self.batch_kv_bits is not None:
             update["batch_kv_bits"] = self.batch_kv_bits
         if "batch_kv_group_size" not in self.engine.model_fields_set:
             update["batch_kv_group_size"] = self.kv_group_size
+        if "cache_block_tokens" not in self.engine.model_fields_set:
+            update["cache_block_tokens"] = self.kv_block_tokens
         return EngineConfig.model_validate(self.engine.model_dump() | update)
 
     @property

@@ -137,14 +137,20 @@ class DocumentTurn:
         if kept is None and cache is not None:
             source = "rebuilt"
         n = kept.num_tokens if kept else 0
+        heads = functools.partial(renderer.shared_heads, self.messages, document.tokens, tools)
         if n < max(shared, runner.caches.disk.block_tokens):
             # Its own cache falls short of where the conversation differs from it (or holds
             # less than a block): other conversations' caches may hold more.
-            heads = functools.partial(renderer.shared_heads, self.messages, document.tokens, tools)
             return await runner.plan_from_prefix(
                 document.tokens, heads, source, start, priority, own=kept
             )
-        return TurnPlan(document.tokens[n:], kept, source, time.perf_counter() - start)
+        return TurnPlan(
+            document.tokens[n:],
+            kept,
+            source,
+            time.perf_counter() - start,
+            cache_points=await runner.cache_points(heads, n),
+        )
 
     async def commit(
         self,

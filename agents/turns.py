@@ -215,6 +215,14 @@ class TurnRunner:
 
     # ---- planning ----------------------------------------------------------------------------
 
+    async def cache_points(self, heads: Callable[[], list[int]], n: int) -> tuple[int, ...]:
+        """The shared heads' ends past ``n`` (a turn prefilling from there) where the batch
+        holds q8 KV: other conversations may resume from them, so it reads no float copy
+        across them, whether this turn resumed from them or not (``cache_points``)."""
+        if self.engine.config.batch_kv_bits != 8:
+            return ()
+        return tuple(end for end in await asyncio.to_thread(heads) if end > n)
+
     async def plan_from_prefix(
         self,
         tokens: list[int],
@@ -233,6 +241,7 @@ class TurnRunner:
         else:
             begin = await self.caches.prefix(tokens, heads, priority, own)
         n = begin.cache.num_tokens if begin.cache else 0
+        points = await self.cache_points(heads, n)
         return TurnPlan(
             tokens[n:],
             begin.cache,
@@ -240,6 +249,7 @@ class TurnRunner:
             time.perf_counter() - start,
             fresh=begin.fresh,
             release=begin.release,
+            cache_points=points,
         )
 
     # ---- generating and storing --------------------------------------------------------------
@@ -259,6 +269,7 @@ class TurnRunner:
             cache=plan.cache,
             grammar=options.grammar,
             logprobs=options.logprobs,
+            cache_points=plan.cache_points,
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending

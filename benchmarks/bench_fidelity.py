@@ -21,10 +21,11 @@ batch holding KV quantized does (``Engine.packing``: q8's stored words packed as
 dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
 the newest positions in float) into its group buffers (``KVLayout.buffers``), and
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
-history as held, every fed token's keys and values held as the batch writes them.
+history as held, every fed token's keys and values held as the batch writes them (q8: each
+position reads the 16 before it in float, back to the history's end or the last multiple of
+``--block-tokens``, as the runtime's batch does).
 ``decode-q8`` and ``decode-q4`` feed them one a step, as generation decodes (each token's keys
-held as the batch holds a decoded token's before it is attended: q8 keeps its 16 newest
-decoded tokens in float too); ``decode-exact``, the batch in
+held as the batch holds a decoded token's before it is attended); ``decode-exact``, the batch in
 the model's precision fed the same way, is their control (a step's attention computes in
 another order than a chunk's, which can flip near-ties on its own).
 Perplexity of the history itself comes from the prefill. Every MLX op runs on the engine's
@@ -47,9 +48,10 @@ import numpy as np
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
-from engine.batch_caches import is_packed
+from engine.batch_caches import QuantizedLayer, is_packed
 from engine.config import group_size_for
 from engine.engine import Engine
+from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
 from engine.kv_batch import KVLayout
 from engine.request import PromptCache
 
@@ -125,12 +127,40 @@ def load(path: Path, paths: list[Path]) -> PromptCache:
     return load_paged(paths)
 
 
+class Fenced:
+    """A batch layer as the engine steps it: a quantized one is written with each position's
+    fence (where it joined, or the last multiple of ``block`` tokens, the stored blocks'
+    boundaries a cache may start from), as ``engine.runner`` gives it; the rest as it is."""
+
+    def __init__(self, layer: object, joined: int, block: int | None):
+        self.layer, self.joined, self.block = layer, joined, block
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.layer, name)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
+        if not isinstance(self.layer, QuantizedLayer):
+            return self.layer.update_and_fetch(keys, values)
+        first = self.layer.lengths[0]
+        fences = [
+            max(self.joined, p // self.block * self.block if self.block else 0)
+            for p in range(first, first + keys.shape[2])
+        ]
+        return self.layer.write(keys, values, [fences])
+
+
 def batch_logprobs(
-    model: object, layout: KVLayout, cache: PromptCache, tokens: list[int], chunk: int
+    model: object,
+    layout: KVLayout,
+    cache: PromptCache,
+    tokens: list[int],
+    chunk: int,
+    block: int | None,
 ) -> tuple[mx.array, int]:
     """Log-probabilities (T, vocab) after each of ``tokens`` fed through the batch's group
-    buffers made from ``cache``, and how many of its layers came in packed."""
-    layers = layout.buffers(cache.layers)
+    buffers made from ``cache`` (fenced at multiples of ``block``), and how many of its layers
+    came in packed."""
+    layers = [Fenced(x, cache.num_tokens, block) for x in layout.buffers(cache.layers)]
     parts = []
     for i in range(0, len(tokens), chunk):
         logits = model(mx.array(tokens[i : i + chunk])[None], cache=layers)[0].astype(mx.float32)
@@ -208,7 +238,9 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 _, paths, file_bytes = run["files"]["none" if bits is None else f"q{bits}"]
                 cache = await eng.run(load_paged, paths, layout.packing)
                 chunk = args.chunk if chunked else 1
-                logprobs, packed = await eng.run(batch_logprobs, model, layout, cache, fed, chunk)
+                logprobs, packed = await eng.run(
+                    batch_logprobs, model, layout, cache, fed, chunk, args.block_tokens
+                )
                 stats = await eng.run(compare, reference, logprobs)
                 stats["perplexity"] = await eng.run(continuation_perplexity, logprobs, fed)
                 stats["flip_gaps_nats"] = await eng.run(flip_gaps, reference, logprobs)
@@ -341,6 +373,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--continuation", type=int, default=1024, help="teacher-forced tokens")
     parser.add_argument("--chunk", type=int, default=512, help="tokens per forward pass")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="the stored blocks' size: the batch (q8) reads no float copy across a multiple",
+    )
     parser.add_argument(
         "--group-size", type=int, choices=(32, 64, 128), help="default: each precision's own"
     )

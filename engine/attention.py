@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import HeldQuantized, QuantizedLayer, hadamard, unpacked
+from engine.batch_caches import FLOAT_WINDOW, HeldQuantized, QuantizedLayer, hadamard, unpacked
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
@@ -52,9 +52,9 @@ class Span:
 
     ``prefill``: the rows are consecutive tokens of one sequence (a B=1 group), not one token
     of each of the group's ``rows`` sequences. ``padded``: the group's buffer may hold positions
-    of no sequence (it has held more than one), so even a decode step needs a mask. ``given``:
-    per row of a decode span, whether its token was given rather than sampled (a forced one):
-    a quantized layer holds it as a prompt's.
+    of no sequence (it has held more than one), so even a decode step needs a mask.
+    ``fences``: per row, each of its positions' fence (a q8 layer reads no float copy before
+    it: ``engine.batch_caches.QuantizedLayer``; None where the layers are not q8).
     """
 
     cache: Any
@@ -62,7 +62,7 @@ class Span:
     rows: int
     prefill: bool
     padded: bool = True
-    given: tuple[bool, ...] | None = None
+    fences: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def stop(self) -> int:
@@ -103,9 +103,7 @@ class StepCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
         fetched = [
-            s.cache.write(
-                s.as_block(keys), s.as_block(values), prompt=s.prefill or s.given or False
-            )
+            s.cache.write(s.as_block(keys), s.as_block(values), s.fences)
             if isinstance(s.cache, QuantizedLayer)
             else s.cache.update_and_fetch(s.as_block(keys), s.as_block(values))
             for s in self.spans
@@ -181,7 +179,8 @@ def quantized_attention(
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
     (:func:`_folded_scores`), and the keys are never expanded. Columns a row holds in float
-    are scored and weighted from ``recent``, and so is each query's own column at q8. Values
+    are scored and weighted from ``recent`` (q8: each query's own position and the
+    ``reach`` before it, :func:`_eight_bit_band`). Values
     are quantized per position, as ``mx.quantized_matmul`` reads them. Scores and weights are
     float32; the output is rotated back where the values are held rotated, and given in the
     queries' dtype (the fallback below: in the keys', the same in practice).
@@ -216,70 +215,107 @@ def quantized_attention(
     recent_keys, recent_values = held.recent
     dv, f = recent_values.shape[3], recent_keys.shape[2]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
-    if held.per_channel:
-        scores = _folded_scores(q, held)
-    else:  # (keys held rotated: scored by the query rotated alike, ``Hq . Hk = q . k``)
+    if not held.per_channel:  # (keys held rotated: scored by the query rotated alike)
         q_keys = hadamard(q) if held.rotated_keys else q
         scores = _times_words(q_keys, held.keys, dk, bits, group, transpose=True)
+        return _eight_bit_band(q, scores, held, mask).astype(queries.dtype)
+    scores = _folded_scores(q, held)
 
-    # q8: each query reads its own position in float (``recent``'s last ``Lq`` entries), in a
-    # decode step, a forced token and a prompt's chunk alike. Every way of computing a position
-    # (a chunk of any size, a step, after any cache) has its own keys and values at hand, and
-    # they are read by the same operations whatever the step's shape, so a turn computes the
-    # same, bit for bit, however its prompt came.
-    own = not held.per_channel
-    if own:
-        g = rows // Lq
-        own_keys = recent_keys[:, :, -Lq:].astype(mx.float32)[:, :, None]  # (B, Hkv, 1, Lq, D)
-        own_scores = mx.sum(q.reshape(B, n_kv, g, Lq, dk) * own_keys, axis=-1)
-        # Query i's own column (a chunk is written in order, a ring put back in order first).
-        own_col = mx.tile(held.newest - (Lq - 1) + mx.arange(Lq), g)[None, None, :, None]
-        scores = mx.put_along_axis(scores, own_col, own_scores.reshape(B, n_kv, rows, 1), -1)
-
-    # Other columns held in float (the newest a row decoded; q4: its newest positions): scored
-    # against ``recent`` (column c: its entry of age c's). A q8 prompt's chunk reads none.
-    first = 1 if own else 0  # (age 0 is the query's own)
-    blend = any(n > first for n in held.floats)
+    # Columns held in float (q4: the row's newest positions): scored against ``recent``
+    # (column c: its entry of age c's).
+    blend = any(n > 0 for n in held.floats)
     if blend:
-        in_float = held.float_columns(first)[:, None, None, :]  # (B, 1, 1, L)
+        in_float = held.float_columns()[:, None, None, :]  # (B, 1, 1, L)
         recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
         recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
         scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
+    weights = _masked_softmax(scores, mask, Lq)
 
+    # Values: the quantized columns through their words, the float ones from ``recent``.
+    weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
+    out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
+    if blend:
+        age = f - 1 - mx.arange(f)  # of each recent entry
+        column = held.newest - age
+        # (``age >= 0`` holds always, but without it MLX orders this step's graph otherwise:
+        # 153 MB at peak instead of 125 on bench_batch_kv's layer)
+        reads = (age[None] >= 0) & (age[None] < mx.array(held.floats)[:, None])
+        reads &= age[None] < (L if held.wrap else held.newest + 1)
+        column = column % L if held.wrap else mx.clip(column, 0, L - 1)
+        recent_weights = mx.take(weights, column, axis=-1) * reads[:, None, None, :]
+        recent_values = recent_values.astype(mx.float32)
+        out = out + recent_weights @ (hadamard(recent_values) if held.rotated else recent_values)
+    out = hadamard(out) if held.rotated else out
+    return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
+
+
+def _masked_softmax(scores: mx.array, mask: Any, Lq: int) -> mx.array:
+    """Float32 attention weights of ``(B, Hkv, rows, L)`` scores under ``mask``."""
     if mask is not None:
-        shape = scores.shape
+        B, n_kv, rows, L = scores.shape
         scores = scores.reshape(B, n_kv, rows // Lq, Lq, L)
         mask = mask.reshape(-1, 1, 1, *mask.shape[-2:])
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
         else:
             scores = scores + mask.astype(mx.float32)
-        scores = scores.reshape(shape)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+        scores = scores.reshape(B, n_kv, rows, L)
+    return mx.softmax(scores, axis=-1, precise=True)
 
-    # Values: the quantized columns through their words, the float ones from ``recent``.
-    weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
-    if own:
-        own_weights = mx.take_along_axis(weights, own_col, axis=-1)  # (B, Hkv, rows, 1)
-        weights_q = mx.put_along_axis(weights_q, own_col, mx.array(0, mx.float32), -1)
-    out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
-    if own:  # (q8's values are not rotated)
-        out = out + own_weights * mx.tile(
-            recent_values[:, :, -Lq:].astype(mx.float32), (1, 1, g, 1)
-        )
-    if not blend:
-        out = hadamard(out) if held.rotated else out
-        return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
-    age = f - 1 - mx.arange(f)  # of each recent entry
+
+def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: Any) -> mx.array:
+    """q8 attention of queries ``q`` (scaled, ``(B, Hkv, g * Lq, D)``) given their scores
+    against the words: query ``i`` of row ``b`` reads its own position and the
+    ``held.reach[b, i]`` before it in float (``recent``, whose last ``Lq`` entries are the
+    step's), the rest through the words. The float band is ``FLOAT_WINDOW + 1`` positions a
+    query, scored and weighted by one small matmul each, the same whatever the step's shape,
+    so a position computes the same, bit for bit, in a chunk of any size or a decode step.
+    Returns ``(B, Hq, Lq, Dv)`` float32."""
+    B, n_kv, rows, dk = q.shape
+    recent_keys, recent_values = held.recent
+    F, dv, L = recent_keys.shape[2], recent_values.shape[3], scores.shape[-1]
+    Lq, W = held.reach.shape[1], FLOAT_WINDOW
+    g = rows // Lq
+    d = mx.arange(W + 1)  # how far before a query's own position
+    # The float entry and the buffer column of query i's position minus d (a chunk is written
+    # in order, a ring put back in order first).
+    entry = (F - Lq + mx.arange(Lq)[:, None] - d[None]).reshape(-1)
+    age = (Lq - 1 - mx.arange(Lq))[:, None] + d[None]  # (Lq, W + 1)
     column = held.newest - age
-    reads = (age[None] >= first) & (age[None] < mx.array(held.floats)[:, None])
-    reads &= age[None] < (L if held.wrap else held.newest + 1)
     column = column % L if held.wrap else mx.clip(column, 0, L - 1)
-    recent_weights = mx.take(weights, column, axis=-1) * reads[:, None, None, :]
-    recent_values = recent_values.astype(mx.float32)
-    out = out + recent_weights @ (hadamard(recent_values) if held.rotated else recent_values)
-    out = hadamard(out) if held.rotated else out
-    return out.reshape(B, n_q, Lq, dv).astype(queries.dtype)
+    reads = d[None, None] <= held.reach[..., None]  # (B, Lq, W + 1)
+    reads &= (age < L if held.wrap else column == held.newest - age)[None]
+    band_keys = mx.take(recent_keys, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dk)
+    q5 = q.reshape(B, n_kv, g, Lq, 1, dk)
+    band = (q5 @ band_keys.astype(mx.float32).swapaxes(-1, -2)).squeeze(-2)  # (.., g, Lq, W+1)
+    # Each column read in float takes its band score (position p - d at offset d). Only the
+    # newest Lq + W columns can be (a ring's, at a decode step: all of them, a window's few).
+    lo, hi = (0, L) if held.wrap else (max(0, held.newest + 1 - Lq - W), held.newest + 1)
+    at = mx.array(held.lengths)[:, None] - Lq + mx.arange(Lq)  # (B, Lq) query positions
+    offset = at[..., None] - held.positions[:, None, lo:hi]  # (B, Lq, hi - lo)
+    in_float = ((offset >= 0) & (offset <= held.reach[..., None]))[:, None, None]
+    picked = mx.take_along_axis(band, mx.clip(offset, 0, W)[:, None, None], axis=-1)
+    scores = scores.reshape(B, n_kv, g, Lq, L)
+    scores = _columns(scores, lo, hi, mx.where(in_float, picked, scores[..., lo:hi]))
+    weights = _masked_softmax(scores.reshape(B, n_kv, rows, L), mask, Lq)
+    weights = weights.reshape(B, n_kv, g, Lq, L)
+    zero = mx.array(0, mx.float32)
+    weights_q = _columns(weights, lo, hi, mx.where(in_float, zero, weights[..., lo:hi]))
+    weights_q = weights_q.reshape(B, n_kv, rows, L)
+    out = _times_words(weights_q, held.values, dv, held.bits, held.group, transpose=False)
+    band_weights = mx.take_along_axis(weights, column[None, None, None], axis=-1)
+    band_weights = band_weights * reads[:, None, None]  # (B, Hkv, g, Lq, W + 1)
+    band_values = mx.take(recent_values, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dv)
+    band_out = band_weights[..., None, :] @ band_values.astype(mx.float32)
+    out = out.reshape(B, n_kv, g, Lq, dv) + band_out.squeeze(-2)
+    return out.reshape(B, n_kv * g, Lq, dv)
+
+
+def _columns(x: mx.array, lo: int, hi: int, part: mx.array) -> mx.array:
+    """``x`` with its last axis' columns ``lo:hi`` replaced by ``part``."""
+    if lo == 0 and hi == x.shape[-1]:
+        return part
+    return mx.concatenate([x[..., :lo], part, x[..., hi:]], axis=-1)
 
 
 def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:

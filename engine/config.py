@@ -71,6 +71,10 @@ class EngineConfig(BaseModel):
         batch_kv_group_size: its quantization group size (32, 64 or 128; a layer whose
             heads it does not divide uses another that does, or stays unquantized). None:
             128 at 8 bits, 32 at 4 (:data:`GROUP_SIZE_BY_BITS`).
+        cache_block_tokens: tokens per stored cache block (the runtime's ``kv_block_tokens``):
+            a cache may start at any multiple of it, so a q8 batch reads no float copy across
+            one (see ``engine.batch_caches.QuantizedLayer``). None: caches start only where
+            turns joined and at their requests' ``cache_points``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -86,6 +90,7 @@ class EngineConfig(BaseModel):
     stats_window_s: float = Field(default=10.0, gt=0.0)
     batch_kv_bits: Literal[8, 4] | None = None
     batch_kv_group_size: Literal[32, 64, 128] | None = None
+    cache_block_tokens: int | None = Field(default=None, ge=1)
 
     @property
     def batch_group_size(self) -> int:

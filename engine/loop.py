@@ -102,6 +102,7 @@ class GenerationLoop(threading.Thread):
             self.runner = ModelRunner(
                 self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
             )
+            self.runner.block_tokens = self.config.cache_block_tokens
             self.scheduler = Scheduler(self.config, self.runner.layout, self._budget())
         except BaseException as exc:  # surfaced to the opener by wait_ready()
             self._load_error = exc
@@ -296,9 +297,9 @@ class GenerationLoop(threading.Thread):
     def _cache(self, layers: list, tokens: list[int]) -> PromptCache:
         """A finished sequence's cache as the batch held it: rows held quantized stay packed
         (the hot tier keeps them so, and the disk codec stores their words as they are). A q8
-        row's float copies of the tokens it decoded served the turn that decoded them and end
+        row's float copies of its newest positions served the turn that wrote them and end
         with it: its cache is its words, what a q8 file stores, so the next turn resumes alike
-        from the hot tier, a file or a shared head."""
+        from the hot tier, a file or a shared head (reading none across where it joined)."""
         packing = self.runner.layout.packing
         packed = packing is not None and any(is_packed(row) for row in layers)
         if packed:

@@ -231,6 +231,11 @@ class GenerationRequest:
         grammar: hold the reply to this grammar (``Engine.grammars``: a JSON Schema).
         logprobs: None, or report each generated token's log probability (``TokenLogprob``)
             with this many of the most likely tokens at its step (0 to ``MAX_TOP_LOGPROBS``).
+        cache_points: positions of the conversation (counted from its first token, the
+            cache's included) that other turns may resume a cache from besides where this one
+            joined and the stored blocks' boundaries: shared heads' ends. A q8 batch reads no
+            float copy across them, so the positions after them compute the same from such a
+            cache (``engine.batch_caches.QuantizedLayer``).
     """
 
     prompt_tokens: list[int]
@@ -245,6 +250,7 @@ class GenerationRequest:
     forced_token: int | None = None
     grammar: Grammar | None = None
     logprobs: int | None = None
+    cache_points: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -266,6 +272,10 @@ class GenerationRequest:
         ):
             raise ValueError(
                 f"logprobs must be None or 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
+        if any(type(p) is not int or p < 0 for p in self.cache_points):
+            raise ValueError(
+                f"cache_points must be non-negative token positions, got {self.cache_points!r}"
             )
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")

@@ -64,6 +64,7 @@ class ModelRunner:
         model whose attention cannot take quantized keys (attention sinks) keeps them in its
         precision, with a warning."""
         self.model = model
+        self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
         if not install(model):
             raise UnsupportedModelError(
                 f"{type(model).__module__} has its own attention function; agentkv batches "
@@ -84,7 +85,7 @@ class ModelRunner:
             split = CHANNEL_PROBE_TOKENS
             probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
-        try:  # (its last token a decode step, as attention reads decoded tokens otherwise)
+        try:  # (its last token a decode step, as attention reads those through other paths)
             got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split, True)
             if not mx.all(mx.isfinite(got)).item():
                 raise UnsupportedModelError("its logits are not finite")
@@ -111,11 +112,9 @@ class ModelRunner:
         row = 0
         for group in plan.decode:
             n = len(group.seqs)
-            given = tuple(seq.request.forced_token is not None for seq in group.seqs)
+            fences = self._fences([(seq, len(seq.tokens), 1) for seq in group.seqs])
             for i, layer in enumerate(group.layers):
-                spans[i].append(
-                    Span(layer, row, n, False, group.padded, given if any(given) else None)
-                )
+                spans[i].append(Span(layer, row, n, False, group.padded, fences))
             positions.append(group.positions)
             for seq in group.seqs:
                 plan.fed.append((seq, seq.pending))
@@ -125,8 +124,9 @@ class ModelRunner:
                 sampling.append((row, seq))
                 row += 1
         for seq, n in plan.prefill:
+            fences = self._fences([(seq, len(seq.tokens), n)])
             for i, layer in enumerate(seq.group.layers):
-                spans[i].append(Span(layer, row, n, prefill=True))
+                spans[i].append(Span(layer, row, n, prefill=True, fences=fences))
             positions.append(seq.group.positions + mx.arange(n))
             chunks.append(seq.prompt[:n])
             feeds.append((seq, row, n))
@@ -161,6 +161,16 @@ class ModelRunner:
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING
         return sampled
+
+    def _fences(self, rows: list[tuple[Sequence, int, int]]) -> tuple[tuple[int, ...], ...] | None:
+        """Per row ``(sequence, first position, positions)`` of a span, each position's fence
+        (None unless the batch holds q8 KV: only its layers read them)."""
+        if self.layout.bits != 8:
+            return None
+        return tuple(
+            tuple(seq.fence(p, self.block_tokens) for p in range(first, first + n))
+            for seq, first, n in rows
+        )
 
     def _hidden(self, inputs: mx.array, caches: list[StepCache]) -> None:
         """Run a step whose rows need no logits (its caches are what it updates)."""

@@ -61,6 +61,18 @@ class Sequence:
     queued_step: int = 0  # the scheduler's step count when it last went into the queue
     preemptions: int = 0
 
+    def fence(self, position: int, block_tokens: int | None) -> int:
+        """The latest point at or before ``position`` a cache of this conversation may start
+        from: where it joined the engine, a multiple of ``block_tokens``, one of its request's
+        ``cache_points`` (a q8 batch reads no float copy across it)."""
+        fence = self.stats.cached_tokens
+        if block_tokens:
+            fence = max(fence, position // block_tokens * block_tokens)
+        for point in self.request.cache_points:
+            if fence < point <= position:
+                fence = point
+        return fence
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

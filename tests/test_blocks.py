@@ -302,6 +302,36 @@ async def test_new_conversations_resume_all_of_a_shared_head_exactly(tmp_path, b
             assert replies[0].token_ids == alone[2]
 
 
+async def test_a_q8_batch_computes_past_a_shared_head_alike_resumed_or_not(tmp_path):
+    # A q8 batch reads a position's newest predecessors in float, but none across a shared
+    # head's end: a conversation prefilled whole (prefixes not shared) holds the bytes of one
+    # that resumed the head from another's cache. tiny:llama: every layer global, so a cache
+    # in memory is cut at any token; these questions part at their first token.
+    model, questions = "tiny:llama", ["Alpha parcels are late.", "Bravo parcels are late."]
+    head = head_length(model, SYSTEM, questions[0])
+    prompts = [prompt_tokens(model, asked(SYSTEM, q)) for q in questions]
+    assert common_prefix(*prompts) == head and head % BLOCK
+
+    async def second(share: bool) -> tuple[Reply, list[np.ndarray]]:
+        settings = config(
+            tmp_path / str(share), model, share_prefixes=share, kv_bits=8, batch_kv_bits=8
+        )
+        async with await AgentRuntime.open(settings) as rt:
+            for question in questions:
+                agent = await rt.create_agent(system_prompt=SYSTEM)
+                reply = await rt.chat(agent.id, question, max_tokens=6)
+            cache = await rt.export_cache(agent.id)
+            n = len(prompts[1])
+            arrays = [x for c in cache.layers for x in (c.keys, c.values)]
+            return reply, await rt.engine.run(lambda: [np.array(x[..., :n, :]) for x in arrays])
+
+    (alone, alone_kv), (shared, shared_kv) = await second(False), await second(True)
+    assert (alone.cache_source, shared.cache_source) == ("none", "prefix")
+    assert shared.usage.cached_tokens == head
+    assert shared.token_ids == alone.token_ids
+    assert all(np.array_equal(a, b) for a, b in zip(alone_kv, shared_kv, strict=True))
+
+
 async def test_a_compacted_conversation_resumes_its_shared_head(tmp_path):
     # Claude Code's /compact: the conversation is replaced by the system prompt and tools and a
     # summary. The agent's own cache has moved on by many turns; the head's end is still kept.

@@ -600,8 +600,8 @@ async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
 
 async def test_a_forced_token_is_held_at_q8_as_a_prompts_token():
     """A cache ending in a forced token (how a shared head is made) holds, at q8 in the batch,
-    the bytes of the same tokens fed as a prompt: a forced token is given, not decoded, so it
-    keeps no float copy for the tokens after it, as a prompt's positions keep none."""
+    the bytes of the same tokens fed as a prompt: its decode step reads the positions before it
+    as the prompt's chunk read them."""
     eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
     try:
         tokens = [(7 * i) % 300 + 20 for i in range(40)]
@@ -623,3 +623,50 @@ async def test_a_forced_token_is_held_at_q8_as_a_prompts_token():
         assert await eng.run(same, forced.cache, prompted.cache) == [True] * 4
     finally:
         await eng.close()
+
+
+async def test_q8_positions_past_a_cache_point_compute_as_resumed_from_there():
+    """A q8 batch reads each position's newest predecessors in float, but none across a point
+    a cache may start from (a stored block's boundary, a request's cache point): one request
+    over 40 tokens holds the bytes, and decodes the tokens, of the same tokens resumed from a
+    cache ending at its cache point or at a block boundary. Without the fences
+    the positions after the point read their predecessors otherwise (the bytes differ)."""
+    tokens = [(7 * i) % 300 + 20 for i in range(40)]
+    fenced = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8, cache_block_tokens=16))
+    plain = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
+
+    async def run(eng: Engine, at: int | None, points: tuple[int, ...] = ()):
+        cache = None
+        if at is not None:
+            head = await eng.generate(
+                GenerationRequest(
+                    tokens[: at - 1], max_tokens=1, forced_token=tokens[at - 1], cache_points=points
+                )
+            )
+            cache = head.cache
+        rest = tokens[at or 0 :]
+        result = await eng.generate(
+            GenerationRequest(rest, max_tokens=4, cache=cache, logprobs=0, cache_points=points)
+        )
+        return result
+
+    def held(result) -> list[mx.array]:
+        n = len(tokens)
+        return [x[..., :n, :] for layer in result.cache.layers for x in (layer.keys, layer.values)]
+
+    def same(a, b) -> bool:
+        return all(mx.array_equal(x, y).item() for x, y in zip(held(a), held(b), strict=True))
+
+    try:
+        whole = await run(fenced, None, (23,))
+        for at in (23, 32):  # the cache point; a block boundary
+            resumed = await run(fenced, at, (23,))
+            assert resumed.token_ids == whole.token_ids
+            # (the logits of chunks of other sizes: matmuls of other shapes, equal to ~1e-6)
+            got, want = ([t.logprob for t in r.logprobs] for r in (resumed, whole))
+            assert got == pytest.approx(want, abs=1e-4)
+            assert await fenced.run(same, whole, resumed), at
+        assert not await plain.run(same, await run(plain, None), await run(plain, 23))
+    finally:
+        await fenced.close()
+        await plain.close()

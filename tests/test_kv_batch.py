@@ -305,7 +305,7 @@ def test_a_quantized_layer_holds_fewer_bytes_a_token(model):
     group = KVGroup.start(q8, Seq(300), prefilled(model, 300))
     for i, w in enumerate(exact.windows):
         assert q4.token_bytes[i] < q8.token_bytes[i] < exact.token_bytes[i]
-        assert group.layers[i].recent is None  # float copies of decoded tokens only
+        assert group.layers[i].recent is None  # no float copies until a step writes
         held = group.layers[i].nbytes
         positions = 300 if w is None else min(300, w)
         assert q8.token_bytes[i] * positions <= held <= q8.token_bytes[i] * (300 + growth(300))
@@ -319,13 +319,15 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))
 
 
-@pytest.mark.parametrize("rotated", [True, False])
-def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
+@pytest.mark.parametrize(("rotated", "window"), [(True, None), (False, None), (True, 7)])
+def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, window):
     """q8 holds every position as its words (keys ``rotated``: of their Hadamard transform)
-    and keeps float copies of each row's newest FLOAT_WINDOW decoded tokens: a decode step
-    attends to those (and to itself) in float and to the rest through the words, while a
-    prompt's chunk, and a cache that joins, are read through the words but for each query's
-    own position; a row leaves with its float copies and rejoins with them."""
+    and keeps float copies of each row's newest FLOAT_WINDOW positions: each query, of a
+    prompt's chunk or a decode step alike, reads its own position and the FLOAT_WINDOW before
+    it in float and the rest through the words, but none before where its row joined (a cache
+    joins without float copies) or before its fence; a row leaves with its float copies and
+    rejoins with them. A sliding window (``window``) shorter than the float copies reads
+    only its own positions."""
     from engine.attention import quantized_attention
     from engine.batch_caches import (
         FLOAT_WINDOW,
@@ -343,45 +345,53 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
     values = mx.random.normal(keys.shape, key=mx.random.key(12))
     packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (rotated,))
     rows = [
-        packing.pack(0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None))
+        packing.pack(0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window))
         for b, n in enumerate(lengths)
     ]
-    buffer = quantized_buffer(rows, None, 8, group, rotated)
+    buffer = quantized_buffer(rows, window, 8, group, rotated)
+    fence = lengths[1] + prompt + 10  # row 1's, from its 11th decoded token on
 
     def as_words(x: mx.array, rotate: bool = False) -> mx.array:
         if not rotate:
             return expand(packed(x, 8, group), D, mx.float32, 8, group)
         return hadamard(expand(packed(hadamard(x), 8, group), D, mx.float32, 8, group))
 
-    def step(n: int, is_prompt: bool, t: int) -> list[int]:
-        """Write ``n`` positions a row; check attention; return each row's float count."""
-        mask = buffer.make_mask(n, window_size=None)
+    def step(n: int, t: int) -> list[list[int]]:
+        """Write ``n`` positions a row; check attention; return each query's reach."""
+        mask = buffer.make_mask(n, window_size=window)
         at = [length + t for length in lengths]
         k = mx.stack([keys[b, :, a : a + n] for b, a in enumerate(at)])
         v = mx.stack([values[b, :, a : a + n] for b, a in enumerate(at)])
-        held, _ = buffer.write(k, v, prompt=is_prompt)
+        fences = [[0] * n, [fence if at[1] + i >= fence else 0 for i in range(n)]]
+        held, _ = buffer.write(k, v, fences)
         query = mx.random.normal((2, 2 * H, n, D), key=mx.random.key(50 + t))
         got = quantized_attention(query, held, 0.125, mask, None)
         for b, a in enumerate(at):
             for i in range(n):  # query i: position a + i, its newest ``own`` ones in float
-                end, own = a + i + 1, max(held.floats[b], 1)
+                end, own = a + i + 1, held.reach[b, i].item() + 1
                 wk = as_words(keys[b : b + 1, :, :end], rotated)
                 wv = as_words(values[b : b + 1, :, :end])
                 wk[..., end - own :, :] = keys[b : b + 1, :, end - own : end]
                 wv[..., end - own :, :] = values[b : b + 1, :, end - own : end]
+                first = max(0, end - window) if window else 0
                 want = mx.fast.scaled_dot_product_attention(
-                    query[b : b + 1, :, i : i + 1], wk, wv, scale=0.125
+                    query[b : b + 1, :, i : i + 1],
+                    wk[..., first:, :],
+                    wv[..., first:, :],
+                    scale=0.125,
                 )
                 assert mx.allclose(got[b : b + 1, :, i : i + 1], want, atol=1e-4).item(), (t, b)
-        return list(held.floats)
+        return held.reach.tolist()
 
-    # A prompt's chunk: each query reads its own position in float, the rest through words.
-    assert step(prompt, True, 0) == [0, 0]
-    decoded = 0  # float copies before a step
+    # A prompt's chunk, right after the rows joined: each query reads the chunk's positions up
+    # to its own in float, none of the cache's.
+    assert step(prompt, 0) == [[0, 1, 2]] * 2
     for t in range(steps):
-        given = t == 5  # a forced token is held as a prompt's: it reads itself in float only
-        assert step(1, given, prompt + t) == [0 if given else decoded + 1] * 2
-        decoded = 0 if given else min(decoded + 1, FLOAT_WINDOW)
+        since = min(prompt + t, FLOAT_WINDOW)  # float copies before the step
+        cut = lengths[1] + prompt + t - fence  # row 1's positions since its fence
+        assert step(1, prompt + t) == [[since], [since if cut < 0 else min(since, cut)]]
+    if window is not None:
+        return  # (a ring's row: tests/test_engine.py decodes and rejoins them)
     row = buffer.extract(1)
     assert row.float_count == FLOAT_WINDOW
     n = lengths[1] + prompt + steps
@@ -394,12 +404,12 @@ def test_eight_bit_rows_attend_to_the_tokens_they_decoded_in_float(rotated):
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
 
 
-@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("window", [None, 16, 5])
 def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunked(window):
     """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
-    eight positions in chunks of every shape, or seven and a decoded token: each position's
-    attention output is the same (bit for bit in a global layer), as each reads its own
-    position in float and the rest through the words whatever the chunk."""
+    eight positions in chunks of every shape: each position's attention output is the same
+    (bit for bit in a global layer), as each reads its own position and those before it since
+    the row joined in float and the rest through the words whatever the chunk."""
     from engine.attention import quantized_attention
     from engine.batch_caches import Packing, quantized_buffer
 
@@ -409,15 +419,14 @@ def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunke
     queries = mx.random.normal((1, 2 * H, fed, D), key=mx.random.key(23))
     packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
 
-    def outputs(chunks: list[int], decoded_last: bool = False, named: bool = False) -> list:
+    def outputs(chunks: list[int], named: bool = False) -> list:
         row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], window))
         buffer = quantized_buffer([row], window, 8, group, True)
         got, at = [], 0
         for n in chunks:
             k, v = (x[..., cached + at : cached + at + n, :] for x in (keys, values))
             mask = "causal" if named else buffer.make_mask(n, window_size=window)
-            given = not (decoded_last and n == 1)  # a decoded token: it reads itself in float
-            held, _ = buffer.write(k, v, prompt=given)
+            held, _ = buffer.write(k, v)
             out = quantized_attention(queries[..., at : at + n, :], held, 0.125, mask, None)
             got += [out[..., i, :] for i in range(n)]
             at += n
@@ -428,8 +437,8 @@ def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunke
     if window is None:  # mlx-lm's named mask, made an array over the positions held
         named = outputs([fed], named=True)
         assert all(mx.array_equal(a, b).item() for a, b in zip(whole, named, strict=True))
-    for chunks, decoded in [([7, 1], False), ([7, 1], True), ([3, 5], False), ([1] * 8, False)]:
-        again = outputs(chunks, decoded)
+    for chunks in [[7, 1], [3, 5], [1] * 8]:
+        again = outputs(chunks)
         for a, b in zip(whole, again, strict=True):
             if window is None:
                 assert mx.array_equal(a, b).item(), chunks

@@ -112,17 +112,27 @@ class DiskCaches:
         return await self._prefixes.stored(tokens, at_least)
 
     async def store_head(
-        self, tokens: list[int], end: int, priority: float, start: PromptCache | None
+        self,
+        tokens: list[int],
+        end: int,
+        priority: float,
+        start: PromptCache | None,
+        points: tuple[int, ...] = (),
     ) -> Prefix:
         """Prefill and store the whole blocks of the shared head ``tokens[:end]`` after
-        ``start`` (see ``Prefixes.store_head``)."""
-        return await self._prefixes.store_head(tokens, end, priority, start)
+        ``start`` (see ``Prefixes.store_head``; ``points``: the shared heads' ends)."""
+        return await self._prefixes.store_head(tokens, end, priority, start, points)
 
     async def extend(
-        self, cache: PromptCache | None, tokens: list[int], priority: float
+        self,
+        cache: PromptCache | None,
+        tokens: list[int],
+        priority: float,
+        points: tuple[int, ...] = (),
     ) -> PromptCache | None:
-        """The cache of ``tokens``: ``cache`` (of a prefix of them) and the rest prefilled."""
-        return await self._prefixes.extend(cache, tokens, priority)
+        """The cache of ``tokens``: ``cache`` (of a prefix of them) and the rest prefilled
+        (``points``: the shared heads' ends, see ``Prefixes.extend``)."""
+        return await self._prefixes.extend(cache, tokens, priority, points)
 
     async def block_files(self, keys: Sequence[str]) -> list[Path]:
         """The files holding these recorded blocks (each once, in order)."""

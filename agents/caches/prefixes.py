@@ -79,12 +79,18 @@ class Prefixes(Part):
         return None
 
     async def store_head(
-        self, tokens: list[int], end: int, priority: float, start: PromptCache | None
+        self,
+        tokens: list[int],
+        end: int,
+        priority: float,
+        start: PromptCache | None,
+        points: tuple[int, ...] = (),
     ) -> Prefix:
         """Prefill the whole blocks of ``tokens[:end]`` (a shared head) after ``start`` (a
         cache of a prefix of them, left intact; None: from the first token) and store them as
         blocks plus a window, for the turns that follow; a turn storing the same head now is
-        waited for instead. Returns ``start`` when there is no whole block more to store."""
+        waited for instead. Returns ``start`` when there is no whole block more to store.
+        ``points``: the shared heads' ends (see :meth:`extend`)."""
         size = self._layout.block_tokens
         n = min(end // size, self._usable(tokens))
         if n * size - (start.num_tokens if start else 0) < 2:  # (a request prefills one at least)
@@ -92,22 +98,33 @@ class Prefixes(Part):
         keys = self._layout.keys(tokens[: n * size])
         pending = self.heads.get(keys[-1])  # another turn began storing it meanwhile
         if pending is None:
-            return await self._store_head(tokens[: n * size], keys, priority, start)
+            return await self._store_head(tokens[: n * size], keys, priority, start, points)
         if (cache := await asyncio.shield(pending)) is None:
             return start, 0, None  # it failed: go on from where this turn was
         return cache, 0, None
 
     async def extend(
-        self, cache: PromptCache | None, tokens: list[int], priority: float
+        self,
+        cache: PromptCache | None,
+        tokens: list[int],
+        priority: float,
+        points: tuple[int, ...] = (),
     ) -> PromptCache | None:
         """The cache of ``tokens``: ``cache`` (of a prefix of them, left intact; None: none)
         and the rest prefilled alone, its last token forced so that the cache ends exactly
-        there; None (logged) when that fails. ``cache``'s shared heads are carried on."""
+        there; None (logged) when that fails. ``cache``'s shared heads are carried on.
+        ``points``: the shared heads' ends, where other turns may resume (the request's
+        ``cache_points``: the positions after them compute as they do from there)."""
         rest = tokens[cache.num_tokens :] if cache else tokens
         if len(rest) < 2:  # a request prefills at least one token before the forced one
             return None
         request = GenerationRequest(
-            rest[:-1], max_tokens=1, forced_token=rest[-1], priority=priority, cache=cache
+            rest[:-1],
+            max_tokens=1,
+            forced_token=rest[-1],
+            priority=priority,
+            cache=cache,
+            cache_points=points,
         )
         result = await self._engine.generate(request)
         if result.is_error or result.cache is None or result.cache.tokens != tokens:
@@ -116,7 +133,12 @@ class Prefixes(Part):
         return result.cache.checkpointed(cache, recent=False) if cache else result.cache
 
     async def _store_head(
-        self, tokens: list[int], keys: list[str], priority: float, start: PromptCache | None
+        self,
+        tokens: list[int],
+        keys: list[str],
+        priority: float,
+        start: PromptCache | None,
+        points: tuple[int, ...],
     ) -> Prefix:
         """Prefill a shared head after ``start`` alone (its last token forced, so the cache
         ends exactly at its last block) and store it as blocks plus a window."""
@@ -125,7 +147,7 @@ class Prefixes(Part):
         release = self._janitor.pin(keys)
         cache = None
         try:
-            cache = await self.extend(start, tokens, priority)
+            cache = await self.extend(start, tokens, priority, points)
             if cache is None:
                 release()
                 return start, 0, None

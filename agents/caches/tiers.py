@@ -162,16 +162,17 @@ class CacheTiers:
         least), each prefilled alone and marked (``PromptCache.as_head``), on models with
         sliding-window layers; on the way to the last one, its whole blocks are stored first
         when ``store`` (nothing was stored for them)."""
-        cuts = await asyncio.to_thread(heads)
+        ends = await asyncio.to_thread(heads)
+        points = tuple(ends)  # (every head's end fences a q8 batch's float reads)
         at = start.cache.num_tokens if start.cache else 0
         block = self.disk.block_tokens
-        cuts = [end for end in cuts if at < end < len(tokens) and end >= block]
+        cuts = [end for end in ends if at < end < len(tokens) and end >= block]
         try:
             for i, end in enumerate(cuts):
                 last = i == len(cuts) - 1
                 if last and store:
                     cache, added, release = await self.disk.store_head(
-                        tokens, end, priority, start.cache
+                        tokens, end, priority, start.cache, points
                     )
                     if cache is not start.cache:
                         start = start.grown(cache, added, release)
@@ -181,7 +182,7 @@ class CacheTiers:
                 # An inner head (tools before the system prompt) is worth a checkpoint past a
                 # block; the last one whatever is left of it.
                 if end - at >= (2 if last else block):
-                    cache = await self.disk.extend(start.cache, tokens[:end], priority)
+                    cache = await self.disk.extend(start.cache, tokens[:end], priority, points)
                     if cache is None:
                         break
                     start = start.grown(cache.as_head(), end - at, None)
