@@ -331,7 +331,7 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     cols = mx.arange(n_groups * group)[None] - shift
     cols = cols % L if held.wrap else mx.clip(cols, 0, L - 1)
     aligned = mx.take_along_axis(held.keys, cols[:, None, :, None], axis=2)
-    words = aligned[..., : dk // 8].reshape(B, n_kv, n_groups, group, dk // 8)
+    words = mx.contiguous(aligned[..., : dk // 8].reshape(B, n_kv, n_groups, group, dk // 8))
     halves = aligned[..., dk // 8 :].view(mx.float16)
     halves = halves.reshape(B, n_kv, n_groups, group, 2, dk // group)
     scales = halves[..., 0, :].reshape(B, n_kv, n_groups, 1, dk).astype(mx.float32)
@@ -349,13 +349,15 @@ def _times_words(
     x: mx.array, held: mx.array, dim: int, bits: int, group: int, transpose: bool
 ) -> mx.array:
     """``x`` times a packed buffer of heads of ``dim`` (``transpose``: times its transpose),
-    read through its words by ``mx.quantized_matmul``, in float32."""
+    read through its words by ``mx.quantized_matmul``, in float32. (Its operands made row
+    contiguous: MLX's CUDA backend has no quantized matmul for strided ones, where its CPU
+    backend copies them itself.)"""
     words, scales, biases = unpacked(held, dim, bits, group)
     return mx.quantized_matmul(
         x,
-        words,
-        scales.astype(mx.float32),
-        biases.astype(mx.float32),
+        mx.contiguous(words),
+        mx.contiguous(scales.astype(mx.float32)),
+        mx.contiguous(biases.astype(mx.float32)),
         transpose=transpose,
         group_size=group,
         bits=bits,
