@@ -7,6 +7,7 @@ and mlx-lm loads and runs what was built.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
@@ -378,3 +380,52 @@ def test_bench_model_builds_with_full_vocab(tmp_path):
     assert None not in tokens and not any(t.startswith("<unused") for t in tokens)
     assert len(greedy_tokens(model, tokenizer.encode("benchmark"), 4)) == 4
     print(f"tiny:gemma3-bench built in {build_seconds:.1f} s")
+
+
+def test_quantized_bfloat16_spec_builds_what_mlx_lm_loads_quantized(tmp_path, monkeypatch):
+    """A spec's ``dtype`` and ``weight_bits`` (as ``tiny:gemma3-12b`` uses them): the same
+    random draw as the float32 model, cast, and its linear and embedding weights quantized in
+    groups of 64, which mlx-lm loads as quantized layers and runs in bfloat16."""
+    base = TINY_SPECS["tiny:gemma3"]
+    spec = dataclasses.replace(base, name="tiny:gemma3-q4", dtype="bfloat16", weight_bits=4)
+    monkeypatch.setitem(TINY_SPECS, spec.name, spec)
+    assert spec.definition_hash != base.definition_hash
+    defaults = dataclasses.replace(spec, name=base.name, dtype="float32", weight_bits=None)
+    assert defaults.definition_hash == base.definition_hash  # older specs keep their hashes
+    path = build_tiny_model(spec.name, tmp_path / "q4")
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4}
+    assert config["torch_dtype"] == "bfloat16"
+    model, tokenizer = mlx_lm.load(str(path))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and (q_proj.bits, q_proj.group_size) == (4, 64)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert q_proj.scales.dtype == mx.bfloat16
+    reference, _ = mlx_lm.load(str(tiny_model_dir(base.name)))
+    expected = reference.model.layers[0].self_attn.q_proj.weight.astype(mx.bfloat16)
+    weight = mx.dequantize(q_proj.weight, q_proj.scales, q_proj.biases, group_size=64, bits=4)
+    error = mx.abs(weight.astype(mx.float32) - expected.astype(mx.float32))
+    step = mx.abs(expected.astype(mx.float32)).max().item() / 7  # a 4-bit step of the range
+    assert 0 < error.max().item() <= step
+    logits = model(mx.array([tokenizer.encode("hello")]))
+    assert logits.dtype == mx.bfloat16 and logits.shape[-1] == 512
+    assert len(greedy_tokens(model, tokenizer.encode("hello"), 4)) == 4
+
+
+def test_twelve_b_spec_has_gemma3_12b_shapes():
+    config = TINY_SPECS["tiny:gemma3-12b"].config
+    shapes = {
+        "hidden_size": 3840,
+        "intermediate_size": 15_360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+        "torch_dtype": "bfloat16",
+        "quantization": {"group_size": 64, "bits": 4},
+    }
+    assert {k: config[k] for k in shapes} == shapes
+    assert config["layer_types"].count("full_attention") == 8

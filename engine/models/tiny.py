@@ -71,6 +71,11 @@ class TinySpec:
     """Scales the end-of-turn token's (tied) embedding, so the random model ends its replies
     after a few tokens instead of running to max_tokens (clients like Claude Code ask for up
     to 64,000 tokens)."""
+    dtype: str = "float32"
+    """The weights' floating-point type (and so the activations' and the KV cache's)."""
+    weight_bits: int | None = None
+    """Quantize the linear and embedding weights to this many bits (groups of 64), as
+    ``mlx_lm.convert -q`` writes them; None keeps them in ``dtype``."""
 
     @property
     def vocab_size(self) -> int:
@@ -80,8 +85,10 @@ class TinySpec:
     def definition_hash(self) -> str:
         """Short hash of everything that shapes the files, including the building libraries."""
         definition = asdict(self)
-        if definition["eos_scale"] == 1.0:  # the default leaves older models' hashes as they were
-            del definition["eos_scale"]
+        defaults = {"eos_scale": 1.0, "dtype": "float32", "weight_bits": None}
+        for field, default in defaults.items():  # leave older models' hashes as they were
+            if definition[field] == default:
+                del definition[field]
         blob = json.dumps([BUILDER_VERSION, _library_versions(), definition], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -103,8 +110,10 @@ class TinySpec:
             "bos_token_id": chat.id_of(chat.bos),
             "eos_token_id": chat.eos_token_ids,
             "pad_token_id": chat.id_of(chat.pad),
-            "torch_dtype": "float32",
+            "torch_dtype": self.dtype,
         }
+        if self.weight_bits is not None:
+            config["quantization"] = {"group_size": 64, "bits": self.weight_bits}
         if self.model_type == "gemma3_text":
             global_layer = s.pattern - 1
             config |= {
@@ -162,6 +171,20 @@ TINY_SPECS: dict[str, TinySpec] = {
             corpus_words=20_000,
             lexicon_size=2_000,
             eos_scale=4.0,
+        ),
+        TinySpec(
+            name="tiny:gemma3-12b",
+            description=(
+                "Gemma 3 12B's shapes with random 4-bit weights, for accelerators: 48 layers, 40 "
+                "sliding (window 1024), 8 global, 8 KV heads x 256; ~6.6 GB"
+            ),
+            model_type="gemma3_text",
+            chat=GEMMA,
+            shape=Shape(3840, 48, 16, 8, 256, 15_360, 32_768, 131_072, window=1024, pattern=6),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+            dtype="bfloat16",
+            weight_bits=4,
         ),
         TinySpec(
             name="tiny:gemma3-bench",
@@ -313,18 +336,25 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def _write_weights(definition: TinySpec, path: Path) -> None:
     import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
 
-    arch = importlib.import_module(f"mlx_lm.models.{definition.config['model_type']}")
+    config = definition.config
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(definition.seed)
-    model = arch.Model(arch.ModelArgs.from_dict(definition.config))
-    params = dict(tree_flatten(model.parameters()))
-    if definition.config.get("tie_word_embeddings"):
-        params.pop("lm_head.weight", None)  # tied: mlx_lm's sanitize drops the head when absent
-    params = {k: v.astype(mx.float32) for k, v in params.items()}
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    dtype = getattr(mx, definition.dtype)
+    params = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     if definition.eos_scale != 1.0:
         embed = "model.embed_tokens.weight"
         eos = definition.chat.id_of(definition.chat.eos)
         params[embed][eos] = params[embed][eos] * definition.eos_scale
-    mx.eval(params)
+    if definition.weight_bits is not None:
+        model.update(tree_unflatten(list(params.items())))
+        nn.quantize(model, **config["quantization"])
+        params = dict(tree_flatten(model.parameters()))
+    if config.get("tie_word_embeddings"):  # mlx_lm's sanitize drops the head when absent
+        params = {k: v for k, v in params.items() if not k.startswith("lm_head.")}
+    for value in params.values():  # one at a time: a quantized model's float weights never
+        mx.eval(value)  # all exist at once
     mx.save_safetensors(str(path), params, metadata={"format": "mlx"})
