@@ -117,11 +117,16 @@ def float16_copy(spec: str, root: Path) -> Path:
     return target
 
 
+def _rate(tps: float | None) -> str:
+    return "none" if tps is None else f"{tps:.1f}"
+
+
 def show(name: str, row: dict) -> None:
     print(
         f"{name:>7}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
         f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
-        f"{row['tokens_per_s']:.1f} tok/s, {row['completed']} completed; a hot tier of "
+        f"{row['tokens_per_s']:.1f} tok/s ({_rate(row['decode_tokens_per_s'])} in decode-only "
+        f"steps), {row['completed']} completed; a hot tier of "
         f"{row['hot_budget_mb']:.1f} MB holds {row['hot_agents']} "
         f"({row['hot_token_bytes']:.0f} bytes a token)",
         flush=True,
@@ -179,6 +184,9 @@ async def run(args: argparse.Namespace) -> dict:
     for row in rows.values():
         row["agents_vs_model"] = round(row["max_in_batch"] / base["max_in_batch"], 3)
         row["tps_vs_model"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        if row["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
+            decode = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            row["decode_tps_vs_model"] = round(decode, 3)
         row["hot_agents_vs_model"] = round(row["hot_agents"] / base["hot_agents"], 3)
         if float16 is not None:
             row["agents_vs_float16"] = round(row["max_in_batch"] / float16["max_in_batch"], 3)
@@ -212,13 +220,17 @@ STEPS = 5
 
 
 def attention_steps(
-    history: int, rows: int, layer: tuple[int, int, int], group: int | None = None
+    history: int,
+    rows: int,
+    layer: tuple[int, int, int],
+    group: int | None = None,
+    dtype: mx.Dtype = mx.float32,
 ) -> dict:
     """One attention layer's decode step over ``rows`` histories of about ``history``
     positions (row ``b``: ``5 * b`` fewer, so the group pads them), masked as the engine masks
     a padded group, per precision (in groups of ``group``, else of each one's own; q8's keys
-    rotated as the batch holds them): ``ms`` (the best of :data:`STEPS`) and
-    ``working_set_mb``."""
+    rotated as the batch holds them), the unquantized row and the float positions in
+    ``dtype``: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
     kv_heads, q_heads, dim = layer
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     scale = dim**-0.5
@@ -229,8 +241,8 @@ def attention_steps(
             row = KVCache()
             shape = (1, kv_heads, history - 5 * b, dim)  # padded, groups out of phase
             row.update_and_fetch(
-                mx.random.normal(shape, key=mx.random.key(2 * b)),
-                mx.random.normal(shape, key=mx.random.key(2 * b + 1)),
+                mx.random.normal(shape, dtype, key=mx.random.key(2 * b)),
+                mx.random.normal(shape, dtype, key=mx.random.key(2 * b + 1)),
             )
             mx.eval(row.keys, row.values)
             out.append(row)
@@ -238,9 +250,9 @@ def attention_steps(
 
     # (as the batch chooses: another size where the preferred one does not divide the heads)
     g8, g4 = (choose_group_size(dim, group_size_for(bits, group)) for bits in (8, 4))
-    q8 = Packing(8, (g8,), ((dim, dim),), mx.float32, (False,), (dim & (dim - 1) == 0,))
+    q8 = Packing(8, (g8,), ((dim, dim),), dtype, (False,), (dim & (dim - 1) == 0,))
 
-    def attend(name: str, fetched: tuple, q: mx.array, cache, mask: mx.array) -> mx.array:
+    def attend(name: str, fetched: tuple, q: mx.array, mask: mx.array) -> mx.array:
         if name in ("q8", "q4"):
             return quantized_attention(q, fetched[0], scale, mask, None)
         if name == "q4 keys expanded":
@@ -250,7 +262,8 @@ def attention_steps(
         if on_cpu and isinstance(keys, mx.array):
             out = decode_attention(q, keys, values, scale, mask)
         else:
-            out = scaled_dot_product_attention(q, keys, values, cache, scale=scale, mask=mask)
+            # (no cache: a quantized buffer's ``bits`` would send mlx-lm down its quantized path)
+            out = scaled_dot_product_attention(q, keys, values, None, scale=scale, mask=mask)
         return out if name == "model" else hadamard(out)
 
     results = {}
@@ -266,7 +279,9 @@ def attention_steps(
         times, peaks = [], []
         for step in range(STEPS):
             k, v, q = (
-                mx.random.normal((rows, heads, 1, dim), key=mx.random.key(100 + 3 * step + i))
+                mx.random.normal(
+                    (rows, heads, 1, dim), dtype, key=mx.random.key(100 + 3 * step + i)
+                )
                 for i, heads in enumerate((kv_heads, kv_heads, q_heads))
             )
             mask = buffer.make_mask(1)
@@ -276,7 +291,7 @@ def attention_steps(
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()
-            mx.eval(attend(name, fetched, q, buffer, mask))
+            mx.eval(attend(name, fetched, q, mask))
             times.append(time.perf_counter() - start)
             peaks.append(mx.get_peak_memory() - before)
             del fetched, held, mask
@@ -288,7 +303,13 @@ def attention_steps(
     base = results["model"]
     for row in results.values():
         row["ms_vs_model"] = round(row["ms"] / base["ms"], 3)
-    return {"history": history, "rows": rows, "layer": list(layer), "by_precision": results}
+    return {
+        "history": history,
+        "rows": rows,
+        "layer": list(layer),
+        "dtype": str(dtype),
+        "by_precision": results,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -305,6 +326,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=(8, 16, 256),
         metavar=("KV_HEADS", "Q_HEADS", "DIM"),
         help="the attention layer timed (default: a Gemma 3 12B global layer)",
+    )
+    parser.add_argument(
+        "--layer-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="the timed layer's unquantized keys and values, and the quantized ones' float "
+        "positions (default float32, the CPU models' precision)",
     )
     parser.add_argument(
         "--group-size",
@@ -327,11 +355,12 @@ def main(argv: list[str] | None = None) -> dict:
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
     report["attention"] = attention_steps(
-        args.history, args.fits, tuple(args.layer), args.group_size
+        args.history, args.fits, tuple(args.layer), args.group_size, getattr(mx, args.layer_dtype)
     )
     for name, row in report["attention"]["by_precision"].items():
         print(
-            f"attention, one layer {tuple(args.layer)}, {args.fits} x {args.history}: {name}: "
+            f"attention, one {args.layer_dtype} layer {tuple(args.layer)}, {args.fits} x "
+            f"{args.history}: {name}: "
             f"{row['ms']:.1f} ms a step ({row['ms_vs_model']:.2f}x), working set "
             f"{row['working_set_mb']:.1f} MB",
             flush=True,

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -89,12 +90,18 @@ async def ask(
         budget_bytes = eng.kv_budget_bytes
     finally:
         await eng.close()
+    # Steps that only decoded: their gap is the step's time, free of joins and prefill.
+    decoding = [s for s in steps if not (s.prefill_tokens or s.prefilling) and s.gap_s > 0]
     row = {
         "budget": "none (default)" if budget is None else f"{args.fits} agents",
         "budget_mb": budget_bytes / 2**20,
         "agents": agents,
         "completed": sum(r.error is None and len(r.token_ids) == args.tokens for r in results),
         "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+        "decode_steps": len(decoding),
+        "decode_tokens_per_s": (
+            statistics.median(s.decode_rows / s.gap_s for s in decoding) if decoding else None
+        ),
         "failed": sum(r.error is not None for r in results),
         "max_in_batch": max(s.decode_rows + s.prefilling for s in steps),
         "max_held_mb": max(s.kv_held_bytes for s in steps) / 2**20,
