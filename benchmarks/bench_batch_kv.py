@@ -3,15 +3,17 @@ long-history agents one KV budget lets decode together, and how fast, and how ma
 budget holds, in the model's precision, q8 and q4, and against float16.
 
     python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4]
-        [--group-size 128] [--no-float16] [--quick]
+        [--agents N] [--group-size 128] [--no-float16] [--layer-dtype bfloat16] [--quick]
 
 The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
 precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
 ``--tokens`` each, once per precision, same process: the most agents in the batch at once, the
-KV held at most, generated tokens per second over the run, and each against the model's
-precision. Then, per precision, the same agents' finished caches (as the engine hands them
-back: packed when quantized) go one by one into a ``HotTier`` whose budget holds ``--fits`` of
-them in the model's precision: the agents it holds at the end and its bytes per token.
+KV held at most, generated tokens per second over the run and in the steps that only
+decoded (the median; free of joins and of a GPU's first compilation of each kernel), and each
+against the model's precision. Then, per precision, the same agents' finished caches (as the
+engine hands them back: packed when quantized) go one by one into a ``HotTier`` whose budget
+holds ``--fits`` of them in the model's precision: the agents it holds at the end and its
+bytes per token.
 The capacity baseline is float16 (unless ``--no-float16``): the model's weights cast to
 float16 in a temporary copy, KV in float16, in the same two budgets (``3 * --fits`` agents ask
 for 2 tokens each: only the counts are wanted; float16 is emulated and slow on CPU), and each
@@ -23,7 +25,8 @@ own, 128 and 32).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
 heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
 each other, masked): its decode step in
-the model's precision (float32), q8 and q4 as ``engine.attention`` runs them, and q4 with its
+``--layer-dtype`` (default float32, the CPU models'), q8 and q4 as ``engine.attention`` runs
+them (their float positions in that dtype), and q4 with its
 keys expanded (as attention read them before folding each group's scales into the query):
 milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
 above what the buffer holds).
@@ -184,9 +187,10 @@ async def run(args: argparse.Namespace) -> dict:
     for row in rows.values():
         row["agents_vs_model"] = round(row["max_in_batch"] / base["max_in_batch"], 3)
         row["tps_vs_model"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-        if row["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
-            decode = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            row["decode_tps_vs_model"] = round(decode, 3)
+        decode, base_decode = row["decode_tokens_per_s"], base["decode_tokens_per_s"]
+        row["decode_tps_vs_model"] = (
+            round(decode / base_decode, 3) if decode and base_decode else None
+        )
         row["hot_agents_vs_model"] = round(row["hot_agents"] / base["hot_agents"], 3)
         if float16 is not None:
             row["agents_vs_float16"] = round(row["max_in_batch"] / float16["max_in_batch"], 3)

@@ -348,6 +348,10 @@ def test_batch_kv_quick(tmp_path):
     for row in rows.values():
         assert row["completed"] == row["agents"] and row["failed"] == 0
         assert row["held_under_budget_every_step"] is True
+        # Every agent decodes past its first token: steps that only decoded, timed.
+        assert row["decode_steps"] > 0 and row["decode_tokens_per_s"] > 0
+        ratio = row["decode_tokens_per_s"] / rows["model"]["decode_tokens_per_s"]
+        assert row["decode_tps_vs_model"] == round(ratio, 3)
     # Quantized, an agent sets aside less of the same budget.
     assert rows["q4"]["need_mb"] < rows["q8"]["need_mb"] < rows["model"]["need_mb"]
     # And the hot tier holds the agents' caches as the batch held them: more of them.

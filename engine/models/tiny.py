@@ -173,10 +173,19 @@ TINY_SPECS: dict[str, TinySpec] = {
             eos_scale=4.0,
         ),
         TinySpec(
+            name="tiny:gemma3-bench",
+            description="gemma3_text benchmark model: 12 layers, 10 sliding (window 512), 2 global",
+            model_type="gemma3_text",
+            chat=GEMMA,
+            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+        ),
+        TinySpec(
             name="tiny:gemma3-12b",
             description=(
                 "Gemma 3 12B's shapes with random 4-bit weights, for accelerators: 48 layers, 40 "
-                "sliding (window 1024), 8 global, 8 KV heads x 256; ~6.6 GB"
+                "sliding (window 1024), 8 global, 8 KV heads x 256, vocab 32768; 5.8 GiB"
             ),
             model_type="gemma3_text",
             chat=GEMMA,
@@ -185,15 +194,6 @@ TINY_SPECS: dict[str, TinySpec] = {
             lexicon_size=40_000,
             dtype="bfloat16",
             weight_bits=4,
-        ),
-        TinySpec(
-            name="tiny:gemma3-bench",
-            description="gemma3_text benchmark model: 12 layers, 10 sliding (window 512), 2 global",
-            model_type="gemma3_text",
-            chat=GEMMA,
-            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
-            corpus_words=300_000,
-            lexicon_size=40_000,
         ),
     )
 }
