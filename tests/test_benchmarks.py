@@ -199,6 +199,34 @@ def test_q4_schemes_quick(tmp_path):
     assert report["targets_met"] == {"four_bit_agreement": None}  # (a 4K history only)
 
 
+def test_q4_schemes_round_trip_in_groups_of_16_and_clipped():
+    import mlx.core as mx
+
+    from benchmarks.bench_q4_schemes import round_trip
+
+    x = mx.random.normal((3, 64, 128), key=mx.random.key(0)) * mx.arange(1, 129) / 32
+    held = round_trip(x, 4, 16)
+    groups = x.reshape(3, 64, 8, 16)
+    step = (groups.max(axis=-1) - groups.min(axis=-1)) / 15
+    error = mx.abs(held - x).reshape(3, 64, 8, 16).max(axis=-1)
+    # Each group of 16 keeps its own range: at most half its 4-bit step off (float16 rounding
+    # of the scale and bias aside), and its extremes held almost exactly.
+    assert mx.all(error <= step * 0.5 + 2e-2).item()
+    assert mx.all(mx.abs(held.reshape(groups.shape).max(axis=-1) - groups.max(axis=-1)) < 2e-2)
+    assert mx.abs(held - x).max().item() > 0  # (quantized)
+    clipped = round_trip(x, 4, 32, clip=True)
+    plain = round_trip(x, 4, 32)
+
+    def squared(y):
+        return mx.sum((y - x).reshape(3, 64, 4, 32) ** 2, axis=-1)
+
+    # Each group keeps whichever narrowed range errs least, its own range among them.
+    assert mx.all(squared(clipped) <= squared(plain) * (1 + 1e-3) + 1e-6).item()
+    # A normal sample's tails are often worth narrowing: some groups err less.
+    assert mx.mean(squared(clipped) < squared(plain) * (1 - 1e-3)).item() > 0.1
+    assert mx.sum(squared(clipped)).item() < 0.99 * mx.sum(squared(plain)).item()
+
+
 def test_fidelity_quick(tmp_path):
     report = run_quick("bench_fidelity", tmp_path)
 
