@@ -4,8 +4,10 @@ at the size of q4.
     python -m benchmarks.bench_q4_schemes [--model gemma3-270m] [--history 4096] [--quick]
         [--only q8 ...]
 
-The batch's q4 (``batch_kv_bits=4``: every position's keys and values ``mx.quantize``d in
-groups of 32 along the head dimension) keeps about 85% of teacher-forced top-1 tokens at a
+The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 32 positions, values
+rotated in groups of 32 and each row's newest 16 positions in float (``BATCH_Q4``); until
+2026-11-24 it quantized every position's keys and values in groups of 32 along the head
+dimension (the ``per token`` row), which kept about 85% of teacher-forced top-1 tokens at a
 4K-token history on ``gemma3-270m`` (``bench_fidelity``). This benchmark measures the
 alternatives before one is built into the batch: each scheme's quantize-then-dequantize
 applied to every layer's keys and values as a batch would hold them, in float, attention
@@ -23,11 +25,10 @@ The schemes (combinations of):
   quantizing (queries rotated alike, outputs rotated back: attention is unchanged), which
   spreads a few large channels over all of them.
 - **per channel keys** (KIVI, Liu et al. 2024): each key channel quantized along the tokens,
-  in groups of ``group`` consecutive positions (32, or 16: twice the scales, half the float
-  positions); a group is quantized once it is complete, the positions of the incomplete one
-  stay in float.
-- **values in larger groups**: rotated values in groups of 64 or 128 (fewer scales), keys
-  still per channel over 32 or 16 positions.
+  in groups of ``group`` consecutive positions (16, 32 or 64), by the batch's rule (a scale
+  ``(max - min) / 15`` and bias ``min``; before 2026-11-25, ``mx.quantize``'s); a group is
+  quantized once it is complete, the positions of the incomplete one stay in float.
+- **values in larger groups**: rotated values in groups of 64 or 128 (fewer scales).
 - **ranges clipped**: each group's range narrowed for the least squared error before
   quantizing (``clip``), instead of its minimum and maximum.
 - **smoothed keys**: keys centred and scaled per channel by statistics calibrated once on other
@@ -221,18 +222,21 @@ def hadamard(dim: int) -> mx.array:
     return mx.array(signs[:, None] * h / math.sqrt(dim), dtype=mx.float32)
 
 
-def round_trip(x: mx.array, bits: int, group: int, clip: bool = False) -> mx.array:
+def round_trip(
+    x: mx.array, bits: int, group: int, clip: bool = False, min_max: bool = False
+) -> mx.array:
     """``x`` quantized along its last axis (float16 first, as the batch does) and back;
-    16 bits: ``x`` as it is (the control). Groups ``mx.quantize`` does not take (16) are
-    quantized as the batch quantizes per-channel keys: a float16 scale ``(max - min) / (2^bits
-    - 1)`` and bias ``min`` per group. ``clip``: each group's range first narrowed, either end
-    towards its middle by 0, 10, 20, 30 or 40% of the half-range, whichever of the 25 pairs
-    leaves the least squared error in the group."""
+    16 bits: ``x`` as it is (the control). ``min_max`` (and groups ``mx.quantize`` does not
+    take: 16): as the batch quantizes per-channel keys (``quantize_per_channel``), a float16
+    scale ``(max - min) / (2^bits - 1)`` and bias ``min`` per group, where ``mx.quantize``
+    moves its scale so that zero is held exactly. ``clip``: each group's range first narrowed,
+    either end towards its middle by 0, 10, 20, 30 or 40% of the half-range, whichever of the
+    25 pairs leaves the least squared error in the group."""
     if bits == 16:
         return x
     if clip:
-        return clipped_round_trip(x, bits, group)
-    if group not in (32, 64, 128):
+        return clipped_round_trip(x, bits, group, min_max)
+    if min_max or group not in (32, 64, 128):
         top = 2**bits - 1
         g = as_float16(x).astype(mx.float32).reshape(*x.shape[:-1], -1, group)
         low, high = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
@@ -244,7 +248,7 @@ def round_trip(x: mx.array, bits: int, group: int, clip: bool = False) -> mx.arr
     return mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(x.dtype)
 
 
-def clipped_round_trip(x: mx.array, bits: int, group: int) -> mx.array:
+def clipped_round_trip(x: mx.array, bits: int, group: int, min_max: bool) -> mx.array:
     """:func:`round_trip` of ``x`` with each group's range narrowed for the least squared
     error (``clip``)."""
     g = as_float16(x).astype(mx.float32).reshape(*x.shape[:-1], -1, group)
@@ -254,7 +258,8 @@ def clipped_round_trip(x: mx.array, bits: int, group: int) -> mx.array:
     for below in CLIP_LEVELS:
         for above in CLIP_LEVELS:
             narrowed = mx.clip(g, middle - below * half, middle + above * half)
-            held = round_trip(narrowed.reshape(x.shape), bits, group).reshape(g.shape)
+            held = round_trip(narrowed.reshape(x.shape), bits, group, min_max=min_max)
+            held = held.reshape(g.shape)
             error = mx.sum((held - g) ** 2, axis=-1, keepdims=True)
             if best is None:
                 best, out = error, held
@@ -286,7 +291,8 @@ class Held:
         if rotate:
             x = x @ self.rotation
         if keys and s.per_channel_keys:  # groups of positions, channel by channel
-            x = round_trip(x.swapaxes(-1, -2), bits, group, s.clip).swapaxes(-1, -2)
+            x = round_trip(x.swapaxes(-1, -2), bits, group, s.clip, min_max=True)
+            x = x.swapaxes(-1, -2)
         else:
             x = round_trip(x, bits, group, s.clip)
         if rotate:
