@@ -65,7 +65,8 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from benchmarks.plots import save_plot, write_report
-from engine.batch_caches import as_float16
+from engine.batch_caches import as_float16, quantize_per_channel
+from engine.kv.quant import dequantize_f32
 from engine.models.loading import load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -226,24 +227,21 @@ def round_trip(
     x: mx.array, bits: int, group: int, clip: bool = False, min_max: bool = False
 ) -> mx.array:
     """``x`` quantized along its last axis (float16 first, as the batch does) and back;
-    16 bits: ``x`` as it is (the control). ``min_max`` (and groups ``mx.quantize`` does not
-    take: 16): as the batch quantizes per-channel keys (``quantize_per_channel``), a float16
-    scale ``(max - min) / (2^bits - 1)`` and bias ``min`` per group, where ``mx.quantize``
-    moves its scale so that zero is held exactly. ``clip``: each group's range first narrowed,
+    16 bits: ``x`` as it is (the control). ``min_max`` (4 bits; groups of 16 too, which
+    ``mx.quantize`` does not take): by the batch's own per-channel key code
+    (``quantize_per_channel``, ``dequantize_f32``), a float16 scale ``(max - min) / 15`` and
+    bias ``min`` per group, where ``mx.quantize`` moves its scale so that zero is held
+    exactly. ``clip``: each group's range first narrowed,
     either end towards its middle by 0, 10, 20, 30 or 40% of the half-range, whichever of the
     25 pairs leaves the least squared error in the group."""
     if bits == 16:
         return x
     if clip:
         return clipped_round_trip(x, bits, group, min_max)
-    if min_max or group not in (32, 64, 128):
-        top = 2**bits - 1
-        g = as_float16(x).astype(mx.float32).reshape(*x.shape[:-1], -1, group)
-        low, high = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
-        step = ((high - low) / top).astype(mx.float16).astype(mx.float32)
-        base = low.astype(mx.float16).astype(mx.float32)
-        q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, top)
-        return (q * step + base).reshape(x.shape).astype(x.dtype)
+    if min_max:  # the batch quantizes along axis -2: the groups' axis goes there
+        words, scales, biases = quantize_per_channel(as_float16(x).swapaxes(-1, -2), group)
+        held = dequantize_f32(words, scales, biases, group, 4, False, channel_start=0)
+        return held.swapaxes(-1, -2).astype(x.dtype)
     words, scales, biases = mx.quantize(as_float16(x), group_size=group, bits=bits)
     return mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(x.dtype)
 
