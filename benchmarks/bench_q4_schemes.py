@@ -4,8 +4,9 @@ at the size of q4.
     python -m benchmarks.bench_q4_schemes [--model gemma3-270m] [--history 4096] [--quick]
         [--only q8 ...]
 
-The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 32 positions, values
-rotated in groups of 32 and each row's newest 16 positions in float (``BATCH_Q4``); until
+The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 16 positions, values
+rotated in groups of 128 and each row's newest 16 positions in float (``BATCH_Q4``; keys over
+32 positions and values in groups of 32 until 2026-11-25, the second row measured); until
 2026-11-24 it quantized every position's keys and values in groups of 32 along the head
 dimension (the ``per token`` row), which kept about 85% of teacher-forced top-1 tokens at a
 4K-token history on ``gemma3-270m`` (``bench_fidelity``). This benchmark measures the
@@ -46,7 +47,8 @@ per-channel keys the positions of their incomplete group, keys and values) of an
 an 8K-token history on this model's layers (global layers hold every position, sliding ones
 their window), against the same agent held in float16.
 ``targets_met.four_bit_agreement``: whether the best scheme at q4's size (holding no more
-at 8K than the batch's q4: per-channel keys, rotated values, window 16) keeps 98% at a
+at 8K than the batch's q4: per-channel keys over 16 positions, values rotated in groups of
+128, window 16) keeps 98% at a
 4K-token history or longer (None for shorter ones); the batch's own q4 is measured by
 ``bench_fidelity``. Writes benchmarks/results/q4_schemes.json and q4_schemes.png.
 """
@@ -200,7 +202,9 @@ SCHEMES = {
 }
 
 
-BATCH_Q4 = SCHEMES["q4 per-channel keys, Hadamard values, window 16"]  # batch_kv_bits=4's
+BATCH_Q4 = SCHEMES[  # batch_kv_bits=4's
+    "q4 per-channel keys in groups of 16, Hadamard values in groups of 128, window 16"
+]
 
 QUICK = (  # one scheme of each kind
     "exact (control: the harness alone)",

@@ -44,8 +44,10 @@ from engine.request import GenerationRequest, PromptCache
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 16  # ids below are special tokens in every tiny model
 VARIANTS = {"none": None, "fp16": None, "q8": 8, "q4": 4}  # name -> kv_bits
-# q8 in groups of 128 costs 0.516x of float16, q4 in groups of 32 0.3125x (their defaults).
-TARGETS = {"q8_vs_fp16_max": 0.57, "q4_vs_fp16_max": 0.32, "q8_agreement_min": 0.99}
+# q8 in groups of 128 costs 0.516x of float16; q4, keys per channel over 16 positions and values
+# in groups of 128, 0.320x (their defaults; q4 in groups of 32 was 0.3125x, and kept less: the
+# README's *Four-bit schemes*).
+TARGETS = {"q8_vs_fp16_max": 0.57, "q4_vs_fp16_max": 0.33, "q8_agreement_min": 0.99}
 
 
 def pseudo_random_tokens(vocab: int, n: int, seed: int) -> list[int]:

@@ -233,7 +233,7 @@ def quantized_attention(
 
     # Values: the quantized columns through their words, the float ones from ``recent``.
     weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
-    out = _times_words(weights_q, held.values, dv, bits, group, transpose=False)
+    out = _times_words(weights_q, held.values, dv, bits, held.value_group, transpose=False)
     if blend:
         age = f - 1 - mx.arange(f)  # of each recent entry
         column = held.newest - age
@@ -302,7 +302,7 @@ def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: An
     zero = mx.array(0, mx.float32)
     weights_q = _columns(weights, lo, hi, mx.where(in_float, zero, weights[..., lo:hi]))
     weights_q = weights_q.reshape(B, n_kv, rows, L)
-    out = _times_words(weights_q, held.values, dv, held.bits, held.group, transpose=False)
+    out = _times_words(weights_q, held.values, dv, held.bits, held.value_group, transpose=False)
     band_weights = mx.take_along_axis(weights, column[None, None, None], axis=-1)
     band_weights = band_weights * reads[:, None, None]  # (B, Hkv, g, Lq, W + 1)
     band_values = mx.take(recent_values, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dv)

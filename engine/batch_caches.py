@@ -25,11 +25,12 @@ masked anyway).
 
 **q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
 bits per position lose too much of the keys (a few channels are far larger than the rest), so
-q4 holds them as a q4 cache file does: keys per channel over groups of ``group_size``
-positions (KIVI; the group's scales spread over its positions' slots, so the packed rows keep
-per-position shapes and mlx-lm's operations still move them), values rotated by
-:func:`hadamard` and quantized per position, and the newest positions (:data:`FLOAT_WINDOW`
-and the key group not yet whole) kept in float beside the buffer. Attention scores the
+q4 holds them as a q4 cache file does: keys per channel over groups of
+:data:`~engine.config.KEY_GROUP_SIZE` positions (KIVI; the group's scales spread over its
+positions' slots, so the packed rows keep per-position shapes and mlx-lm's operations still
+move them), values rotated by :func:`hadamard` and quantized per position in groups of the
+layer's group size, and the newest positions (:data:`FLOAT_WINDOW` and the key group not yet
+whole) kept in float beside the buffer. Attention scores the
 quantized keys as they are (each group's scales fold into the query) and rotates its output
 back (``engine.attention``).
 A sliding window's ring holds one key group more than the window (:func:`ring_size`), so no
@@ -55,6 +56,8 @@ from mlx_lm.models.cache import (
     KVCache,
     RotatingKVCache,
 )
+
+from engine.config import KEY_GROUP_SIZE
 
 MIN_GROWTH = 32
 
@@ -114,10 +117,13 @@ def as_float16(x: mx.array) -> mx.array:
     return mx.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(mx.float16)
 
 
-def quantized_token_bytes(heads: int, key_dim: int, value_dim: int, bits: int, group: int) -> int:
+def quantized_token_bytes(
+    heads: int, key_dim: int, value_dim: int, bits: int, group: int, key_group: int | None = None
+) -> int:
     """K+V bytes of one token of one layer, quantized: the words and a float16 scale and bias
-    per group of each head."""
-    return 4 * heads * (packed_dim(key_dim, bits, group) + packed_dim(value_dim, bits, group))
+    per group of each head (keys in groups of ``key_group``, default ``group``)."""
+    key_words = packed_dim(key_dim, bits, key_group or group)
+    return 4 * heads * (key_words + packed_dim(value_dim, bits, group))
 
 
 def packed_dim(dim: int, bits: int, group: int) -> int:
@@ -171,15 +177,44 @@ def quantize_per_channel(x: mx.array, group: int) -> tuple[mx.array, mx.array, m
     slots, ``D / group`` to a position, in channel order (``engine.kv.quant``)."""
     *lead, n, dim = x.shape
     g = x.astype(mx.float32).reshape(*lead, n // group, group, dim)
-    low, high = g.min(axis=-2, keepdims=True), g.max(axis=-2, keepdims=True)
+    q, scales, biases = _min_max_codes(g, axis=-2)
+    slots = (*lead, n, dim // group)
+    return _four_bit_words(q.reshape(*lead, n, dim)), scales.reshape(slots), biases.reshape(slots)
+
+
+def quantize_per_position(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``(..., L, D)`` quantized to 4 bits per position in groups of ``group`` channels (any
+    size dividing ``D``, 16 included, which ``mx.quantize`` does not take), by the rule of
+    :func:`quantize_per_channel`: the words, and float16 scales and biases ``(..., L, D /
+    group)``, as ``mx.quantize`` lays them out (q4 keys outside whole key groups)."""
+    *lead, n, dim = x.shape
+    g = x.astype(mx.float32).reshape(*lead, n, dim // group, group)
+    q, scales, biases = _min_max_codes(g, axis=-1)
+    slots = (*lead, n, dim // group)
+    return _four_bit_words(q.reshape(*lead, n, dim)), scales.reshape(slots), biases.reshape(slots)
+
+
+def _min_max_codes(g: mx.array, axis: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Float32 values ``g`` as 4-bit codes over ``axis``: a float16 scale ``(max - min) / 15``
+    and bias ``min`` per group (kept on the axis), each code rounded against them as a reader
+    reads them."""
+    low, high = g.min(axis=axis, keepdims=True), g.max(axis=axis, keepdims=True)
     scales, biases = ((high - low) / 15).astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
-    # Rounded against the float16 scale and bias a reader uses.
     step, base = scales.astype(mx.float32), biases.astype(mx.float32)
     q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, 15).astype(mx.uint32)
-    q = q.reshape(*lead, n, dim // 8, 8)
-    words = (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
-    slots = (*lead, n, dim // group)
-    return words, scales.reshape(slots), biases.reshape(slots)
+    return q, scales, biases
+
+
+def _four_bit_words(q: mx.array) -> mx.array:
+    """4-bit codes ``(..., D)`` packed into uint32 words, low nibble first (``mx.quantize``'s
+    order)."""
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    return (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
+def packed_per_position(x: mx.array, group: int) -> mx.array:
+    """:func:`packed` at 4 bits by :func:`quantize_per_position` (groups of any size)."""
+    return join_packed(*quantize_per_position(as_float16(x), group))
 
 
 def hadamard(x: mx.array) -> mx.array:
@@ -218,7 +253,9 @@ class Packing:
             ``dtype`` (no group size divides its heads).
         dims: per layer, its (key, value) head sizes.
         dtype: the model's KV dtype, what :meth:`expand` gives back.
-        channel: per layer, held as :class:`ChannelQuantizedKVCache` holds it (q4).
+        channel: per layer, held as :class:`ChannelQuantizedKVCache` holds it (q4; its
+            values in groups of ``group_sizes[i]``, its keys in groups of
+            :data:`KEY_GROUP_SIZE` positions).
         rotated_keys: per layer, its keys rotated by :func:`hadamard` before they are
             quantized per position (q8 with a power-of-two key head size).
     """
@@ -243,6 +280,15 @@ class Packing:
     def any_channel(self) -> bool:
         return any(self.channel)
 
+    def key_group(self, i: int) -> int | None:
+        """Layer ``i``'s keys' group size: :data:`KEY_GROUP_SIZE` positions per channel (q4),
+        else its group size."""
+        return KEY_GROUP_SIZE if self.channel_keys(i) else self.group_sizes[i]
+
+    def group_of(self, i: int, kind: str) -> int | None:
+        """Layer ``i``'s group size for its ``kind`` ("keys" or "values")."""
+        return self.key_group(i) if kind == "keys" else self.group_sizes[i]
+
     def keys_rotated(self, i: int) -> bool:
         """Whether layer ``i`` holds its keys rotated by :func:`hadamard` (q8)."""
         return bool(self.rotated_keys) and self.rotated_keys[i]
@@ -255,8 +301,9 @@ class Packing:
 
     def packed_dims(self, i: int) -> tuple[int, int]:
         """Layer ``i``'s (key, value) words per head, packed."""
-        group = self.group_sizes[i]
-        return tuple(packed_dim(d, self.bits, group) for d in self.dims[i])  # type: ignore[return-value]
+        dk, dv = self.dims[i]
+        key_words = packed_dim(dk, self.bits, self.key_group(i))  # type: ignore[arg-type]
+        return key_words, packed_dim(dv, self.bits, self.group_sizes[i])  # type: ignore[arg-type]
 
     def pack(self, i: int, row: Any) -> Any:
         """Layer ``i``'s single-row cache packed (as it is when it is already)."""
@@ -275,7 +322,7 @@ class Packing:
         """Layer ``i``'s packed keys (``kind`` "keys") or values as (words, float16 scales,
         float16 biases): what ``mx.quantize`` made of them, as a cache file stores it."""
         dim = self.dims[i][0 if kind == "keys" else 1]
-        return unpacked(x, dim, self.bits, self.group_sizes[i])
+        return unpacked(x, dim, self.bits, self.group_of(i, kind))
 
     def values(self, i: int, x: mx.array, kind: str) -> mx.array:
         """Layer ``i``'s packed keys (``kind`` "keys") or values in the model's dtype (keys
@@ -384,7 +431,8 @@ class HeldQuantized:
         lengths: each row's length (its newest position is ``lengths[b] - 1``).
         newest: the column of every row's newest position.
         wrap: the columns are a ring (counted modulo ``L``).
-        group: the quantization group size (q4's keys: the positions of a key group).
+        group: the keys' quantization group size (q4: the positions of a key group).
+        value_group: the values' quantization group size (q8: ``group``).
         bits: 8 or 4.
         per_channel: keys quantized per channel in whole groups (q4), else per position.
         rotated: values held rotated by :func:`hadamard` (q4).
@@ -401,6 +449,7 @@ class HeldQuantized:
     newest: int
     wrap: bool
     group: int
+    value_group: int
     bits: int
     per_channel: bool
     rotated: bool
@@ -441,7 +490,7 @@ class HeldQuantized:
             keys = expand(self.keys, dk, mx.float32, bits, group)
             keys = hadamard(keys) if self.rotated_keys else keys
         keys = _overlay(keys, recent_keys, self.floats, self.newest, wrap)
-        values = expand(self.values, dv, mx.float32, bits, group)
+        values = expand(self.values, dv, mx.float32, bits, self.value_group)
         recent_values = recent_values.astype(mx.float32)
         if self.rotated:
             recent_values = hadamard(recent_values)
@@ -473,7 +522,8 @@ class QuantizedLayer:
     """
 
     bits: int
-    group_size: int
+    group_size: int  # of the keys (q4: positions per key group)
+    value_group_size: int
     lengths: list[int]
     counts: list[int]
     recent: tuple[mx.array, mx.array] | None
@@ -524,8 +574,11 @@ class QuantizedLayer:
             len(fences) != keys.shape[0] or any(len(f) != n for f in fences)
         ):
             raise ValueError(f"fences for {keys.shape[0]} rows of {n} positions: {fences}")
-        key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
-        value_words = packed(rotated_if(values, self.rotated_values), bits, group)
+        if self.per_channel:  # (read from ``recent`` until their key group is settled)
+            key_words = packed_per_position(keys, group)
+        else:
+            key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
+        value_words = packed(rotated_if(values, self.rotated_values), bits, self.value_group_size)
         super().update_and_fetch(key_words, value_words)  # type: ignore[misc]
         old, self.lengths = self.lengths, [length + n for length in self.lengths]
         f = self.float_positions()
@@ -547,6 +600,7 @@ class QuantizedLayer:
             self._idx - 1,  # type: ignore[attr-defined]
             self._wraps(),
             group,
+            self.value_group_size,
             bits,
             self.per_channel,
             self.rotated_values,
@@ -616,12 +670,13 @@ def quantized_buffer(
         merged.__class__ = GroupQuantizedRotatingKVCache
     merged.bits = bits
     merged.rotated_keys = rotated_keys
-    return _with_recent(merged, rows, group_size)
+    return _with_recent(merged, rows, group_size, group_size)
 
 
-def _with_recent(merged: Any, rows: list[Any], group: int) -> Any:
-    """``merged`` (a buffer of ``rows``) given the rows' lengths and float positions."""
-    merged.group_size = group
+def _with_recent(merged: Any, rows: list[Any], key_group: int, value_group: int) -> Any:
+    """``merged`` (a buffer of ``rows``) given its group sizes and the rows' lengths and float
+    positions."""
+    merged.group_size, merged.value_group_size = key_group, value_group
     merged.lengths = [row.offset for row in rows] or [0]
     held = [getattr(row, "recent", None) for row in rows]
     # (a row without float copies reads every position before it joins through its words)
@@ -639,12 +694,13 @@ def _with_recent(merged: Any, rows: list[Any], group: int) -> Any:
 
 class _ChannelQuantized(QuantizedLayer):
     """Four-bit keys and values as a q4 cache file holds them: keys per channel over groups of
-    ``group_size`` positions (their float16 scales spread over the group's slots), quantized
-    once a group's last position is :data:`FLOAT_WINDOW` old (until then its positions are
-    held per position, and read from ``recent``); values rotated by :func:`hadamard` and
-    quantized per position. ``recent`` holds the :data:`FLOAT_WINDOW` newest positions and
-    those of the key group not yet complete. ``engine.attention`` folds each key group's
-    scales into the query instead of expanding the keys.
+    ``group_size`` (:data:`KEY_GROUP_SIZE`) positions (their float16 scales spread over the
+    group's slots), quantized once a group's last position is :data:`FLOAT_WINDOW` old (until
+    then its positions are held per position, and read from ``recent``); values rotated by
+    :func:`hadamard` and quantized per position in groups of ``value_group_size``. ``recent``
+    holds the :data:`FLOAT_WINDOW` newest positions and those of the key group not yet
+    complete. ``engine.attention`` folds each key group's scales into the query instead of
+    expanding the keys.
     """
 
     bits = 4
@@ -703,15 +759,15 @@ class ChannelQuantizedRotatingKVCache(_ChannelQuantized, GroupRotatingKVCache):
 
 
 def channel_buffer(rows: list[Any], window: int | None, group: int) -> Any:
-    """One group buffer of channel-quantized single-row caches (:func:`channel_row`; none:
-    one empty row)."""
+    """One group buffer of channel-quantized single-row caches (:func:`channel_row`, values in
+    groups of ``group``; none: one empty row)."""
     if window is None:
         merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
         merged.__class__ = ChannelQuantizedKVCache
     else:
-        merged = _merge_ring(rows, ring_size(window, group))
+        merged = _merge_ring(rows, ring_size(window, KEY_GROUP_SIZE))
         merged.__class__ = ChannelQuantizedRotatingKVCache
-    return _with_recent(merged, rows, group)
+    return _with_recent(merged, rows, KEY_GROUP_SIZE, group)
 
 
 def _merge_ring(rows: list[Any], size: int) -> GroupRotatingKVCache:
@@ -737,15 +793,18 @@ def _merge_ring(rows: list[Any], size: int) -> GroupRotatingKVCache:
     return merged
 
 
-def channel_row(row: Any, group: int, stored: tuple[mx.array, mx.array] | None = None) -> Any:
+def channel_row(row: Any, value_group: int, stored: tuple[mx.array, mx.array] | None = None) -> Any:
     """A float single-row cache as a :class:`_ChannelQuantized` layer holds it: positions in
-    whole key groups at least :data:`FLOAT_WINDOW` old quantized per channel, the rest per
-    position (their float in ``recent``), values rotated; a window from the start of its first
-    key group (positions before the window repeat its first, out of any query's reach).
+    whole key groups (:data:`KEY_GROUP_SIZE`) at least :data:`FLOAT_WINDOW` old quantized per
+    channel, the rest per position (their float in ``recent``), values rotated and quantized
+    in groups of ``value_group``; a window from the start of its first key group (positions
+    before the window repeat its first, out of any query's reach).
 
-    ``stored``: the row's packed keys and values as a q4 file stores them (the same positions,
-    keys per channel in their whole groups): kept as they are wherever the row holds them
-    quantized, so a q4 file joins the batch without being quantized again."""
+    ``stored``: the row's packed keys and values as a q4 file of the same group sizes stores
+    them (the same positions, keys per channel in their whole groups): kept as they are
+    wherever the row holds them quantized, so a q4 file joins the batch without being
+    quantized again."""
+    group = KEY_GROUP_SIZE
     window = row.max_size if isinstance(row, RotatingKVCache) else None
     out = KVCache() if window is None else RotatingKVCache(window)
     out.offset, out.recent = row.offset, None
@@ -761,13 +820,13 @@ def channel_row(row: Any, group: int, stored: tuple[mx.array, mx.array] | None =
             for x in (keys, values)
         )
     quantized = max(0, channel_boundary(n, group) - start)
-    parts = [packed(keys[..., quantized:, :], 4, group)]
+    parts = [packed_per_position(keys[..., quantized:, :], group)]
     if quantized:
         parts.insert(
             0, join_packed(*quantize_per_channel(as_float16(keys[..., :quantized, :]), group))
         )
     out.keys = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-    out.values = packed(hadamard(values.astype(mx.float32)), 4, group)
+    out.values = packed(hadamard(values.astype(mx.float32)), 4, value_group)
     if stored is not None:  # (a window's file can hold more positions than the window)
         stored = tuple(x[..., x.shape[2] - held :, :] for x in stored)
         first = n - held  # the position of the first one held
@@ -804,9 +863,10 @@ def _last(x: mx.array, f: int) -> mx.array:
     )
 
 
-def expanded_channel_row(row: Any, group: int, dims: tuple[int, int], dtype: Any) -> Any:
-    """A :func:`channel_row` (or a row extracted from a channel-quantized buffer) in ``dtype``:
-    a window's last ``max_size`` positions."""
+def expanded_channel_row(row: Any, value_group: int, dims: tuple[int, int], dtype: Any) -> Any:
+    """A :func:`channel_row` (values in groups of ``value_group``, or a row extracted from a
+    channel-quantized buffer) in ``dtype``: a window's last ``max_size`` positions."""
+    group = KEY_GROUP_SIZE
     window = row.max_size if isinstance(row, RotatingKVCache) else None
     out = KVCache() if window is None else RotatingKVCache(window)
     out.offset = row.offset
@@ -821,7 +881,7 @@ def expanded_channel_row(row: Any, group: int, dims: tuple[int, int], dtype: Any
     keys = _overlay(
         channel_keys_f32(held_keys, dims[0], group, pos, False), row.recent[0], floats, L - 1, False
     )
-    values = hadamard(expand(held_values, dims[1], mx.float32, 4, group))
+    values = hadamard(expand(held_values, dims[1], mx.float32, 4, value_group))
     values = _overlay(values, row.recent[1], floats, L - 1, False)
     if window is not None:
         keep = min(L, window)

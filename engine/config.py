@@ -9,13 +9,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-# The group size a precision quantizes in unless told. q4 (keys per channel): 32, which keeps
-# 98% of teacher-forced top-1 tokens at a 4K history on gemma3-270m, against 95% at 128. q8
-# (keys rotated, ``engine.kv.quant``): 128, 0.516x the bytes of float16 against 0.5625x at 32,
-# diverging from the exact model about as much as unrotated keys in groups of 32 did (README,
-# *Resume fidelity*). Unquantized caches record DEFAULT_GROUP_SIZE (it is not used).
+# The group size a precision quantizes in unless told. q4 (values rotated; keys per channel in
+# groups of KEY_GROUP_SIZE positions, ``engine.kv.quant``): 128, whose values lose no more
+# than in groups of 32 once rotated, at 4.25 bits a value instead of 5. q8 (keys rotated):
+# 128, 0.516x the bytes of float16 against 0.5625x at 32, diverging from the exact model about
+# as much as unrotated keys in groups of 32 did (README, *Resume fidelity*). Unquantized
+# caches record DEFAULT_GROUP_SIZE (it is not used).
 DEFAULT_GROUP_SIZE = 32
-GROUP_SIZE_BY_BITS = {8: 128, 4: 32}
+GROUP_SIZE_BY_BITS = {8: 128, 4: 128}
+# q4 keys per channel: the positions each channel's scale and bias cover. Keys cost q4 most
+# of its fidelity; 16 positions instead of 32 keep 98% of teacher-forced top-1 tokens at a
+# 4K history on gemma3-270m with values in groups of 128, at the bytes of 32 and 32 (README,
+# *Four-bit schemes*).
+KEY_GROUP_SIZE = 16
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
 
 
@@ -65,12 +71,14 @@ class EngineConfig(BaseModel):
         stats_window_s: window of the aggregate decode tok/s.
         batch_kv_bits: hold the layers' keys and values quantized in the running batch (8
             or 4; None: in the model's precision): q8 in groups of 128 is 0.52x the bytes of
-            float16 (0.26x of float32; keys rotated), q4 in groups of 32 0.31x and 0.16x
-            (keys per channel, values rotated), each plus a row's newest positions in float
-            (see ``engine.batch_caches``), so the KV budget holds more long-history turns.
-        batch_kv_group_size: its quantization group size (32, 64 or 128; a layer whose
-            heads it does not divide uses another that does, or stays unquantized). None:
-            128 at 8 bits, 32 at 4 (:data:`GROUP_SIZE_BY_BITS`).
+            float16 (0.26x of float32; keys rotated), q4 0.32x and 0.16x (keys per channel
+            over 16 positions, values rotated in groups of 128), each plus a row's newest
+            positions in float (see ``engine.batch_caches``), so the KV budget holds more
+            long-history turns.
+        batch_kv_group_size: its quantization group size (32, 64 or 128; q4: of the values,
+            its keys' groups are :data:`KEY_GROUP_SIZE` positions; a layer whose heads it
+            does not divide uses another that does, or stays unquantized). None: 128
+            (:data:`GROUP_SIZE_BY_BITS`).
         cache_block_tokens: tokens per stored cache block (the runtime's ``kv_block_tokens``):
             a cache may start at any multiple of it, so a q8 batch reads no float copy across
             one (see ``engine.batch_caches.QuantizedLayer``). None: caches start only where

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from engine.batch_caches import Packing, is_packed
-from engine.config import EngineConfig
+from engine.config import KEY_GROUP_SIZE, EngineConfig
 from engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from engine.grammar import Grammars
 from engine.loop import GenerationLoop
@@ -43,6 +43,8 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
 def _describe(packing: Packing) -> str:
     groups = sorted({g for g in packing.group_sizes if g is not None})
     rotated = ", keys rotated" if any(packing.rotated_keys) else ""
+    if packing.any_channel:
+        rotated = f", keys per channel over {KEY_GROUP_SIZE} positions, values rotated"
     return (
         f"at {packing.bits} bits in groups of {'/'.join(map(str, groups))}{rotated} "
         f"({packing.dtype})"

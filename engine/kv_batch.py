@@ -40,7 +40,7 @@ from engine.batch_caches import (
     quantized_token_bytes,
     rotates_keys,
 )
-from engine.config import choose_group_size, group_size_for
+from engine.config import KEY_GROUP_SIZE, choose_group_size, group_size_for
 from engine.errors import InvalidCacheError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -99,9 +99,10 @@ class KVLayout:
                 _warn_unquantized(dk, dv)
                 continue
             groups[i] = chosen
-            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen)
             # q4 keeps keys per channel and rotates values (a power-of-two head size).
-            channel[i] = bits == 4 and dk % 8 == 0 and dv & (dv - 1) == 0
+            channel[i] = bits == 4 and dk % KEY_GROUP_SIZE == 0 and dv & (dv - 1) == 0
+            key_group = KEY_GROUP_SIZE if channel[i] else chosen
+            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, key_group)
             # q8 rotates keys (a power-of-two head size), as a q8 file stores them.
             rotated[i] = rotates_keys(bits, dk)
         dims = tuple((dk, dv) for _, dk, dv in heads)
@@ -135,7 +136,7 @@ class KVLayout:
         """A quantized layer's float positions (and a q4 ring's extra key group)."""
         if self.packing is None or not self.packing.quantized(i):
             return 0
-        group, (n, dk, dv) = self.packing.group_sizes[i], self.heads[i]
+        group, (n, dk, dv) = self.packing.key_group(i), self.heads[i]
         if not self.packing.channel_keys(i):
             return FLOAT_WINDOW * n * (dk + dv) * self.packing.dtype.size
         floats = float_window(group) * n * (dk + dv) * self.packing.dtype.size
@@ -177,7 +178,7 @@ class KVLayout:
             keys = layer.keys
             if not isinstance(keys, mx.array) or keys.ndim != 4 or not is_packed(layer):
                 continue
-            ring = w + self.packing.group_sizes[i]  # with its extra key group (_float_extra)
+            ring = w + self.packing.key_group(i)  # with its extra key group (_float_extra)
             extra = max(extra, keys.shape[2] - ring)
         return extra
 

@@ -214,7 +214,8 @@ def test_a_q4_row_keeps_its_key_groups_whole_and_reserves_what_it_holds(model):
     window = min((w for w in layout.windows if w), default=None)
     if window is None:
         pytest.skip("no sliding-window layers")
-    group = layout.packing.group_sizes[layout.windows.index(window)]
+    group = layout.packing.key_group(layout.windows.index(window))
+    assert group == 16  # (positions of a key group, whatever the values' group size)
     n = 2 * window + group + 7
     install(model)
     buffers = KVGroup.start(layout, Seq(n), None)
@@ -471,8 +472,9 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         float_window,
         hadamard,
     )
+    from engine.config import KEY_GROUP_SIZE as K
 
-    group, H, D, steps = 32, 2, 64, 90
+    group, H, D, steps = 32, 2, 64, 90  # (values in groups of 32, keys of K positions)
     lengths = [7, 96]  # the window starts a key group: no position of one is lost
     keys = mx.random.normal((2, H, max(lengths) + steps, D), key=mx.random.key(1))
     keys = keys * mx.where(mx.arange(D) == 5, 100.0, 1.0)
@@ -517,7 +519,7 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
             assert mx.allclose(out[b : b + 1], ref, atol=1e-4).item(), (window, t, b)
     for b, row in enumerate(whole_rows):
         got, want = buffer.extract(b), channel_row(row, group)
-        n, f = row.offset, float_window(group)
+        n, f = row.offset, float_window(K)
         assert got.offset == want.offset == n
         assert isinstance(got, KVCache if window is None else RotatingKVCache)
         assert all(
@@ -526,37 +528,44 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         assert mx.array_equal(got.recent[0][0, :, -1], keys[b, :, n - 1]).item()
         assert got.recent[0].shape[2] == f
         # The groups the window reaches (older ones are overwritten in its ring).
-        whole = -(-(n - min(n, window or n)) // group) * group
+        whole = -(-(n - min(n, window or n)) // K) * K
         cols = want.keys.shape[2] - (n - whole)
         assert mx.array_equal(got.keys[..., -(n - whole) :, :], want.keys[..., cols:, :]).item()
         assert mx.array_equal(got.values[..., -(n - whole) :, :], want.values[..., cols:, :]).item()
 
 
 def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
-    from engine.batch_caches import channel_boundary, channel_row, join_packed, packed
+    from engine.batch_caches import (
+        channel_boundary,
+        channel_row,
+        join_packed,
+        packed,
+        packed_per_position,
+    )
     from engine.kv.quant import hadamard, quantize_channel_keys
 
     keys = mx.random.normal((1, 2, 150, 64), key=mx.random.key(4)) * 3
     values = mx.random.normal((1, 2, 150, 64), key=mx.random.key(5))
-    row = channel_row(float_rows(keys, values, None), 32)
-    q = channel_boundary(150, 32)
-    assert q == 128  # whole groups at least FLOAT_WINDOW old
-    stored = join_packed(*quantize_channel_keys(keys[..., :q, :], 0, 32))
+    row = channel_row(float_rows(keys, values, None), 32)  # values in groups of 32
+    q = channel_boundary(150, 16)
+    assert q == 128  # whole key groups (16 positions) at least FLOAT_WINDOW old
+    stored = join_packed(*quantize_channel_keys(keys[..., :q, :], 0, 16))
     assert mx.array_equal(row.keys[..., :q, :], stored).item()
-    assert mx.array_equal(row.keys[..., q:, :], packed(keys[..., q:, :], 4, 32)).item()
+    assert mx.array_equal(row.keys[..., q:, :], packed_per_position(keys[..., q:, :], 16)).item()
     assert mx.array_equal(row.values, packed(hadamard(values), 4, 32)).item()
 
 
-@pytest.mark.parametrize("window", [None, 48, 64])
-@pytest.mark.parametrize(("query_heads", "chunk"), [(2, 1), (8, 1), (4, 5), (4, 40)])
+@pytest.mark.parametrize("window", [None, 40, 64])
+@pytest.mark.parametrize(("query_heads", "chunk"), [(2, 1), (8, 1), (4, 3), (4, 5), (4, 40)])
 def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expanded(
     window, query_heads, chunk
 ):
     """Attention over a four-bit layer scores each key group against the query scaled by the
     group's scales instead of expanding the keys (decode steps, grouped query heads, small
-    chunks with their causal mask, a ring of a whole number of groups); many query rows (a
-    40-token chunk) or a ring that splits a group expand them. Either way it gives what
-    attention over the expanded keys gives, rows of different lengths padded."""
+    chunks with their causal mask, a ring of a whole number of groups); more query rows than
+    a key group has positions (a 5- or 40-token chunk of 4 heads) or a ring that splits a
+    group (a 40-position window's) expand them. Either way it gives what attention over the
+    expanded keys gives, rows of different lengths padded."""
     from engine.attention import quantized_attention
     from engine.batch_caches import channel_buffer, channel_row, hadamard
 

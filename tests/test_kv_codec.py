@@ -30,7 +30,7 @@ from engine.kv.encoded import (
     EncodedCache,
     choose_group_size,
 )
-from engine.kv.layouts import group_of
+from engine.kv.layouts import group_of, part_group
 from engine.kv.load import BlockRun, decode_paged
 from engine.kv.paged import PagedCache, encode_paged, split_blocks
 from engine.kv.quant import (
@@ -161,7 +161,8 @@ async def test_quantized_keys_are_close_and_q8_is_much_closer_than_q4(engine):
         for i, ((ok, ov), (dk, dv)) in enumerate(pairs):
             for name, exact, approx in (("keys", ok, dk), ("values", ov, dv)):
                 scales = encoded.tensors[f"layers.{i}.{name}.scales"].astype(np.float32)
-                step = element_steps(scales, layouts[i], name, group_of(encoded, layouts[i]))
+                group = part_group(layouts[i], name, group_of(encoded, layouts[i]))
+                step = element_steps(scales, layouts[i], name, group)
                 if layouts[i].get(f"rotated_{name}"):  # bounded where quantized
                     exact, approx = hadamard_on_host(exact), hadamard_on_host(approx)
                 err = np.abs(exact - approx)
@@ -187,10 +188,45 @@ def element_steps(scales: np.ndarray, layout: dict, kind: str, group: int) -> np
     return step
 
 
+def test_a_q4_file_from_before_key_groups_of_16_reads_as_written(monkeypatch):
+    """q4 files written before keys had groups of their own (``channel_keys`` without
+    ``key_group_size``: keys per channel over the layer's group size) read as written, in
+    MLX and on the host; a newer file read as if it were one is refused on its key scales'
+    shape (as a reader from before refuses it), not misread."""
+    import engine.kv.whole
+
+    mx.random.seed(7)
+    n = 150
+    keys = mx.random.normal((1, 2, n, 64)) * mx.array([30.0] + [1.0] * 63)
+    layer = KVCache()
+    layer.update_and_fetch(keys, mx.random.normal((1, 2, n, 64)))
+    cache = PromptCache([layer], list(range(n)))
+    old_flags = {"channel_keys": True, "rotated_values": True}
+    monkeypatch.setattr(engine.kv.whole, "quant_scheme", lambda *args, **kwargs: old_flags)
+    old = encode_cache(cache, 4, 32)
+    monkeypatch.undo()
+    new = encode_cache(cache, 4, 32)
+    exact = np.array(keys.astype(mx.float16).astype(mx.float32))
+    for encoded, key_group in ((old, 32), (new, 16)):
+        (layout,) = json.loads(encoded.metadata["layers"])
+        assert layout.get("key_group_size") == (None if key_group == 32 else 16)
+        scales = encoded.tensors["layers.0.keys.scales"]
+        assert scales.shape == (1, 2, n, 64 // key_group)
+        step = element_steps(scales.astype(np.float32), layout, "keys", key_group)
+        for decoded in (decode_cache(encoded), decode_cache(dequantize_on_host(encoded))):
+            err = np.abs(np.array(decoded.layers[0].keys) - exact)
+            assert np.all(err <= 0.5 * step + 2**-10 * np.abs(exact))
+    (layout,) = json.loads(new.metadata["layers"])
+    del layout["key_group_size"]
+    relabelled = EncodedCache(new.tensors, new.metadata | {"layers": json.dumps([layout])})
+    with pytest.raises(CacheFormatError, match=r"layers\.0\.keys\.scales"):
+        decode_cache(relabelled)
+
+
 def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
     # One key channel 100x the others: per token, its range would set every channel's step.
     mx.random.seed(5)
-    n, window = 150, 64  # the sliding layer holds 86..149: one whole group, 96..127
+    n, window = 150, 64  # the sliding layer holds 86..149: whole groups 96..143
     keys = mx.random.normal((1, 2, n, 64)) * mx.array([100.0] + [1.0] * 63)
     values = mx.random.normal((1, 2, n, 64))
     whole_layer, sliding = KVCache(), RotatingKVCache(max_size=window)
@@ -204,25 +240,27 @@ def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
     x16 = np.array(keys.astype(mx.float16).astype(mx.float32))
     for i, first in ((0, 0), (1, n - window)):
         stored = x16[:, :, first:]
-        a, b = channel_span(first, n - first, 32)
-        assert (a, b) == ((0, 128) if i == 0 else (10, 42))
-        words = encoded.tensors[f"layers.{i}.keys.q"]
+        a, b = channel_span(first, n - first, 16)
+        assert (a, b) == ((0, 144) if i == 0 else (10, 58))
         scales = encoded.tensors[f"layers.{i}.keys.scales"]
         biases = encoded.tensors[f"layers.{i}.keys.biases"]
-        # Whole groups: each channel's float16 (max - min) / 15 and min over its 32 positions,
-        # laid out 2 channels to a position's slots (64 / 32).
-        groups = stored[:, :, a:b].reshape(1, 2, (b - a) // 32, 32, 64)
+        # Whole groups: each channel's float16 (max - min) / 15 and min over its 16 positions,
+        # laid out 4 channels to a position's slots (64 / 16).
+        groups = stored[:, :, a:b].reshape(1, 2, (b - a) // 16, 16, 64)
         low, high = groups.min(axis=3), groups.max(axis=3)
-        want = ((high - low) / 15).astype(np.float16).reshape(1, 2, b - a, 2)
+        want = ((high - low) / 15).astype(np.float16).reshape(1, 2, b - a, 4)
         np.testing.assert_array_equal(scales[:, :, a:b], want)
         np.testing.assert_array_equal(biases[:, :, a:b], low.astype(np.float16).reshape(want.shape))
-        # Elsewhere, per token, as mx.quantize stores it.
+        # Elsewhere, per token by the same rule, in groups of 16 channels (which mx.quantize
+        # does not take).
         for lo, hi in ((0, a), (b, n - first)):
             if hi > lo:
-                part = keys[:, :, first + lo : first + hi].astype(mx.float16)
-                q, s_, _ = mx.quantize(part, group_size=32, bits=4)
-                np.testing.assert_array_equal(words[:, :, lo:hi], np.array(q))
-                np.testing.assert_array_equal(scales[:, :, lo:hi], np.array(s_))
+                part = stored[:, :, lo:hi].reshape(1, 2, hi - lo, 4, 16)
+                low, high = part.min(axis=4), part.max(axis=4)
+                np.testing.assert_array_equal(
+                    scales[:, :, lo:hi], ((high - low) / 15).astype(np.float16)
+                )
+                np.testing.assert_array_equal(biases[:, :, lo:hi], low.astype(np.float16))
         # The small channels keep a small step where whole groups hold them.
         decoded = decode_cache(encoded).layers[i]
         got = np.array(decoded.keys if i == 0 else decoded._temporal_order(decoded.keys))
@@ -267,21 +305,21 @@ async def test_quantized_sizes_against_float16(engine):
     assert token_bytes == 130 * 4
     fp16_kv = (encoded[None].nbytes - token_bytes) // 2  # the tiny models are float32
     ratios = {b: (encoded[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)}
-    # Groups of 32: (d + 4d/32) / 2d and (d/2 + 4d/32) / 2d.
-    assert ratios == {8: 0.5625, 4: 0.3125}
+    # Groups of 32: (d + 4d/32) / 2d; q4 keys per channel over 16 positions, (d/2 + 4d/16) /
+    # 2d, and values (d/2 + 4d/32) / 2d.
+    assert ratios == {8: 0.5625, 4: (0.375 + 0.3125) / 2}
     assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.57
-    assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.32
+    assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.35
     at_64 = {b: await engine.run(encode_cache, cache, b, 64) for b in (8, 4)}
     assert {b: (at_64[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)} == {
         8: 0.53125,
-        4: 0.28125,
+        4: (0.375 + 0.28125) / 2,
     }
-    # No group size: each precision's own, q8 128 (64 here: 128 does not divide the heads of
-    # 64) and q4 32.
+    # No group size: each precision's own, 128 (64 here: 128 does not divide the heads of 64).
     default = {b: await engine.run(encode_cache, cache, b) for b in (8, 4)}
     assert {b: (default[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)} == {
         8: 0.53125,
-        4: 0.3125,
+        4: (0.375 + 0.28125) / 2,
     }
 
 
@@ -296,6 +334,7 @@ async def test_tensor_names_and_metadata(gemma):
     }
     assert encoded.tensors["layers.0.keys.q"].shape == (1, 2, WINDOW, 64 * 4 // 32)
     assert encoded.tensors["layers.1.values.scales"].shape == (1, 2, 130, 64 // 32)
+    assert encoded.tensors["layers.1.keys.scales"].shape == (1, 2, 130, 64 // 16)
     assert encoded.nbytes == sum(t.nbytes for t in encoded.tensors.values())
     metadata = encoded.metadata
     assert (metadata["format_version"], metadata["kv_bits"], metadata["group_size"]) == (
@@ -314,6 +353,7 @@ async def test_tensor_names_and_metadata(gemma):
         "values_shape": [1, 2, WINDOW, 64],
         "group_size": 32,
         "channel_keys": True,
+        "key_group_size": 16,
         "rotated_values": True,
     }
     assert full == rotating | {"type": "KVCache", "max_size": None, "keep": None} | {
@@ -714,6 +754,7 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
     are: the positions it holds quantized are exactly what quantizing the original cache gives
     (not the file's dequantized values quantized again); the newest are float."""
     from engine.batch_caches import channel_boundary, float_window, is_packed
+    from engine.config import KEY_GROUP_SIZE as K
     from engine.kv_batch import KVLayout
 
     cache = await history(gemma, n)
@@ -723,22 +764,22 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
     got = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing)
     assert got.packing == packing and all(is_packed(x) for x in got.layers)
     floats = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
-    quantized = channel_boundary(n, 32)
+    quantized = channel_boundary(n, K)
     for i, (row, original) in enumerate(zip(got.layers, cache.layers, strict=True)):
         want = packing.pack(i, original)  # the batch's row of the original, float cache
         assert row.keys.shape == want.keys.shape and row.offset == want.offset == n
         first = n - min(n, original.max_size if isinstance(original, RotatingKVCache) else n)
-        whole = -(-first // 32) * 32 - first // 32 * 32  # columns before the first whole group
-        stop = quantized - first // 32 * 32
-        # (A 32-position window is all float: its positions are newer than FLOAT_WINDOW + 32.)
+        whole = -(-first // K) * K - first // K * K  # columns before the first whole key group
+        stop = quantized - first // K * K
+        # (A 32-position window is all float: its positions are newer than FLOAT_WINDOW + K.)
         assert stop > whole or isinstance(original, RotatingKVCache)
         assert mx.array_equal(row.keys[..., whole:stop, :], want.keys[..., whole:stop, :]).item()
         assert mx.array_equal(
-            row.values[..., first % 32 :, :], want.values[..., first % 32 :, :]
+            row.values[..., first % K :, :], want.values[..., first % K :, :]
         ).item()
         # The newest positions in float: what the file holds for them, expanded.
         expanded = floats.layers[i]
-        held = min(float_window(32), expanded.keys.shape[2])
+        held = min(float_window(K), expanded.keys.shape[2])
         assert mx.array_equal(row.recent[0][..., -held:, :], expanded.keys[..., -held:, :]).item()
         assert mx.array_equal(row.recent[1][..., -held:, :], expanded.values[..., -held:, :]).item()
 
@@ -800,26 +841,32 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read
 
 
 async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_path):
-    cache = await history(gemma, 3 * BLOCK + 5)  # BLOCK 16: half a 32-position key group
-    paged = await gemma.run(encode_paged, cache, 4, 32, BLOCK)
+    odd = 24  # a key group and a half
+    cache = await history(gemma, 3 * odd + 5)
+    paged = await gemma.run(encode_paged, cache, 4, 32, odd)
     layouts = json.loads(paged.tail.metadata["layers"])
     assert all("channel_keys" not in x and x["rotated_values"] for x in layouts)
     entries = json.loads(paged.segments[0].metadata["layers"])
     assert all("channel_keys" not in e and e["rotated_values"] for e in entries)
     tail, block_paths = write_paged(tmp_path, paged)
     decoded = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
-    blocks = split_blocks(paged.segments[0], BLOCK)
+    blocks = split_blocks(paged.segments[0], odd)
     on_host = await gemma.run(decode_cache, dequantize_on_host(assemble_paged(paged.tail, blocks)))
     for (a, b), (c, d) in await temporal_pairs(gemma, on_host, decoded):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, d)
     # Blocks of another scheme than their tail's are refused.
+    # (A block of keys per channel in groups of the layer's group size, as written before key
+    # groups of 16, is one.)
     whole_groups = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
-    block = whole_groups.segments[0]
-    per_token = [{k: v for k, v in e.items() if k != "channel_keys"} for e in entries]
-    relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(per_token)})
-    with pytest.raises(CacheFormatError, match="quantization scheme differs from the tail"):
-        assemble_paged(whole_groups.tail, [relabelled], join=False)
+    block = split_blocks(whole_groups.segments[0], 2 * BLOCK)[0]
+    own = json.loads(block.metadata["layers"])
+    assert all(e["channel_keys"] and e["key_group_size"] == 16 for e in own)
+    for drop in ("channel_keys", "key_group_size"):
+        other = [{k: v for k, v in e.items() if k != drop} for e in own]
+        relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(other)})
+        with pytest.raises(CacheFormatError, match="quantization scheme differs from the tail"):
+            assemble_paged(whole_groups.tail, [relabelled], join=False)
 
 
 async def test_a_q4_tail_at_a_block_boundary_with_no_new_blocks_saves(gemma, tmp_path):

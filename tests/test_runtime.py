@@ -194,7 +194,7 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             await rt.chat("q", "Hello there", max_tokens=20)
         async with await AgentRuntime.open(config(data, kv_bits=bits)) as rt:
             entry = (await rt.cache_info("q")).stored
-            group = {8: 128, 4: 32}[bits]  # each precision's own (the head size 64: q8 in 64s)
+            group = 128  # each precision's own (the head size 64: in 64s)
             assert (entry.kv_bits, entry.group_size, entry.message_count) == (bits, group, 2)
             reply = await rt.chat("q", "Again", max_tokens=8)
             assert reply.cache_source == "disk"
@@ -902,19 +902,22 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
             exported = await rt.export_cache("h")
             assert exported.packing is None
             assert all(layer.keys.dtype == mx.float32 for layer in exported.layers)
-            if bits == 4:  # per position held: q4's bytes, and 48 positions in float
+            if bits == 4:  # per position held: q4's bytes, and 32 positions in float
                 for packed, floats in zip(held.layers, exported.layers, strict=True):
                     position = floats.nbytes / floats.keys.shape[2]
                     quantized = packed.nbytes / packed.keys.shape[2]
-                    assert quantized / position == pytest.approx((0.5 + 4 / 32) / 4)
-                    assert sum(x.nbytes for x in packed.recent) == 48 * position
+                    # Keys per channel over 16 positions, values in groups of 64 (128 does not
+                    # divide the head size 64): half a byte a value and a scale and bias.
+                    keys, values = 0.5 + 4 / 16, 0.5 + 4 / 64
+                    assert quantized / position == pytest.approx((keys + values) / 2 / 4)
+                    assert sum(x.nbytes for x in packed.recent) == 32 * position
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"
     # A float32 value is 4 bytes; at q8 in groups of 64 (128 does not divide the head size
     # 64) it is 1 byte, plus a float16 scale and bias (4 bytes) a group of 64.
     assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 64) / 4, rel=0.02)
-    # q4: half a byte a value and a scale and bias a group of 32, but 48 positions in float
-    # (more than this short cache holds: q4 pays off for long histories).
+    # q4: half a byte a value and its scales and biases, but 32 positions in float (more than
+    # this short cache holds: q4 pays off for long histories).
     assert per_token[4] > per_token[8]
 
 
@@ -952,9 +955,9 @@ def test_runtime_batch_kv_bits_is_the_engines():
     assert engine(kv_group_size=64, engine=given).batch_kv_group_size == 128
     # Unset, each precision quantizes in its own groups, disk and batch alike.
     assert engine(batch_kv_bits=8).batch_group_size == 128
-    assert engine(batch_kv_bits=4).batch_group_size == 32
+    assert engine(batch_kv_bits=4).batch_group_size == 128  # (q4: of the values)
     assert RuntimeConfig(model="m").disk_group_size == 128  # kv_bits 8
-    assert RuntimeConfig(model="m", kv_bits=4).disk_group_size == 32
+    assert RuntimeConfig(model="m", kv_bits=4).disk_group_size == 128
     assert RuntimeConfig(model="m", kv_bits=4, kv_group_size=64).disk_group_size == 64
     copied = RuntimeConfig(model="m").model_copy(update={"batch_kv_bits": 8})
     assert copied.engine_config().batch_kv_bits == 8

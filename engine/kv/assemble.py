@@ -16,7 +16,7 @@ from engine.kv.encoded import (
     is_paged_format,
     tensor,
 )
-from engine.kv.layouts import STORED, parse_paged_layouts, part_names
+from engine.kv.layouts import STORED, parse_paged_layouts, part_group, part_names
 from engine.kv.quant import quantized_parts
 
 
@@ -140,7 +140,14 @@ def _check_block(
     for i, layout in globals_.items():
         entry = entries[i]
         layer_group = layout.get("group_size") if kv_bits else None
-        fields = ("dtype", "group_size", "channel_keys", "rotated_values", "rotated_keys")
+        fields = (
+            "dtype",
+            "group_size",
+            "channel_keys",
+            "key_group_size",
+            "rotated_values",
+            "rotated_keys",
+        )
         if any(entry.get(f) != layout.get(f) for f in fields):
             raise CacheFormatError(
                 f"block {j} layer {i}: dtype, group size or quantization scheme differs from "
@@ -154,7 +161,7 @@ def _check_block(
                 tensor(block, name, shape, STORED[layout["dtype"]])
                 expected.add(name)
             else:
-                quantized_parts(block, name, shape, layer_group)
+                quantized_parts(block, name, shape, part_group(layout, kv, layer_group))
                 expected |= {f"{name}.q", f"{name}.scales", f"{name}.biases"}
     if extra := sorted(set(block.tensors) - expected):
         raise CacheFormatError(f"block {j} has unexpected tensors {extra}")

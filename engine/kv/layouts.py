@@ -15,6 +15,8 @@ from engine.batch_caches import Packing, is_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache
 
+KEY_GROUP_SIZES = (16, *GROUP_SIZES)  # of keys per channel: positions a scale covers
+
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
 LAYER_TYPES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
@@ -61,6 +63,15 @@ def group_of(encoded: EncodedCache, layout: dict[str, Any]) -> int | None:
     if encoded.kv_bits is None:
         return None
     return layout.get("group_size", encoded.group_size)
+
+
+def part_group(layout: dict[str, Any], kind: str, group: int) -> int:
+    """The group size of a quantized layer's ``kind`` ("keys" or "values") given the layer's
+    ``group``: keys per channel in their ``key_group_size`` (a layout written before key groups
+    had their own: the layer's)."""
+    if kind == "keys" and layout.get("channel_keys", False):
+        return layout.get("key_group_size", group)
+    return group
 
 
 def part_names(i: int, group_size: int | None) -> list[str]:
@@ -128,6 +139,10 @@ def layout_problem(layout: Any) -> str | None:
             layout[flag] is not True or layout.get("group_size") is None
         ):
             return f"{flag} must be true or false, and true only for a quantized layer"
+    if "key_group_size" in layout and (
+        layout["key_group_size"] not in KEY_GROUP_SIZES or not layout.get("channel_keys")
+    ):
+        return f"key_group_size must be one of {KEY_GROUP_SIZES}, and only with channel_keys"
     if not ints(layout["offset"], low=1):
         return "offset must be a positive integer"
     if layout["type"] == "RotatingKVCache" and not (
@@ -137,6 +152,8 @@ def layout_problem(layout: Any) -> str | None:
     k, v = layout["keys_shape"], layout["values_shape"]
     if not all(isinstance(s, list) and len(s) == 4 and ints(*s, low=1) for s in (k, v)):
         return "keys_shape and values_shape must be 4 positive integers (B, heads, length, dim)"
+    if k[3] % layout.get("key_group_size", 1):
+        return f"key_group_size {layout['key_group_size']} does not divide the key head size {k[3]}"
     if k[:3] != v[:3]:
         return "keys and values disagree on batch, heads or length"
     length, offset, max_size = k[2], layout["offset"], layout["max_size"]

@@ -6,22 +6,25 @@ float16 scale and bias per group of ``group_size`` values), keys rotated first b
 orthonormal Walsh-Hadamard transform of the head dimension (:func:`hadamard`; a power-of-two
 head size): a key's few large channels otherwise set its groups' scales, and the rest lose
 their precision (``bench_fidelity`` and ``bench_q4_schemes`` measure it). q4 quantizes values
-rotated the same way (a few large channels spread over all of them), and quantizes keys per
-channel instead: each channel over ``group_size`` consecutive positions (KIVI). Keys have
-outlier channels that one per-token scale cannot serve; along the positions, a channel's
-values are alike. On ``gemma3-270m`` at a
-4K-token history that keeps 98.0% of teacher-forced top-1 tokens, against 90.2% for per-token
-q4, at the same bytes (``bench_fidelity``).
+rotated the same way (a few large channels spread over all of them), in groups of the layer's
+``group_size``, and quantizes keys per channel instead: each channel over ``key_group_size``
+(:data:`~engine.config.KEY_GROUP_SIZE`, 16) consecutive positions (KIVI). Keys have outlier
+channels that one per-token scale cannot serve; along the positions, a channel's values are
+alike. Per-token q4 kept 90.2% of teacher-forced top-1 tokens on ``gemma3-270m`` at a
+4K-token history (``bench_fidelity``); see the README's *Four-bit schemes* for this scheme's.
 
 A per-channel key group is positions ``[k * group, (k + 1) * group)`` of the sequence, whole
-inside the stored ones; its ``group_size`` scales (and biases) are spread over its positions'
-scale slots, ``head_dim / group_size`` to a position, in channel order. So every tensor has
-the shapes of per-token q4 and is cut into blocks along the positions like it; positions of a
-group that is not whole (a sliding window's first, a cache's last) stay per token, and so do
-all of a window's keys when it keeps its first positions (mlx-lm's ``keep``). A layer's
-layout says which scheme it uses (``channel_keys``, ``rotated_values``, q8's
-``rotated_keys``); a layout without them (unquantized, or a file written before) is per token
-and unrotated.
+inside the stored ones; its ``head_dim`` scales (and biases) are spread over its positions'
+scale slots, ``head_dim / group`` to a position, in channel order. So every tensor has the
+shapes of per-token q4 in groups of ``group`` and is cut into blocks along the positions like
+it; positions of a group that is not whole (a sliding window's first, a cache's last) are
+quantized per token in groups of ``group`` channels (by the same min/max rule,
+``engine.batch_caches.quantize_per_position``), and all of a window's keys are per token in
+the layer's ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's
+layout says which scheme it uses (``channel_keys`` with its ``key_group_size``,
+``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized, or a file
+written before) is per token and unrotated, and one with ``channel_keys`` but no
+``key_group_size`` (written before key groups of 16) has key groups of its ``group_size``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ from engine.batch_caches import (
     as_float16,
     hadamard,
     quantize_per_channel,
+    quantize_per_position,
     rotates_keys,
 )
+from engine.config import KEY_GROUP_SIZE
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
-from engine.kv.layouts import STORED, group_of, parse_layouts
+from engine.kv.layouts import STORED, group_of, parse_layouts, part_group
 
 log = logging.getLogger(__name__)
 ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's flag for each
@@ -55,20 +60,22 @@ def quant_scheme(
     dims: tuple[int, int],
     block_tokens: int | None = None,
     keep: int | None = None,
-) -> dict[str, bool]:
-    """The layout flags of a layer of (key, value) head sizes ``dims`` quantized at
+) -> dict[str, bool | int]:
+    """The layout fields of a layer of (key, value) head sizes ``dims`` quantized at
     ``kv_bits`` in groups of ``group_size``: q8's ``rotated_keys`` (a power-of-two key head
-    size), q4's ``channel_keys`` and ``rotated_values`` where they apply (paged in blocks a
-    whole number of key groups long, and not a window that keeps its first positions, whose
-    stored order is not the positions'; a power-of-two value head size to rotate), else none."""
+    size), q4's ``channel_keys`` (with its ``key_group_size``) and ``rotated_values`` where
+    they apply (paged in blocks a whole number of key groups long, and not a window that keeps
+    its first positions, whose stored order is not the positions'; a power-of-two value head
+    size to rotate), else none."""
     key_dim, value_dim = dims
     if group_size is None or kv_bits is None:
         return {}
     if kv_bits == 8:
         return {"rotated_keys": True} if rotates_keys(kv_bits, key_dim) else {}
-    fields = {}
-    if (block_tokens is None or block_tokens % group_size == 0) and not keep:
-        fields["channel_keys"] = True
+    fields: dict[str, bool | int] = {}
+    group = KEY_GROUP_SIZE
+    if (block_tokens is None or block_tokens % group == 0) and not keep and key_dim % group == 0:
+        fields |= {"channel_keys": True, "key_group_size": group}
     if value_dim & (value_dim - 1) == 0:
         fields["rotated_values"] = True
     return fields
@@ -82,11 +89,11 @@ def stored_kv(
     group_size: int | None,
     packing: Packing | None = None,
     start: int = 0,
-    scheme: dict[str, bool] | None = None,
+    scheme: dict[str, bool | int] | None = None,
 ) -> dict[str, mx.array]:
     """Layer ``i``'s keys and values as stored: as they are (bfloat16 as its uint16 bits), or
     quantized words, scales and biases (lazy); ``start``: the position of the first one;
-    ``scheme``: :func:`quant_scheme`'s flags (rotated keys; per-channel keys, rotated values).
+    ``scheme``: :func:`quant_scheme`'s fields (rotated keys; per-channel keys, rotated values).
 
     Keys and values packed by the batch (``packing``, ``engine.batch_caches``) are the words,
     scales and biases ``mx.quantize`` made of their float16 cast: stored as they are when the
@@ -106,7 +113,8 @@ def stored_kv(
             out[name] = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
             continue
         if kind == "keys" and scheme.get("channel_keys"):
-            q, scales, biases = quantize_channel_keys(x, start, group_size)
+            key_group = scheme.get("key_group_size", group_size)
+            q, scales, biases = quantize_channel_keys(x, start, key_group)
         else:
             if scheme.get(ROTATED[kind]) and x.size:
                 x = hadamard(x.astype(mx.float32))
@@ -129,17 +137,17 @@ def quantize_channel_keys(
     """Keys ``(..., L, D)`` from position ``start`` as 4-bit words (along the head dimension,
     as ``mx.quantize`` packs them) and float16 scales and biases ``(..., L, D / group)``: per
     channel over each whole group of ``group`` positions (its scales spread over its positions'
-    slots), per token elsewhere."""
+    slots), per token in groups of ``group`` channels elsewhere."""
     x = as_float16(keys)
     a, b = channel_span(start, x.shape[-2], group)
     if a == b:
-        return mx.quantize(x, group_size=group, bits=4)
+        return quantize_per_position(x, group)
     pieces = []
     if a:
-        pieces.append(mx.quantize(x[..., :a, :], group_size=group, bits=4))
+        pieces.append(quantize_per_position(x[..., :a, :], group))
     pieces.append(quantize_per_channel(x[..., a:b, :], group))
     if b < x.shape[-2]:
-        pieces.append(mx.quantize(x[..., b:, :], group_size=group, bits=4))
+        pieces.append(quantize_per_position(x[..., b:, :], group))
     return tuple(mx.concatenate([p[k] for p in pieces], axis=-2) for k in range(3))
 
 
@@ -217,10 +225,11 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
             if group_size is None:  # stored unquantized
                 tensors[name] = tensor(encoded, name, shape, STORED[layout["dtype"]])
                 continue
-            parts = quantized_parts(encoded, name, shape, group_size)
+            group = part_group(layout, kv, group_size)
+            parts = quantized_parts(encoded, name, shape, group)
             channels = kv == "keys" and layout.get("channel_keys", False)
             start = layout["offset"] - shape[2] if channels else None
-            x = expand_on_host(*parts, kv_bits, group_size, start)
+            x = expand_on_host(*parts, kv_bits, group, start)
             if layout.get(ROTATED[kv], False) and x.size:
                 x = hadamard_on_host(x)
             tensors[name] = _to_stored(x, layout["dtype"])
@@ -284,9 +293,10 @@ def dequantize_f32(
 ) -> mx.array:
     """Quantized values in float32: ``mx.dequantize`` (``fused``), else ``q * scale + bias``
     as :func:`expand_on_host` computes it; ``channel_start``: keys per channel
-    (:func:`quantize_channel_keys`), always the latter."""
+    (:func:`quantize_channel_keys`), and a group ``mx.dequantize`` does not take, always the
+    latter."""
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    if fused and channel_start is None:
+    if fused and channel_start is None and group in GROUP_SIZES:
         return mx.dequantize(words, scales, biases, group_size=group, bits=bits)
     packed = words.view(mx.uint8)
     if bits == 4:  # each byte: low nibble first
@@ -312,9 +322,10 @@ def expand_layer_part(
     got: dict[str, mx.array], layout: dict, kind: str, bits: int, group: int, fused: bool
 ) -> mx.array:
     """A quantized layer's keys (``kind``) or values, as stored in ``got`` (``.q``,
-    ``.scales``, ``.biases``) under ``layout``, in float32 (the keys' positions end at its
-    ``offset``)."""
+    ``.scales``, ``.biases``) under ``layout`` (the layer's ``group``; keys per channel: in
+    their own), in float32 (the keys' positions end at its ``offset``)."""
     start = None
+    group = part_group(layout, kind, group)
     if kind == "keys" and layout.get("channel_keys", False):
         start = layout["offset"] - got[".q"].shape[-2]
     x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, bits, fused, start)

@@ -13,8 +13,13 @@ describes). Metadata:
 ``format_version``, ``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred
 group size) and ``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``,
 ``keep``, ``dtype``, ``keys_shape``, ``values_shape`` and ``group_size`` (and where they
-apply, at 8 bits ``rotated_keys``, at 4 bits ``channel_keys`` / ``rotated_values``). Keys and
-values are stored in temporal order, only the positions in use.
+apply, at 8 bits ``rotated_keys``, at 4 bits ``channel_keys`` with ``key_group_size`` and
+``rotated_values``). Keys and values are stored in temporal order, only the positions in use.
+
+q4 keys in groups of 16 positions (``key_group_size``) came after q4 keys in groups of the
+layer's ``group_size``: a file of either is read by this version (a layout without the field
+has the old groups); a reader from before ``key_group_size`` refuses the newer q4 files (their
+key scales are not the shape it expects) instead of misreading them.
 
 Each layer is quantized with the first group size that divides its head dimension, trying the
 preferred one, then 64, 32, 128 (what ``mx.quantize`` accepts). A layer that none divides (head
@@ -33,7 +38,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.config import group_size_for
 from engine.errors import CacheFormatError
 from engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
-from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, temporal_layer
+from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, part_group, temporal_layer
 from engine.kv.quant import (
     SCHEME_FLAGS,
     expand_layer_part,
@@ -154,7 +159,8 @@ def _read_kv(
     if group_size is None:
         x = mx.array(tensor(encoded, name, shape, STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    q, scales, biases = (mx.array(x) for x in quantized_parts(encoded, name, shape, group_size))
+    parts = quantized_parts(encoded, name, shape, part_group(layout, kind, group_size))
+    q, scales, biases = (mx.array(x) for x in parts)
     if any(layout.get(flag, False) for flag in SCHEME_FLAGS):
         got = {".q": q, ".scales": scales, ".biases": biases}
         x = expand_layer_part(got, layout, kind, encoded.kv_bits, group_size, fused=False)
