@@ -293,10 +293,10 @@ class Packing:
         """Whether layer ``i`` holds its keys rotated by :func:`hadamard` (q8)."""
         return bool(self.rotated_keys) and self.rotated_keys[i]
 
-    def scheme(self, i: int) -> dict[str, bool]:
-        """Layer ``i``'s layout flags as a cache file names them (``engine.kv.quant``)."""
+    def scheme(self, i: int) -> dict[str, bool | int]:
+        """Layer ``i``'s layout fields as a cache file names them (``engine.kv.quant``)."""
         if self.channel_keys(i):
-            return {"channel_keys": True, "rotated_values": True}
+            return {"channel_keys": True, "key_group_size": KEY_GROUP_SIZE, "rotated_values": True}
         return {"rotated_keys": True} if self.keys_rotated(i) else {}
 
     def packed_dims(self, i: int) -> tuple[int, int]:

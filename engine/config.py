@@ -19,8 +19,8 @@ DEFAULT_GROUP_SIZE = 32
 GROUP_SIZE_BY_BITS = {8: 128, 4: 128}
 # q4 keys per channel: the positions each channel's scale and bias cover. Keys cost q4 most
 # of its fidelity; 16 positions instead of 32 keep 98% of teacher-forced top-1 tokens at a
-# 4K history on gemma3-270m with values in groups of 128, at the bytes of 32 and 32 (README,
-# *Four-bit schemes*).
+# 4K history on gemma3-270m with values in groups of 128, for 2.5% more bytes than 32 and 32
+# (5.125 bits a value against 5; README, *Four-bit schemes*).
 KEY_GROUP_SIZE = 16
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one
 

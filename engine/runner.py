@@ -29,7 +29,7 @@ from engine.sequence import SeqStatus, Sequence
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
-CHANNEL_PROBE_TOKENS = 160  # a whole key group of up to 128 positions, FLOAT_WINDOW old
+CHANNEL_PROBE_TOKENS = 160  # whole key groups FLOAT_WINDOW old and more (a ring wraps)
 
 
 @dataclass(slots=True)

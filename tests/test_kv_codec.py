@@ -509,6 +509,14 @@ CORRUPTIONS = {
         lambda e, q: _corrupt(e, layers=_relayer(e, keys_shape=[1, 2])),
         "4 positive integers",
     ),
+    "key groups without channel keys": (
+        lambda e, q: _corrupt(q, layers=_relayer(q, key_group_size=16)),
+        "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys",
+    ),
+    "key groups not an integer": (
+        lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_group_size=16.0)),
+        "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys",
+    ),
 }
 
 

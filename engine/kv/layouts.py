@@ -139,8 +139,11 @@ def layout_problem(layout: Any) -> str | None:
             layout[flag] is not True or layout.get("group_size") is None
         ):
             return f"{flag} must be true or false, and true only for a quantized layer"
+    key_group = layout.get("key_group_size")
     if "key_group_size" in layout and (
-        layout["key_group_size"] not in KEY_GROUP_SIZES or not layout.get("channel_keys")
+        type(key_group) is not int
+        or key_group not in KEY_GROUP_SIZES
+        or not layout.get("channel_keys")
     ):
         return f"key_group_size must be one of {KEY_GROUP_SIZES}, and only with channel_keys"
     if not ints(layout["offset"], low=1):

@@ -11,15 +11,16 @@ encoded together as one *segment* (one file): ``n*B`` positions, which
 :func:`split_blocks` cuts back into blocks. ``assemble_paged`` turns a tail and its blocks
 back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
 
-q4 keys are quantized per channel in groups of ``group_size`` positions (``engine.kv.quant``)
-only when a block is a whole number of such groups; else (and for q8, keys rotated) per token.
+q4 keys are quantized per channel in groups of ``key_group_size`` positions
+(``engine.config.KEY_GROUP_SIZE``, ``engine.kv.quant``) only when a block is a whole number of
+such groups; else (and for q8, keys rotated) per token.
 
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
 ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the
 global layers are alike, one tensor per part stacking them on the first axis. Metadata:
 ``format_version`` "2" ("3" with q8's rotated keys), ``kind`` "block", ``kv_bits``,
 ``group_size`` and ``layers`` (JSON list of ``index``, ``dtype``, ``group_size``, q8's
-``rotated_keys`` and q4's ``channel_keys`` / ``rotated_values``).
+``rotated_keys`` and q4's ``channel_keys`` / ``key_group_size`` / ``rotated_values``).
 Tail tensors: the same names for every layer (global layers only when the tail holds some of
 their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
