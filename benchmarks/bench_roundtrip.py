@@ -7,9 +7,9 @@ ignored); the cache it hands back is the exact cache. Each variant then makes th
 runtime makes: blocks and a tail (real, fsynced files: ``benchmarks.paged_io.save_paged``) is
 the save, ``load_paged`` (``decode_paged``) the load. Variants: ``none`` (the model's dtype, bit
 exact), ``fp16`` (keys and values cast to float16, unquantized: the yardstick for the size
-targets), ``q8`` and ``q4`` (at their default group sizes, 128 and 32, scales and biases
-included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel and
-values rotated, ``engine.kv.quant``).
+targets), ``q8`` and ``q4`` (at their default group sizes, 128 for both, scales and biases
+included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel over
+16 positions and values rotated, ``engine.kv.quant``).
 
 Fidelity is teacher-forced: the same continuation tokens are fed on top of a copy of the exact
 cache and of every loaded cache, and the next-token distributions are compared position by
