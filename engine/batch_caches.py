@@ -327,11 +327,11 @@ class Packing:
     def values(self, i: int, x: mx.array, kind: str) -> mx.array:
         """Layer ``i``'s packed keys (``kind`` "keys") or values in the model's dtype (keys
         held rotated rotated back)."""
-        dim = self.dims[i][0 if kind == "keys" else 1]
+        dim, group = self.dims[i][0 if kind == "keys" else 1], self.group_of(i, kind)
         if kind == "keys" and self.keys_rotated(i):
-            x = rotated_if(expand(x, dim, mx.float32, self.bits, self.group_sizes[i]), True)
+            x = rotated_if(expand(x, dim, mx.float32, self.bits, group), True)
             return x.astype(self.dtype)
-        return expand(x, dim, self.dtype, self.bits, self.group_sizes[i])
+        return expand(x, dim, self.dtype, self.bits, group)
 
     def stores_as(
         self, i: int, bits: int | None, group_size: int | None, scheme: dict[str, bool]

@@ -558,7 +558,7 @@ def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
 @pytest.mark.parametrize("window", [None, 40, 64])
 @pytest.mark.parametrize(("query_heads", "chunk"), [(2, 1), (8, 1), (4, 3), (4, 5), (4, 40)])
 def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expanded(
-    window, query_heads, chunk
+    window, query_heads, chunk, monkeypatch
 ):
     """Attention over a four-bit layer scores each key group against the query scaled by the
     group's scales instead of expanding the keys (decode steps, grouped query heads, small
@@ -566,10 +566,14 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
     a key group has positions (a 5- or 40-token chunk of 4 heads) or a ring that splits a
     group (a 40-position window's) expand them. Either way it gives what attention over the
     expanded keys gives, rows of different lengths padded."""
+    import engine.attention
     from engine.attention import quantized_attention
     from engine.batch_caches import channel_buffer, channel_row, hadamard
 
-    group, H, D = 32, 2, 64
+    folded, steps = [], []  # calls scoring the quantized keys as they are; per step, whether
+    fold = engine.attention._folded_scores
+    monkeypatch.setattr(engine.attention, "_folded_scores", lambda *a: folded.append(1) or fold(*a))
+    group, H, D = 32, 2, 64  # (values in groups of 32; keys per channel over 16 positions)
     lengths = [3, 70, 161]
     keys = mx.random.normal((3, H, 161, D), key=mx.random.key(6)) * mx.where(
         mx.arange(D) == 9, 50.0, 1.0
@@ -590,10 +594,20 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         )
         held, _ = buffer.update_and_fetch(k, v)
         query = mx.random.normal((B, query_heads, chunk, D), key=mx.random.key(40 + t))
+        before = len(folded)
         got = quantized_attention(query, held, 0.125, mask, None)
+        # Folded where a key-value head has at most a key group's 16 query rows and the
+        # buffer's columns are whole key groups (a wrapped ring of 40 + 16 is not).
+        splits = held.wrap and held.keys.shape[2] % 16
+        steps.append(len(folded) > before)
+        assert steps[-1] == (query_heads // H * chunk <= 16 and not splits), (t, splits)
         keys_f, values_f = held.expanded()
         want = hadamard(
             mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
         )
         assert got.shape == (B, query_heads, chunk, D)
         assert mx.allclose(got, want, atol=1e-4).item(), (t, mx.abs(got - want).max().item())
+    if window == 40 and chunk == 1:  # its ring wraps within the steps: some expand
+        assert 0 < sum(steps) < len(steps)
+    elif window != 40 and query_heads // H * chunk <= 16:
+        assert all(steps)
