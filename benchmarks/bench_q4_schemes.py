@@ -4,9 +4,10 @@ at the size of q4.
     python -m benchmarks.bench_q4_schemes [--model gemma3-270m] [--history 4096] [--quick]
         [--only q8 ...]
 
-The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 16 positions, values
-rotated in groups of 128 and each row's newest 16 positions in float (``BATCH_Q4``; keys over
-32 positions and values in groups of 32 until 2026-11-25, the second row measured); until
+The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 32 positions in 5-bit codes,
+values rotated in 4-bit codes in groups of 128 and each row's newest 16 positions in float
+(``BATCH_Q4``; earlier on 2026-11-25, 4-bit keys over 16 positions; before that, 4-bit keys
+over 32 positions and values in groups of 32, the second row measured); until
 2026-11-24 it quantized every position's keys and values in groups of 32 along the head
 dimension (the ``per token`` row), which kept about 85% of teacher-forced top-1 tokens at a
 4K-token history on ``gemma3-270m`` (``bench_fidelity``). This benchmark measures the
@@ -27,7 +28,8 @@ The schemes (combinations of):
   spreads a few large channels over all of them.
 - **per channel keys** (KIVI, Liu et al. 2024): each key channel quantized along the tokens,
   in groups of ``group`` consecutive positions (16, 32 or 64), by the batch's rule (a scale
-  ``(max - min) / 15`` and bias ``min``; before 2026-11-25, ``mx.quantize``'s); a group is
+  ``(max - min) / (2**bits - 1)`` and bias ``min``; before 2026-11-25, ``mx.quantize``'s), in
+  4-bit codes or 5-bit ones (the bytes of 4 bits over half the positions); a group is
   quantized once it is complete, the positions of the incomplete one stay in float.
 - **values in larger groups**: rotated values in groups of 64 or 128 (fewer scales).
 - **ranges clipped**: each group's range narrowed for the least squared error before
@@ -47,8 +49,8 @@ per-channel keys the positions of their incomplete group, keys and values) of an
 an 8K-token history on this model's layers (global layers hold every position, sliding ones
 their window), against the same agent held in float16.
 ``targets_met.four_bit_agreement``: whether the best scheme at q4's size (holding no more
-at 8K than the batch's q4: per-channel keys over 16 positions, values rotated in groups of
-128, window 16) keeps 98% at a
+at 8K than the batch's q4: 5-bit per-channel keys over 32 positions, values rotated in groups
+of 128, window 16) keeps 98% at a
 4K-token history or longer (None for shorter ones); the batch's own q4 is measured by
 ``bench_fidelity``. Writes benchmarks/results/q4_schemes.json and q4_schemes.png.
 """
@@ -186,6 +188,15 @@ SCHEMES = {
     "first position": Scheme(
         key_group=16, value_group=128, per_channel_keys=True, rotate_values=True, window=16, sink=1
     ),
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16": Scheme(
+        5, 4, 32, 128, per_channel_keys=True, rotate_values=True, window=16
+    ),
+    "5-bit per-channel keys in groups of 64, Hadamard values in groups of 128, window 16": Scheme(
+        5, 4, 64, 128, per_channel_keys=True, rotate_values=True, window=16
+    ),
+    "5-bit per-channel keys in groups of 64, Hadamard values in groups of 64, window 16": Scheme(
+        5, 4, 64, 64, per_channel_keys=True, rotate_values=True, window=16
+    ),
     "q4 per-channel keys, Hadamard values, window 16, ranges clipped": Scheme(
         per_channel_keys=True, rotate_values=True, window=16, clip=True
     ),
@@ -203,7 +214,7 @@ SCHEMES = {
 
 
 BATCH_Q4 = SCHEMES[  # batch_kv_bits=4's
-    "q4 per-channel keys in groups of 16, Hadamard values in groups of 128, window 16"
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16"
 ]
 
 QUICK = (  # one scheme of each kind
@@ -231,10 +242,10 @@ def round_trip(
     x: mx.array, bits: int, group: int, clip: bool = False, min_max: bool = False
 ) -> mx.array:
     """``x`` quantized along its last axis (float16 first, as the batch does) and back;
-    16 bits: ``x`` as it is (the control). ``min_max`` (4 bits; groups of 16 too, which
+    16 bits: ``x`` as it is (the control). ``min_max`` (4 or 5 bits; groups of 16 too, which
     ``mx.quantize`` does not take): by the batch's own per-channel key code
-    (``quantize_per_channel``, ``dequantize_f32``), a float16 scale ``(max - min) / 15`` and
-    bias ``min`` per group, where ``mx.quantize`` moves its scale so that zero is held
+    (``quantize_per_channel``, ``dequantize_f32``), a float16 scale ``(max - min) / (2**bits -
+    1)`` and bias ``min`` per group, where ``mx.quantize`` moves its scale so that zero is held
     exactly. ``clip``: each group's range first narrowed,
     either end towards its middle by 0, 10, 20, 30 or 40% of the half-range, whichever of the
     25 pairs leaves the least squared error in the group."""
@@ -243,8 +254,8 @@ def round_trip(
     if clip:
         return clipped_round_trip(x, bits, group, min_max)
     if min_max:  # the batch quantizes along axis -2: the groups' axis goes there
-        words, scales, biases = quantize_per_channel(as_float16(x).swapaxes(-1, -2), group)
-        held = dequantize_f32(words, scales, biases, group, 4, False, channel_start=0)
+        words, scales, biases = quantize_per_channel(as_float16(x).swapaxes(-1, -2), group, bits)
+        held = dequantize_f32(words, scales, biases, group, bits, False, channel_start=0)
         return held.swapaxes(-1, -2).astype(x.dtype)
     words, scales, biases = mx.quantize(as_float16(x), group_size=group, bits=bits)
     return mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(x.dtype)

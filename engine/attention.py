@@ -331,14 +331,15 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     cols = mx.arange(n_groups * group)[None] - shift
     cols = cols % L if held.wrap else mx.clip(cols, 0, L - 1)
     aligned = mx.take_along_axis(held.keys, cols[:, None, :, None], axis=2)
-    words = mx.contiguous(aligned[..., : dk // 8].reshape(B, n_kv, n_groups, group, dk // 8))
-    halves = aligned[..., dk // 8 :].view(mx.float16)
+    n_words, bits = dk * held.key_bits // 32, held.key_bits
+    words = mx.contiguous(aligned[..., :n_words].reshape(B, n_kv, n_groups, group, n_words))
+    halves = aligned[..., n_words:].view(mx.float16)
     halves = halves.reshape(B, n_kv, n_groups, group, 2, dk // group)
     scales = halves[..., 0, :].reshape(B, n_kv, n_groups, 1, dk).astype(mx.float32)
     biases = halves[..., 1, :].reshape(B, n_kv, n_groups, dk).astype(mx.float32)
     ones, zeros, size = _unit_scales(B, n_kv, n_groups, group, dk)
     scores = mx.quantized_matmul(
-        q[:, :, None] * scales, words, ones, zeros, transpose=True, group_size=size, bits=4
+        q[:, :, None] * scales, words, ones, zeros, transpose=True, group_size=size, bits=bits
     )  # (B, Hkv, groups, rows, group)
     scores = scores + (q @ biases.swapaxes(-1, -2)).swapaxes(-1, -2)[..., None]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(B, n_kv, rows, n_groups * group)
@@ -365,8 +366,8 @@ def _times_words(
 
 
 def _unit_scales(B: int, heads: int, groups: int, group: int, dim: int) -> tuple:
-    """Scales of one and biases of zero for ``mx.quantized_matmul`` to read four-bit codes as
-    they are, in its largest group that divides ``dim``, and that group size."""
+    """Scales of one and biases of zero for ``mx.quantized_matmul`` to read codes as they
+    are, in its largest group that divides ``dim``, and that group size."""
     size = next(g for g in (128, 64, 32) if dim % g == 0)
     ones = mx.ones((B, heads, groups, group, dim // size), mx.float32)
     return ones, mx.zeros_like(ones), size

@@ -26,13 +26,13 @@ masked anyway).
 **q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
 bits per position lose too much of the keys (a few channels are far larger than the rest), so
 q4 holds them as a q4 cache file does: keys per channel over groups of
-:data:`~engine.config.KEY_GROUP_SIZE` positions (KIVI; the group's scales spread over its
-positions' slots, so the packed rows keep per-position shapes and mlx-lm's operations still
-move them), values rotated by :func:`hadamard` and quantized per position in groups of the
-layer's group size, and the newest positions (:data:`FLOAT_WINDOW` and the key group not yet
-whole) kept in float beside the buffer. Attention scores the
-quantized keys as they are (each group's scales fold into the query) and rotates its output
-back (``engine.attention``).
+:data:`~engine.config.KEY_GROUP_SIZE` positions at :data:`~engine.config.KEY_BITS` bits (KIVI;
+the group's scales spread over its positions' slots, so the packed rows keep per-position
+shapes and mlx-lm's operations still move them), values rotated by :func:`hadamard` and
+quantized to 4 bits per position in groups of the layer's group size, and the newest positions
+(:data:`FLOAT_WINDOW` and the key group not yet whole) kept in float beside the buffer.
+Attention scores the quantized keys as they are (each group's scales fold into the query) and
+rotates its output back (``engine.attention``).
 A sliding window's ring holds one key group more than the window (:func:`ring_size`), so no
 group loses a scale slot while one of its positions is in the window.
 
@@ -57,7 +57,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from engine.config import KEY_GROUP_SIZE
+from engine.config import KEY_BITS, KEY_GROUP_SIZE
 
 MIN_GROWTH = 32
 
@@ -118,11 +118,18 @@ def as_float16(x: mx.array) -> mx.array:
 
 
 def quantized_token_bytes(
-    heads: int, key_dim: int, value_dim: int, bits: int, group: int, key_group: int | None = None
+    heads: int,
+    key_dim: int,
+    value_dim: int,
+    bits: int,
+    group: int,
+    key_group: int | None = None,
+    key_bits: int | None = None,
 ) -> int:
     """K+V bytes of one token of one layer, quantized: the words and a float16 scale and bias
-    per group of each head (keys in groups of ``key_group``, default ``group``)."""
-    key_words = packed_dim(key_dim, bits, key_group or group)
+    per group of each head (keys in groups of ``key_group`` at ``key_bits``, default ``group``
+    and ``bits``)."""
+    key_words = packed_dim(key_dim, key_bits or bits, key_group or group)
     return 4 * heads * (key_words + packed_dim(value_dim, bits, group))
 
 
@@ -170,51 +177,79 @@ def expand(x: mx.array, dim: int, dtype: mx.Dtype, bits: int, group_size: int) -
 SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)  # of the eight 4-bit values in a word, low first
 
 
-def quantize_per_channel(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Keys ``(..., L, D)`` (``L`` a multiple of ``group``) quantized to 4 bits per channel over
-    each group of ``group`` positions: the words along the head dimension, as ``mx.quantize``
-    packs them, and each group's ``D`` float16 scales (and biases) spread over its positions'
-    slots, ``D / group`` to a position, in channel order (``engine.kv.quant``)."""
+def quantize_per_channel(x: mx.array, group: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Keys ``(..., L, D)`` (``L`` a multiple of ``group``) quantized to ``bits`` (4 or 5) per
+    channel over each group of ``group`` positions: the words along the head dimension, as
+    ``mx.quantize`` packs them, and each group's ``D`` float16 scales (and biases) spread over
+    its positions' slots, ``D / group`` to a position, in channel order (``engine.kv.quant``)."""
     *lead, n, dim = x.shape
     g = x.astype(mx.float32).reshape(*lead, n // group, group, dim)
-    q, scales, biases = _min_max_codes(g, axis=-2)
+    q, scales, biases = _min_max_codes(g, -2, bits)
     slots = (*lead, n, dim // group)
-    return _four_bit_words(q.reshape(*lead, n, dim)), scales.reshape(slots), biases.reshape(slots)
+    words = code_words(q.reshape(*lead, n, dim), bits)
+    return words, scales.reshape(slots), biases.reshape(slots)
 
 
-def quantize_per_position(x: mx.array, group: int) -> tuple[mx.array, mx.array, mx.array]:
-    """``(..., L, D)`` quantized to 4 bits per position in groups of ``group`` channels (any
-    size dividing ``D``, 16 included, which ``mx.quantize`` does not take), by the rule of
-    :func:`quantize_per_channel`: the words, and float16 scales and biases ``(..., L, D /
-    group)``, as ``mx.quantize`` lays them out (q4 keys outside whole key groups)."""
+def quantize_per_position(
+    x: mx.array, group: int, bits: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """``(..., L, D)`` quantized to ``bits`` (4 or 5) per position in groups of ``group``
+    channels (any size dividing ``D``, 16 included, which ``mx.quantize`` does not take), by
+    the rule of :func:`quantize_per_channel`: the words, and float16 scales and biases
+    ``(..., L, D / group)``, as ``mx.quantize`` lays them out (q4 keys outside whole key
+    groups)."""
     *lead, n, dim = x.shape
     g = x.astype(mx.float32).reshape(*lead, n, dim // group, group)
-    q, scales, biases = _min_max_codes(g, axis=-1)
+    q, scales, biases = _min_max_codes(g, -1, bits)
     slots = (*lead, n, dim // group)
-    return _four_bit_words(q.reshape(*lead, n, dim)), scales.reshape(slots), biases.reshape(slots)
+    words = code_words(q.reshape(*lead, n, dim), bits)
+    return words, scales.reshape(slots), biases.reshape(slots)
 
 
-def _min_max_codes(g: mx.array, axis: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Float32 values ``g`` as 4-bit codes over ``axis``: a float16 scale ``(max - min) / 15``
-    and bias ``min`` per group (kept on the axis), each code rounded against them as a reader
-    reads them."""
+def _min_max_codes(g: mx.array, axis: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Float32 values ``g`` as codes of ``bits`` over ``axis``: a float16 scale ``(max - min)
+    / (2**bits - 1)`` and bias ``min`` per group (kept on the axis), each code rounded against
+    them as a reader reads them."""
+    top = 2**bits - 1
     low, high = g.min(axis=axis, keepdims=True), g.max(axis=axis, keepdims=True)
-    scales, biases = ((high - low) / 15).astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
+    scales, biases = ((high - low) / top).astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
     step, base = scales.astype(mx.float32), biases.astype(mx.float32)
-    q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, 15).astype(mx.uint32)
+    q = mx.clip(mx.round((g - base) / mx.where(step > 0, step, 1)), 0, top).astype(mx.uint32)
     return q, scales, biases
 
 
-def _four_bit_words(q: mx.array) -> mx.array:
-    """4-bit codes ``(..., D)`` packed into uint32 words, low nibble first (``mx.quantize``'s
-    order)."""
-    q = q.reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
-    return (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+def code_words(q: mx.array, bits: int) -> mx.array:
+    """Codes ``(..., D)`` of ``bits`` (4 or 5; ``D`` a multiple of 32 at 5) packed into uint32
+    words as ``mx.quantize`` packs them: one little-endian bit stream, each code's low bit
+    first (at 4 bits: each byte's low nibble, then its high one)."""
+    *lead, dim = q.shape
+    if bits == 4:
+        q = q.reshape(*lead, dim // 8, 8)
+        return (q << mx.array(SHIFTS, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    # Eight codes fill ``bits`` bytes: one 64-bit integer of them, cut into its bytes.
+    eight = q.astype(mx.uint64).reshape(*lead, dim // 8, 8)
+    stream = (eight << (bits * mx.arange(8, dtype=mx.uint64))).sum(axis=-1, keepdims=True)
+    octets = (stream >> (8 * mx.arange(bits, dtype=mx.uint64))) & 0xFF
+    return octets.astype(mx.uint8).reshape(*lead, dim * bits // 8).view(mx.uint32)
 
 
-def packed_per_position(x: mx.array, group: int) -> mx.array:
-    """:func:`packed` at 4 bits by :func:`quantize_per_position` (groups of any size)."""
-    return join_packed(*quantize_per_position(as_float16(x), group))
+def codes_of(words: mx.array, bits: int) -> mx.array:
+    """The codes of ``bits`` (4 or 5) that ``mx.quantize``'s words hold, in float32, along the
+    last axis (:func:`code_words` undone)."""
+    octets = words.view(mx.uint8)
+    *lead, n = octets.shape
+    if bits == 4:  # each byte: low nibble first
+        q = mx.stack([octets & 0xF, octets >> 4], axis=-1)
+        return q.reshape(*lead, n * 2).astype(mx.float32)
+    eight = octets.reshape(*lead, n // bits, bits).astype(mx.uint64)
+    stream = (eight << (8 * mx.arange(bits, dtype=mx.uint64))).sum(axis=-1, keepdims=True)
+    q = (stream >> (bits * mx.arange(8, dtype=mx.uint64))) & (2**bits - 1)
+    return q.reshape(*lead, n * 8 // bits).astype(mx.float32)
+
+
+def packed_per_position(x: mx.array, group: int, bits: int) -> mx.array:
+    """:func:`packed` by :func:`quantize_per_position` (groups of any size)."""
+    return join_packed(*quantize_per_position(as_float16(x), group, bits))
 
 
 def hadamard(x: mx.array) -> mx.array:
@@ -236,13 +271,6 @@ def rotated_if(x: mx.array, rotate: bool) -> mx.array:
     return hadamard(x.astype(mx.float32)) if rotate and x.size else x
 
 
-def four_bit_codes(words: mx.array) -> mx.array:
-    """The 4-bit values of ``mx.quantize``'s words, in float32, along the last axis."""
-    packed = words.view(mx.uint8)
-    q = mx.stack([packed & 0xF, packed >> 4], axis=-1)  # each byte: low nibble first
-    return q.reshape(*words.shape[:-1], words.shape[-1] * 8).astype(mx.float32)
-
-
 @dataclass(frozen=True, slots=True)
 class Packing:
     """How the packed layers of a cache hold their keys and values (see :func:`packed`).
@@ -255,7 +283,7 @@ class Packing:
         dtype: the model's KV dtype, what :meth:`expand` gives back.
         channel: per layer, held as :class:`ChannelQuantizedKVCache` holds it (q4; its
             values in groups of ``group_sizes[i]``, its keys in groups of
-            :data:`KEY_GROUP_SIZE` positions).
+            :data:`KEY_GROUP_SIZE` positions, at :data:`KEY_BITS`).
         rotated_keys: per layer, its keys rotated by :func:`hadamard` before they are
             quantized per position (q8 with a power-of-two key head size).
     """
@@ -289,6 +317,11 @@ class Packing:
         """Layer ``i``'s group size for its ``kind`` ("keys" or "values")."""
         return self.key_group(i) if kind == "keys" else self.group_sizes[i]
 
+    def bits_of(self, i: int, kind: str) -> int:
+        """The bits of layer ``i``'s ``kind`` ("keys" or "values"): q4's keys per channel at
+        :data:`KEY_BITS`, else :attr:`bits`."""
+        return KEY_BITS if kind == "keys" and self.channel_keys(i) else self.bits
+
     def keys_rotated(self, i: int) -> bool:
         """Whether layer ``i`` holds its keys rotated by :func:`hadamard` (q8)."""
         return bool(self.rotated_keys) and self.rotated_keys[i]
@@ -296,13 +329,18 @@ class Packing:
     def scheme(self, i: int) -> dict[str, bool | int]:
         """Layer ``i``'s layout fields as a cache file names them (``engine.kv.quant``)."""
         if self.channel_keys(i):
-            return {"channel_keys": True, "key_group_size": KEY_GROUP_SIZE, "rotated_values": True}
+            return {
+                "channel_keys": True,
+                "key_group_size": KEY_GROUP_SIZE,
+                "key_bits": KEY_BITS,
+                "rotated_values": True,
+            }
         return {"rotated_keys": True} if self.keys_rotated(i) else {}
 
     def packed_dims(self, i: int) -> tuple[int, int]:
         """Layer ``i``'s (key, value) words per head, packed."""
         dk, dv = self.dims[i]
-        key_words = packed_dim(dk, self.bits, self.key_group(i))  # type: ignore[arg-type]
+        key_words = packed_dim(dk, self.bits_of(i, "keys"), self.key_group(i))  # type: ignore[arg-type]
         return key_words, packed_dim(dv, self.bits, self.group_sizes[i])  # type: ignore[arg-type]
 
     def pack(self, i: int, row: Any) -> Any:
@@ -322,16 +360,17 @@ class Packing:
         """Layer ``i``'s packed keys (``kind`` "keys") or values as (words, float16 scales,
         float16 biases): what ``mx.quantize`` made of them, as a cache file stores it."""
         dim = self.dims[i][0 if kind == "keys" else 1]
-        return unpacked(x, dim, self.bits, self.group_of(i, kind))
+        return unpacked(x, dim, self.bits_of(i, kind), self.group_of(i, kind))
 
     def values(self, i: int, x: mx.array, kind: str) -> mx.array:
         """Layer ``i``'s packed keys (``kind`` "keys") or values in the model's dtype (keys
         held rotated rotated back)."""
         dim, group = self.dims[i][0 if kind == "keys" else 1], self.group_of(i, kind)
+        bits = self.bits_of(i, kind)
         if kind == "keys" and self.keys_rotated(i):
-            x = rotated_if(expand(x, dim, mx.float32, self.bits, group), True)
+            x = rotated_if(expand(x, dim, mx.float32, bits, group), True)
             return x.astype(self.dtype)
-        return expand(x, dim, self.dtype, self.bits, group)
+        return expand(x, dim, self.dtype, bits, group)
 
     def stores_as(
         self, i: int, bits: int | None, group_size: int | None, scheme: dict[str, bool]
@@ -381,12 +420,14 @@ def ring_size(window: int, group: int) -> int:
     return window + group
 
 
-def channel_keys_f32(x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool) -> mx.array:
-    """Packed keys ``(B, H, L, words)`` held per channel, in float32: column ``c`` of row ``b``
-    holds position ``pos[b, c]``, its group's scales in the slots of the group's columns
-    (``wrap``: a ring, the columns counted modulo ``L``). Columns of no quantized group give
-    finite values the caller replaces or masks."""
-    words, extra = x[..., : dim // 8], x[..., dim // 8 :]
+def channel_keys_f32(
+    x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool, bits: int = KEY_BITS
+) -> mx.array:
+    """Packed keys ``(B, H, L, words)`` held per channel at ``bits``, in float32: column ``c``
+    of row ``b`` holds position ``pos[b, c]``, its group's scales in the slots of the group's
+    columns (``wrap``: a ring, the columns counted modulo ``L``). Columns of no quantized group
+    give finite values the caller replaces or masks."""
+    words, extra = x[..., : dim * bits // 32], x[..., dim * bits // 32 :]
     B, H, L, E = extra.shape
     first = mx.arange(L)[None] - pos % group  # the column of each one's group's first position
     cols = first[..., None] + mx.arange(group)
@@ -395,7 +436,7 @@ def channel_keys_f32(x: mx.array, dim: int, group: int, pos: mx.array, wrap: boo
     slots = slots.view(SCALE_DTYPE).reshape(B, H, L, group, 2, E)
     scales = slots[..., 0, :].reshape(B, H, L, dim).astype(mx.float32)
     biases = slots[..., 1, :].reshape(B, H, L, dim).astype(mx.float32)
-    return four_bit_codes(words) * scales + biases
+    return codes_of(words, bits) * scales + biases
 
 
 def _overlay(x: mx.array, recent: mx.array, floats: list[int], newest: int, wrap: bool) -> mx.array:
@@ -434,6 +475,7 @@ class HeldQuantized:
         group: the keys' quantization group size (q4: the positions of a key group).
         value_group: the values' quantization group size (q8: ``group``).
         bits: 8 or 4.
+        key_bits: the keys' bits (q4: :data:`KEY_BITS`; q8: 8).
         per_channel: keys quantized per channel in whole groups (q4), else per position.
         rotated: values held rotated by :func:`hadamard` (q4).
         rotated_keys: keys held rotated by :func:`hadamard` (q8; ``recent`` holds them
@@ -451,6 +493,7 @@ class HeldQuantized:
     group: int
     value_group: int
     bits: int
+    key_bits: int
     per_channel: bool
     rotated: bool
     rotated_keys: bool
@@ -485,7 +528,7 @@ class HeldQuantized:
         (recent_keys, recent_values), group, bits = self.recent, self.group, self.bits
         wrap, dk, dv = self.wrap, recent_keys.shape[3], recent_values.shape[3]
         if self.per_channel:
-            keys = channel_keys_f32(self.keys, dk, group, self.positions, wrap)
+            keys = channel_keys_f32(self.keys, dk, group, self.positions, wrap, self.key_bits)
         else:
             keys = expand(self.keys, dk, mx.float32, bits, group)
             keys = hadamard(keys) if self.rotated_keys else keys
@@ -534,6 +577,11 @@ class QuantizedLayer:
     def _wraps(self) -> bool:
         return bool(getattr(self, "rotated", False))
 
+    @property
+    def key_bits(self) -> int:
+        """The keys' bits (q4's, per channel: :data:`KEY_BITS`)."""
+        return self.bits
+
     def float_positions(self) -> int:
         """How many newest positions ``recent`` holds a row."""
         return FLOAT_WINDOW
@@ -575,7 +623,7 @@ class QuantizedLayer:
         ):
             raise ValueError(f"fences for {keys.shape[0]} rows of {n} positions: {fences}")
         if self.per_channel:  # (read from ``recent`` until their key group is settled)
-            key_words = packed_per_position(keys, group)
+            key_words = packed_per_position(keys, group, self.key_bits)
         else:
             key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
         value_words = packed(rotated_if(values, self.rotated_values), bits, self.value_group_size)
@@ -602,6 +650,7 @@ class QuantizedLayer:
             group,
             self.value_group_size,
             bits,
+            self.key_bits,
             self.per_channel,
             self.rotated_values,
             self.rotated_keys,
@@ -693,17 +742,18 @@ def _with_recent(merged: Any, rows: list[Any], key_group: int, value_group: int)
 
 
 class _ChannelQuantized(QuantizedLayer):
-    """Four-bit keys and values as a q4 cache file holds them: keys per channel over groups of
-    ``group_size`` (:data:`KEY_GROUP_SIZE`) positions (their float16 scales spread over the
-    group's slots), quantized once a group's last position is :data:`FLOAT_WINDOW` old (until
-    then its positions are held per position, and read from ``recent``); values rotated by
-    :func:`hadamard` and quantized per position in groups of ``value_group_size``. ``recent``
-    holds the :data:`FLOAT_WINDOW` newest positions and those of the key group not yet
-    complete. ``engine.attention`` folds each key group's scales into the query instead of
-    expanding the keys.
+    """Keys and values as a q4 cache file holds them: keys per channel over groups of
+    ``group_size`` (:data:`KEY_GROUP_SIZE`) positions at :data:`KEY_BITS` bits (their float16
+    scales spread over the group's slots), quantized once a group's last position is
+    :data:`FLOAT_WINDOW` old (until then its positions are held per position, and read from
+    ``recent``); values rotated by :func:`hadamard` and quantized to 4 bits per position in
+    groups of ``value_group_size``. ``recent`` holds the :data:`FLOAT_WINDOW` newest positions
+    and those of the key group not yet complete. ``engine.attention`` folds each key group's
+    scales into the query instead of expanding the keys.
     """
 
     bits = 4
+    key_bits = KEY_BITS
     per_channel = True
     rotated_values = True
 
@@ -734,7 +784,7 @@ class _ChannelQuantized(QuantizedLayer):
         oldest, youngest = length - 1 - first, length - stop  # their ages
         width = joined.shape[2]
         x = joined[b : b + 1, :, width - 1 - oldest : width - youngest, :]
-        data = join_packed(*quantize_per_channel(as_float16(x), self.group_size))
+        data = join_packed(*quantize_per_channel(as_float16(x), self.group_size, KEY_BITS))
         newest, L = self._idx - 1, self.keys.shape[2]
         if self._wraps():
             cols: Any = (newest - oldest + mx.arange(stop - first)) % L
@@ -820,11 +870,10 @@ def channel_row(row: Any, value_group: int, stored: tuple[mx.array, mx.array] | 
             for x in (keys, values)
         )
     quantized = max(0, channel_boundary(n, group) - start)
-    parts = [packed_per_position(keys[..., quantized:, :], group)]
+    parts = [packed_per_position(keys[..., quantized:, :], group, KEY_BITS)]
     if quantized:
-        parts.insert(
-            0, join_packed(*quantize_per_channel(as_float16(keys[..., :quantized, :]), group))
-        )
+        head = quantize_per_channel(as_float16(keys[..., :quantized, :]), group, KEY_BITS)
+        parts.insert(0, join_packed(*head))
     out.keys = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
     out.values = packed(hadamard(values.astype(mx.float32)), 4, value_group)
     if stored is not None:  # (a window's file can hold more positions than the window)
@@ -879,7 +928,11 @@ def expanded_channel_row(row: Any, value_group: int, dims: tuple[int, int], dtyp
     pos = (n - L + mx.arange(L))[None]
     floats = [n - channel_boundary(n, group)]
     keys = _overlay(
-        channel_keys_f32(held_keys, dims[0], group, pos, False), row.recent[0], floats, L - 1, False
+        channel_keys_f32(held_keys, dims[0], group, pos, False, KEY_BITS),
+        row.recent[0],
+        floats,
+        L - 1,
+        False,
     )
     values = hadamard(expand(held_values, dims[1], mx.float32, 4, value_group))
     values = _overlay(values, row.recent[1], floats, L - 1, False)

@@ -40,7 +40,7 @@ from engine.batch_caches import (
     quantized_token_bytes,
     rotates_keys,
 )
-from engine.config import KEY_GROUP_SIZE, choose_group_size, group_size_for
+from engine.config import KEY_BITS, KEY_GROUP_SIZE, choose_group_size, group_size_for
 from engine.errors import InvalidCacheError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class KVLayout:
             groups[i] = chosen
             # q4 keeps keys per channel and rotates values (a power-of-two head size).
             channel[i] = bits == 4 and dk % KEY_GROUP_SIZE == 0 and dv & (dv - 1) == 0
-            key_group = KEY_GROUP_SIZE if channel[i] else chosen
-            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, key_group)
+            key_group, key_bits = (KEY_GROUP_SIZE, KEY_BITS) if channel[i] else (chosen, bits)
+            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, key_group, key_bits)
             # q8 rotates keys (a power-of-two head size), as a q8 file stores them.
             rotated[i] = rotates_keys(bits, dk)
         dims = tuple((dk, dv) for _, dk, dv in heads)

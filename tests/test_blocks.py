@@ -93,11 +93,11 @@ def test_quantized_blocks_are_keyed_apart_from_those_of_earlier_schemes(tmp_path
     seeds = {bits: CacheLayout(tmp_path, "fp", bits, 32, 256).seed for bits in (None, 8, 4)}
     # Exact keys are as they always were (their stored blocks stay found) ...
     assert seeds[None] == b"agentkv-blocks-v2|fp|None|32|256"
-    # ... and q8 blocks, which now hold keys rotated, and q4 blocks, keys per channel over 16
-    # positions, never meet the per-token, unrotated ones stored before (nor q4 blocks of
-    # keys per channel over the values' group size).
+    # ... and q8 blocks, which now hold keys rotated, and q4 blocks, 5-bit keys per channel
+    # over 32 positions, never meet the per-token, unrotated ones stored before (nor q4 blocks
+    # of 4-bit keys per channel, over the values' group size or over 16 positions).
     assert seeds[8] == b"agentkv-blocks-v2|fp|8-rotated-keys|32|256"
-    assert seeds[4] == b"agentkv-blocks-v2|fp|4-channels-16|32|256"
+    assert seeds[4] == b"agentkv-blocks-v2|fp|4-channels-32-5|32|256"
 
 
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])

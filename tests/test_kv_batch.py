@@ -215,7 +215,7 @@ def test_a_q4_row_keeps_its_key_groups_whole_and_reserves_what_it_holds(model):
     if window is None:
         pytest.skip("no sliding-window layers")
     group = layout.packing.key_group(layout.windows.index(window))
-    assert group == 16  # (positions of a key group, whatever the values' group size)
+    assert group == 32  # (positions of a key group, whatever the values' group size)
     n = 2 * window + group + 7
     install(model)
     buffers = KVGroup.start(layout, Seq(n), None)
@@ -547,11 +547,12 @@ def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
     keys = mx.random.normal((1, 2, 150, 64), key=mx.random.key(4)) * 3
     values = mx.random.normal((1, 2, 150, 64), key=mx.random.key(5))
     row = channel_row(float_rows(keys, values, None), 32)  # values in groups of 32
-    q = channel_boundary(150, 16)
-    assert q == 128  # whole key groups (16 positions) at least FLOAT_WINDOW old
-    stored = join_packed(*quantize_channel_keys(keys[..., :q, :], 0, 16))
+    q = channel_boundary(150, 32)
+    assert q == 128  # whole key groups (32 positions) at least FLOAT_WINDOW old
+    stored = join_packed(*quantize_channel_keys(keys[..., :q, :], 0, 32, 5))
     assert mx.array_equal(row.keys[..., :q, :], stored).item()
-    assert mx.array_equal(row.keys[..., q:, :], packed_per_position(keys[..., q:, :], 16)).item()
+    tail = packed_per_position(keys[..., q:, :], 32, 5)
+    assert mx.array_equal(row.keys[..., q:, :], tail).item()
     assert mx.array_equal(row.values, packed(hadamard(values), 4, 32)).item()
 
 
@@ -573,7 +574,9 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
     folded, steps = [], []  # calls scoring the quantized keys as they are; per step, whether
     fold = engine.attention._folded_scores
     monkeypatch.setattr(engine.attention, "_folded_scores", lambda *a: folded.append(1) or fold(*a))
-    group, H, D = 32, 2, 64  # (values in groups of 32; keys per channel over 16 positions)
+    from engine.config import KEY_GROUP_SIZE as K
+
+    group, H, D = 32, 2, 64  # (values in groups of 32; keys per channel over K positions)
     lengths = [3, 70, 161]
     keys = mx.random.normal((3, H, 161, D), key=mx.random.key(6)) * mx.where(
         mx.arange(D) == 9, 50.0, 1.0
@@ -596,11 +599,11 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         query = mx.random.normal((B, query_heads, chunk, D), key=mx.random.key(40 + t))
         before = len(folded)
         got = quantized_attention(query, held, 0.125, mask, None)
-        # Folded where a key-value head has at most a key group's 16 query rows and the
-        # buffer's columns are whole key groups (a wrapped ring of 40 + 16 is not).
-        splits = held.wrap and held.keys.shape[2] % 16
+        # Folded where a key-value head has at most a key group's K query rows and the
+        # buffer's columns are whole key groups (a wrapped ring of 40 + K is not).
+        splits = held.wrap and held.keys.shape[2] % K
         steps.append(len(folded) > before)
-        assert steps[-1] == (query_heads // H * chunk <= 16 and not splits), (t, splits)
+        assert steps[-1] == (query_heads // H * chunk <= K and not splits), (t, splits)
         keys_f, values_f = held.expanded()
         want = hadamard(
             mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
@@ -609,5 +612,5 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         assert mx.allclose(got, want, atol=1e-4).item(), (t, mx.abs(got - want).max().item())
     if window == 40 and chunk == 1:  # its ring wraps within the steps: some expand
         assert 0 < sum(steps) < len(steps)
-    elif window != 40 and query_heads // H * chunk <= 16:
+    elif window != 40 and query_heads // H * chunk <= K:
         assert all(steps)

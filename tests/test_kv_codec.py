@@ -20,6 +20,7 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from engine.batch_caches import codes_of
 from engine.config import GROUP_SIZE_BY_BITS
 from engine.engine import Engine
 from engine.errors import CacheFormatError
@@ -188,45 +189,61 @@ def element_steps(scales: np.ndarray, layout: dict, kind: str, group: int) -> np
     return step
 
 
-def test_a_q4_file_from_before_key_groups_of_16_reads_as_written(monkeypatch):
+@pytest.mark.parametrize("n", [150, 137])  # 137: the last key group not whole
+def test_q4_files_of_earlier_key_schemes_read_as_written(monkeypatch, n):
     """q4 files written before keys had groups of their own (``channel_keys`` without
-    ``key_group_size``: keys per channel over the layer's group size) read as written, in
-    MLX and on the host; a newer file read as if it were one is refused on its key scales'
-    shape (as a reader from before refuses it), not misread."""
+    ``key_group_size``: 4-bit keys per channel over the layer's group size), and before keys
+    had bits of their own (``key_group_size`` 16 without ``key_bits``: 4-bit keys over 16
+    positions), read as written, in MLX and on the host, as does today's (5-bit keys over 32
+    positions); a newer file read as if it were an older one is refused on its key scales' or
+    words' shape (as a reader from before refuses it), not misread."""
     import engine.kv.whole
 
     mx.random.seed(7)
-    n = 150
     keys = mx.random.normal((1, 2, n, 64)) * mx.array([30.0] + [1.0] * 63)
     layer = KVCache()
     layer.update_and_fetch(keys, mx.random.normal((1, 2, n, 64)))
     cache = PromptCache([layer], list(range(n)))
-    old_flags = {"channel_keys": True, "rotated_values": True}
-    monkeypatch.setattr(engine.kv.whole, "quant_scheme", lambda *args, **kwargs: old_flags)
-    old = encode_cache(cache, 4, 32)
-    monkeypatch.undo()
-    new = encode_cache(cache, 4, 32)
+    flags = {"channel_keys": True, "rotated_values": True}
+    encoded = {}
+    for key_group, extra in ((32, {}), (16, {"key_group_size": 16})):  # the earlier schemes
+        monkeypatch.setattr(engine.kv.whole, "quant_scheme", lambda *a, x=extra, **k: flags | x)
+        encoded[key_group, 4] = encode_cache(cache, 4, 32)
+        monkeypatch.undo()
+    encoded[32, 5] = new = encode_cache(cache, 4, 32)
     exact = np.array(keys.astype(mx.float16).astype(mx.float32))
-    for encoded, key_group in ((old, 32), (new, 16)):
-        (layout,) = json.loads(encoded.metadata["layers"])
-        assert layout.get("key_group_size") == (None if key_group == 32 else 16)
-        scales = encoded.tensors["layers.0.keys.scales"]
+    widest = {}
+    for (key_group, bits), file in encoded.items():
+        (layout,) = json.loads(file.metadata["layers"])
+        assert (layout.get("key_group_size"), layout.get("key_bits")) == {
+            (32, 4): (None, None),
+            (16, 4): (16, None),
+            (32, 5): (32, 5),
+        }[key_group, bits]
+        assert file.tensors["layers.0.keys.q"].shape == (1, 2, n, 64 * bits // 32)
+        scales = file.tensors["layers.0.keys.scales"]
         assert scales.shape == (1, 2, n, 64 // key_group)
         step = element_steps(scales.astype(np.float32), layout, "keys", key_group)
-        for decoded in (decode_cache(encoded), decode_cache(dequantize_on_host(encoded))):
+        for decoded in (decode_cache(file), decode_cache(dequantize_on_host(file))):
             err = np.abs(np.array(decoded.layers[0].keys) - exact)
             assert np.all(err <= 0.5 * step + 2**-10 * np.abs(exact))
-    (layout,) = json.loads(new.metadata["layers"])
-    del layout["key_group_size"]
-    relabelled = EncodedCache(new.tensors, new.metadata | {"layers": json.dumps([layout])})
-    with pytest.raises(CacheFormatError, match=r"layers\.0\.keys\.scales"):
-        decode_cache(relabelled)
+        # (The small channels' largest step, in whole key groups: 5 bits over 32 positions
+        # halve 4 bits' over 16 here, where a channel's range is alike over both.)
+        a, b = channel_span(0, n, key_group)
+        widest[key_group, bits] = float(step[..., a:b, 1:].max())
+    assert widest[32, 5] < 0.7 * widest[16, 4] < 0.7 * widest[32, 4]
+    for drop in (("key_bits",), ("key_group_size", "key_bits")):
+        (layout,) = json.loads(new.metadata["layers"])
+        layout = {k: v for k, v in layout.items() if k not in drop}
+        relabelled = EncodedCache(new.tensors, new.metadata | {"layers": json.dumps([layout])})
+        with pytest.raises(CacheFormatError, match=r"layers\.0\.keys\.q"):
+            decode_cache(relabelled)
 
 
 def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
     # One key channel 100x the others: per token, its range would set every channel's step.
     mx.random.seed(5)
-    n, window = 150, 64  # the sliding layer holds 86..149: whole groups 96..143
+    n, window = 150, 64  # the sliding layer holds 86..149: whole groups 96..127
     keys = mx.random.normal((1, 2, n, 64)) * mx.array([100.0] + [1.0] * 63)
     values = mx.random.normal((1, 2, n, 64))
     whole_layer, sliding = KVCache(), RotatingKVCache(max_size=window)
@@ -237,28 +254,35 @@ def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
     encoded = encode_cache(cache, 4, 32)
     layouts = json.loads(encoded.metadata["layers"])
     assert [(x["channel_keys"], x["rotated_values"]) for x in layouts] == [(True, True)] * 2
+    assert [(x["key_group_size"], x["key_bits"]) for x in layouts] == [(32, 5)] * 2
     x16 = np.array(keys.astype(mx.float16).astype(mx.float32))
     for i, first in ((0, 0), (1, n - window)):
         stored = x16[:, :, first:]
-        a, b = channel_span(first, n - first, 16)
-        assert (a, b) == ((0, 144) if i == 0 else (10, 58))
+        a, b = channel_span(first, n - first, 32)
+        assert (a, b) == ((0, 128) if i == 0 else (10, 42))
         scales = encoded.tensors[f"layers.{i}.keys.scales"]
         biases = encoded.tensors[f"layers.{i}.keys.biases"]
-        # Whole groups: each channel's float16 (max - min) / 15 and min over its 16 positions,
-        # laid out 4 channels to a position's slots (64 / 16).
-        groups = stored[:, :, a:b].reshape(1, 2, (b - a) // 16, 16, 64)
+        words = encoded.tensors[f"layers.{i}.keys.q"]
+        assert words.shape == (1, 2, n - first, 10)  # 64 five-bit codes a position
+        codes = np.array(codes_of(mx.array(words), 5))
+        # Whole groups: each channel's float16 (max - min) / 31 and min over its 32 positions,
+        # laid out 2 channels to a position's slots (64 / 32), and each key's code against them.
+        groups = stored[:, :, a:b].reshape(1, 2, (b - a) // 32, 32, 64)
         low, high = groups.min(axis=3), groups.max(axis=3)
-        want = ((high - low) / 15).astype(np.float16).reshape(1, 2, b - a, 4)
+        want = ((high - low) / 31).astype(np.float16).reshape(1, 2, b - a, 2)
         np.testing.assert_array_equal(scales[:, :, a:b], want)
         np.testing.assert_array_equal(biases[:, :, a:b], low.astype(np.float16).reshape(want.shape))
-        # Elsewhere, per token by the same rule, in groups of 16 channels (which mx.quantize
-        # does not take).
+        step = want.astype(np.float32).reshape(1, 2, (b - a) // 32, 1, 64)
+        base = low.astype(np.float16).astype(np.float32)[:, :, :, None]
+        q = np.clip(np.round((groups - base) / np.where(step > 0, step, 1)), 0, 31)
+        np.testing.assert_array_equal(codes[:, :, a:b], q.reshape(1, 2, b - a, 64))
+        # Elsewhere, per token by the same rule, in groups of 32 channels.
         for lo, hi in ((0, a), (b, n - first)):
             if hi > lo:
-                part = stored[:, :, lo:hi].reshape(1, 2, hi - lo, 4, 16)
+                part = stored[:, :, lo:hi].reshape(1, 2, hi - lo, 2, 32)
                 low, high = part.min(axis=4), part.max(axis=4)
                 np.testing.assert_array_equal(
-                    scales[:, :, lo:hi], ((high - low) / 15).astype(np.float16)
+                    scales[:, :, lo:hi], ((high - low) / 31).astype(np.float16)
                 )
                 np.testing.assert_array_equal(biases[:, :, lo:hi], low.astype(np.float16))
         # The small channels keep a small step where whole groups hold them.
@@ -305,8 +329,8 @@ async def test_quantized_sizes_against_float16(engine):
     assert token_bytes == 130 * 4
     fp16_kv = (encoded[None].nbytes - token_bytes) // 2  # the tiny models are float32
     ratios = {b: (encoded[b].nbytes - token_bytes) / fp16_kv for b in (8, 4)}
-    # Groups of 32: (d + 4d/32) / 2d; q4 keys per channel over 16 positions, (d/2 + 4d/16) /
-    # 2d, and values (d/2 + 4d/32) / 2d.
+    # Groups of 32: (d + 4d/32) / 2d; q4 keys per channel in 5-bit codes over 32 positions,
+    # (5d/8 + 4d/32) / 2d, and values (d/2 + 4d/32) / 2d.
     assert ratios == {8: 0.5625, 4: (0.375 + 0.3125) / 2}
     assert encoded[8].nbytes / (fp16_kv + token_bytes) <= 0.57
     assert encoded[4].nbytes / (fp16_kv + token_bytes) <= 0.35
@@ -332,9 +356,11 @@ async def test_tensor_names_and_metadata(gemma):
         for kv in ("keys", "values")
         for part in ("q", "scales", "biases")
     }
-    assert encoded.tensors["layers.0.keys.q"].shape == (1, 2, WINDOW, 64 * 4 // 32)
+    # (q4 keys: 5-bit codes, per channel over 32 positions; values: 4-bit, groups of 32.)
+    assert encoded.tensors["layers.0.keys.q"].shape == (1, 2, WINDOW, 64 * 5 // 32)
+    assert encoded.tensors["layers.0.values.q"].shape == (1, 2, WINDOW, 64 * 4 // 32)
     assert encoded.tensors["layers.1.values.scales"].shape == (1, 2, 130, 64 // 32)
-    assert encoded.tensors["layers.1.keys.scales"].shape == (1, 2, 130, 64 // 16)
+    assert encoded.tensors["layers.1.keys.scales"].shape == (1, 2, 130, 64 // 32)
     assert encoded.nbytes == sum(t.nbytes for t in encoded.tensors.values())
     metadata = encoded.metadata
     assert (metadata["format_version"], metadata["kv_bits"], metadata["group_size"]) == (
@@ -353,7 +379,8 @@ async def test_tensor_names_and_metadata(gemma):
         "values_shape": [1, 2, WINDOW, 64],
         "group_size": 32,
         "channel_keys": True,
-        "key_group_size": 16,
+        "key_group_size": 32,
+        "key_bits": 5,
         "rotated_values": True,
     }
     assert full == rotating | {"type": "KVCache", "max_size": None, "keep": None} | {
@@ -516,6 +543,18 @@ CORRUPTIONS = {
     "key groups not an integer": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_group_size=16.0)),
         "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys",
+    ),
+    "key bits without channel keys": (
+        lambda e, q: _corrupt(e, layers=_relayer(e, key_bits=5)),
+        "key_bits must be one of (4, 5), and only with channel_keys",
+    ),
+    "key bits not 4 or 5": (
+        lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=6)),
+        "key_bits must be one of (4, 5), and only with channel_keys",
+    ),
+    "key bits not an integer": (
+        lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=True)),
+        "key_bits must be one of (4, 5), and only with channel_keys",
     ),
 }
 
@@ -849,7 +888,7 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read
 
 
 async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_path):
-    odd = 24  # a key group and a half
+    odd = 48  # a key group and a half
     cache = await history(gemma, 3 * odd + 5)
     paged = await gemma.run(encode_paged, cache, 4, 32, odd)
     layouts = json.loads(paged.tail.metadata["layers"])
@@ -864,13 +903,13 @@ async def test_q4_blocks_not_whole_key_groups_keep_keys_per_token(gemma, tmp_pat
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, d)
     # Blocks of another scheme than their tail's are refused.
-    # (A block of keys per channel in groups of the layer's group size, as written before key
-    # groups of 16, is one.)
+    # (Blocks of keys per token, or of 4-bit keys per channel as written before 5-bit ones, are
+    # such.)
     whole_groups = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
     block = split_blocks(whole_groups.segments[0], 2 * BLOCK)[0]
     own = json.loads(block.metadata["layers"])
-    assert all(e["channel_keys"] and e["key_group_size"] == 16 for e in own)
-    for drop in ("channel_keys", "key_group_size"):
+    assert all(e["channel_keys"] and (e["key_group_size"], e["key_bits"]) == (32, 5) for e in own)
+    for drop in ("channel_keys", "key_bits"):
         other = [{k: v for k, v in e.items() if k != drop} for e in own]
         relabelled = EncodedCache(block.tensors, block.metadata | {"layers": json.dumps(other)})
         with pytest.raises(CacheFormatError, match="quantization scheme differs from the tail"):

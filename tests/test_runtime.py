@@ -902,22 +902,23 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
             exported = await rt.export_cache("h")
             assert exported.packing is None
             assert all(layer.keys.dtype == mx.float32 for layer in exported.layers)
-            if bits == 4:  # per position held: q4's bytes, and 32 positions in float
+            if bits == 4:  # per position held: q4's bytes, and 48 positions in float
                 for packed, floats in zip(held.layers, exported.layers, strict=True):
                     position = floats.nbytes / floats.keys.shape[2]
                     quantized = packed.nbytes / packed.keys.shape[2]
-                    # Keys per channel over 16 positions, values in groups of 64 (128 does not
-                    # divide the head size 64): half a byte a value and a scale and bias.
-                    keys, values = 0.5 + 4 / 16, 0.5 + 4 / 64
+                    # Keys per channel in 5-bit codes over 32 positions, values in 4-bit ones
+                    # in groups of 64 (128 does not divide the head size 64), each group's
+                    # float16 scale and bias; the newest 16 and an open key group in float.
+                    keys, values = 5 / 8 + 4 / 32, 0.5 + 4 / 64
                     assert quantized / position == pytest.approx((keys + values) / 2 / 4)
-                    assert sum(x.nbytes for x in packed.recent) == 32 * position
+                    assert sum(x.nbytes for x in packed.recent) == (16 + 32) * position
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"
     # A float32 value is 4 bytes; at q8 in groups of 64 (128 does not divide the head size
     # 64) it is 1 byte, plus a float16 scale and bias (4 bytes) a group of 64.
     assert per_token[8] / per_token[None] == pytest.approx((1 + 4 / 64) / 4, rel=0.02)
-    # q4: half a byte a value and its scales and biases, but 32 positions in float (more than
-    # this short cache holds: q4 pays off for long histories).
+    # q4: about half a byte a value and its scales and biases, but 48 positions in float (more
+    # than this short cache holds: q4 pays off for long histories).
     assert per_token[4] > per_token[8]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from engine.config import KEY_GROUP_SIZE
+from engine.config import KEY_BITS, KEY_GROUP_SIZE
 from store import StoredBlock
 from store.cache_files import remove_cache_file
 
@@ -74,9 +74,9 @@ class CacheLayout:
         self.kv_bits = kv_bits
         self.group_size = group_size
         self.block_tokens = block_tokens
-        # q4 blocks hold keys per channel over KEY_GROUP_SIZE positions and q8 blocks keys
-        # rotated (engine.kv.quant): keyed apart from the ones stored before.
-        q4 = f"4-channels-{KEY_GROUP_SIZE}"
+        # q4 blocks hold keys per channel over KEY_GROUP_SIZE positions at KEY_BITS and q8
+        # blocks keys rotated (engine.kv.quant): keyed apart from the ones stored before.
+        q4 = f"4-channels-{KEY_GROUP_SIZE}-{KEY_BITS}"
         bits = {4: q4, 8: "8-rotated-keys"}.get(kv_bits, str(kv_bits))
         parts = ("agentkv-blocks-v2", fingerprint, bits, str(group_size), str(block_tokens))
         self.seed = "|".join(parts).encode()

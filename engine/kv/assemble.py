@@ -16,7 +16,7 @@ from engine.kv.encoded import (
     is_paged_format,
     tensor,
 )
-from engine.kv.layouts import STORED, parse_paged_layouts, part_group, part_names
+from engine.kv.layouts import STORED, parse_paged_layouts, part_bits, part_group, part_names
 from engine.kv.quant import quantized_parts
 
 
@@ -145,6 +145,7 @@ def _check_block(
             "group_size",
             "channel_keys",
             "key_group_size",
+            "key_bits",
             "rotated_values",
             "rotated_keys",
         )
@@ -161,7 +162,8 @@ def _check_block(
                 tensor(block, name, shape, STORED[layout["dtype"]])
                 expected.add(name)
             else:
-                quantized_parts(block, name, shape, part_group(layout, kv, layer_group))
+                group = part_group(layout, kv, layer_group)
+                quantized_parts(block, name, shape, group, part_bits(layout, kv, kv_bits))
                 expected |= {f"{name}.q", f"{name}.scales", f"{name}.biases"}
     if extra := sorted(set(block.tensors) - expected):
         raise CacheFormatError(f"block {j} has unexpected tensors {extra}")

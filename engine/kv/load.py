@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.batch_caches import Packing, channel_row, is_packed, join_packed
 from engine.errors import CacheFormatError
 from engine.kv.encoded import PAGED_FORMAT_VERSIONS, block_tokens_of, is_paged_format, parse_int
-from engine.kv.layouts import DTYPES, parse_paged_layouts, part_group
+from engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
 from engine.kv.quant import SCHEME_FLAGS, expand_layer_part
 from engine.request import PromptCache
 
@@ -105,6 +105,7 @@ def decode_paged(
                 and (kv_bits, group) == (packing.bits, packing.group_sizes[i])
                 and bool(layout.get("channel_keys") and layout.get("rotated_values"))
                 and part_group(layout, "keys", group) == packing.key_group(i)
+                and part_bits(layout, "keys", kv_bits) == packing.bits_of(i, "keys")
             )
 
         def materialize(

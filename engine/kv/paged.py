@@ -20,7 +20,8 @@ Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` 
 global layers are alike, one tensor per part stacking them on the first axis. Metadata:
 ``format_version`` "2" ("3" with q8's rotated keys), ``kind`` "block", ``kv_bits``,
 ``group_size`` and ``layers`` (JSON list of ``index``, ``dtype``, ``group_size``, q8's
-``rotated_keys`` and q4's ``channel_keys`` / ``key_group_size`` / ``rotated_values``).
+``rotated_keys`` and q4's ``channel_keys`` / ``key_group_size`` / ``key_bits`` /
+``rotated_values``).
 Tail tensors: the same names for every layer (global layers only when the tail holds some of
 their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache

@@ -8,23 +8,26 @@ head size): a key's few large channels otherwise set its groups' scales, and the
 their precision (``bench_fidelity`` and ``bench_q4_schemes`` measure it). q4 quantizes values
 rotated the same way (a few large channels spread over all of them), in groups of the layer's
 ``group_size``, and quantizes keys per channel instead: each channel over ``key_group_size``
-(:data:`~engine.config.KEY_GROUP_SIZE`, 16) consecutive positions (KIVI). Keys have outlier
-channels that one per-token scale cannot serve; along the positions, a channel's values are
-alike. Per-token q4 kept 90.2% of teacher-forced top-1 tokens on ``gemma3-270m`` at a
-4K-token history (``bench_fidelity``); see the README's *Four-bit schemes* for this scheme's.
+(:data:`~engine.config.KEY_GROUP_SIZE`, 32) consecutive positions (KIVI), to ``key_bits``
+(:data:`~engine.config.KEY_BITS`, 5: the bytes of four-bit codes over 16 positions, half their
+step). Keys have outlier channels that one per-token scale cannot serve; along the positions,
+a channel's values are alike. Per-token q4 kept 90.2% of teacher-forced top-1 tokens on
+``gemma3-270m`` at a 4K-token history (``bench_fidelity``); see the README's *Four-bit
+schemes* for this scheme's.
 
 A per-channel key group is positions ``[k * group, (k + 1) * group)`` of the sequence, whole
 inside the stored ones; its ``head_dim`` scales (and biases) are spread over its positions'
 scale slots, ``head_dim / group`` to a position, in channel order. So every tensor has the
 shapes of per-token q4 in groups of ``group`` and is cut into blocks along the positions like
 it; positions of a group that is not whole (a sliding window's first, a cache's last) are
-quantized per token in groups of ``group`` channels (by the same min/max rule,
+quantized per token, at the same bits, in groups of ``group`` channels (by the same min/max rule,
 ``engine.batch_caches.quantize_per_position``), and all of a window's keys are per token in
 the layer's ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's
-layout says which scheme it uses (``channel_keys`` with its ``key_group_size``,
-``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized, or a file
-written before) is per token and unrotated, and one with ``channel_keys`` but no
-``key_group_size`` (written before key groups of 16) has key groups of its ``group_size``.
+layout says which scheme it uses (``channel_keys`` with its ``key_group_size`` and
+``key_bits``, ``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized,
+or a file written before) is per token and unrotated; one with ``channel_keys`` but no
+``key_group_size`` (written before key groups of their own) has key groups of its
+``group_size``, and one without ``key_bits`` (written before five-bit keys) four-bit keys.
 """
 
 from __future__ import annotations
@@ -38,15 +41,16 @@ import numpy as np
 from engine.batch_caches import (
     Packing,
     as_float16,
+    codes_of,
     hadamard,
     quantize_per_channel,
     quantize_per_position,
     rotates_keys,
 )
-from engine.config import KEY_GROUP_SIZE
+from engine.config import KEY_BITS, KEY_GROUP_SIZE
 from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
-from engine.kv.layouts import STORED, group_of, parse_layouts, part_group
+from engine.kv.layouts import STORED, group_of, parse_layouts, part_bits, part_group
 
 log = logging.getLogger(__name__)
 ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's flag for each
@@ -63,7 +67,8 @@ def quant_scheme(
 ) -> dict[str, bool | int]:
     """The layout fields of a layer of (key, value) head sizes ``dims`` quantized at
     ``kv_bits`` in groups of ``group_size``: q8's ``rotated_keys`` (a power-of-two key head
-    size), q4's ``channel_keys`` (with its ``key_group_size``) and ``rotated_values`` where
+    size), q4's ``channel_keys`` (with its ``key_group_size`` and ``key_bits``) and
+    ``rotated_values`` where
     they apply (paged in blocks a whole number of key groups long, and not a window that keeps
     its first positions, whose stored order is not the positions'; a power-of-two value head
     size to rotate), else none."""
@@ -73,9 +78,9 @@ def quant_scheme(
     if kv_bits == 8:
         return {"rotated_keys": True} if rotates_keys(kv_bits, key_dim) else {}
     fields: dict[str, bool | int] = {}
-    group = KEY_GROUP_SIZE
+    group = KEY_GROUP_SIZE  # (dividing the key head size: KEY_BITS pack it into words)
     if (block_tokens is None or block_tokens % group == 0) and not keep and key_dim % group == 0:
-        fields |= {"channel_keys": True, "key_group_size": group}
+        fields |= {"channel_keys": True, "key_group_size": group, "key_bits": KEY_BITS}
     if value_dim & (value_dim - 1) == 0:
         fields["rotated_values"] = True
     return fields
@@ -114,7 +119,8 @@ def stored_kv(
             continue
         if kind == "keys" and scheme.get("channel_keys"):
             key_group = scheme.get("key_group_size", group_size)
-            q, scales, biases = quantize_channel_keys(x, start, key_group)
+            key_bits = scheme.get("key_bits", kv_bits)
+            q, scales, biases = quantize_channel_keys(x, start, key_group, key_bits)
         else:
             if scheme.get(ROTATED[kind]) and x.size:
                 x = hadamard(x.astype(mx.float32))
@@ -132,22 +138,22 @@ def channel_span(start: int, length: int, group: int) -> tuple[int, int]:
 
 
 def quantize_channel_keys(
-    keys: mx.array, start: int, group: int
+    keys: mx.array, start: int, group: int, bits: int
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Keys ``(..., L, D)`` from position ``start`` as 4-bit words (along the head dimension,
-    as ``mx.quantize`` packs them) and float16 scales and biases ``(..., L, D / group)``: per
-    channel over each whole group of ``group`` positions (its scales spread over its positions'
-    slots), per token in groups of ``group`` channels elsewhere."""
+    """Keys ``(..., L, D)`` from position ``start`` as words of ``bits`` (along the head
+    dimension, as ``mx.quantize`` packs them) and float16 scales and biases ``(..., L, D /
+    group)``: per channel over each whole group of ``group`` positions (its scales spread over
+    its positions' slots), per token in groups of ``group`` channels elsewhere."""
     x = as_float16(keys)
     a, b = channel_span(start, x.shape[-2], group)
     if a == b:
-        return quantize_per_position(x, group)
+        return quantize_per_position(x, group, bits)
     pieces = []
     if a:
-        pieces.append(quantize_per_position(x[..., :a, :], group))
-    pieces.append(quantize_per_channel(x[..., a:b, :], group))
+        pieces.append(quantize_per_position(x[..., :a, :], group, bits))
+    pieces.append(quantize_per_channel(x[..., a:b, :], group, bits))
     if b < x.shape[-2]:
-        pieces.append(quantize_per_position(x[..., b:, :], group))
+        pieces.append(quantize_per_position(x[..., b:, :], group, bits))
     return tuple(mx.concatenate([p[k] for p in pieces], axis=-2) for k in range(3))
 
 
@@ -185,10 +191,10 @@ def layer_group_size(key_dim: int, value_dim: int, preferred: int) -> int | None
 
 
 def quantized_parts(
-    encoded: EncodedCache, name: str, shape: tuple[int, ...], group_size: int
+    encoded: EncodedCache, name: str, shape: tuple[int, ...], group_size: int, kv_bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (packed words, scales, biases) of a quantized tensor, shapes checked."""
-    kv_bits = encoded.kv_bits
+    """The (packed words, scales, biases) of a tensor quantized to ``kv_bits``, shapes
+    checked."""
     rows, head_dim = shape[:-1], shape[-1]
     if head_dim % group_size:
         raise CacheFormatError(f"{name}: head_dim {head_dim} not divisible by {group_size}")
@@ -225,11 +231,11 @@ def dequantize_on_host(encoded: EncodedCache) -> EncodedCache:
             if group_size is None:  # stored unquantized
                 tensors[name] = tensor(encoded, name, shape, STORED[layout["dtype"]])
                 continue
-            group = part_group(layout, kv, group_size)
-            parts = quantized_parts(encoded, name, shape, group)
+            group, bits = part_group(layout, kv, group_size), part_bits(layout, kv, kv_bits)
+            parts = quantized_parts(encoded, name, shape, group, bits)
             channels = kv == "keys" and layout.get("channel_keys", False)
             start = layout["offset"] - shape[2] if channels else None
-            x = expand_on_host(*parts, kv_bits, group, start)
+            x = expand_on_host(*parts, bits, group, start)
             if layout.get(ROTATED[kv], False) and x.size:
                 x = hadamard_on_host(x)
             tensors[name] = _to_stored(x, layout["dtype"])
@@ -248,12 +254,21 @@ def expand_on_host(
     """Quantized ``(..., L, D)`` values in float32, ``q * scale + bias``: per token, or with
     ``channel_start`` (the first position's), keys per channel in their whole groups
     (:func:`quantize_channel_keys`)."""
-    # mx.quantize packs little-endian: 8-bit values are the words' bytes in order, 4-bit
-    # values are each byte's low nibble, then its high nibble.
+    # mx.quantize packs one little-endian bit stream: 8-bit values are the words' bytes in
+    # order, 4-bit values each byte's low nibble, then its high nibble, and 5-bit values fill
+    # five bytes eight at a time, each one's low bit first.
     *rows, n_words = words.shape
     dim = n_words * 32 // bits
     packed = np.ascontiguousarray(words).view(np.uint8)
-    q = packed if bits == 8 else np.stack([packed & 0xF, packed >> 4], axis=-1)
+    if bits == 8:
+        q = packed
+    elif bits == 4:
+        q = np.stack([packed & 0xF, packed >> 4], axis=-1)
+    else:
+        eight = packed.reshape(*rows, dim // 8, bits).astype(np.uint64)
+        stream = (eight << (8 * np.arange(bits, dtype=np.uint64))).sum(axis=-1, keepdims=True)
+        q = (stream >> (bits * np.arange(8, dtype=np.uint64))) & np.uint64(2**bits - 1)
+        q = q.astype(np.uint8)
     q = q.reshape(*rows, dim // group, group)
     x = np.multiply(q, scales[..., None].astype(np.float32), dtype=np.float32)
     x += biases[..., None].astype(np.float32)
@@ -298,12 +313,10 @@ def dequantize_f32(
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     if fused and channel_start is None and group in GROUP_SIZES:
         return mx.dequantize(words, scales, biases, group_size=group, bits=bits)
-    packed = words.view(mx.uint8)
-    if bits == 4:  # each byte: low nibble first
-        packed = mx.stack([packed & 0xF, packed >> 4], axis=-1)
     *rows, n_words = words.shape
     dim = n_words * 32 // bits
-    q = packed.reshape(*rows, dim // group, group).astype(mx.float32)
+    codes = words.view(mx.uint8) if bits == 8 else codes_of(words, bits)
+    q = codes.reshape(*rows, dim // group, group).astype(mx.float32)
     x = (q * scales[..., None] + biases[..., None]).reshape(*rows, dim)
     if channel_start is None:
         return x
@@ -325,7 +338,7 @@ def expand_layer_part(
     ``.scales``, ``.biases``) under ``layout`` (the layer's ``group``; keys per channel: in
     their own), in float32 (the keys' positions end at its ``offset``)."""
     start = None
-    group = part_group(layout, kind, group)
+    group, bits = part_group(layout, kind, group), part_bits(layout, kind, bits)
     if kind == "keys" and layout.get("channel_keys", False):
         start = layout["offset"] - got[".q"].shape[-2]
     x = dequantize_f32(got[".q"], got[".scales"], got[".biases"], group, bits, fused, start)

@@ -14,12 +14,14 @@ describes). Metadata:
 group size) and ``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``,
 ``keep``, ``dtype``, ``keys_shape``, ``values_shape`` and ``group_size`` (and where they
 apply, at 8 bits ``rotated_keys``, at 4 bits ``channel_keys`` with ``key_group_size`` and
-``rotated_values``). Keys and values are stored in temporal order, only the positions in use.
+``key_bits``, and ``rotated_values``). Keys and values are stored in temporal order, only the
+positions in use.
 
-q4 keys in groups of 16 positions (``key_group_size``) came after q4 keys in groups of the
-layer's ``group_size``: a file of either is read by this version (a layout without the field
-has the old groups); a reader from before ``key_group_size`` refuses the newer q4 files (their
-key scales are not the shape it expects) instead of misreading them.
+q4 keys in groups of their own (``key_group_size``, 16 positions) came after q4 keys in groups
+of the layer's ``group_size``, and five-bit keys over 32 positions (``key_bits``) after those:
+a file of any of them is read by this version (a layout without a field has what came before
+it); a reader from before either field refuses the newer q4 files (their key scales or key
+words are not the shape it expects) instead of misreading them.
 
 Each layer is quantized with the first group size that divides its head dimension, trying the
 preferred one, then 64, 32, 128 (what ``mx.quantize`` accepts). A layer that none divides (head
@@ -38,7 +40,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.config import group_size_for
 from engine.errors import CacheFormatError
 from engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
-from engine.kv.layouts import DTYPES, STORED, group_of, parse_layouts, part_group, temporal_layer
+from engine.kv.layouts import (
+    DTYPES,
+    STORED,
+    group_of,
+    parse_layouts,
+    part_bits,
+    part_group,
+    temporal_layer,
+)
 from engine.kv.quant import (
     SCHEME_FLAGS,
     expand_layer_part,
@@ -159,7 +169,8 @@ def _read_kv(
     if group_size is None:
         x = mx.array(tensor(encoded, name, shape, STORED[dtype]))
         return x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    parts = quantized_parts(encoded, name, shape, part_group(layout, kind, group_size))
+    group, bits = part_group(layout, kind, group_size), part_bits(layout, kind, encoded.kv_bits)
+    parts = quantized_parts(encoded, name, shape, group, bits)
     q, scales, biases = (mx.array(x) for x in parts)
     if any(layout.get(flag, False) for flag in SCHEME_FLAGS):
         got = {".q": q, ".scales": scales, ".biases": biases}
