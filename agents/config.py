@@ -47,8 +47,8 @@ class RuntimeConfig(BaseModel):
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized (q4: of
             the values; keys are per channel over ``engine.config.KEY_GROUP_SIZE``
-            positions). None: 128 (keys rotated at 8 bits, values at 4), as the batch
-            quantizes (``engine.config.GROUP_SIZE_BY_BITS``).
+            positions, in ``KEY_BITS``-bit codes). None: 128 (keys rotated at 8 bits, values
+            at 4), as the batch quantizes (``engine.config.GROUP_SIZE_BY_BITS``).
         hot_cache_bytes: memory budget for recently used agents' caches, held as the batch
             held them (quantized with ``batch_kv_bits``). "auto":
             ``HOT_CACHE_SHARE`` (10%) of the physical memory, at most ``HOT_CACHE_MAX_BYTES``

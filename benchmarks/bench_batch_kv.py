@@ -21,7 +21,8 @@ row's agents against its count (``agents_vs_float16``, ``hot_agents_vs_float16``
 are counted on that float16 model too (``float16.quantized``: their float positions float16,
 as on a float16 or bfloat16 model). q8 and q4
 quantize in groups of ``--group-size`` (``batch_kv_group_size``; default: each precision's
-own, 128 for both; q4's keys are per channel over 16 positions whatever it is).
+own, 128 for both; q4's keys are per channel in 5-bit codes over 32 positions whatever it
+is).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
 heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
 each other, masked): its decode step in
@@ -211,7 +212,8 @@ async def run(args: argparse.Namespace) -> dict:
         "history": args.history,
         "tokens": args.tokens,
         "fits": args.fits,
-        "group_size": args.group_size or "q8 128, q4 128 (keys per channel over 16 positions)",
+        "group_size": args.group_size
+        or "q8 128, q4 128 (5-bit keys per channel over 32 positions)",
         "float16": float16,
         "budget_mb": budget / 2**20,
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",

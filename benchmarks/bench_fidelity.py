@@ -280,7 +280,8 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
         "sliding_window": info["sliding_window"],
         "histories": args.histories,
         "continuation_tokens": args.continuation,
-        "group_size": args.group_size or "q8 128, q4 128 (keys per channel over 16 positions)",
+        "group_size": args.group_size
+        or "q8 128, q4 128 (5-bit keys per channel over 32 positions)",
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
         "exact_is_identical": exact,

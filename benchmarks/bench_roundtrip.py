@@ -8,8 +8,8 @@ runtime makes: blocks and a tail (real, fsynced files: ``benchmarks.paged_io.sav
 the save, ``load_paged`` (``decode_paged``) the load. Variants: ``none`` (the model's dtype, bit
 exact), ``fp16`` (keys and values cast to float16, unquantized: the yardstick for the size
 targets), ``q8`` and ``q4`` (at their default group sizes, 128 for both, scales and biases
-included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel over
-16 positions and values rotated, ``engine.kv.quant``).
+included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel in
+5-bit codes over 32 positions and values rotated, ``engine.kv.quant``).
 
 Fidelity is teacher-forced: the same continuation tokens are fed on top of a copy of the exact
 cache and of every loaded cache, and the next-token distributions are compared position by
@@ -44,9 +44,9 @@ from engine.request import GenerationRequest, PromptCache
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 16  # ids below are special tokens in every tiny model
 VARIANTS = {"none": None, "fp16": None, "q8": 8, "q4": 4}  # name -> kv_bits
-# q8 in groups of 128 costs 0.516x of float16; q4, keys per channel over 16 positions and values
-# in groups of 128, 0.320x (their defaults; q4 in groups of 32 was 0.3125x, and kept less: the
-# README's *Four-bit schemes*).
+# q8 in groups of 128 costs 0.516x of float16; q4, keys per channel in 5-bit codes over 32
+# positions and values in groups of 128, 0.320x (their defaults, the bytes of 4-bit keys over
+# 16 positions; q4 in groups of 32 was 0.3125x, and kept less: the README's *Four-bit schemes*).
 TARGETS = {"q8_vs_fp16_max": 0.57, "q4_vs_fp16_max": 0.33, "q8_agreement_min": 0.99}
 
 

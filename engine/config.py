@@ -75,7 +75,8 @@ class EngineConfig(BaseModel):
         batch_kv_bits: hold the layers' keys and values quantized in the running batch (8
             or 4; None: in the model's precision): q8 in groups of 128 is 0.52x the bytes of
             float16 (0.26x of float32; keys rotated), q4 0.32x and 0.16x (keys per channel
-            over 16 positions, values rotated in groups of 128), each plus a row's newest
+            in 5-bit codes over 32 positions, values rotated in 4-bit codes in groups of
+            128), each plus a row's newest
             positions in float (see ``engine.batch_caches``), so the KV budget holds more
             long-history turns.
         batch_kv_group_size: its quantization group size (32, 64 or 128; q4: of the values,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from engine.batch_caches import Packing, is_packed
-from engine.config import KEY_GROUP_SIZE, EngineConfig
+from engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
 from engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from engine.grammar import Grammars
 from engine.loop import GenerationLoop
@@ -44,7 +44,9 @@ def _describe(packing: Packing) -> str:
     groups = sorted({g for g in packing.group_sizes if g is not None})
     rotated = ", keys rotated" if any(packing.rotated_keys) else ""
     if packing.any_channel:
-        rotated = f", keys per channel over {KEY_GROUP_SIZE} positions, values rotated"
+        rotated = (
+            f", keys per channel at {KEY_BITS} bits over {KEY_GROUP_SIZE} positions, values rotated"
+        )
     return (
         f"at {packing.bits} bits in groups of {'/'.join(map(str, groups))}{rotated} "
         f"({packing.dtype})"

@@ -199,7 +199,7 @@ def test_q4_schemes_quick(tmp_path):
     assert report["targets_met"] == {"four_bit_agreement": None}  # (a 4K history only)
 
 
-def test_q4_schemes_round_trip_in_groups_of_16_and_clipped():
+def test_q4_schemes_round_trip_in_groups_of_16_at_5_bits_and_clipped():
     import mlx.core as mx
 
     from benchmarks.bench_q4_schemes import round_trip
@@ -220,6 +220,11 @@ def test_q4_schemes_round_trip_in_groups_of_16_and_clipped():
     wide_step = (wide.max(axis=-1) - wide.min(axis=-1)) / 15
     assert mx.all(mx.abs(by_rule - x).reshape(wide.shape).max(axis=-1) <= wide_step * 0.5 + 2e-3)
     assert mx.any(by_rule != round_trip(x, 4, 32)).item()
+    # Five-bit codes by the same rule (q4's keys over 32 positions): half the step and more.
+    five = round_trip(x, 5, 32, min_max=True)
+    fine_step = (wide.max(axis=-1) - wide.min(axis=-1)) / 31
+    assert mx.all(mx.abs(five - x).reshape(wide.shape).max(axis=-1) <= fine_step * 0.5 + 2e-3)
+    assert 0 < mx.abs(five - x).max().item() < 0.6 * mx.abs(by_rule - x).max().item()
     clipped = round_trip(x, 4, 32, clip=True)
     plain = round_trip(x, 4, 32)
 

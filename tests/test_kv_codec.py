@@ -831,6 +831,43 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
         assert mx.array_equal(row.recent[1][..., -held:, :], expanded.values[..., -held:, :]).item()
 
 
+@pytest.mark.parametrize("key_group", [16, None])  # None: the layer's group size, 32 here
+async def test_a_q4_file_of_four_bit_keys_joins_a_q4_batch_expanded(
+    gemma, tmp_path, monkeypatch, key_group
+):
+    """A q4 file written before five-bit keys (4-bit keys over 16 positions, or before that
+    over the layer's group size: 32 positions, as the batch's five-bit keys) does not join a
+    batch holding q4 with its words: it loads expanded as stored (the batch packs it anew)."""
+    import engine.kv.paged
+    from engine.batch_caches import is_packed
+    from engine.kv.quant import quant_scheme
+    from engine.kv_batch import KVLayout
+
+    def four_bit_keys(*args, **kwargs):
+        fields = quant_scheme(*args, **kwargs)
+        if fields.get("channel_keys"):
+            fields = {k: v for k, v in fields.items() if k not in ("key_bits", "key_group_size")}
+            fields |= {"key_group_size": key_group} if key_group else {}
+        return fields
+
+    cache = await history(gemma, 130)
+    packing = (await gemma.run(KVLayout.of, gemma.model.model, 4, 32)).packing
+    monkeypatch.setattr(engine.kv.paged, "quant_scheme", four_bit_keys)
+    paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
+    monkeypatch.undo()
+    layouts = json.loads(paged.tail.metadata["layers"])
+    assert all(x.get("key_group_size") == key_group and "key_bits" not in x for x in layouts)
+    assert paged.tail.tensors["layers.0.keys.q"].shape[-1] == 64 * 4 // 32
+    tail, block_paths = write_paged(tmp_path, paged)
+    floats = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    got = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing)
+    assert got.packing is None and not any(is_packed(x) for x in got.layers)
+    for row, expanded, original in zip(got.layers, floats.layers, cache.layers, strict=True):
+        exact, approx = temporal(original)[0], temporal(expanded)[0]
+        np.testing.assert_array_equal(temporal(row)[0], approx)
+        assert np.abs(exact - approx).max() < 0.2 * np.abs(exact).max()
+
+
 async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read_unrotated(
     gemma, tmp_path, monkeypatch
 ):
