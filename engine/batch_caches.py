@@ -475,7 +475,7 @@ class HeldQuantized:
         group: the keys' quantization group size (q4: the positions of a key group).
         value_group: the values' quantization group size (q8: ``group``).
         bits: 8 or 4.
-        key_bits: the keys' bits (q4: :data:`KEY_BITS`; q8: 8).
+        key_bits: the keys' bits (per channel: :data:`KEY_BITS`; else ``bits``).
         per_channel: keys quantized per channel in whole groups (q4), else per position.
         rotated: values held rotated by :func:`hadamard` (q4).
         rotated_keys: keys held rotated by :func:`hadamard` (q8; ``recent`` holds them

@@ -240,6 +240,21 @@ def test_q4_files_of_earlier_key_schemes_read_as_written(monkeypatch, n):
             decode_cache(relabelled)
 
 
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_a_head_size_no_group_divides_is_stored_as_it_is_and_reads_back(kv_bits):
+    """A layer of head size 12 (no group size divides it, no word holds its codes) is stored
+    unquantized whatever the file's bits, and reads back bit for bit."""
+    keys, values = (mx.random.normal((1, 2, 40, 12), key=mx.random.key(k)) for k in (1, 2))
+    layer = KVCache()
+    layer.update_and_fetch(keys, values)
+    encoded = encode_cache(PromptCache([layer], list(range(40))), kv_bits)
+    (layout,) = json.loads(encoded.metadata["layers"])
+    assert layout.get("group_size") is None and "key_bits" not in layout
+    for decoded in (decode_cache(encoded), decode_cache(dequantize_on_host(encoded))):
+        assert mx.array_equal(decoded.layers[0].keys[..., :40, :], keys).item()
+        assert mx.array_equal(decoded.layers[0].values[..., :40, :], values).item()
+
+
 def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
     # One key channel 100x the others: per token, its range would set every channel's step.
     mx.random.seed(5)
@@ -551,6 +566,19 @@ CORRUPTIONS = {
     "key bits not 4 or 5": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=6)),
         "key_bits must be one of (4, 5), and only with channel_keys",
+    ),
+    "key bits that do not pack the key head": (
+        lambda e, q: _corrupt(
+            q,
+            layers=_relayer(
+                q,
+                channel_keys=True,
+                key_group_size=16,
+                key_bits=5,
+                keys_shape=[*json.loads(q.metadata["layers"])[1]["keys_shape"][:3], 48],
+            ),
+        ),
+        "key_bits 5 do not pack a key head size of 48 into words",
     ),
     "key bits not an integer": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=True)),

@@ -911,6 +911,9 @@ async def test_the_hot_tier_holds_caches_as_the_batch_held_them(tmp_path):
                     # float16 scale and bias; the newest 16 and an open key group in float.
                     keys, values = 5 / 8 + 4 / 32, 0.5 + 4 / 64
                     assert quantized / position == pytest.approx((keys + values) / 2 / 4)
+                    # (5-bit key words and a word of scales: not 4-bit keys over 16 positions,
+                    # which take as many bytes)
+                    assert packed.keys.shape[-1] == 64 * 5 // 32 + 64 // 32
                     assert sum(x.nbytes for x in packed.recent) == (16 + 32) * position
             again = await rt.chat("h", "Again", max_tokens=4)
             assert again.cache_source == "hot"

@@ -16,7 +16,7 @@ from engine.errors import CacheFormatError
 from engine.kv.encoded import GROUP_SIZES, EncodedCache
 
 KEY_GROUP_SIZES = (16, *GROUP_SIZES)  # of keys per channel: positions a scale covers
-KEY_BITS = (4, 5)  # of keys per channel (at 5 bits: a key head size a multiple of 32)
+FILE_KEY_BITS = (4, 5)  # of keys per channel (5 bits: a key head size that packs into words)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bf16
@@ -158,9 +158,9 @@ def layout_problem(layout: Any) -> str | None:
         return f"key_group_size must be one of {KEY_GROUP_SIZES}, and only with channel_keys"
     key_bits = layout.get("key_bits")
     if "key_bits" in layout and (
-        type(key_bits) is not int or key_bits not in KEY_BITS or not layout.get("channel_keys")
+        type(key_bits) is not int or key_bits not in FILE_KEY_BITS or not layout.get("channel_keys")
     ):
-        return f"key_bits must be one of {KEY_BITS}, and only with channel_keys"
+        return f"key_bits must be one of {FILE_KEY_BITS}, and only with channel_keys"
     if not ints(layout["offset"], low=1):
         return "offset must be a positive integer"
     if layout["type"] == "RotatingKVCache" and not (
@@ -172,7 +172,7 @@ def layout_problem(layout: Any) -> str | None:
         return "keys_shape and values_shape must be 4 positive integers (B, heads, length, dim)"
     if k[3] % layout.get("key_group_size", 1):
         return f"key_group_size {layout['key_group_size']} does not divide the key head size {k[3]}"
-    if k[3] * layout.get("key_bits", 4) % 32:
+    if "key_bits" in layout and k[3] * layout["key_bits"] % 32:
         return f"key_bits {layout['key_bits']} do not pack a key head size of {k[3]} into words"
     if k[:3] != v[:3]:
         return "keys and values disagree on batch, heads or length"

@@ -17,9 +17,10 @@ schemes* for this scheme's.
 
 A per-channel key group is positions ``[k * group, (k + 1) * group)`` of the sequence, whole
 inside the stored ones; its ``head_dim`` scales (and biases) are spread over its positions'
-scale slots, ``head_dim / group`` to a position, in channel order. So every tensor has the
-shapes of per-token q4 in groups of ``group`` and is cut into blocks along the positions like
-it; positions of a group that is not whole (a sliding window's first, a cache's last) are
+scale slots, ``head_dim / group`` to a position, in channel order. So the scales and biases
+have the shapes of per-token quantization in groups of ``group`` (the words ``head_dim *
+key_bits / 32`` a position) and every tensor is cut into blocks along the positions like it;
+positions of a group that is not whole (a sliding window's first, a cache's last) are
 quantized per token, at the same bits, in groups of ``group`` channels (by the same min/max rule,
 ``engine.batch_caches.quantize_per_position``), and all of a window's keys are per token in
 the layer's ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's
