@@ -490,6 +490,8 @@ def small(gemma):
     return asyncio.run(encode())
 
 
+KEY_GROUP_REFUSED = "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys"
+KEY_BITS_REFUSED = "key_bits must be one of (4, 5), and only with channel_keys"
 CORRUPTIONS = {
     "missing tensor": (
         lambda e, q: _corrupt(e, drop=["layers.1.keys"]),
@@ -553,19 +555,19 @@ CORRUPTIONS = {
     ),
     "key groups without channel keys": (
         lambda e, q: _corrupt(q, layers=_relayer(q, key_group_size=16)),
-        "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys",
+        KEY_GROUP_REFUSED,
     ),
     "key groups not an integer": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_group_size=16.0)),
-        "key_group_size must be one of (16, 32, 64, 128), and only with channel_keys",
+        KEY_GROUP_REFUSED,
     ),
     "key bits without channel keys": (
         lambda e, q: _corrupt(e, layers=_relayer(e, key_bits=5)),
-        "key_bits must be one of (4, 5), and only with channel_keys",
+        KEY_BITS_REFUSED,
     ),
     "key bits not 4 or 5": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=6)),
-        "key_bits must be one of (4, 5), and only with channel_keys",
+        KEY_BITS_REFUSED,
     ),
     "key bits that do not pack the key head": (
         lambda e, q: _corrupt(
@@ -582,7 +584,7 @@ CORRUPTIONS = {
     ),
     "key bits not an integer": (
         lambda e, q: _corrupt(q, layers=_relayer(q, channel_keys=True, key_bits=True)),
-        "key_bits must be one of (4, 5), and only with channel_keys",
+        KEY_BITS_REFUSED,
     ),
 }
 
