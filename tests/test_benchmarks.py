@@ -42,7 +42,8 @@ def test_roundtrip_quick(tmp_path):
     assert rows["none"]["file_bytes"] > rows["fp16"]["file_bytes"] > rows["q8"]["file_bytes"]
     assert rows["q8"]["file_bytes"] > rows["q4"]["file_bytes"]
     assert 0.5 < report["ratios"]["q8_vs_fp16"] < 0.6
-    assert 0.25 < report["ratios"]["q4_vs_fp16"] < 0.35
+    # (q4 is 0.320x a position; a 97-token cache's tokens and metadata add about 0.03)
+    assert 0.25 < report["ratios"]["q4_vs_fp16"] < 0.36
     for row in rows.values():
         assert row["save_ms"] > 0 and row["load_ms"] > 0
         assert set(row["fidelity"]) == {"greedy", "random"}
