@@ -421,7 +421,7 @@ def ring_size(window: int, group: int) -> int:
 
 
 def channel_keys_f32(
-    x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool, bits: int = KEY_BITS
+    x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool, bits: int
 ) -> mx.array:
     """Packed keys ``(B, H, L, words)`` held per channel at ``bits``, in float32: column ``c``
     of row ``b`` holds position ``pos[b, c]``, its group's scales in the slots of the group's
