@@ -235,7 +235,8 @@ def attention_steps(
     """One attention layer's decode step over ``rows`` histories of about ``history``
     positions (row ``b``: ``5 * b`` fewer, so the group pads them), masked as the engine masks
     a padded group, per precision (in groups of ``group``, else of each one's own; q8's keys
-    rotated as the batch holds them), the unquantized row and the float positions in
+    rotated as the batch holds them; q4 reading each row's first position in float), the
+    unquantized row and the float positions in
     ``dtype``: ``ms`` (the best of :data:`STEPS`) and ``working_set_mb``."""
     kv_heads, q_heads, dim = layer
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
@@ -279,9 +280,14 @@ def attention_steps(
         elif name == "q8":
             rows_ = [q8.pack(0, r) for r in float_rows()]
             buffer = quantized_buffer(rows_, None, 8, g8, q8.keys_rotated(0))
-        else:
-            buffer = channel_buffer([channel_row(r, g4) for r in float_rows()], None, g4)
-        mx.eval(buffer.state)
+        else:  # (each row reading its first position in float, as the engine's do)
+            packed_rows = []
+            for r in float_rows():
+                packed_rows.append(channel_row(r, g4))
+                packed_rows[-1].first_kv = (r.keys[..., :1, :], r.values[..., :1, :])
+            buffer = channel_buffer(packed_rows, None, g4)
+            del packed_rows
+        mx.eval(buffer.state, getattr(buffer, "first_kv", None) or [])
         times, peaks = [], []
         for step in range(STEPS):
             k, v, q = (

@@ -19,7 +19,8 @@ of the continuation, bytes on disk. ``none`` must be token-identical (every log-
 In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4 files as a
 batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
 dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
-the newest positions in float) into its group buffers (``KVLayout.buffers``), and
+the newest positions in float, and a global layer's first position as the engine computes it,
+``KVLayout.first_positions``) into its group buffers (``KVLayout.buffers``), and
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
 history as held, every fed token's keys and values held as the batch writes them (q8: each
 position reads the 16 before it in float, back to the history's end or the last multiple of
@@ -160,7 +161,8 @@ def batch_logprobs(
     """Log-probabilities (T, vocab) after each of ``tokens`` fed through the batch's group
     buffers made from ``cache`` (fenced at multiples of ``block``), and how many of its layers
     came in packed."""
-    layers = [Fenced(x, cache.num_tokens, block) for x in layout.buffers(cache.layers)]
+    first = layout.first_positions(model, cache.tokens[0])  # q4's, as the engine's rows
+    layers = [Fenced(x, cache.num_tokens, block) for x in layout.buffers(cache.layers, first)]
     parts = []
     for i in range(0, len(tokens), chunk):
         logits = model(mx.array(tokens[i : i + chunk])[None], cache=layers)[0].astype(mx.float32)

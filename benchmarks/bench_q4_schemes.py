@@ -5,8 +5,9 @@ at the size of q4.
         [--only q8 ...]
 
 The batch's q4 (``batch_kv_bits=4``) holds keys per channel over 32 positions in 5-bit codes,
-values rotated in 4-bit codes in groups of 128 and each row's newest 16 positions in float
-(``BATCH_Q4``; earlier on 2026-11-25, 4-bit keys over 16 positions; before that, 4-bit keys
+values rotated in 4-bit codes in groups of 128 and each row's newest 16 positions in float,
+and reads a global layer's first position in float over its words (``BATCH_Q4``; until
+2026-11-25, last, its words; earlier that day, 4-bit keys over 16 positions; before that, 4-bit keys
 over 32 positions and values in groups of 32, the second row measured); until
 2026-11-24 it quantized every position's keys and values in groups of 32 along the head
 dimension (the ``per token`` row), which kept about 85% of teacher-forced top-1 tokens at a
@@ -38,7 +39,10 @@ The schemes (combinations of):
   text (``--calibration``), then quantized per token; the query takes the scale.
 - **window**: the newest ``window`` positions of each layer stay in float.
 - **first position**: a global layer's first position (the BOS token, which many heads attend
-  to heavily) stays in float (``sink``); with per-channel keys, the key groups start after it.
+  to heavily) stays in float (``sink``); with per-channel keys, the key groups start after it
+  (its key alone: ``sink_values`` false). *Read in float* (``sink_in_group``): it is quantized
+  with the rest, its key group's range included, and read in float over its words, as the
+  batch holds it (a cache file's words do not change).
 - mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32.
 - q8 in larger groups, keys rotated or not: what q8 would need to hold 1.85x the float16
   agents (groups of 32 hold 1.78x at most, of 64 1.88x, of 128 1.94x).
@@ -50,7 +54,7 @@ an 8K-token history on this model's layers (global layers hold every position, s
 their window), against the same agent held in float16.
 ``targets_met.four_bit_agreement``: whether the best scheme at q4's size (holding no more
 at 8K than the batch's q4: 5-bit per-channel keys over 32 positions, values rotated in groups
-of 128, window 16) keeps 98% at a
+of 128, window 16, first position read in float) keeps 98% at a
 4K-token history or longer (None for shorter ones); the batch's own q4 is measured by
 ``bench_fidelity``. Writes benchmarks/results/q4_schemes.json and q4_schemes.png.
 """
@@ -61,7 +65,7 @@ import argparse
 import math
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -93,6 +97,8 @@ class Scheme:
     smooth_keys: bool = False
     window: int = 0
     sink: int = 0
+    sink_values: bool = True  # the first ``sink`` positions' values in float too
+    sink_in_group: bool = False  # the first ``sink`` positions quantized too, read in float
     clip: bool = False
 
     @property
@@ -108,13 +114,18 @@ class Scheme:
         return self.sink + self.window + (self.key_group - 1 if self.per_channel_keys else 0)
 
     def held_fraction(self, held: list[int]) -> float:
-        """Bytes of an agent whose layers hold ``held`` positions, against float16."""
+        """Bytes of an agent whose layers hold ``held`` positions, against float16 (a first
+        position counted on every layer; read in float over its words, it is held both
+        ways)."""
         quantized = floats = 0
         for n in held:
             f = min(n, self.float_positions)
             floats, quantized = floats + f, quantized + n - f
+            quantized += min(f, self.sink) if self.sink_in_group else 0
         return (quantized * self.bits / 16 + floats) / sum(held)
 
+
+FIVE_BIT = Scheme(5, 4, 32, 128, per_channel_keys=True, rotate_values=True, window=16)
 
 SCHEMES = {
     "exact (control: the harness alone)": Scheme(16, 16),
@@ -188,9 +199,15 @@ SCHEMES = {
     "first position": Scheme(
         key_group=16, value_group=128, per_channel_keys=True, rotate_values=True, window=16, sink=1
     ),
-    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16": Scheme(
-        5, 4, 32, 128, per_channel_keys=True, rotate_values=True, window=16
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16": (
+        FIVE_BIT
     ),
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16, "
+    "first position": replace(FIVE_BIT, sink=1),
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16, "
+    "first position's key": replace(FIVE_BIT, sink=1, sink_values=False),
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16, "
+    "first position read in float": replace(FIVE_BIT, sink=1, sink_in_group=True),
     "5-bit per-channel keys in groups of 64, Hadamard values in groups of 128, window 16": Scheme(
         5, 4, 64, 128, per_channel_keys=True, rotate_values=True, window=16
     ),
@@ -214,7 +231,8 @@ SCHEMES = {
 
 
 BATCH_Q4 = SCHEMES[  # batch_kv_bits=4's
-    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16"
+    "5-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16, "
+    "first position read in float"
 ]
 
 QUICK = (  # one scheme of each kind
@@ -324,6 +342,12 @@ class HeldLayer:
         self.offset, self.max_size, self.held, self.layer = offset, max_size, held, layer
         sink = held.scheme.sink if max_size is None and offset == keys.shape[2] else 0
         self.sink = [keys[..., :sink, :], values[..., :sink, :]]
+        if sink and not held.scheme.sink_values:
+            self.sink[1] = held.hold(self.sink[1], "values", layer)
+        self.exact = None  # (sink_in_group) the sink positions as read, over their words
+        if held.scheme.sink_in_group:
+            self.exact, self.sink = self.sink, [x[..., :0, :] for x in self.sink]
+            sink = 0
         self.quantized = [keys[..., :0, :], values[..., :0, :]]
         self.floats = [keys[..., sink:, :], values[..., sink:, :]]
         self._settle()
@@ -357,6 +381,10 @@ class HeldLayer:
             mx.concatenate([s, q, f], axis=2)
             for s, q, f in zip(self.sink, self.quantized, self.floats, strict=True)
         )
+        if self.exact is not None and self.quantized[0].shape[2]:
+            n = self.exact[0].shape[2]
+            pairs = zip(self.exact, (k, v), strict=True)
+            k, v = (mx.concatenate([e, x[..., n:, :]], axis=2) for e, x in pairs)
         return k, v
 
 

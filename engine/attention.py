@@ -180,7 +180,8 @@ def quantized_attention(
     each key group meets the query scaled by its scales in a matmul over its raw codes
     (:func:`_folded_scores`), and the keys are never expanded. Columns a row holds in float
     are scored and weighted from ``recent`` (q8: each query's own position and the
-    ``reach`` before it, :func:`_eight_bit_band`). Values
+    ``reach`` before it, :func:`_eight_bit_band`; q4 global layers: also the row's first
+    position, from ``first_kv``). Values
     are quantized per position, as ``mx.quantized_matmul`` reads them. Scores and weights are
     float32; the output is rotated back where the values are held rotated, and given in the
     queries' dtype (the fallback below: in the keys', the same in practice).
@@ -229,11 +230,25 @@ def quantized_attention(
         recent_col = mx.clip(f - 1 - held.ages, 0, f - 1)
         recent_scores = q @ recent_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, rows, f)
         scores = mx.where(in_float, mx.take(recent_scores, recent_col, axis=-1), scores)
+    # A global layer's first position: its column scored against ``first_kv``.
+    first = held.first_column()
+    if first is not None:
+        column, reads = first
+        at_first = ((mx.arange(L)[None] == column[:, None]) & reads[:, None])[:, None, None]
+        first_keys, first_values = (x.astype(mx.float32) for x in held.first_kv)
+        scores = mx.where(at_first, q @ first_keys.swapaxes(-1, -2), scores)
     weights = _masked_softmax(scores, mask, Lq)
 
-    # Values: the quantized columns through their words, the float ones from ``recent``.
-    weights_q = mx.where(in_float, mx.array(0, mx.float32), weights) if blend else weights
+    # Values: the quantized columns through their words, the float ones from ``recent`` and
+    # ``first_kv``.
+    zero = mx.array(0, mx.float32)
+    weights_q = mx.where(in_float, zero, weights) if blend else weights
+    weights_q = mx.where(at_first, zero, weights_q) if first is not None else weights_q
     out = _times_words(weights_q, held.values, dv, bits, held.value_group, transpose=False)
+    if first is not None:
+        first_weights = mx.take_along_axis(weights, column[:, None, None, None], axis=-1)
+        first_weights = first_weights * reads[:, None, None, None]  # (B, Hkv, rows, 1)
+        out = out + first_weights @ (hadamard(first_values) if held.rotated else first_values)
     if blend:
         age = f - 1 - mx.arange(f)  # of each recent entry
         column = held.newest - age

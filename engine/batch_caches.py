@@ -38,8 +38,10 @@ group loses a scale slot while one of its positions is in the window.
 
 A row extracted from a group is a ``KVCache`` / ``RotatingKVCache`` of packed arrays, which
 also carries ``recent``, its float positions (q8: and ``float_count``, how many it reads; a
-finished q8 turn leaves them behind, ``engine.loop``); its :class:`Packing` says how to read it
-(:meth:`Packing.expand` gives the float cache).
+finished q8 turn leaves them behind, ``engine.loop``), and a q4 global layer's ``first_kv``,
+its first position in float (a finished turn leaves it behind: the batch computes it again
+from the first token); its :class:`Packing` says how to read it (:meth:`Packing.expand` gives
+the float cache, from the words).
 """
 
 from __future__ import annotations
@@ -480,6 +482,9 @@ class HeldQuantized:
         rotated: values held rotated by :func:`hadamard` (q4).
         rotated_keys: keys held rotated by :func:`hadamard` (q8; ``recent`` holds them
             unrotated).
+        first_kv: (q4, a global layer) each row's first position's float keys and values
+            ``(B, H, 1, D)`` (unrotated), read instead of its words where ``recent`` does not
+            hold it (None: no row has them); ``first_held``: which rows have them.
     """
 
     keys: mx.array
@@ -497,6 +502,8 @@ class HeldQuantized:
     per_channel: bool
     rotated: bool
     rotated_keys: bool
+    first_kv: tuple[mx.array, mx.array] | None = None
+    first_held: tuple[bool, ...] = ()
 
     @property
     def ages(self) -> mx.array:
@@ -522,6 +529,23 @@ class HeldQuantized:
         f, ages = self.recent[0].shape[2], self.ages[None]  # (negative: past ``newest``)
         return (ages >= 0) & (ages < mx.array([min(n, f) for n in self.floats])[:, None])
 
+    def first_column(self) -> tuple[mx.array, mx.array] | None:
+        """``(B,)`` each row's column of its first position, and ``(B,)`` whether the row reads
+        it from ``first_kv`` (it has them, and ``recent`` does not hold the position); None
+        without ``first_kv``."""
+        if self.first_kv is None:
+            return None
+        column = mx.clip(self.newest + 1 - mx.array(self.lengths), 0, self.keys.shape[2] - 1)
+        return column, mx.array(self._first_reads())
+
+    def _first_reads(self) -> list[bool]:
+        """Per row, whether it reads its first position from ``first_kv``."""
+        f = self.recent[0].shape[2]
+        return [
+            held and n > min(k, f)
+            for held, n, k in zip(self.first_held, self.lengths, self.floats, strict=True)
+        ]
+
     def expanded(self) -> tuple[mx.array, mx.array]:
         """Keys and values in the model's dtype, every column expanded (keys rotated back;
         values rotated if ``rotated``)."""
@@ -538,6 +562,14 @@ class HeldQuantized:
         if self.rotated:
             recent_values = hadamard(recent_values)
         values = _overlay(values, recent_values, self.floats, self.newest, wrap)
+        if self.first_kv is not None:  # (column by column: a full-size select costs 15%)
+            first_keys, first_values = (x.astype(mx.float32) for x in self.first_kv)
+            first_values = hadamard(first_values) if self.rotated else first_values
+            for b, reads in enumerate(self._first_reads()):
+                if reads:
+                    c = self.newest + 1 - self.lengths[b]
+                    keys[b : b + 1, :, c : c + 1, :] = first_keys[b : b + 1]
+                    values[b : b + 1, :, c : c + 1, :] = first_values[b : b + 1]
         return keys.astype(recent_keys.dtype), values.astype(recent_keys.dtype)
 
 
@@ -573,6 +605,10 @@ class QuantizedLayer:
     per_channel = False  # keys quantized per channel as their groups complete (q4)
     rotated_values = False  # values held rotated by :func:`hadamard` (q4)
     rotated_keys = False  # keys held rotated by :func:`hadamard` (q8, set per buffer)
+    # q4, a global layer: each row's first position's float keys and values (B, H, 1, D),
+    # which rows have them (``first_held``); see :class:`_ChannelQuantized`
+    first_kv: tuple[mx.array, mx.array] | None = None
+    first_held: list[bool]
 
     def _wraps(self) -> bool:
         return bool(getattr(self, "rotated", False))
@@ -654,6 +690,8 @@ class QuantizedLayer:
             self.per_channel,
             self.rotated_values,
             self.rotated_keys,
+            self.first_kv,
+            () if self.first_kv is None else tuple(self.first_held),
         )
         return held, held
 
@@ -667,14 +705,29 @@ class QuantizedLayer:
         if self.recent is not None:
             index = mx.array(batch_indices)
             self.recent = tuple(r[index] for r in self.recent)
+        if self.first_kv is not None:
+            index = mx.array(batch_indices)
+            self.first_kv = tuple(x[index] for x in self.first_kv)
+            self.first_held = [self.first_held[i] for i in batch_indices]
 
     def extend(self, other: QuantizedLayer) -> None:
         mine, theirs = self._recent_for(other), other._recent_for(self)
+        firsts = _stack_firsts(self._firsts() + other._firsts())
         super().extend(other)  # type: ignore[misc]
         self.lengths = self.lengths + other.lengths
         self.counts = self.counts + other.counts
         if mine is not None:
             self.recent = tuple(mx.concatenate(p, axis=0) for p in zip(mine, theirs, strict=True))
+        self.first_kv, self.first_held = firsts
+
+    def _firsts(self) -> list[tuple[mx.array, mx.array] | None]:
+        """Each row's ``first_kv`` (None: it has none)."""
+        if self.first_kv is None:
+            return [None] * len(self.lengths)
+        return [
+            tuple(x[b : b + 1] for x in self.first_kv) if held else None
+            for b, held in enumerate(self.first_held)
+        ]
 
     def _recent_for(self, other: QuantizedLayer) -> tuple[mx.array, mx.array] | None:
         """``recent``, or zeros shaped like ``other``'s (None when neither has any)."""
@@ -690,12 +743,16 @@ class QuantizedLayer:
             row.recent = None
         else:  # copies, as mlx-lm's extract copies the buffers (a view keeps the group's alive)
             row.recent = tuple(mx.contiguous(r[idx : idx + 1]) for r in self.recent)
+        row.first_kv = None
+        if self.first_kv is not None and self.first_held[idx]:
+            row.first_kv = tuple(mx.contiguous(x[idx : idx + 1]) for x in self.first_kv)
         return row
 
     @property
     def nbytes(self) -> int:
         held = super().nbytes  # type: ignore[misc]
-        return held + (0 if self.recent is None else sum(r.nbytes for r in self.recent))
+        held += 0 if self.recent is None else sum(r.nbytes for r in self.recent)
+        return held + (0 if self.first_kv is None else sum(x.nbytes for x in self.first_kv))
 
 
 class GroupQuantizedKVCache(QuantizedLayer, GroupKVCache):
@@ -722,9 +779,31 @@ def quantized_buffer(
     return _with_recent(merged, rows, group_size, group_size)
 
 
-def _with_recent(merged: Any, rows: list[Any], key_group: int, value_group: int) -> Any:
-    """``merged`` (a buffer of ``rows``) given its group sizes and the rows' lengths and float
-    positions."""
+def _stack_firsts(
+    firsts: list[tuple[mx.array, mx.array] | None],
+) -> tuple[tuple[mx.array, mx.array] | None, list[bool]]:
+    """Rows' ``first_kv`` (None: a row without) as one buffer's ``first_kv`` and
+    ``first_held`` (zeros for the rows without; None when no row has them)."""
+    some = next((x for x in firsts if x is not None), None)
+    held = [x is not None for x in firsts]
+    if some is None:
+        return None, held
+    return tuple(
+        mx.concatenate([mx.zeros_like(some[k]) if x is None else x[k] for x in firsts], axis=0)
+        for k in range(2)
+    ), held
+
+
+def _with_recent(
+    merged: Any,
+    rows: list[Any],
+    key_group: int,
+    value_group: int,
+    first_kv: tuple[mx.array, mx.array] | None = None,
+) -> Any:
+    """``merged`` (a buffer of ``rows``) given its group sizes and the rows' lengths, float
+    positions and first positions (``first_kv``: every row's, else each row's own if it
+    carries them)."""
     merged.group_size, merged.value_group_size = key_group, value_group
     merged.lengths = [row.offset for row in rows] or [0]
     held = [getattr(row, "recent", None) for row in rows]
@@ -738,6 +817,8 @@ def _with_recent(merged: Any, rows: list[Any], key_group: int, value_group: int)
     if some is not None:
         parts = [r if r is not None else tuple(mx.zeros_like(x) for x in some) for r in held]
         merged.recent = tuple(mx.concatenate([p[k] for p in parts], axis=0) for k in range(2))
+    firsts = [first_kv or getattr(row, "first_kv", None) for row in rows] or [first_kv]
+    merged.first_kv, merged.first_held = _stack_firsts(firsts)
     return merged
 
 
@@ -750,6 +831,14 @@ class _ChannelQuantized(QuantizedLayer):
     groups of ``value_group_size``. ``recent`` holds the :data:`FLOAT_WINDOW` newest positions
     and those of the key group not yet complete. ``engine.attention`` folds each key group's
     scales into the query instead of expanding the keys.
+
+    A global layer also holds each row's first position in float (``first_kv``), which
+    attention reads instead of its words: causal attention makes a sequence's first keys and
+    values a function of its first token alone, so the engine computes them once a token
+    (``engine.runner.ModelRunner.first_positions``) for every row, whatever it joined from; its
+    words stay as quantized (a cache file's bytes do not change). That position (the BOS
+    token) draws much of the attention and carries large channels: reading it in float cut
+    q4's mean KL by a fifth at a 4K history (``bench_q4_schemes``).
     """
 
     bits = 4
@@ -808,15 +897,21 @@ class ChannelQuantizedRotatingKVCache(_ChannelQuantized, GroupRotatingKVCache):
     ring of :func:`ring_size` positions (its masks keep the model's window)."""
 
 
-def channel_buffer(rows: list[Any], window: int | None, group: int) -> Any:
+def channel_buffer(
+    rows: list[Any],
+    window: int | None,
+    group: int,
+    first_kv: tuple[mx.array, mx.array] | None = None,
+) -> Any:
     """One group buffer of channel-quantized single-row caches (:func:`channel_row`, values in
-    groups of ``group``; none: one empty row)."""
+    groups of ``group``; none: one empty row); a global layer's rows read their first position
+    from ``first_kv`` (:class:`_ChannelQuantized`; else from what each row carries)."""
     if window is None:
         merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
         merged.__class__ = ChannelQuantizedKVCache
-    else:
-        merged = _merge_ring(rows, ring_size(window, KEY_GROUP_SIZE))
-        merged.__class__ = ChannelQuantizedRotatingKVCache
+        return _with_recent(merged, rows, KEY_GROUP_SIZE, group, first_kv)
+    merged = _merge_ring(rows, ring_size(window, KEY_GROUP_SIZE))
+    merged.__class__ = ChannelQuantizedRotatingKVCache
     return _with_recent(merged, rows, KEY_GROUP_SIZE, group)
 
 

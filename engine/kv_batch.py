@@ -126,22 +126,25 @@ class KVLayout:
     def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
         """Bytes a sequence of ``tokens`` holds on its own (``window_extra``: positions a
         sliding layer holds beyond its window while a prefill chunk goes in; a quantized layer:
-        its float positions, and with keys per channel its ring's extra key group)."""
+        its float positions, and with keys per channel a global layer's first position or a
+        ring's extra key group)."""
         held = sum(
             b * (tokens if w is None else min(tokens, w + window_extra)) for w, b in self.by_window
         )
         return held + sum(self._float_extra(i, tokens) for i in range(len(self.windows)))
 
     def _float_extra(self, i: int, tokens: int) -> int:
-        """A quantized layer's float positions (and a q4 ring's extra key group)."""
+        """A quantized layer's float positions (q4: with a global layer's first position, and a
+        ring's extra key group)."""
         if self.packing is None or not self.packing.quantized(i):
             return 0
         group, (n, dk, dv) = self.packing.key_group(i), self.heads[i]
         if not self.packing.channel_keys(i):
             return FLOAT_WINDOW * n * (dk + dv) * self.packing.dtype.size
         floats = float_window(group) * n * (dk + dv) * self.packing.dtype.size
-        ring = 0 if self.windows[i] is None else min(tokens, group) * self.token_bytes[i]
-        return floats + ring
+        if self.windows[i] is None:  # and its first position (ModelRunner.first_positions)
+            return floats + n * (dk + dv) * self.packing.dtype.size
+        return floats + min(tokens, group) * self.token_bytes[i]
 
     def padded_bytes(self, lengths: list[int]) -> int:
         """Bytes a group of sequences of these lengths holds, each padded to the longest."""
@@ -182,24 +185,52 @@ class KVLayout:
             extra = max(extra, keys.shape[2] - ring)
         return extra
 
-    def buffers(self, layers: list[Any]) -> list[Any]:
+    def first_positions(
+        self, model: Any, token: int
+    ) -> list[tuple[mx.array, mx.array] | None] | None:
+        """Per layer, the keys and values every sequence starting with ``token`` holds at its
+        first position, where the batch reads them in float (q4's global layers: see
+        ``engine.batch_caches._ChannelQuantized``), else None; None when no layer does.
+        Causal attention makes them a function of that token alone: one forward pass of it
+        through ``model`` (on the generation thread)."""
+        wanted = [
+            self.packing is not None and self.packing.channel_keys(i) and w is None
+            for i, w in enumerate(self.windows)
+        ]
+        if not any(wanted):
+            return None
+        caches = make_prompt_cache(model)
+        model(mx.array([[token]]), cache=caches)
+        got = [
+            (mx.contiguous(c.keys[..., :1, :]), mx.contiguous(c.values[..., :1, :]))
+            if want
+            else None
+            for c, want in zip(caches, wanted, strict=True)
+        ]
+        mx.eval([x for pair in got if pair for x in pair])
+        return got
+
+    def buffers(self, layers: list[Any], first: list | None = None) -> list[Any]:
         """One sequence's group buffers (a row each, copied) from its checked ``layers``: what
         the model attends through in the batch (mlx-lm batch caches, quantized ones packing
-        float rows)."""
+        float rows). ``first``: per layer, the keys and values of the sequence's first
+        position in float, or None (``ModelRunner.first_positions``; a q4 global layer reads
+        them instead of their words)."""
         self.check(layers)
-        return [self._buffer(i, [x]) for i, x in enumerate(layers)]
+        return [self._buffer(i, [x], first and first[i]) for i, x in enumerate(layers)]
 
-    def empty_layers(self) -> list[Any]:
-        return [self._buffer(i, []) for i in range(len(self.windows))]
+    def empty_layers(self, first: list | None = None) -> list[Any]:
+        """A sequence's empty group buffers (``first``: as :meth:`buffers`)."""
+        return [self._buffer(i, [], first and first[i]) for i in range(len(self.windows))]
 
-    def _buffer(self, i: int, layers: list[Any]) -> Any:
+    def _buffer(self, i: int, layers: list[Any], first: Any = None) -> Any:
         """Layer ``i``'s group buffer of ``layers`` (one row each; none: one empty row). A
         layer held quantized packs float rows first (a paused row is packed already)."""
         w = self.windows[i]
         if self.quantized(i):
             rows = [self.packing.pack(i, x) for x in layers]
             if self.packing.channel_keys(i):
-                return channel_buffer(rows, w, self.packing.group_sizes[i])
+                return channel_buffer(rows, w, self.packing.group_sizes[i], first)
             group = self.packing.group_sizes[i]
             bits = self.packing.bits
             return quantized_buffer(rows, w, bits, group, self.packing.keys_rotated(i))
@@ -272,11 +303,15 @@ class KVGroup:
             seq.group = self
 
     @classmethod
-    def start(cls, layout: KVLayout, seq: Sequence, layers: list[Any] | None) -> KVGroup:
-        """A group holding ``seq`` alone, starting from ``layers`` (copied) or empty."""
+    def start(
+        cls, layout: KVLayout, seq: Sequence, layers: list[Any] | None, first: list | None = None
+    ) -> KVGroup:
+        """A group holding ``seq`` alone, starting from ``layers`` (copied) or empty;
+        ``first``: per layer, its first position's keys and values (see
+        :meth:`KVLayout.buffers`)."""
         if layers is None:
-            return cls(layout.empty_layers(), [seq])
-        return cls(layout.buffers(layers), [seq])
+            return cls(layout.empty_layers(first), [seq])
+        return cls(layout.buffers(layers, first), [seq])
 
     @property
     def lengths(self) -> list[int]:

@@ -103,7 +103,9 @@ class GenerationLoop(threading.Thread):
                 self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
             )
             self.runner.block_tokens = self.config.cache_block_tokens
-            self.scheduler = Scheduler(self.config, self.runner.layout, self._budget())
+            self.scheduler = Scheduler(
+                self.config, self.runner.layout, self._budget(), self.runner.first_positions
+            )
         except BaseException as exc:  # surfaced to the opener by wait_ready()
             self._load_error = exc
             self._ready.set()
@@ -299,13 +301,16 @@ class GenerationLoop(threading.Thread):
         (the hot tier keeps them so, and the disk codec stores their words as they are). A q8
         row's float copies of its newest positions served the turn that wrote them and end
         with it: its cache is its words, what a q8 file stores, so the next turn resumes alike
-        from the hot tier, a file or a shared head (reading none across where it joined)."""
+        from the hot tier, a file or a shared head (reading none across where it joined).
+        A q4 row's float first position goes too: the batch computes it again from the first
+        token wherever the row joins (``ModelRunner.first_positions``)."""
         packing = self.runner.layout.packing
         packed = packing is not None and any(is_packed(row) for row in layers)
         if packed:
             for i, row in enumerate(layers):
                 if is_packed(row) and not packing.channel_keys(i):
                     row.recent = None
+                row.first_kv = None
         return PromptCache(layers, tokens, packing=packing if packed else None)
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:

@@ -194,9 +194,10 @@ def _cut(layer: Any, keep: int) -> Any:
 
 
 def layer_nbytes(layer: Any) -> int:
-    """A layer's bytes, with the float copies of a channel-packed row's newest positions."""
-    recent = getattr(layer, "recent", None)
-    return layer.nbytes + (0 if recent is None else sum(x.nbytes for x in recent))
+    """A layer's bytes, with the float copies of a channel-packed row's newest positions and
+    first position."""
+    floats = [x for part in ("recent", "first_kv") for x in getattr(layer, part, None) or ()]
+    return layer.nbytes + sum(x.nbytes for x in floats)
 
 
 def _is_window(layer: Any) -> bool:

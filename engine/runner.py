@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8
 CHANNEL_PROBE_TOKENS = 160  # whole key groups FLOAT_WINDOW old and more (a ring wraps)
+FIRST_TOKENS_KEPT = 16  # first tokens whose first-position keys and values are kept
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class ModelRunner:
         precision, with a warning."""
         self.model = model
         self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
+        self._firsts: dict[int, list | None] = {}  # first_positions' by token, oldest first
         if not install(model):
             raise UnsupportedModelError(
                 f"{type(model).__module__} has its own attention function; agentkv batches "
@@ -74,6 +76,18 @@ class ModelRunner:
         self._backbone, self._head = self._split_head()
         if kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
+
+    def first_positions(self, token: int) -> list[tuple[mx.array, mx.array] | None] | None:
+        """:meth:`KVLayout.first_positions` of ``token`` through this model, kept for the last
+        :data:`FIRST_TOKENS_KEPT` tokens asked (most sequences start with BOS)."""
+        if token in self._firsts:
+            got = self._firsts.pop(token)
+        else:
+            got = self.layout.first_positions(self.model, token)
+            if len(self._firsts) >= FIRST_TOKENS_KEPT:
+                self._firsts.pop(next(iter(self._firsts)))
+        self._firsts[token] = got
+        return got
 
     def _quantize(self, layout: KVLayout) -> None:
         """Use ``layout`` (quantized layers) once a step of rows runs through it to finite
@@ -85,12 +99,14 @@ class ModelRunner:
             split = CHANNEL_PROBE_TOKENS
             probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
+        self._firsts.clear()
         try:  # (its last token a decode step, as attention reads those through other paths)
             got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split, True)
             if not mx.all(mx.isfinite(got)).item():
                 raise UnsupportedModelError("its logits are not finite")
         except Exception as exc:
             self.layout = exact
+            self._firsts.clear()
             log.warning(
                 "batch_kv_bits=%d: %s cannot attend to quantized keys (%s); the batch holds "
                 "its KV in the model's precision",
@@ -231,7 +247,7 @@ class ModelRunner:
         """The logits of ``probe`` fed as one step of rows (``split``: the tokens from
         ``split`` on in later steps, attending to the first's keys as the layout holds them;
         ``decode``: the last of them alone, as a decode step feeds a sampled token)."""
-        group = self.layout.empty_layers()
+        group = self.layout.empty_layers(self.first_positions(int(probe[0].item())))
         last = probe.size - 1 if decode else probe.size
         parts = [(probe[:split], 0), (probe[split:last], split)] if split else [(probe, 0)]
         parts = [p for p in parts if p[0].size]

@@ -46,9 +46,14 @@ class Scheduler:
         config: EngineConfig,
         layout: KVLayout,
         budget_bytes: int,
+        first_positions: Callable[[int], list | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``first_positions``: per layer, the keys and values a sequence starting with a
+        token holds at its first position, or None (``ModelRunner.first_positions``: what a
+        q4 batch's global layers read in float)."""
         self.config = config
+        self.first_positions = first_positions
         self.policy = Policy(config.policy)
         self.layout = layout
         self.budget_bytes = budget_bytes
@@ -251,7 +256,11 @@ class Scheduler:
             self.paused_bytes -= sum(layer_nbytes(layer) for layer in seq.cache)
 
     def _join(self, seq: Sequence) -> None:
-        group = KVGroup.start(self.layout, seq, seq.cache)
+        tokens = seq.tokens or seq.prompt
+        first = None
+        if self.first_positions is not None and tokens:
+            first = self.first_positions(tokens[0])
+        group = KVGroup.start(self.layout, seq, seq.cache, first)
         seq.reserved = self.need(seq)
         seq.cache = None
         self.reserved_bytes += seq.reserved

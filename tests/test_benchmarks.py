@@ -437,3 +437,27 @@ def test_scaleout_quick(tmp_path):
         assert sum(row["turns_by_worker"].values()) == 8
     assert list(report["rows"][0]["turns_by_worker"]) == ["w1"]
     assert report["two_vs_one"] > 0
+
+
+def test_q4_schemes_batch_q4_reads_the_first_position_in_float_over_its_words():
+    """The harness's batch q4: a global layer's first position read exactly, its key group
+    quantized with it (the others as the scheme without it holds them)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from benchmarks.bench_q4_schemes import BATCH_Q4, Held, HeldLayer
+
+    keys = mx.random.normal((1, 1, 200, 128), key=mx.random.key(1))
+    keys[..., 0, :] *= 20  # a BOS-like outlier
+    values = mx.random.normal(keys.shape, key=mx.random.key(2))
+    new = [mx.random.normal((1, 1, 1, 128), key=mx.random.key(3 + i)) for i in (0, 1)]
+    plain = dataclasses.replace(BATCH_Q4, sink=0, sink_in_group=False)
+    got, words = (
+        HeldLayer(keys, values, 200, None, Held(s, 128, None), 0).update_and_fetch(*new)
+        for s in (BATCH_Q4, plain)
+    )
+    for x, mine, theirs, kind in zip((keys, values), got, words, ("keys", "values"), strict=True):
+        assert mx.array_equal(mine[..., :1, :], x[..., :1, :]).item(), kind
+        assert not mx.allclose(theirs[..., :1, :], x[..., :1, :], atol=1e-3).item(), kind
+        assert mx.array_equal(mine[..., 1:, :], theirs[..., 1:, :]).item(), kind

@@ -534,6 +534,80 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
         assert mx.array_equal(got.values[..., -(n - whole) :, :], want.values[..., cols:, :]).item()
 
 
+@pytest.mark.parametrize("chunk", [1, 40])
+def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
+    """A q4 global layer's rows read their first position from ``first_kv`` instead of its
+    words (decode steps through the folded scores; a 40-token chunk's expanded keys), where
+    ``recent`` does not hold it; a row without them reads its words. Rows keep theirs through
+    ``extend``, ``filter`` and ``extract``."""
+    from engine.attention import quantized_attention
+    from engine.batch_caches import channel_buffer, channel_row, hadamard
+
+    group, H, D = 32, 2, 64
+    lengths = [3, 70, 161] if chunk == 1 else [161]
+    keys = mx.random.normal((3, H, 161, D), key=mx.random.key(8))
+    values = mx.random.normal(keys.shape, key=mx.random.key(9))
+    # A first position unlike what its words hold: a large key, and a value of its own.
+    firsts = [
+        (keys[b : b + 1, :, :1] * 8, mx.random.normal((1, H, 1, D), key=mx.random.key(10 + b)))
+        for b in range(3)
+    ]
+    held_first = [True, False, True] if chunk == 1 else [True]
+    buffers = [
+        channel_buffer(
+            [
+                channel_row(
+                    float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None), group
+                )
+            ],
+            None,
+            group,
+            firsts[b] if held_first[b] else None,
+        )
+        for b, n in enumerate(lengths)
+    ]
+    buffer = buffers[0]
+    for other in buffers[1:]:
+        buffer.extend(other)
+    assert buffer.first_held == held_first
+    B = len(lengths)
+    k, v = (mx.random.normal((B, H, chunk, D), key=mx.random.key(30 + i)) for i in (0, 1))
+    mask = buffer.make_mask(chunk)
+    held, _ = buffer.update_and_fetch(k, v)
+    query = mx.random.normal((B, 4, chunk, D), key=mx.random.key(40))
+    got = quantized_attention(query, held, 0.125, mask, None)
+    keys_f, values_f = held.expanded()
+    want = hadamard(
+        mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
+    )
+    assert mx.allclose(got, want, atol=1e-4).item(), mx.abs(got - want).max().item()
+    L = keys_f.shape[2]
+    for b, n in enumerate(lengths):
+        column = L - (n + chunk)  # the row's first position (left-padded)
+        in_recent = n + chunk <= held.floats[b]
+        reads = held_first[b] and not in_recent
+        first_key = keys_f[b, :, column]
+        assert mx.allclose(first_key, firsts[b][0][0, :, 0], atol=1e-5).item() == reads, b
+        assert (
+            mx.allclose(values_f[b, :, column], hadamard(firsts[b][1])[0, :, 0], atol=1e-5).item()
+            == reads
+        )
+    # Without them the same step attends otherwise (the test can tell).
+    plain = held.__class__(*[getattr(held, f) for f in held.__dataclass_fields__][:-2])
+    assert not mx.allclose(
+        quantized_attention(query, plain, 0.125, mask, None), got, atol=1e-3
+    ).item()
+    if chunk == 1:
+        buffer.filter([2, 1])
+        assert buffer.first_held == [True, False]
+        assert mx.array_equal(buffer.first_kv[0][0], firsts[2][0][0]).item()
+        row = buffer.extract(0)
+        assert all(
+            mx.array_equal(x, y).item() for x, y in zip(row.first_kv, firsts[2], strict=True)
+        )
+        assert buffer.extract(1).first_kv is None
+
+
 def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
     from engine.batch_caches import (
         channel_boundary,

@@ -167,8 +167,9 @@ async def test_a_higher_priority_turn_preempts_and_the_paused_turn_resumes_exact
 
 
 async def test_a_paused_q4_turn_counts_its_float_positions_in_the_paused_bytes():
-    """A q4 row keeps float copies of its newest positions beside its words; while it is
-    paused its bytes count both, and nothing once it has resumed."""
+    """A q4 row keeps float copies of its newest positions (and a global layer its first
+    position) beside its words; while it is paused its bytes count them all, and nothing
+    once it has resumed."""
     config = EngineConfig(batch_kv_bits=4)
     low = GenerationRequest(prompt_of(60), max_tokens=200, ignore_eos=True)
     high = GenerationRequest(prompt_of(30, salt=4), max_tokens=150, ignore_eos=True, priority=10)
@@ -180,6 +181,9 @@ async def test_a_paused_q4_turn_counts_its_float_positions_in_the_paused_bytes()
         cache = scheduler.queue.peek().cache
         words = sum(layer.nbytes for layer in cache)
         floats = sum(sum(x.nbytes for x in layer.recent) for layer in cache)
+        firsts = [layer.first_kv for layer in cache if layer.first_kv is not None]
+        assert len(firsts) == scheduler.layout.windows.count(None)  # the global layers'
+        floats += sum(x.nbytes for pair in firsts for x in pair)
         return scheduler.paused, scheduler.paused_bytes, words, floats
 
     try:
@@ -509,3 +513,44 @@ def test_fair_prefill_gives_a_small_budget_to_a_few_prompts_in_turn(layout):
     assert [s for s, _ in third] == [prompts[4], prompts[0]]
     even = scheduler._paced_chunks(list(prompts), 10 * MIN_CHUNK)
     assert [n for _, n in even] == [2 * MIN_CHUNK] * 5
+
+
+def test_a_joining_q4_turn_reads_the_first_position_of_its_own_first_token():
+    """A q4 batch's global layers read each row's first position as the model computes it
+    for the sequence's first token: a resumed turn's history's, a new one's prompt's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.models.loading import load_model
+    from engine.runner import ModelRunner
+    from engine.scheduler import Scheduler
+    from tests.test_runner import sequence
+
+    model = load_model("tiny:gemma3").model
+    runner = ModelRunner(model, kv_bits=4)
+    asked = []
+
+    def first_positions(token: int) -> list | None:
+        asked.append(token)
+        return runner.first_positions(token)
+
+    config = EngineConfig(batch_kv_bits=4)
+    scheduler = Scheduler(config, runner.layout, 1 << 30, first_positions)
+    history = prompt_of(60, salt=2)
+    cache = make_prompt_cache(model)
+    model(mx.array(history)[None], cache=cache)
+    fresh, resumed = sequence(prompt_of(10, salt=1)), sequence(prompt_of(5, salt=3))
+    resumed.tokens, resumed.cache = list(history), cache
+    for seq in (fresh, resumed):
+        scheduler.enqueue(seq)
+    scheduler.schedule()
+    assert scheduler.running == [fresh, resumed]
+    assert asked == [fresh.prompt[0], history[0]] and fresh.prompt[0] != history[0]
+    for seq, token in ((fresh, fresh.prompt[0]), (resumed, history[0])):
+        want = runner.first_positions(token)
+        assert sum(pair is not None for pair in want) == runner.layout.windows.count(None)
+        for layer, pair in zip(seq.group.layers, want, strict=True):
+            got = getattr(layer, "first_kv", None)
+            assert (got is None) == (pair is None)
+            assert pair is None or all(
+                mx.array_equal(x, y).item() for x, y in zip(got, pair, strict=True)
+            )
