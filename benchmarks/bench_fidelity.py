@@ -10,7 +10,9 @@ ones, so a 4K history is well past the 512-token window) and teacher-forces the 
 saves the cache three ways (``none``: exact, ``q8``, ``q4``: keys per channel, values
 Hadamard-rotated, ``engine.kv.quant``) as the runtime stores caches (blocks and a tail:
 ``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
-them back as a resume does (``decode_paged``) and teacher-forces the same tokens. Reported per
+them back as a resume does (``decode_paged``: a layer dequantized from q8 or q4 words holds its
+first position as the model computes it for the first token, ``engine.kv_batch.first_positions``,
+since 2026-11-25; before, as its words gave it) and teacher-forces the same tokens. Reported per
 variant: argmax agreement with the reference (and its 95% Wilson interval over the
 continuation's tokens: at the default 1,024 and 98%, about 97.0-98.7%, so a target a point
 away is told apart; 256 tokens could not), mean and max KL(reference || resumed), perplexity
@@ -20,7 +22,7 @@ In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4
 batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
 dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
 the newest positions in float, and a global layer's first position as the engine computes it,
-``KVLayout.first_positions``) into its group buffers (``KVLayout.buffers``), and
+``engine.kv_batch.first_positions``) into its group buffers (``KVLayout.buffers``), and
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
 history as held, every fed token's keys and values held as the batch writes them (q8: each
 position reads the 16 before it in float, back to the history's end or the last multiple of
@@ -41,6 +43,7 @@ import math
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,7 +56,7 @@ from engine.batch_caches import QuantizedLayer, is_packed
 from engine.config import group_size_for
 from engine.engine import Engine
 from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
-from engine.kv_batch import KVLayout
+from engine.kv_batch import KVLayout, first_positions
 from engine.request import PromptCache
 
 RESULTS = Path(__file__).parent / "results"
@@ -124,8 +127,8 @@ def save(cache: PromptCache, kv_bits: int | None, group_size: int, path: Path) -
     return paths, nbytes(paths)
 
 
-def load(path: Path, paths: list[Path]) -> PromptCache:
-    return load_paged(paths)
+def load(path: Path, paths: list[Path], first_positions: Callable) -> PromptCache:
+    return load_paged(paths, None, first_positions)
 
 
 class Fenced:
@@ -161,7 +164,9 @@ def batch_logprobs(
     """Log-probabilities (T, vocab) after each of ``tokens`` fed through the batch's group
     buffers made from ``cache`` (fenced at multiples of ``block``), and how many of its layers
     came in packed."""
-    first = layout.first_positions(model, cache.tokens[0])  # q4's, as the engine's rows
+    first = None  # q4's global layers read it, as the engine's rows do
+    if layout.reads_first_positions:
+        first = first_positions(model, cache.tokens[0])
     layers = [Fenced(x, cache.num_tokens, block) for x in layout.buffers(cache.layers, first)]
     parts = []
     for i in range(0, len(tokens), chunk):
@@ -225,7 +230,7 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
             }
             for name, (path, paths, file_bytes) in run["files"].items():
                 start = time.perf_counter()
-                cache = await eng.run(load, path, paths)
+                cache = await eng.run(load, path, paths, eng.first_positions)
                 load_s = time.perf_counter() - start
                 logprobs = await eng.run(next_token_logprobs, model, cache, fed, args.chunk)
                 stats = await eng.run(compare, reference, logprobs)
@@ -238,7 +243,7 @@ async def after_restart(args: argparse.Namespace, runs: dict) -> list[dict]:
                 group = group_size_for(bits, args.group_size)
                 layout = await eng.run(KVLayout.of, model, bits, group)
                 _, paths, file_bytes = run["files"]["none" if bits is None else f"q{bits}"]
-                cache = await eng.run(load_paged, paths, layout.packing)
+                cache = await eng.run(load_paged, paths, layout.packing, eng.first_positions)
                 chunk = args.chunk if chunked else 1
                 logprobs, packed = await eng.run(
                     batch_logprobs, model, layout, cache, fed, chunk, args.block_tokens

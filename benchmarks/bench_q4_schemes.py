@@ -43,13 +43,16 @@ The schemes (combinations of):
   (its key alone: ``sink_values`` false). *Read in float* (``sink_in_group``): it is quantized
   with the rest, its key group's range included, and read in float over its words, as the
   batch holds it (a cache file's words do not change).
-- mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32.
+- mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32;
+  or global layers' keys at fewer bits than sliding ones' (``global_key_bits``: at 8K the
+  global layers hold most of an agent's bytes).
 - q8 in larger groups, keys rotated or not: what q8 would need to hold 1.85x the float16
   agents (groups of 32 hold 1.78x at most, of 64 1.88x, of 128 1.94x).
 
-``bits a value`` counts the quantized part (a group's float16 scale and bias included);
-``× float16 at 8K`` adds the float positions, counted as float16 (the window, and with
-per-channel keys the positions of their incomplete group, keys and values) of an agent with
+``bits a value`` counts the quantized part of a global layer (a group's float16 scale and
+bias included); ``× float16 at 8K`` adds the float positions, counted as float16 (the window,
+with per-channel keys the positions of their incomplete group, and a global layer's first
+position, keys and values) of an agent with
 an 8K-token history on this model's layers (global layers hold every position, sliding ones
 their window), against the same agent held in float16.
 ``targets_met.four_bit_agreement``: whether the best scheme at q4's size (holding no more
@@ -100,11 +103,21 @@ class Scheme:
     sink_values: bool = True  # the first ``sink`` positions' values in float too
     sink_in_group: bool = False  # the first ``sink`` positions quantized too, read in float
     clip: bool = False
+    global_key_bits: int = 0  # a global layer's key bits (0: ``key_bits``)
 
     @property
     def bits(self) -> float:
-        """Bits a stored value takes on average, keys and values alike sized."""
-        keys = self.key_bits + (32 / self.key_group if self.key_bits < 16 else 0)
+        """Bits a stored value of a global layer takes on average, keys and values alike
+        sized (at 8K, global layers hold most positions)."""
+        return self.layer_bits(True)
+
+    def key_bits_of(self, global_layer: bool) -> int:
+        return self.global_key_bits or self.key_bits if global_layer else self.key_bits
+
+    def layer_bits(self, global_layer: bool) -> float:
+        """Bits a stored value of a global or sliding layer takes on average."""
+        key_bits = self.key_bits_of(global_layer)
+        keys = key_bits + (32 / self.key_group if key_bits < 16 else 0)
         values = self.value_bits + (32 / self.value_group if self.value_bits < 16 else 0)
         return (keys + values) / 2
 
@@ -113,16 +126,17 @@ class Scheme:
         """Most positions of a layer held in float at once."""
         return self.sink + self.window + (self.key_group - 1 if self.per_channel_keys else 0)
 
-    def held_fraction(self, held: list[int]) -> float:
-        """Bytes of an agent whose layers hold ``held`` positions, against float16 (a first
-        position counted on every layer; read in float over its words, it is held both
-        ways)."""
-        quantized = floats = 0
-        for n in held:
-            f = min(n, self.float_positions)
-            floats, quantized = floats + f, quantized + n - f
-            quantized += min(f, self.sink) if self.sink_in_group else 0
-        return (quantized * self.bits / 16 + floats) / sum(held)
+    def held_fraction(self, held: list[tuple[int, bool]]) -> float:
+        """Bytes of an agent whose layers hold ``held`` (positions, whether global) against
+        float16 (a first position counted on global layers, as they hold it; read in float
+        over its words, it is held both ways)."""
+        quantized = floats = 0.0
+        for n, global_layer in held:
+            sink = self.sink if global_layer else 0
+            f = min(n, self.float_positions - self.sink + sink)
+            q = n - f + (min(f, sink) if self.sink_in_group else 0)
+            floats, quantized = floats + f, quantized + q * self.layer_bits(global_layer) / 16
+        return (quantized + floats) / sum(n for n, _ in held)
 
 
 FIVE_BIT = Scheme(5, 4, 32, 128, per_channel_keys=True, rotate_values=True, window=16)
@@ -221,6 +235,10 @@ SCHEMES = {
         16, 4, value_group=128, rotate_values=True, window=16
     ),
     "q4 per-channel keys, values exact, window 16": Scheme(4, 16, per_channel_keys=True, window=16),
+    "4-bit per-channel keys in groups of 32, Hadamard values in groups of 128, window 16, "
+    "first position read in float": replace(FIVE_BIT, key_bits=4, sink=1, sink_in_group=True),
+    "4-bit per-channel keys on global layers (5-bit on sliding ones), the rest as the batch's "
+    "q4": replace(FIVE_BIT, sink=1, sink_in_group=True, global_key_bits=4),
     "q8 Hadamard keys and values, group 128, a query's own position in float": Scheme(
         8, 8, 128, 128, rotate_keys=True, rotate_values=True, window=1
     ),
@@ -306,8 +324,15 @@ class Held:
     """What a scheme makes of keys or values: ``hold(x, layer)`` for positions leaving the
     float part, in temporal order (a multiple of ``key_group`` of them for per-channel keys)."""
 
-    def __init__(self, scheme: Scheme, head_dim: int, smoothing: list | None):
+    def __init__(
+        self,
+        scheme: Scheme,
+        head_dim: int,
+        smoothing: list | None,
+        global_layers: frozenset[int] = frozenset(),
+    ):
         self.scheme = scheme
+        self.global_layers = global_layers  # (by index: the layers without a window)
         self.rotation = hadamard(head_dim) if scheme.rotate_keys or scheme.rotate_values else None
         self.smoothing = smoothing
 
@@ -315,6 +340,8 @@ class Held:
         s = self.scheme
         keys = kind == "keys"
         bits, group = (s.key_bits, s.key_group) if keys else (s.value_bits, s.value_group)
+        if keys:
+            bits = s.key_bits_of(layer in self.global_layers)
         rotate = s.rotate_keys if keys else s.rotate_values
         if keys and s.smooth_keys:
             mean, scale = self.smoothing[layer]
@@ -454,15 +481,17 @@ def run(args: argparse.Namespace) -> dict:
     prefix = [temporal(layer) for layer in exact]
     head_dim = prefix[0][0].shape[-1]
     held_at_capacity = [
-        CAPACITY_HISTORY if w is None else min(w, CAPACITY_HISTORY) for _, _, w in prefix
+        (CAPACITY_HISTORY, True) if w is None else (min(w, CAPACITY_HISTORY), False)
+        for _, _, w in prefix
     ]
+    global_layers = frozenset(i for i, (_, _, w) in enumerate(prefix) if w is None)
     rows = []
     schemes = {n: SCHEMES[n] for n in QUICK} if args.quick else SCHEMES
     if args.only:
         schemes = {n: s for n, s in schemes.items() if any(w in n for w in args.only)}
     for name, scheme in schemes.items():
         start = time.perf_counter()
-        held = Held(scheme, head_dim, smoothing)
+        held = Held(scheme, head_dim, smoothing, global_layers)
         layers = [
             HeldLayer(k, v, layer.offset, w, held, i)
             for i, ((k, v, w), layer) in enumerate(zip(prefix, exact, strict=True))

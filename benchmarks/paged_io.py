@@ -5,6 +5,7 @@ verified from that memory, blocks joined, float32 dequantization). Generation th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,13 +61,20 @@ def verify_loaded(files: list[LoadedFile]) -> None:
     assemble_paged(tail, blocks, join=False)
 
 
-def load_paged(paths: list[Path], packing: Packing | None = None) -> PromptCache:
+def load_paged(
+    paths: list[Path],
+    packing: Packing | None = None,
+    first_positions: Callable[[int], list] | None = None,
+) -> PromptCache:
     """Read back what :func:`save_paged` wrote, as a resume does (``packing``: into a batch
-    holding KV quantized so, ``Engine.packing``)."""
+    holding KV quantized so, ``Engine.packing``; ``first_positions``: ``Engine.first_positions``,
+    as a resume reads a dequantized layer's first position)."""
     *segments, tail = paths
     on_gpu = mx.default_device() == mx.gpu
     blocks = [str(b) for b in segments]
-    return decode_paged(load_into_mlx, str(tail), blocks, on_gpu, verify_loaded, packing)
+    return decode_paged(
+        load_into_mlx, str(tail), blocks, on_gpu, verify_loaded, packing, first_positions
+    )
 
 
 def nbytes(paths: list[Path]) -> int:

@@ -173,6 +173,13 @@ class Engine:
         model's precision. Caches it hands back (and the hot tier holds) are packed so."""
         return self._thread.scheduler.layout.packing
 
+    @property
+    def first_positions(self) -> Callable[[int], list]:
+        """Per layer, the keys and values a sequence starting with a token holds at its first
+        position (``ModelRunner.first_positions``): to be called on the generation thread, by
+        a function given to :meth:`run` (``engine.kv.load.decode_paged`` takes it)."""
+        return self._thread.runner.first_positions
+
     async def expanded(self, cache: PromptCache) -> PromptCache:
         """``cache`` with its packed layers (``PromptCache.packing``) dequantized to the model's
         precision: copies, made on the generation thread; ``cache`` itself when none is."""

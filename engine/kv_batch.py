@@ -185,30 +185,13 @@ class KVLayout:
             extra = max(extra, keys.shape[2] - ring)
         return extra
 
-    def first_positions(
-        self, model: Any, token: int
-    ) -> list[tuple[mx.array, mx.array] | None] | None:
-        """Per layer, the keys and values every sequence starting with ``token`` holds at its
-        first position, where the batch reads them in float (q4's global layers: see
-        ``engine.batch_caches._ChannelQuantized``), else None; None when no layer does.
-        Causal attention makes them a function of that token alone: one forward pass of it
-        through ``model`` (on the generation thread)."""
-        wanted = [
-            self.packing is not None and self.packing.channel_keys(i) and w is None
-            for i, w in enumerate(self.windows)
-        ]
-        if not any(wanted):
-            return None
-        caches = make_prompt_cache(model)
-        model(mx.array([[token]]), cache=caches)
-        got = [
-            (mx.contiguous(c.keys[..., :1, :]), mx.contiguous(c.values[..., :1, :]))
-            if want
-            else None
-            for c, want in zip(caches, wanted, strict=True)
-        ]
-        mx.eval([x for pair in got if pair for x in pair])
-        return got
+    @property
+    def reads_first_positions(self) -> bool:
+        """Whether a row's group buffers take its :func:`first_positions` (q4's global layers
+        read them in float over their words: see ``engine.batch_caches._ChannelQuantized``)."""
+        return self.packing is not None and any(
+            self.packing.channel_keys(i) and w is None for i, w in enumerate(self.windows)
+        )
 
     def buffers(self, layers: list[Any], first: list | None = None) -> list[Any]:
         """One sequence's group buffers (a row each, copied) from its checked ``layers``: what
@@ -265,6 +248,19 @@ class KVLayout:
                     f"cache layer {i} holds (KV heads, key dim, value dim) {_heads(layer)}; "
                     f"the model's are {want}"
                 )
+
+
+def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, the keys and values every sequence starting with ``token`` holds at its
+    first position, in the model's precision. Causal attention makes them a function of that
+    token alone: one forward pass of it through ``model`` (on the generation thread). A q4
+    batch reads its global layers' (:meth:`KVLayout.buffers`); a cache dequantized from a
+    file takes them in place of its first position's words (``engine.kv.load``)."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[token]]), cache=caches)
+    got = [(mx.contiguous(c.keys[..., :1, :]), mx.contiguous(c.values[..., :1, :])) for c in caches]
+    mx.eval(got)
+    return got
 
 
 def _heads(cache: Any) -> tuple[int, int, int]:

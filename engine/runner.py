@@ -23,7 +23,7 @@ from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from engine.attention import Span, StepCache, install
 from engine.errors import UnsupportedModelError
-from engine.kv_batch import KVGroup, KVLayout
+from engine.kv_batch import KVGroup, KVLayout, first_positions
 from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class ModelRunner:
         precision, with a warning."""
         self.model = model
         self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
-        self._firsts: dict[int, list | None] = {}  # first_positions' by token, oldest first
+        self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
         if not install(model):
             raise UnsupportedModelError(
                 f"{type(model).__module__} has its own attention function; agentkv batches "
@@ -77,13 +77,13 @@ class ModelRunner:
         if kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
-    def first_positions(self, token: int) -> list[tuple[mx.array, mx.array] | None] | None:
-        """:meth:`KVLayout.first_positions` of ``token`` through this model, kept for the last
-        :data:`FIRST_TOKENS_KEPT` tokens asked (most sequences start with BOS)."""
+    def first_positions(self, token: int) -> list[tuple[mx.array, mx.array]]:
+        """:func:`~engine.kv_batch.first_positions` of ``token`` through this model, kept for
+        the last :data:`FIRST_TOKENS_KEPT` tokens asked (most sequences start with BOS)."""
         if token in self._firsts:
             got = self._firsts.pop(token)
         else:
-            got = self.layout.first_positions(self.model, token)
+            got = first_positions(self.model, token)
             if len(self._firsts) >= FIRST_TOKENS_KEPT:
                 self._firsts.pop(next(iter(self._firsts)))
         self._firsts[token] = got
@@ -99,14 +99,12 @@ class ModelRunner:
             split = CHANNEL_PROBE_TOKENS
             probe = mx.arange(1, split + PROBE_TOKENS + 1)
         exact, self.layout = self.layout, layout
-        self._firsts.clear()
         try:  # (its last token a decode step, as attention reads those through other paths)
             got = self._probe_rows(lambda x, cache: model(x, cache=cache), probe, split, True)
             if not mx.all(mx.isfinite(got)).item():
                 raise UnsupportedModelError("its logits are not finite")
         except Exception as exc:
             self.layout = exact
-            self._firsts.clear()
             log.warning(
                 "batch_kv_bits=%d: %s cannot attend to quantized keys (%s); the batch holds "
                 "its KV in the model's precision",
@@ -247,7 +245,10 @@ class ModelRunner:
         """The logits of ``probe`` fed as one step of rows (``split``: the tokens from
         ``split`` on in later steps, attending to the first's keys as the layout holds them;
         ``decode``: the last of them alone, as a decode step feeds a sampled token)."""
-        group = self.layout.empty_layers(self.first_positions(int(probe[0].item())))
+        reads = self.layout.reads_first_positions
+        group = self.layout.empty_layers(
+            self.first_positions(int(probe[0].item())) if reads else None
+        )
         last = probe.size - 1 if decode else probe.size
         parts = [(probe[:split], 0), (probe[split:last], split)] if split else [(probe, 0)]
         parts = [p for p in parts if p[0].size]

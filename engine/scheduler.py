@@ -46,12 +46,12 @@ class Scheduler:
         config: EngineConfig,
         layout: KVLayout,
         budget_bytes: int,
-        first_positions: Callable[[int], list | None] | None = None,
+        first_positions: Callable[[int], list] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """``first_positions``: per layer, the keys and values a sequence starting with a
-        token holds at its first position, or None (``ModelRunner.first_positions``: what a
-        q4 batch's global layers read in float)."""
+        token holds at its first position (``ModelRunner.first_positions``: what a q4 batch's
+        global layers read in float, asked when the layout reads them)."""
         self.config = config
         self.first_positions = first_positions
         self.policy = Policy(config.policy)
@@ -258,7 +258,7 @@ class Scheduler:
     def _join(self, seq: Sequence) -> None:
         tokens = seq.tokens or seq.prompt
         first = None
-        if self.first_positions is not None and tokens:
+        if self.first_positions is not None and tokens and self.layout.reads_first_positions:
             first = self.first_positions(tokens[0])
         group = KVGroup.start(self.layout, seq, seq.cache, first)
         seq.reserved = self.need(seq)

@@ -461,3 +461,29 @@ def test_q4_schemes_batch_q4_reads_the_first_position_in_float_over_its_words():
         assert mx.array_equal(mine[..., :1, :], x[..., :1, :]).item(), kind
         assert not mx.allclose(theirs[..., :1, :], x[..., :1, :], atol=1e-3).item(), kind
         assert mx.array_equal(mine[..., 1:, :], theirs[..., 1:, :]).item(), kind
+
+
+def test_q4_schemes_global_key_bits_and_first_position_count_on_global_layers_only():
+    """``global_key_bits`` holds a global layer's keys at its bits and a sliding layer's at
+    ``key_bits``; ``× float16`` counts a first position on global layers only."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from benchmarks.bench_q4_schemes import BATCH_Q4, Held
+
+    mixed = dataclasses.replace(BATCH_Q4, global_key_bits=4)
+    keys = mx.random.normal((1, 1, 32, 128), key=mx.random.key(5))
+    held = Held(mixed, 128, None, frozenset({1}))
+    five, four = (dataclasses.replace(BATCH_Q4, key_bits=b) for b in (5, 4))
+    for layer, alike in ((0, five), (1, four)):
+        want = Held(alike, 128, None).hold(keys, "keys", layer)
+        assert mx.array_equal(held.hold(keys, "keys", layer), want).item(), layer
+    assert mixed.bits == 4.625 and mixed.layer_bits(False) == BATCH_Q4.bits == 5.125
+
+    sliding, global_ = [(512, False)], [(8192, True)]
+    plain = dataclasses.replace(BATCH_Q4, sink=0, sink_in_group=False)
+    assert BATCH_Q4.held_fraction(sliding) == plain.held_fraction(sliding)
+    # one position more in float on a global layer, its words still held
+    extra = BATCH_Q4.held_fraction(global_) - plain.held_fraction(global_)
+    assert extra == pytest.approx(1 / 8192)

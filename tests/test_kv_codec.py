@@ -1123,3 +1123,46 @@ async def test_tails_and_blocks_that_do_not_fit_together_are_refused(gemma, tmp_
     broken = dict(segment.tensors, keys=segment.tensors["keys"][:, :, :-1])
     with pytest.raises(CacheFormatError, match="segment tensor 'keys' has shape"):
         split_blocks(EncodedCache(broken, segment.metadata), BLOCK)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+@pytest.mark.parametrize("n", [10, 130])  # 10: the sliding windows still hold position 0
+async def test_a_dequantized_layer_takes_its_first_tokens_exact_first_position(
+    gemma, tmp_path, kv_bits, n
+):
+    """Read with ``first_positions`` (as a resume reads), a layer expanded from quantized
+    words holds its first token's exact keys and values at position 0, where its words gave
+    others (global layers; sliding ones until their window wraps); every other position, and
+    every layer of an exact file, reads as without."""
+    cache = await history(gemma, n)
+    block = 2 * BLOCK if kv_bits == 4 else BLOCK
+    paged = await gemma.run(encode_paged, cache, kv_bits, 32, block)
+    tail, block_paths = write_paged(tmp_path, paged)
+    plain = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    exact = await gemma.run(
+        decode_paged, load_into_mlx, tail, block_paths, False, None, None, gemma.first_positions
+    )
+    first = await gemma.run(
+        lambda: [
+            tuple(np.array(x.astype(mx.float32)) for x in pair)
+            for pair in gemma.first_positions(cache.tokens[0])
+        ]
+    )
+    held = await temporal_pairs(gemma, cache, cache)
+    fixed = 0
+    for layer, (words, got), want, (original, _) in zip(
+        cache.layers, await temporal_pairs(gemma, plain, exact), first, held, strict=True
+    ):
+        holds_first = not isinstance(layer, RotatingKVCache) or n <= WINDOW
+        for a, b, w, o in zip(words, got, want, original, strict=True):
+            np.testing.assert_array_equal(a[..., 1:, :], b[..., 1:, :])
+            if kv_bits is None or not holds_first:
+                np.testing.assert_array_equal(a, b)
+                continue
+            np.testing.assert_array_equal(b[..., :1, :], w)
+            np.testing.assert_allclose(o[..., :1, :], w, atol=1e-5)  # what the history held
+            assert not np.array_equal(a[..., :1, :], w)
+            fixed += 1
+    if kv_bits is not None:
+        holding = sum(not isinstance(x, RotatingKVCache) or n <= WINDOW for x in cache.layers)
+        assert fixed == 2 * holding

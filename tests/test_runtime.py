@@ -201,6 +201,33 @@ async def test_quantized_caches_resume_from_disk(tmp_path):
             assert len(await rt.transcript("q")) == 4
 
 
+async def test_a_cache_resumed_from_quantized_files_holds_its_exact_first_position(tmp_path):
+    """A q4 file read back into a batch in the model's precision: its global layers hold the
+    first token's keys and values as the model computes them, not as the words give them
+    (the loader's own test: the other positions are the file's)."""
+    data = tmp_path / "q4"
+    async with await AgentRuntime.open(config(data, kv_bits=4)) as rt:
+        await rt.create_agent("q")
+        await rt.chat("q", "Hello there, tell me a story", max_tokens=20)
+    async with await AgentRuntime.open(config(data, kv_bits=4)) as rt:
+        engine = rt._engine
+        resumed = await rt._caches.resume("q")
+        assert resumed is not None and resumed.source == "disk"
+        cache = resumed.cache
+        first = await engine.run(engine.first_positions, cache.tokens[0])
+        globals_ = [i for i, x in enumerate(cache.layers) if not isinstance(x, RotatingKVCache)]
+        assert globals_
+        for i in globals_:
+            layer = cache.layers[i]
+            for held, want in zip((layer.keys, layer.values), first[i], strict=True):
+                same = await engine.run(
+                    lambda h=held, w=want: mx.array_equal(h[..., :1, :].astype(w.dtype), w).item()
+                )
+                assert same, i
+        reply = await rt.chat("q", "Again", max_tokens=8)
+        assert reply.cache_source == "disk"
+
+
 async def test_a_q8_cache_saved_in_other_groups_resumes_and_is_saved_again_in_the_new(tmp_path):
     """Caches saved in q8 groups of 32 (the default before keys were rotated) resume from disk
     under the default groups, and the next save stores them in those."""

@@ -546,11 +546,17 @@ def test_a_joining_q4_turn_reads_the_first_position_of_its_own_first_token():
     assert scheduler.running == [fresh, resumed]
     assert asked == [fresh.prompt[0], history[0]] and fresh.prompt[0] != history[0]
     for seq, token in ((fresh, fresh.prompt[0]), (resumed, history[0])):
-        want = runner.first_positions(token)
-        assert sum(pair is not None for pair in want) == runner.layout.windows.count(None)
-        for layer, pair in zip(seq.group.layers, want, strict=True):
+        want, windows = runner.first_positions(token), runner.layout.windows
+        assert len(want) == len(windows) and None in windows
+        for layer, pair, w in zip(seq.group.layers, want, windows, strict=True):
             got = getattr(layer, "first_kv", None)
-            assert (got is None) == (pair is None)
-            assert pair is None or all(
+            assert (got is None) == (w is not None)  # q4's global layers read theirs
+            assert got is None or all(
                 mx.array_equal(x, y).item() for x, y in zip(got, pair, strict=True)
             )
+    # A batch in the model's precision reads none: nothing is computed for it.
+    plain = Scheduler(EngineConfig(), ModelRunner(model).layout, 1 << 30, first_positions)
+    asked.clear()
+    plain.enqueue(sequence(prompt_of(10, salt=4)))
+    plain.schedule()
+    assert len(plain.running) == 1 and asked == []

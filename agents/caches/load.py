@@ -126,6 +126,7 @@ class Loader(Part):
                 self._engine.model.on_gpu,
                 check,
                 self._engine.packing,
+                self._engine.first_positions,
             )
         except CacheFileCorruptError as exc:
             if Path(exc.path).parent.parent.name == BLOCKS_DIR:

@@ -38,6 +38,7 @@ def decode_paged(
     on_gpu: bool,
     check: Callable[[list[LoadedFile]], None] | None = None,
     packing: Packing | None = None,
+    first_positions: Callable[[int], list[tuple[mx.array, mx.array]]] | None = None,
 ) -> PromptCache:
     """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
     straight into MLX and rebuild the prompt cache, on the generation thread: ``read`` (the
@@ -57,6 +58,13 @@ def decode_paged(
     bit what the file stores.
     A q4 layer (keys per channel, values rotated) joins a batch holding q4 with its stored
     words too, its newest positions expanded into the float copies the batch keeps of them.
+
+    ``first_positions``: per layer, the keys and values a sequence starting with a token holds
+    at its first position (``engine.kv_batch.first_positions``, the engine's runner's). A
+    layer dequantized here that still holds its first position (global layers; sliding ones
+    within their window) takes them in place of what its words give: causal attention makes
+    them its first token's alone, and that position (BOS) is the one many heads attend to
+    most, so its quantization error weighs most.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
@@ -120,6 +128,8 @@ def decode_paged(
             return x.astype(DTYPES[dtype])
 
         globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
+        dequantized = []  # layers expanded from their words into floats
+        stacked_packed = False
         stacked = {}  # kv -> every global layer's keys or values, joined and materialized at once
         stacked_words = {}  # kv -> the same, as stored (for a batch holding keys per channel)
         if meta.get("stacked") == "true" and globals_:
@@ -128,8 +138,8 @@ def decode_paged(
             parts = [""] if group is None else [".q", ".scales", ".biases"]
             for kv in ("keys", "values"):
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
-                pack = all(packs(i, group) for i in globals_)
-                stacked[kv] = materialize(got, first, kv, group, pack)
+                stacked_packed = all(packs(i, group) for i in globals_)
+                stacked[kv] = materialize(got, first, kv, group, stacked_packed)
                 if any(keeps_channels(i, group) for i in globals_):
                     stacked_words[kv] = join_packed(got[".q"], got[".scales"], got[".biases"])
         layers = []
@@ -151,6 +161,10 @@ def decode_paged(
                 arrays.append(materialize(got, layout, kv, group, packs(i, group)))
                 if keeps_channels(i, group):
                     words.append(join_packed(got[".q"], got[".scales"], got[".biases"]))
+            is_stacked = bool(stacked) and layout["type"] == "KVCache"
+            packed = stacked_packed if is_stacked else packs(i, group)
+            if group is not None and not packed and not words:
+                dequantized.append(i)
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:
@@ -177,8 +191,33 @@ def decode_paged(
         check(files)
     token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
     mx.eval(*arrays)
+    if first_positions is not None and token_list:
+        _exact_first_positions(layers, dequantized, lambda: first_positions(token_list[0]))
     packed = packing is not None and any(is_packed(layer) for layer in layers)
     return PromptCache(layers, token_list, packing=packing if packed else None)
+
+
+def _exact_first_positions(
+    layers: list[Any], dequantized: list[int], exact: Callable[[], list]
+) -> None:
+    """Write ``exact()``'s first position into each of the ``dequantized`` layers that holds
+    its first position at index 0: a global layer, or a sliding one that has not wrapped."""
+    holding = [
+        i
+        for i in dequantized
+        if layers[i].offset >= 1
+        and layers[i].keys.shape[2] >= 1
+        and (isinstance(layers[i], KVCache) or layers[i].offset == layers[i].keys.shape[2])
+    ]
+    if not holding:
+        return
+    got = exact()
+    for i in holding:
+        layer = layers[i]
+        for name, x in zip(("keys", "values"), got[i], strict=True):
+            held = getattr(layer, name)
+            held[..., :1, :] = x.astype(held.dtype)
+    mx.eval([x for i in holding for x in (layers[i].keys, layers[i].values)])
 
 
 def scheme_of(layout: dict) -> dict[str, bool]:
