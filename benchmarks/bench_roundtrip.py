@@ -5,7 +5,8 @@
 One engine prefills a history of pseudo-random token ids (``max_tokens=1``, end-of-sequence
 ignored); the cache it hands back is the exact cache. Each variant then makes the trip the
 runtime makes: blocks and a tail (real, fsynced files: ``benchmarks.paged_io.save_paged``) is
-the save, ``load_paged`` (``decode_paged``) the load. Variants: ``none`` (the model's dtype, bit
+the save, ``load_paged`` (``decode_paged``, with ``Engine.first_positions`` as a resume reads
+a dequantized layer's first position) the load. Variants: ``none`` (the model's dtype, bit
 exact), ``fp16`` (keys and values cast to float16, unquantized: the yardstick for the size
 targets), ``q8`` and ``q4`` (at their default group sizes, 128 for both, scales and biases
 included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel in
@@ -30,6 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,13 +77,15 @@ def as_float16(cache: PromptCache) -> PromptCache:
 
 
 def round_trip(
-    cache: PromptCache, kv_bits: int | None, path: Path
+    cache: PromptCache, kv_bits: int | None, path: Path, first_positions: Callable
 ) -> tuple[float, float, int, PromptCache]:
-    """Save (encode + write) and load (read + decode) ``cache``: seconds, seconds, bytes, cache."""
+    """Save (encode + write) and load (read + decode, a dequantized layer's first position
+    as the model computes it: ``Engine.first_positions``) ``cache``: seconds, seconds,
+    bytes, cache."""
     start = time.perf_counter()
     paths = save_paged(path, cache, kv_bits)
     saved = time.perf_counter()
-    loaded = load_paged(paths)
+    loaded = load_paged(paths, None, first_positions)
     return saved - start, time.perf_counter() - saved, nbytes(paths), loaded
 
 
@@ -152,7 +156,9 @@ async def run(args: argparse.Namespace, cache_dir: Path) -> dict:
         for r in range(args.repeats):  # interleaved so drift hits every variant alike
             for name, bits in VARIANTS.items():
                 path = cache_dir / f"{name}-{r}"
-                save_s, load_s, nbytes, cache = await eng.run(round_trip, sources[name], bits, path)
+                save_s, load_s, nbytes, cache = await eng.run(
+                    round_trip, sources[name], bits, path, eng.first_positions
+                )
                 times[name]["save"].append(save_s)
                 times[name]["load"].append(load_s)
                 sizes[name], loaded[name] = nbytes, cache

@@ -174,11 +174,17 @@ class Engine:
         return self._thread.scheduler.layout.packing
 
     @property
-    def first_positions(self) -> Callable[[int], list]:
+    def first_positions(self) -> Callable[[int], list | None]:
         """Per layer, the keys and values a sequence starting with a token holds at its first
-        position (``ModelRunner.first_positions``): to be called on the generation thread, by
-        a function given to :meth:`run` (``engine.kv.load.decode_paged`` takes it)."""
-        return self._thread.runner.first_positions
+        position (``ModelRunner.first_positions``), None for a token outside the vocabulary:
+        to be called on the generation thread, by a function given to :meth:`run`
+        (``engine.kv.load.decode_paged`` takes it)."""
+        runner, vocab_size = self._thread.runner, self.model.vocab_size
+
+        def first_positions(token: int) -> list | None:
+            return runner.first_positions(token) if 0 <= token < vocab_size else None
+
+        return first_positions
 
     async def expanded(self, cache: PromptCache) -> PromptCache:
         """``cache`` with its packed layers (``PromptCache.packing``) dequantized to the model's

@@ -197,8 +197,8 @@ class KVLayout:
         """One sequence's group buffers (a row each, copied) from its checked ``layers``: what
         the model attends through in the batch (mlx-lm batch caches, quantized ones packing
         float rows). ``first``: per layer, the keys and values of the sequence's first
-        position in float, or None (``ModelRunner.first_positions``; a q4 global layer reads
-        them instead of their words)."""
+        position in float (``ModelRunner.first_positions``; a q4 global layer reads them
+        instead of their words), or None."""
         self.check(layers)
         return [self._buffer(i, [x], first and first[i]) for i, x in enumerate(layers)]
 

@@ -1166,3 +1166,62 @@ async def test_a_dequantized_layer_takes_its_first_tokens_exact_first_position(
     if kv_bits is not None:
         holding = sum(not isinstance(x, RotatingKVCache) or n <= WINDOW for x in cache.layers)
         assert fixed == 2 * holding
+
+
+@pytest.mark.parametrize("bits, group, block", [(8, 64, BLOCK), (4, 32, 2 * BLOCK)])
+async def test_a_file_read_as_the_batch_holds_it_keeps_its_words_and_computes_nothing(
+    gemma, tmp_path, bits, group, block
+):
+    """A q8 file into a q8 batch (its words packed as stored) and a q4 file into a q4 batch
+    (its words kept; the batch reads the first position itself): given ``first_positions``,
+    nothing is dequantized, so nothing asks for it, and the rows are those read without."""
+    from engine.batch_caches import is_packed
+    from engine.kv_batch import KVLayout
+
+    cache = await history(gemma, 130)
+    packing = (await gemma.run(KVLayout.of, gemma.model.model, bits, group)).packing
+    paged = await gemma.run(encode_paged, cache, bits, group, block)
+    tail, block_paths = write_paged(tmp_path, paged)
+    asked = []
+
+    def first_positions(token: int) -> list:
+        asked.append(token)
+        return gemma.first_positions(token)
+
+    plain, got = [
+        await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, packing, f)
+        for f in (None, first_positions)
+    ]
+    assert asked == [] and all(is_packed(x) for x in got.layers)
+    for a, b in zip(plain.layers, got.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert await gemma.run(lambda x=x, y=y: mx.array_equal(x, y).item())
+
+
+async def test_a_first_position_that_cannot_be_had_leaves_the_words_and_is_logged(
+    gemma, tmp_path, caplog
+):
+    """``first_positions`` failing (or having none: a token outside the vocabulary) costs the
+    resume nothing but the exact first position: the cache reads as without, with a warning
+    for the failure."""
+    cache = await history(gemma, 40)
+    paged = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
+    tail, block_paths = write_paged(tmp_path, paged)
+
+    def failing(token: int) -> list:
+        raise RuntimeError("out of memory")
+
+    plain = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
+    with caplog.at_level(logging.WARNING, logger="engine.kv.load"):
+        got = [
+            await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, None, f)
+            for f in (failing, lambda token: None)
+        ]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the first position of token {cache.tokens[0]} could not be computed: "
+        "RuntimeError('out of memory')"
+    ]
+    for loaded in got:
+        for (a, b), (c, d) in await temporal_pairs(gemma, plain, loaded):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, d)

@@ -529,7 +529,7 @@ def test_a_joining_q4_turn_reads_the_first_position_of_its_own_first_token():
     runner = ModelRunner(model, kv_bits=4)
     asked = []
 
-    def first_positions(token: int) -> list | None:
+    def first_positions(token: int) -> list:
         asked.append(token)
         return runner.first_positions(token)
 

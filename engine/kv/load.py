@@ -4,6 +4,7 @@ MLX computes."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,6 +18,8 @@ from engine.kv.encoded import PAGED_FORMAT_VERSIONS, block_tokens_of, is_paged_f
 from engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
 from engine.kv.quant import SCHEME_FLAGS, expand_layer_part
 from engine.request import PromptCache
+
+log = logging.getLogger(__name__)
 
 LoadedFile = tuple[str, dict[str, np.ndarray], dict[str, str]]
 """A file ``decode_paged`` read: its path, its tensors (views of MLX memory) and metadata."""
@@ -60,11 +63,14 @@ def decode_paged(
     words too, its newest positions expanded into the float copies the batch keeps of them.
 
     ``first_positions``: per layer, the keys and values a sequence starting with a token holds
-    at its first position (``engine.kv_batch.first_positions``, the engine's runner's). A
-    layer dequantized here that still holds its first position (global layers; sliding ones
-    within their window) takes them in place of what its words give: causal attention makes
-    them its first token's alone, and that position (BOS) is the one many heads attend to
-    most, so its quantization error weighs most.
+    at its first position (``Engine.first_positions``: the runner's, kept per token; None
+    for a token outside the vocabulary). A layer dequantized here that still holds its first
+    position (global layers; sliding ones within their window) takes them in place of what
+    its words give: causal attention makes them its first token's alone, and that position
+    (BOS) is the one many heads attend to most, so its quantization error weighs most. They
+    are had for the first token the files name before ``check`` has verified them (so that
+    the dequantized buffers are written in place, not copied); a cache ``check`` refuses is
+    not returned. Where they cannot be had (logged), the words' are kept.
 
     ``check`` is pure numpy (it may hash): nothing in it touches MLX.
 
@@ -91,6 +97,14 @@ def decode_paged(
         segments = {path: arrays for path, (arrays, _) in zip(paths, loaded, strict=True)}
         blocks = [_run_of(segments[run.path], run, block_tokens) for run in runs]
         tokens = [*(b["tokens"] for b in blocks), tail["tokens"]]
+        firsts: list = []  # the first token's first positions, once a layer asks (or [None])
+
+        def exact(i: int) -> tuple[mx.array, mx.array] | None:
+            """Layer ``i``'s exact first position (had before ``check``: see above)."""
+            if not firsts:
+                token = int(tokens[0][0].item())
+                firsts.append(_first_positions_of(token, first_positions))
+            return None if firsts[0] is None else firsts[0][i]
 
         def joined(name: str, tail_name: str) -> mx.array:
             pieces = [b[name] for b in blocks] + ([tail[tail_name]] if tail_name in tail else [])
@@ -127,19 +141,41 @@ def decode_paged(
             x = expand_layer_part(got, layout, kind, kv_bits, group, on_gpu)
             return x.astype(DTYPES[dtype])
 
+        def takes_exact(i: int, group: int | None, packed: bool) -> bool:
+            """Whether layer ``i``, expanded from its words, holds its first position at index
+            0 (a global layer, or a sliding one whose window has not wrapped), to be written
+            there exactly (written lazily: the dequantized buffer is written in place)."""
+            layout = layouts[i]
+            return (
+                first_positions is not None
+                and group is not None
+                and not packed
+                and not keeps_channels(i, group)
+                and layout["offset"] >= 1
+                and (layout["type"] == "KVCache" or layout["offset"] == layout["keys_shape"][2])
+                and exact(i) is not None
+            )
+
         globals_ = [i for i, layout in enumerate(layouts) if layout["type"] == "KVCache"]
-        dequantized = []  # layers expanded from their words into floats
-        stacked_packed = False
         stacked = {}  # kv -> every global layer's keys or values, joined and materialized at once
         stacked_words = {}  # kv -> the same, as stored (for a batch holding keys per channel)
         if meta.get("stacked") == "true" and globals_:
             first = layouts[globals_[0]]
             group = first.get("group_size") if kv_bits else None
             parts = [""] if group is None else [".q", ".scales", ".biases"]
-            for kv in ("keys", "values"):
+            pack = all(packs(i, group) for i in globals_)
+            for k, kv in enumerate(("keys", "values")):
                 got = {part: joined(f"{kv}{part}", f"globals.{kv}{part}") for part in parts}
-                stacked_packed = all(packs(i, group) for i in globals_)
-                stacked[kv] = materialize(got, first, kv, group, stacked_packed)
+                x = stacked[kv] = materialize(got, first, kv, group, pack)
+                if any(takes_exact(i, group, pack) for i in globals_):
+                    x[:, :, :1, :] = mx.concatenate(
+                        [
+                            exact(i)[k].astype(x.dtype)
+                            if takes_exact(i, group, pack)
+                            else x[g : g + 1, :, :1, :]
+                            for g, i in enumerate(globals_)
+                        ]
+                    )
                 if any(keeps_channels(i, group) for i in globals_):
                     stacked_words[kv] = join_packed(got[".q"], got[".scales"], got[".biases"])
         layers = []
@@ -147,7 +183,7 @@ def decode_paged(
             group = layout.get("group_size") if kv_bits else None
             parts = [""] if group is None else [".q", ".scales", ".biases"]
             arrays, words = [], []
-            for kv in ("keys", "values"):
+            for k, kv in enumerate(("keys", "values")):
                 if stacked and layout["type"] == "KVCache":
                     g = globals_.index(i)
                     arrays.append(stacked[kv][g : g + 1])
@@ -158,13 +194,12 @@ def decode_paged(
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
                     got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
-                arrays.append(materialize(got, layout, kv, group, packs(i, group)))
+                x = materialize(got, layout, kv, group, packs(i, group))
+                if takes_exact(i, group, packs(i, group)):
+                    x[..., :1, :] = exact(i)[k].astype(x.dtype)
+                arrays.append(x)
                 if keeps_channels(i, group):
                     words.append(join_packed(got[".q"], got[".scales"], got[".biases"]))
-            is_stacked = bool(stacked) and layout["type"] == "KVCache"
-            packed = stacked_packed if is_stacked else packs(i, group)
-            if group is not None and not packed and not words:
-                dequantized.append(i)
             if layout["type"] == "KVCache":
                 layer = KVCache()
             else:
@@ -191,33 +226,21 @@ def decode_paged(
         check(files)
     token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
     mx.eval(*arrays)
-    if first_positions is not None and token_list:
-        _exact_first_positions(layers, dequantized, lambda: first_positions(token_list[0]))
     packed = packing is not None and any(is_packed(layer) for layer in layers)
     return PromptCache(layers, token_list, packing=packing if packed else None)
 
 
-def _exact_first_positions(
-    layers: list[Any], dequantized: list[int], exact: Callable[[], list]
-) -> None:
-    """Write ``exact()``'s first position into each of the ``dequantized`` layers that holds
-    its first position at index 0: a global layer, or a sliding one that has not wrapped."""
-    holding = [
-        i
-        for i in dequantized
-        if layers[i].offset >= 1
-        and layers[i].keys.shape[2] >= 1
-        and (isinstance(layers[i], KVCache) or layers[i].offset == layers[i].keys.shape[2])
-    ]
-    if not holding:
-        return
-    got = exact()
-    for i in holding:
-        layer = layers[i]
-        for name, x in zip(("keys", "values"), got[i], strict=True):
-            held = getattr(layer, name)
-            held[..., :1, :] = x.astype(held.dtype)
-    mx.eval([x for i in holding for x in (layers[i].keys, layers[i].values)])
+def _first_positions_of(
+    token: int, first_positions: Callable[[int], list | None]
+) -> list[tuple[mx.array, mx.array]] | None:
+    """``first_positions(token)``, or None where it has none (a token outside the model's
+    vocabulary: a damaged file, which ``check`` then refuses) or fails (logged: the cache
+    reads its first position from its words)."""
+    try:
+        return first_positions(token)
+    except Exception as exc:  # the cache is still good: only its first position is less so
+        log.warning("the first position of token %d could not be computed: %r", token, exc)
+        return None
 
 
 def scheme_of(layout: dict) -> dict[str, bool]:
