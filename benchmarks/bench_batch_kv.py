@@ -299,7 +299,12 @@ def attention_steps(
             mask = buffer.make_mask(1)
             fetched = buffer.update_and_fetch(k, v)
             held = fetched[0]
-            mx.eval(mask, fetched if name == "model" else (held.keys, held.values, held.recent))
+            if name == "model":
+                mx.eval(mask, fetched)
+            else:  # (what attention reads: the split buffers, or the packed views it expands)
+                packed_views = name == "q4 keys expanded" or held.split is None
+                stored = (held.keys, held.values) if packed_views else held.split
+                mx.eval(mask, stored, held.recent)
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()

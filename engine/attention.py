@@ -218,7 +218,7 @@ def quantized_attention(
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
     if not held.per_channel:  # (keys held rotated: scored by the query rotated alike)
         q_keys = hadamard(q) if held.rotated_keys else q
-        scores = _times_words(q_keys, held.keys, dk, bits, group, transpose=True)
+        scores = _times_words(q_keys, held, "keys", dk, bits, group)
         return _eight_bit_band(q, scores, held, mask).astype(queries.dtype)
     scores = _folded_scores(q, held)
 
@@ -244,7 +244,7 @@ def quantized_attention(
     zero = mx.array(0, mx.float32)
     weights_q = mx.where(in_float, zero, weights) if blend else weights
     weights_q = mx.where(at_first, zero, weights_q) if first is not None else weights_q
-    out = _times_words(weights_q, held.values, dv, bits, held.value_group, transpose=False)
+    out = _times_words(weights_q, held, "values", dv, bits, held.value_group)
     if first is not None:
         first_weights = mx.take_along_axis(weights, column[:, None, None, None], axis=-1)
         first_weights = first_weights * reads[:, None, None, None]  # (B, Hkv, rows, 1)
@@ -317,7 +317,7 @@ def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: An
     zero = mx.array(0, mx.float32)
     weights_q = _columns(weights, lo, hi, mx.where(in_float, zero, weights[..., lo:hi]))
     weights_q = weights_q.reshape(B, n_kv, rows, L)
-    out = _times_words(weights_q, held.values, dv, held.bits, held.value_group, transpose=False)
+    out = _times_words(weights_q, held, "values", dv, held.bits, held.value_group)
     band_weights = mx.take_along_axis(weights, column[None, None, None], axis=-1)
     band_weights = band_weights * reads[:, None, None]  # (B, Hkv, g, Lq, W + 1)
     band_values = mx.take(recent_values, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dv)
@@ -345,10 +345,14 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     n_groups = -(-(L + group - 1) // group)
     cols = mx.arange(n_groups * group)[None] - shift
     cols = cols % L if held.wrap else mx.clip(cols, 0, L - 1)
-    aligned = mx.take_along_axis(held.keys, cols[:, None, :, None], axis=2)
-    n_words, bits = dk * held.key_bits // 32, held.key_bits
-    words = mx.contiguous(aligned[..., :n_words].reshape(B, n_kv, n_groups, group, n_words))
-    halves = aligned[..., n_words:].view(mx.float16)
+    n_words, bits, index = dk * held.key_bits // 32, held.key_bits, cols[:, None, :, None]
+    if held.split is not None:  # (whole buffers: the columns index into them alike)
+        words = mx.take_along_axis(held.split[0], index, axis=2)
+        halves = mx.take_along_axis(held.split[1], index, axis=2).view(mx.float16)
+    else:
+        aligned = mx.take_along_axis(held.keys, index, axis=2)
+        words, halves = aligned[..., :n_words], aligned[..., n_words:].view(mx.float16)
+    words = mx.contiguous(words.reshape(B, n_kv, n_groups, group, n_words))
     halves = halves.reshape(B, n_kv, n_groups, group, 2, dk // group)
     scales = halves[..., 0, :].reshape(B, n_kv, n_groups, 1, dk).astype(mx.float32)
     biases = halves[..., 1, :].reshape(B, n_kv, n_groups, dk).astype(mx.float32)
@@ -362,22 +366,38 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
 
 
 def _times_words(
-    x: mx.array, held: mx.array, dim: int, bits: int, group: int, transpose: bool
+    x: mx.array, held: HeldQuantized, kind: str, dim: int, bits: int, group: int
 ) -> mx.array:
-    """``x`` times a packed buffer of heads of ``dim`` (``transpose``: times its transpose),
-    read through its words by ``mx.quantized_matmul``, in float32. (Its operands made row
-    contiguous: MLX's CUDA backend has no quantized matmul for strided ones, where its CPU
-    backend copies them itself.)"""
-    words, scales, biases = unpacked(held, dim, bits, group)
-    return mx.quantized_matmul(
+    """``x`` times the held ``kind`` ("keys": scores, ``x`` times their transpose; "values":
+    ``x`` weights over their ``L`` columns), heads of ``dim`` per position in groups of
+    ``group``, read through their words by ``mx.quantized_matmul``, in float32.
+
+    Its operands must be row contiguous (MLX's CUDA backend has no quantized matmul for
+    strided ones, its CPU backend copies them): a :class:`~engine.batch_caches.SplitWords`
+    buffer's words are passed whole, spare positions included (their scores are cut off,
+    their weights zero), and only its scales and biases, a word a group, are copied; a packed
+    buffer's words are copied out of it."""
+    L, keys = held.keys.shape[2], kind == "keys"
+    if held.split is not None:
+        words, halves = held.split[:2] if keys else held.split[2:]
+        extra, groups = halves.view(mx.float16), dim // group
+        scales, biases = extra[..., :groups], extra[..., groups:]
+    else:
+        words, scales, biases = unpacked(held.keys if keys else held.values, dim, bits, group)
+        words = mx.contiguous(words)
+    spare = words.shape[2] - L
+    if spare and not keys:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spare)])
+    out = mx.quantized_matmul(
         x,
-        mx.contiguous(words),
+        words,
         mx.contiguous(scales.astype(mx.float32)),
         mx.contiguous(biases.astype(mx.float32)),
-        transpose=transpose,
+        transpose=keys,
         group_size=group,
         bits=bits,
     )
+    return out[..., :L] if spare and keys else out
 
 
 def _unit_scales(B: int, heads: int, groups: int, group: int, dim: int) -> tuple:

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from engine.attention import Span, StepCache, install
+from engine.batch_caches import held_arrays
 from engine.errors import UnsupportedModelError
 from engine.kv_batch import KVGroup, KVLayout, first_positions
 from engine.sequence import SeqStatus, Sequence
@@ -166,7 +167,7 @@ class ModelRunner:
                     seq.pending_logprob = (reported, n)
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
-        updated = [(c.keys, c.values) for s, _ in plan.prefill for c in s.group.layers]
+        updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
         mx.async_eval(*([] if sampled is None else [sampled]), *reported, updated)
         for seq, n in plan.prefill:
             seq.tokens += seq.prompt[:n]

@@ -3,6 +3,8 @@ a sequence goes, and the bytes a turn sets aside."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
@@ -399,7 +401,7 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, windo
     assert mx.array_equal(row.recent[0][0], keys[1, :, n - FLOAT_WINDOW : n]).item()
     again = quantized_buffer([row], None, 8, group, rotated)
     assert again.counts == [FLOAT_WINDOW]
-    assert mx.array_equal(again.keys[..., :n, :], row.keys[..., :n, :]).item()
+    assert mx.array_equal(again.keys_and_values()[0][..., :n, :], row.keys[..., :n, :]).item()
     # The row's keys expand to what their words hold (rotated back).
     expanded = packing.expand_layer(0, row).keys[..., :n, :]
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
@@ -455,6 +457,85 @@ def float_rows(keys: mx.array, values: mx.array, window: int | None) -> KVCache:
     row = KVCache() if window is None else RotatingKVCache(window)
     row.update_and_fetch(keys, values)
     return row
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_global_layer_holds_its_words_apart_and_attends_as_packed_rows_would(bits):
+    """A quantized global layer holds its words apart from their scales and biases, so
+    attention hands ``mx.quantized_matmul`` the buffers whole, spare positions included: it
+    attends as over the packed rows, through growth, a filter that cuts left padding, and
+    an extend; a row leaves with exactly the packed bytes it would have had."""
+    from engine.attention import quantized_attention
+    from engine.batch_caches import (
+        Packing,
+        SplitWords,
+        channel_buffer,
+        channel_row,
+        packed_dim,
+        quantized_buffer,
+    )
+    from engine.config import KEY_BITS
+
+    H, D, group, steps = 2, 64, 32, 40
+    lengths = [5, 40, 70]
+    total = max(lengths) + 2 * steps
+    keys = mx.random.normal((4, H, total, D), key=mx.random.key(21)) * 4
+    values = mx.random.normal(keys.shape, key=mx.random.key(22))
+    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+
+    def buffer_of(rows: list[int]) -> SplitWords:
+        made = [
+            float_rows(keys[b : b + 1, :, : lengths[b]], values[b : b + 1, :, : lengths[b]], None)
+            for b in rows
+        ]
+        if bits == 8:
+            return quantized_buffer([packing.pack(0, r) for r in made], None, 8, group, True)
+        return channel_buffer([channel_row(r, group) for r in made], None, group)
+
+    buffer, ids = buffer_of([0, 1, 2]), [0, 1, 2]
+    key_bits = 8 if bits == 8 else KEY_BITS
+    assert isinstance(buffer, SplitWords)
+    assert buffer.keys.shape[3] == D * key_bits // 32 and buffer.values.shape[3] == D * bits // 32
+    at = list(lengths)
+    spare = 0
+    for t in range(steps):
+        if t == 12:  # the longest row leaves: the padding before the others is cut
+            buffer.filter([0, 1])
+            ids, at = ids[:2], at[:2]
+        if t == 20:  # a row joins
+            buffer.extend(buffer_of([2]))
+            ids, at = [*ids, 2], [*at, lengths[2]]
+        mask = buffer.make_mask(1)
+        k = mx.stack([keys[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
+        v = mx.stack([values[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
+        held, _ = buffer.update_and_fetch(k, v)
+        at = [a + 1 for a in at]
+        words = held.split[0]
+        assert words.shape[3] == D * key_bits // 32
+        spare = max(spare, words.shape[2] - held.keys.shape[2])
+        query = mx.random.normal((len(ids), 2 * H, 1, D), key=mx.random.key(60 + t))
+        got = quantized_attention(query, held, 0.125, mask, None)
+        want = quantized_attention(query, dataclasses.replace(held, split=None), 0.125, mask, None)
+        assert mx.allclose(got, want, atol=1e-5).item(), (t, mx.abs(got - want).max().item())
+    assert spare > 0  # the buffer grew ahead of its rows, and attention read past them
+    widths = (packed_dim(D, key_bits, group), packed_dim(D, bits, group))
+    for i, (b, n) in enumerate(zip(ids, at, strict=True)):
+        row = buffer.extract(i)
+        assert row.keys.shape == (1, H, n, widths[0]) and row.offset == n
+        packed_view = buffer.keys_and_values()
+        lead = packed_view[0].shape[2] - n
+        assert mx.array_equal(row.keys, packed_view[0][i : i + 1, :, lead:]).item()
+        assert mx.array_equal(row.values, packed_view[1][i : i + 1, :, lead:]).item()
+        if bits == 8:  # a q8 row's words are its positions' own, whatever the buffer did
+            want = packing.pack(
+                0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None)
+            )
+            assert mx.array_equal(row.keys, want.keys).item()
+            assert mx.array_equal(row.values, want.values).item()
+    halves = buffer.halves.keys.nbytes + buffer.halves.values.nbytes
+    floats = sum(r.nbytes for r in buffer.recent)
+    floats += 0 if buffer.first_kv is None else sum(x.nbytes for x in buffer.first_kv)
+    assert buffer.nbytes == buffer.keys.nbytes + buffer.values.nbytes + halves + floats
 
 
 @pytest.mark.parametrize("window", [None, 32])
@@ -593,7 +674,7 @@ def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
             == reads
         )
     # Without them the same step attends otherwise (the test can tell).
-    plain = held.__class__(*[getattr(held, f) for f in held.__dataclass_fields__][:-2])
+    plain = dataclasses.replace(held, first_kv=None, first_held=())
     assert not mx.allclose(
         quantized_attention(query, plain, 0.125, mask, None), got, atol=1e-3
     ).item()
