@@ -15,7 +15,10 @@ batch without a dequantize, and a finished row is stored and held in the hot tie
 held it: the bytes never drift across resumes. mlx-lm's batch caches only move positions along
 one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run unchanged on
 packed arrays; a token's keys are quantized once, when written, and attention reads them
-through ``mx.quantized_matmul`` as they are (``engine.attention``). A row also keeps float
+through ``mx.quantized_matmul`` as they are (``engine.attention``). A global layer's buffer
+holds the words and the scales' and biases' words in two such buffers moved alike
+(:class:`SplitWords`), so attention reads them whole, without a copy; rows still come and go
+packed. A row also keeps float
 copies of its newest :data:`FLOAT_WINDOW` positions (:class:`QuantizedLayer`): each query
 reads its own position and the :data:`FLOAT_WINDOW` before it from them instead of their
 words, back to the last point a cache can start from (its fence: where the row joined, a
@@ -160,9 +163,15 @@ def unpacked(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The (words, float16 scales, float16 biases) of a :func:`packed` array of heads of
     ``dim``."""
-    n_words, groups = dim * bits // 32, dim // group_size
-    extra = x[..., n_words:].view(SCALE_DTYPE)
-    return x[..., :n_words], extra[..., :groups], extra[..., groups:]
+    n_words = dim * bits // 32
+    return x[..., :n_words], *scales_of(x[..., n_words:], dim // group_size)
+
+
+def scales_of(extra: mx.array, groups: int) -> tuple[mx.array, mx.array]:
+    """The float16 scales and biases of ``groups`` groups a position held as words (a
+    :func:`packed` head's last ``groups`` words)."""
+    halves = extra.view(SCALE_DTYPE)
+    return halves[..., :groups], halves[..., groups:]
 
 
 def expand(x: mx.array, dim: int, dtype: mx.Dtype, bits: int, group_size: int) -> mx.array:
@@ -170,10 +179,16 @@ def expand(x: mx.array, dim: int, dtype: mx.Dtype, bits: int, group_size: int) -
     is read)."""
     if x.size == 0:  # (mx.dequantize takes no empty array)
         return mx.zeros((*x.shape[:-1], dim), dtype)
-    words, scales, biases = unpacked(x, dim, bits, group_size)
+    return dequantized(*unpacked(x, dim, bits, group_size), dtype, bits, group_size)
+
+
+def dequantized(
+    words: mx.array, scales: mx.array, biases: mx.array, dtype: mx.Dtype, bits: int, group: int
+) -> mx.array:
+    """``mx.quantize``'s ``words`` with their float16 ``scales`` and ``biases`` as values of
+    ``dtype``, dequantized in float32."""
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    out = mx.dequantize(words, scales, biases, group_size=group_size, bits=bits)
-    return out.astype(dtype)
+    return mx.dequantize(words, scales, biases, group_size=group, bits=bits).astype(dtype)
 
 
 SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)  # of the eight 4-bit values in a word, low first
@@ -423,13 +438,14 @@ def ring_size(window: int, group: int) -> int:
 
 
 def channel_keys_f32(
-    x: mx.array, dim: int, group: int, pos: mx.array, wrap: bool, bits: int
+    words: mx.array, extra: mx.array, group: int, pos: mx.array, wrap: bool, bits: int
 ) -> mx.array:
-    """Packed keys ``(B, H, L, words)`` held per channel at ``bits``, in float32: column ``c``
-    of row ``b`` holds position ``pos[b, c]``, its group's scales in the slots of the group's
-    columns (``wrap``: a ring, the columns counted modulo ``L``). Columns of no quantized group
-    give finite values the caller replaces or masks."""
-    words, extra = x[..., : dim * bits // 32], x[..., dim * bits // 32 :]
+    """Keys ``(B, H, L, ·)`` held per channel at ``bits`` (their ``words``, and the ``extra``
+    words of their scales and biases), in float32: column ``c`` of row ``b`` holds position
+    ``pos[b, c]``, its group's scales in the slots of the group's columns (``wrap``: a ring,
+    the columns counted modulo ``L``). Columns of no quantized group give finite values the
+    caller replaces or masks."""
+    dim = words.shape[3] * 32 // bits
     B, H, L, E = extra.shape
     first = mx.arange(L)[None] - pos % group  # the column of each one's group's first position
     cols = first[..., None] + mx.arange(group)
@@ -466,7 +482,8 @@ class HeldQuantized:
     Attributes:
         keys, values: the packed buffer ``(B, H, L, words)``: keys per position, or (q4) per
             channel in whole groups (other columns per position); values per position,
-            ``rotated`` by :func:`hadamard` (q4).
+            ``rotated`` by :func:`hadamard` (q4). With ``split``, packed views of it, computed
+            only by a reader that asks for them (:meth:`stored` reads the split parts).
         recent: float keys and (unrotated) values ``(B, H, f, D)``, right-aligned with column
             ``newest``; row ``b`` reads its newest ``floats[b]`` positions from them (q4).
         reach: q8: ``(B, Lq)``, how many positions before its own each query reads from
@@ -485,11 +502,10 @@ class HeldQuantized:
         first_kv: (q4, a global layer) each row's first position's float keys and values
             ``(B, H, 1, D)`` (unrotated), read instead of its words where ``recent`` does not
             hold it (None: no row has them); ``first_held``: which rows have them.
-        split: (a global layer, :class:`SplitWords`) the buffer's key words, key scales and
-            biases, value words, value scales and biases, each whole and row contiguous, spare
-            positions past ``keys``' ``L`` included (zeros, or positions trimmed off): what
-            attention hands ``mx.quantized_matmul`` without copying them (``keys`` and
-            ``values`` are then packed views of them, made only by a reader that needs them).
+        split: (a global layer, :class:`SplitWords`) the buffer's key words, the words of the
+            keys' scales and biases, the value words and those of their scales and biases, each
+            whole and row contiguous, spare positions past ``L`` included (zeros, or positions
+            trimmed off): what attention hands ``mx.quantized_matmul`` without copying them.
     """
 
     keys: mx.array
@@ -552,18 +568,35 @@ class HeldQuantized:
             for held, n, k in zip(self.first_held, self.lengths, self.floats, strict=True)
         ]
 
+    def stored(self, kind: str) -> tuple[mx.array, mx.array]:
+        """The held keys' (``kind`` "keys") or values' words, and the words of their scales
+        and biases, over the ``L`` columns: views of the split buffers, or of the packed
+        ones."""
+        L, keys = self.keys.shape[2], kind == "keys"
+        if self.split is not None:
+            words, extra = self.split[:2] if keys else self.split[2:]
+            return words[..., :L, :], extra[..., :L, :]
+        dim = self.recent[0 if keys else 1].shape[3]
+        n = dim * (self.key_bits if keys else self.bits) // 32
+        x = self.keys if keys else self.values
+        return x[..., :n], x[..., n:]
+
     def expanded(self) -> tuple[mx.array, mx.array]:
         """Keys and values in the model's dtype, every column expanded (keys rotated back;
         values rotated if ``rotated``)."""
         (recent_keys, recent_values), group, bits = self.recent, self.group, self.bits
         wrap, dk, dv = self.wrap, recent_keys.shape[3], recent_values.shape[3]
+        words, extra = self.stored("keys")
         if self.per_channel:
-            keys = channel_keys_f32(self.keys, dk, group, self.positions, wrap, self.key_bits)
+            keys = channel_keys_f32(words, extra, group, self.positions, wrap, self.key_bits)
         else:
-            keys = expand(self.keys, dk, mx.float32, bits, group)
+            keys = dequantized(words, *scales_of(extra, dk // group), mx.float32, bits, group)
             keys = hadamard(keys) if self.rotated_keys else keys
         keys = _overlay(keys, recent_keys, self.floats, self.newest, wrap)
-        values = expand(self.values, dv, mx.float32, bits, self.value_group)
+        words, extra = self.stored("values")
+        values = dequantized(
+            words, *scales_of(extra, dv // self.value_group), mx.float32, bits, self.value_group
+        )
         recent_values = recent_values.astype(mx.float32)
         if self.rotated:
             recent_values = hadamard(recent_values)
@@ -580,7 +613,8 @@ class HeldQuantized:
 
 
 class QuantizedLayer:
-    """Keys and values held :func:`packed` in a group buffer, and float copies of each row's
+    """Keys and values held :func:`packed` in a group buffer (a global layer's: its words and
+    their scales' and biases' words apart, :class:`SplitWords`), and float copies of each row's
     newest positions (``recent``, right-aligned with the buffer), which attention reads
     instead of their words. Every batch operation of mlx-lm's caches (growth, rotation,
     padding, merging, extending, filtering, extracting, trimming) moves positions along one
@@ -790,26 +824,15 @@ class SplitWords:
     rows, and out of a buffer's spare positions, were copied whole at every step by both of
     MLX's backends: on a CPU about 40% of a q8 layer's step over 4 rows of 8K positions. Here
     ``keys`` and ``values`` hold the words alone, moved by mlx-lm's buffer as before, and
-    ``halves``, a buffer of the same kind whose every operation mirrors this one's, holds their
-    float16 scales and biases as words; attention reads both whole, spare positions included
-    (:attr:`HeldQuantized.split`). Rows still come in and go out packed (:func:`packed`).
+    ``halves``, a plain :class:`GroupKVCache` whose every operation mirrors this one's, the
+    words of their float16 scales and biases; attention reads both whole, spare positions
+    included (:attr:`HeldQuantized.split`). Rows still come in and go out packed
+    (:func:`split_buffer` merges their two parts apart; :meth:`extract` joins them). mlx-lm's
+    ``state`` covers the words alone: the batch never saves or restores a buffer by it.
     Sliding-window layers keep packed rings: a window bounds what their copies cost.
     """
 
     halves: GroupKVCache
-
-    def split_store(self) -> None:
-        """Split the packed buffer (after a merge) into words and :attr:`halves`."""
-        halves = GroupKVCache([0])
-        halves.left_padding, halves.offset = self.left_padding, self.offset  # type: ignore[attr-defined]
-        halves._idx = self._idx  # type: ignore[attr-defined]
-        if self.keys is not None:  # type: ignore[has-type]
-            keys, values = self.keys, self.values  # type: ignore[has-type]
-            k, v = self._words(keys.shape[3], "keys"), self._words(values.shape[3], "values")
-            halves.keys = mx.contiguous(keys[..., k:])
-            halves.values = mx.contiguous(values[..., v:])
-            self.keys, self.values = mx.contiguous(keys[..., :k]), mx.contiguous(values[..., :v])
-        self.halves = halves
 
     def _words(self, width: int, kind: str) -> int:
         if kind == "keys":
@@ -875,6 +898,31 @@ class SplitWords:
         return super().nbytes + self.halves.nbytes  # type: ignore[misc]
 
 
+def split_buffer(rows: list[Any], cls: type, keys: tuple[int, int], values: tuple[int, int]) -> Any:
+    """A :class:`SplitWords` buffer of class ``cls`` merged from packed single-row caches
+    (none: one empty row), their words and their scales' and biases' words merged apart (no
+    packed copy of the group); ``keys`` and ``values``: their (bits, group size)."""
+
+    def part(row: Any, words: bool) -> KVCache:
+        out = KVCache()
+        out.offset = row.offset
+        if row.keys is not None:
+            k, v = (
+                words_in(x.shape[3], *kind) for x, kind in ((row.keys, keys), (row.values, values))
+            )
+            out.keys = row.keys[..., :k] if words else row.keys[..., k:]
+            out.values = row.values[..., :v] if words else row.values[..., v:]
+        return out
+
+    def merged(words: bool) -> GroupKVCache:
+        return GroupKVCache.merge([part(r, words) for r in rows]) if rows else GroupKVCache([0])
+
+    buffer = merged(True)
+    buffer.__class__ = cls
+    buffer.halves = merged(False)
+    return buffer
+
+
 def held_arrays(layer: Any) -> list[mx.array]:
     """The arrays a batch layer's buffer holds (a :class:`SplitWords` buffer's halves too):
     what a step evaluates after writing it."""
@@ -897,17 +945,13 @@ def quantized_buffer(
     """One group buffer of packed single-row caches (none: one empty row); ``rotated_keys``:
     they hold their keys rotated by :func:`hadamard`."""
     if window is None:
-        merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
-        merged.__class__ = GroupQuantizedKVCache
+        merged = split_buffer(rows, GroupQuantizedKVCache, (bits, group_size), (bits, group_size))
     else:
         merged = GroupRotatingKVCache.merge(rows) if rows else GroupRotatingKVCache(window, [0])
         merged.__class__ = GroupQuantizedRotatingKVCache
     merged.bits = bits
     merged.rotated_keys = rotated_keys
-    _with_recent(merged, rows, group_size, group_size)
-    if window is None:
-        merged.split_store()
-    return merged
+    return _with_recent(merged, rows, group_size, group_size)
 
 
 def _stack_firsts(
@@ -1038,11 +1082,9 @@ def channel_buffer(
     groups of ``group``; none: one empty row); a global layer's rows read their first position
     from ``first_kv`` (:class:`_ChannelQuantized`; else from what each row carries)."""
     if window is None:
-        merged = GroupKVCache.merge(rows) if rows else GroupKVCache([0])
-        merged.__class__ = ChannelQuantizedKVCache
-        _with_recent(merged, rows, KEY_GROUP_SIZE, group, first_kv)
-        merged.split_store()
-        return merged
+        kinds = ((KEY_BITS, KEY_GROUP_SIZE), (4, group))
+        merged = split_buffer(rows, ChannelQuantizedKVCache, *kinds)
+        return _with_recent(merged, rows, KEY_GROUP_SIZE, group, first_kv)
     merged = _merge_ring(rows, ring_size(window, KEY_GROUP_SIZE))
     merged.__class__ = ChannelQuantizedRotatingKVCache
     return _with_recent(merged, rows, KEY_GROUP_SIZE, group)
@@ -1155,8 +1197,11 @@ def expanded_channel_row(row: Any, value_group: int, dims: tuple[int, int], dtyp
     L = held_keys.shape[2]
     pos = (n - L + mx.arange(L))[None]
     floats = [n - channel_boundary(n, group)]
+    n_words = dims[0] * KEY_BITS // 32
     keys = _overlay(
-        channel_keys_f32(held_keys, dims[0], group, pos, False, KEY_BITS),
+        channel_keys_f32(
+            held_keys[..., :n_words], held_keys[..., n_words:], group, pos, False, KEY_BITS
+        ),
         row.recent[0],
         floats,
         L - 1,

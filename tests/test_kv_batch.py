@@ -511,7 +511,7 @@ def test_a_global_layer_holds_its_words_apart_and_attends_as_packed_rows_would(b
         held, _ = buffer.update_and_fetch(k, v)
         at = [a + 1 for a in at]
         words = held.split[0]
-        assert words.shape[3] == D * key_bits // 32
+        assert words is buffer.keys and words.shape[3] == D * key_bits // 32  # the buffer itself
         spare = max(spare, words.shape[2] - held.keys.shape[2])
         query = mx.random.normal((len(ids), 2 * H, 1, D), key=mx.random.key(60 + t))
         got = quantized_attention(query, held, 0.125, mask, None)
@@ -526,16 +526,18 @@ def test_a_global_layer_holds_its_words_apart_and_attends_as_packed_rows_would(b
         lead = packed_view[0].shape[2] - n
         assert mx.array_equal(row.keys, packed_view[0][i : i + 1, :, lead:]).item()
         assert mx.array_equal(row.values, packed_view[1][i : i + 1, :, lead:]).item()
-        if bits == 8:  # a q8 row's words are its positions' own, whatever the buffer did
-            want = packing.pack(
-                0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None)
-            )
-            assert mx.array_equal(row.keys, want.keys).item()
-            assert mx.array_equal(row.values, want.values).item()
+        # The row's bytes are what packing its whole history gives, whatever the buffer did.
+        history = float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None)
+        want = packing.pack(0, history) if bits == 8 else channel_row(history, group)
+        assert mx.array_equal(row.keys, want.keys).item(), b
+        assert mx.array_equal(row.values, want.values).item(), b
     halves = buffer.halves.keys.nbytes + buffer.halves.values.nbytes
     floats = sum(r.nbytes for r in buffer.recent)
     floats += 0 if buffer.first_kv is None else sum(x.nbytes for x in buffer.first_kv)
     assert buffer.nbytes == buffer.keys.nbytes + buffer.values.nbytes + halves + floats
+    empty = buffer_of([])  # (mlx-lm's padding of an empty buffer reaches both parts once)
+    empty.prepare(left_padding=[3])
+    assert empty.left_padding.tolist() == empty.halves.left_padding.tolist() == [3]
 
 
 @pytest.mark.parametrize("window", [None, 32])
