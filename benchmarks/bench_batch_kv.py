@@ -301,10 +301,8 @@ def attention_steps(
             held = fetched[0]
             if name == "model":
                 mx.eval(mask, fetched)
-            else:  # (what attention reads: the split buffers, or the packed views it expands)
-                packed_views = name == "q4 keys expanded" or held.split is None
-                stored = (held.keys, held.values) if packed_views else held.split
-                mx.eval(mask, stored, held.recent)
+            else:
+                mx.eval(mask, held.keys, held.values, held.recent)
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()

@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import FLOAT_WINDOW, HeldQuantized, QuantizedLayer, hadamard, unpacked
+from engine.batch_caches import FLOAT_WINDOW, HeldQuantized, QuantizedLayer, hadamard, scales_of
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
@@ -194,7 +194,7 @@ def quantized_attention(
     which none of the batch's buffers makes, is made an array for it).
     """
     B, n_q, Lq, dk = queries.shape
-    n_kv, L, group, bits = held.keys.shape[1], held.keys.shape[2], held.group, held.bits
+    n_kv, L, group, bits = held.keys[0].shape[1], held.columns, held.group, held.bits
     rows = n_q // n_kv * Lq  # query rows a key-value head
     foldable = mask is None or isinstance(mask, mx.array)
     if not held.per_channel:
@@ -338,7 +338,7 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     the buffer's quantized key groups, each group's scales folded into the queries (columns
     of no quantized group give finite values the caller replaces or masks)."""
     B, n_kv, rows, dk = q.shape
-    L, group = held.keys.shape[2], held.group
+    L, group = held.columns, held.group
     # Key groups laid out whole: row b's columns shifted so each group starts at a multiple of
     # ``group`` (columns past the buffer repeat its edge; their scores are never read back).
     shift = mx.array(held.shifts())[:, None]  # (B, 1)
@@ -346,13 +346,9 @@ def _folded_scores(q: mx.array, held: HeldQuantized) -> mx.array:
     cols = mx.arange(n_groups * group)[None] - shift
     cols = cols % L if held.wrap else mx.clip(cols, 0, L - 1)
     n_words, bits, index = dk * held.key_bits // 32, held.key_bits, cols[:, None, :, None]
-    if held.split is not None:  # (whole buffers: the columns index into them alike)
-        words = mx.take_along_axis(held.split[0], index, axis=2)
-        halves = mx.take_along_axis(held.split[1], index, axis=2).view(mx.float16)
-    else:
-        aligned = mx.take_along_axis(held.keys, index, axis=2)
-        words, halves = aligned[..., :n_words], aligned[..., n_words:].view(mx.float16)
+    words, halves = (mx.take_along_axis(x, index, axis=2) for x in held.keys)
     words = mx.contiguous(words.reshape(B, n_kv, n_groups, group, n_words))
+    halves = halves.view(mx.float16)
     halves = halves.reshape(B, n_kv, n_groups, group, 2, dk // group)
     scales = halves[..., 0, :].reshape(B, n_kv, n_groups, 1, dk).astype(mx.float32)
     biases = halves[..., 1, :].reshape(B, n_kv, n_groups, dk).astype(mx.float32)
@@ -373,18 +369,12 @@ def _times_words(
     ``group``, read through their words by ``mx.quantized_matmul``, in float32.
 
     Its operands must be row contiguous (MLX's CUDA backend has no quantized matmul for
-    strided ones, its CPU backend copies them): a :class:`~engine.batch_caches.SplitWords`
-    buffer's words are passed whole, spare positions included (their scores are cut off,
-    their weights zero), and only its scales and biases, a word a group, are copied; a packed
-    buffer's words are copied out of it."""
-    L, keys = held.keys.shape[2], kind == "keys"
-    if held.split is not None:
-        words, halves = held.split[:2] if keys else held.split[2:]
-        extra, groups = halves.view(mx.float16), dim // group
-        scales, biases = extra[..., :groups], extra[..., groups:]
-    else:
-        words, scales, biases = unpacked(held.keys if keys else held.values, dim, bits, group)
-        words = mx.contiguous(words)
+    strided ones, its CPU backend copies them): the buffer's words are passed whole, spare
+    positions included (their scores are cut off, their weights zero), and only their scales
+    and biases, a word a group, are copied (cast to float32)."""
+    L, keys = held.columns, kind == "keys"
+    words, extra = held.keys if keys else held.values
+    scales, biases = scales_of(extra, dim // group)
     spare = words.shape[2] - L
     if spare and not keys:
         x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spare)])

@@ -15,9 +15,9 @@ batch without a dequantize, and a finished row is stored and held in the hot tie
 held it: the bytes never drift across resumes. mlx-lm's batch caches only move positions along
 one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run unchanged on
 packed arrays; a token's keys are quantized once, when written, and attention reads them
-through ``mx.quantized_matmul`` as they are (``engine.attention``). A global layer's buffer
-holds the words and the scales' and biases' words in two such buffers moved alike
-(:class:`SplitWords`), so attention reads them whole, without a copy; rows still come and go
+through ``mx.quantized_matmul`` as they are (``engine.attention``). A group buffer holds the
+words and the words of their scales and biases in two such buffers moved alike
+(:class:`QuantizedLayer`), so attention reads them whole, without a copy; rows come and go
 packed. A row also keeps float
 copies of its newest :data:`FLOAT_WINDOW` positions (:class:`QuantizedLayer`): each query
 reads its own position and the :data:`FLOAT_WINDOW` before it from them instead of their
@@ -50,7 +50,7 @@ the float cache, from the words).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,10 +480,13 @@ class HeldQuantized:
     it without expanding the quantized keys; :meth:`expanded` expands them).
 
     Attributes:
-        keys, values: the packed buffer ``(B, H, L, words)``: keys per position, or (q4) per
+        keys, values: the buffer's words ``(B, H, L', words)`` and the words of their float16
+            scales and biases, each whole and row contiguous (what attention hands
+            ``mx.quantized_matmul`` without copying them): keys per position, or (q4) per
             channel in whole groups (other columns per position); values per position,
-            ``rotated`` by :func:`hadamard` (q4). With ``split``, packed views of it, computed
-            only by a reader that asks for them (:meth:`stored` reads the split parts).
+            ``rotated`` by :func:`hadamard` (q4). The first ``columns`` positions are held;
+            the rest are spare (zeros, or positions trimmed off).
+        columns: ``L``, the columns the rows' positions lie in.
         recent: float keys and (unrotated) values ``(B, H, f, D)``, right-aligned with column
             ``newest``; row ``b`` reads its newest ``floats[b]`` positions from them (q4).
         reach: q8: ``(B, Lq)``, how many positions before its own each query reads from
@@ -502,14 +505,11 @@ class HeldQuantized:
         first_kv: (q4, a global layer) each row's first position's float keys and values
             ``(B, H, 1, D)`` (unrotated), read instead of its words where ``recent`` does not
             hold it (None: no row has them); ``first_held``: which rows have them.
-        split: (a global layer, :class:`SplitWords`) the buffer's key words, the words of the
-            keys' scales and biases, the value words and those of their scales and biases, each
-            whole and row contiguous, spare positions past ``L`` included (zeros, or positions
-            trimmed off): what attention hands ``mx.quantized_matmul`` without copying them.
     """
 
-    keys: mx.array
-    values: mx.array
+    keys: tuple[mx.array, mx.array]
+    values: tuple[mx.array, mx.array]
+    columns: int
     recent: tuple[mx.array, mx.array]
     floats: tuple[int, ...]
     reach: mx.array | None
@@ -525,13 +525,12 @@ class HeldQuantized:
     rotated_keys: bool
     first_kv: tuple[mx.array, mx.array] | None = None
     first_held: tuple[bool, ...] = ()
-    split: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
 
     @property
     def ages(self) -> mx.array:
         """``(L,)``: how many positions older than its row's newest each column holds (a
         ring's columns past ``newest`` hold the oldest)."""
-        L = self.keys.shape[2]
+        L = self.columns
         ages = self.newest - mx.arange(L)
         return ages % L if self.wrap else ages
 
@@ -557,7 +556,7 @@ class HeldQuantized:
         without ``first_kv``."""
         if self.first_kv is None:
             return None
-        column = mx.clip(self.newest + 1 - mx.array(self.lengths), 0, self.keys.shape[2] - 1)
+        column = mx.clip(self.newest + 1 - mx.array(self.lengths), 0, self.columns - 1)
         return column, mx.array(self._first_reads())
 
     def _first_reads(self) -> list[bool]:
@@ -569,17 +568,10 @@ class HeldQuantized:
         ]
 
     def stored(self, kind: str) -> tuple[mx.array, mx.array]:
-        """The held keys' (``kind`` "keys") or values' words, and the words of their scales
-        and biases, over the ``L`` columns: views of the split buffers, or of the packed
-        ones."""
-        L, keys = self.keys.shape[2], kind == "keys"
-        if self.split is not None:
-            words, extra = self.split[:2] if keys else self.split[2:]
-            return words[..., :L, :], extra[..., :L, :]
-        dim = self.recent[0 if keys else 1].shape[3]
-        n = dim * (self.key_bits if keys else self.bits) // 32
-        x = self.keys if keys else self.values
-        return x[..., :n], x[..., n:]
+        """The keys' (``kind`` "keys") or values' words, and the words of their scales and
+        biases, over the ``columns`` held (views)."""
+        words, extra = self.keys if kind == "keys" else self.values
+        return words[..., : self.columns, :], extra[..., : self.columns, :]
 
     def expanded(self) -> tuple[mx.array, mx.array]:
         """Keys and values in the model's dtype, every column expanded (keys rotated back;
@@ -613,14 +605,23 @@ class HeldQuantized:
 
 
 class QuantizedLayer:
-    """Keys and values held :func:`packed` in a group buffer (a global layer's: its words and
-    their scales' and biases' words apart, :class:`SplitWords`), and float copies of each row's
-    newest positions (``recent``, right-aligned with the buffer), which attention reads
-    instead of their words. Every batch operation of mlx-lm's caches (growth, rotation,
-    padding, merging, extending, filtering, extracting, trimming) moves positions along one
-    axis, so it runs unchanged on the packed arrays, and ``recent`` moves along the rows; each
-    row's length is kept on the host (``lengths``), which says which of its columns hold which
-    positions. A step hands attention a :class:`HeldQuantized` (as both keys and values).
+    """Keys and values quantized in a group buffer, and float copies of each row's newest
+    positions (``recent``, right-aligned with the buffer), which attention reads instead of
+    their words. Every batch operation of mlx-lm's caches (growth, rotation, padding, merging,
+    extending, filtering, extracting, trimming) moves positions along one axis, so it runs
+    unchanged on them, and ``recent`` moves along the rows; each row's length is kept on the
+    host (``lengths``), which says which of its columns hold which positions. A step hands
+    attention a :class:`HeldQuantized` (as both keys and values).
+
+    The buffer holds ``mx.quantize``'s words in ``keys`` and ``values`` and the words of their
+    float16 scales and biases apart, in ``halves``: a plain mlx-lm buffer whose every operation
+    mirrors this one's. ``mx.quantized_matmul`` takes only row-contiguous operands, so words
+    sliced out of :func:`packed` rows, and out of a buffer's spare positions, were copied whole
+    at every step by both of MLX's backends (on a CPU about 40% of a q8 global layer's step
+    over 4 rows of 8K positions); attention now reads the buffers whole, spare positions
+    included. Rows still come in packed (:func:`split_buffer` merges their two parts apart)
+    and go out packed (:meth:`extract`). mlx-lm's ``state`` covers the words alone: the batch
+    never saves or restores a buffer by it.
 
     q8 (:class:`GroupQuantizedKVCache`) holds every position per position, as a q8 file stores
     it, and keeps float copies of each row's newest :data:`FLOAT_WINDOW` positions (``counts``:
@@ -649,6 +650,7 @@ class QuantizedLayer:
     # which rows have them (``first_held``); see :class:`_ChannelQuantized`
     first_kv: tuple[mx.array, mx.array] | None = None
     first_held: list[bool]
+    halves: Any  # the words of the scales and biases, in a GroupKVCache / GroupRotatingKVCache
 
     def _wraps(self) -> bool:
         return bool(getattr(self, "rotated", False))
@@ -717,7 +719,9 @@ class QuantizedLayer:
         # (copies: a slice would keep all of ``joined`` alive)
         self.recent = tuple(mx.contiguous(x[..., -f:, :]) for x in joined)
         held = HeldQuantized(
-            *self.keys_and_values(),  # type: ignore[attr-defined]
+            (self.keys, self.halves.keys),  # type: ignore[attr-defined]
+            (self.values, self.halves.values),  # type: ignore[attr-defined]
+            super().keys_and_values()[0].shape[2],  # type: ignore[misc]
             tuple(joined),
             *self.step_floats(old, n, fences),
             tuple(self.lengths),
@@ -732,27 +736,59 @@ class QuantizedLayer:
             self.rotated_keys,
             self.first_kv,
             () if self.first_kv is None else tuple(self.first_held),
-            self._split_parts(),
         )
         return held, held
 
-    def _store(self, key_words: mx.array, value_words: mx.array) -> None:
-        """Write a step's packed keys and values into the buffer (mlx-lm's update)."""
-        super().update_and_fetch(key_words, value_words)  # type: ignore[misc]
+    def _words(self, width: int, kind: str) -> int:
+        """How many of a packed head's ``width`` words of ``kind`` are words."""
+        if kind == "keys":
+            return words_in(width, self.key_bits, self.group_size)
+        return words_in(width, self.bits, self.value_group_size)
 
-    def _split_parts(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
-        """:attr:`HeldQuantized.split` (None: the buffer holds packed rows)."""
-        return None
+    def _store(self, key_words: mx.array, value_words: mx.array) -> None:
+        """Write a step's packed keys and values: their words, and their scales' and biases'
+        words into ``halves`` (mlx-lm's update, on both)."""
+        k = self._words(key_words.shape[3], "keys")
+        v = self._words(value_words.shape[3], "values")
+        self.halves.update_and_fetch(key_words[..., k:], value_words[..., v:])
+        super().update_and_fetch(key_words[..., :k], value_words[..., :v])  # type: ignore[misc]
 
     def _put_keys(self, b: int, cols: Any, data: mx.array) -> None:
         """Overwrite row ``b``'s key columns ``cols`` with packed ``data``."""
-        self.keys[b : b + 1, :, cols, :] = data  # type: ignore[attr-defined]
+        k = self._words(data.shape[3], "keys")
+        self.keys[b : b + 1, :, cols, :] = data[..., :k]  # type: ignore[has-type]
+        self.halves.keys[b : b + 1, :, cols, :] = data[..., k:]
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """Packed views of the positions mlx-lm's buffer gives (computed only if read)."""
+        words = super().keys_and_values()  # type: ignore[misc]
+        halves = self.halves.keys_and_values()
+        return tuple(  # type: ignore[return-value]
+            mx.concatenate([w, h], axis=-1) for w, h in zip(words, halves, strict=True)
+        )
+
+    def trim(self, n: int) -> int:
+        self.halves.trim(n)
+        return super().trim(n)  # type: ignore[misc]
+
+    def prepare(self, **kwargs: Any) -> None:
+        super().prepare(**kwargs)  # type: ignore[misc]
+        self.halves.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        super().finalize()  # type: ignore[misc]
+        self.halves.finalize()
 
     def _settle_groups(self, joined_keys: mx.array, old: list[int]) -> None:
         """Quantize what the step completed beyond writing it (q4's key groups)."""
 
     def filter(self, batch_indices: list[int]) -> None:
         super().filter(batch_indices)  # type: ignore[misc]
+        self.halves.filter(batch_indices)
+        for buffer in (self, self.halves):  # (a cut of left padding leaves strided views)
+            if buffer.keys is not None:
+                buffer.keys = mx.contiguous(buffer.keys)
+                buffer.values = mx.contiguous(buffer.values)
         self.lengths = [self.lengths[i] for i in batch_indices]
         self.counts = [self.counts[i] for i in batch_indices]
         if self.recent is not None:
@@ -767,6 +803,7 @@ class QuantizedLayer:
         mine, theirs = self._recent_for(other), other._recent_for(self)
         firsts = _stack_firsts(self._firsts() + other._firsts())
         super().extend(other)  # type: ignore[misc]
+        self.halves.extend(other.halves)
         self.lengths = self.lengths + other.lengths
         self.counts = self.counts + other.counts
         if mine is not None:
@@ -791,6 +828,10 @@ class QuantizedLayer:
 
     def extract(self, idx: int) -> Any:
         row = super().extract(idx)  # type: ignore[misc]
+        halves = self.halves.extract(idx)
+        if row.keys is not None:  # (packed again)
+            row.keys = mx.concatenate([row.keys, halves.keys], axis=-1)
+            row.values = mx.concatenate([row.values, halves.values], axis=-1)
         row.float_count = self.counts[idx]
         if self.recent is None:
             row.recent = None
@@ -803,7 +844,7 @@ class QuantizedLayer:
 
     @property
     def nbytes(self) -> int:
-        held = super().nbytes  # type: ignore[misc]
+        held = super().nbytes + self.halves.nbytes  # type: ignore[misc]
         held += 0 if self.recent is None else sum(r.nbytes for r in self.recent)
         return held + (0 if self.first_kv is None else sum(x.nbytes for x in self.first_kv))
 
@@ -817,121 +858,53 @@ def words_in(width: int, bits: int, group: int) -> int:
     return dim * bits // 32
 
 
-class SplitWords:
-    """A global layer's quantized buffer holding its words apart from their scales and biases.
+def split_buffer(
+    rows: list[Any],
+    cls: type,
+    keys: tuple[int, int],
+    values: tuple[int, int],
+    merge: Callable[[list[Any]], Any],
+) -> Any:
+    """A :class:`QuantizedLayer` buffer of class ``cls`` of packed single-row caches, their words
+    and their scales' and biases' words merged apart by ``merge`` (of rows, none included:
+    one empty row), with no packed copy of the group; ``keys`` and ``values``: their (bits,
+    group size)."""
 
-    ``mx.quantized_matmul`` takes only row-contiguous operands, so words sliced out of packed
-    rows, and out of a buffer's spare positions, were copied whole at every step by both of
-    MLX's backends: on a CPU about 40% of a q8 layer's step over 4 rows of 8K positions. Here
-    ``keys`` and ``values`` hold the words alone, moved by mlx-lm's buffer as before, and
-    ``halves``, a plain :class:`GroupKVCache` whose every operation mirrors this one's, the
-    words of their float16 scales and biases; attention reads both whole, spare positions
-    included (:attr:`HeldQuantized.split`). Rows still come in and go out packed
-    (:func:`split_buffer` merges their two parts apart; :meth:`extract` joins them). mlx-lm's
-    ``state`` covers the words alone: the batch never saves or restores a buffer by it.
-    Sliding-window layers keep packed rings: a window bounds what their copies cost.
-    """
-
-    halves: GroupKVCache
-
-    def _words(self, width: int, kind: str) -> int:
-        if kind == "keys":
-            return words_in(width, self.key_bits, self.group_size)  # type: ignore[attr-defined]
-        return words_in(width, self.bits, self.value_group_size)  # type: ignore[attr-defined]
-
-    def _store(self, key_words: mx.array, value_words: mx.array) -> None:
-        k = self._words(key_words.shape[3], "keys")
-        v = self._words(value_words.shape[3], "values")
-        self.halves.update_and_fetch(key_words[..., k:], value_words[..., v:])
-        super()._store(key_words[..., :k], value_words[..., :v])  # type: ignore[misc]
-
-    def _split_parts(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        return self.keys, self.halves.keys, self.values, self.halves.values  # type: ignore[return-value]
-
-    def _put_keys(self, b: int, cols: Any, data: mx.array) -> None:
-        k = self._words(data.shape[3], "keys")
-        self.keys[b : b + 1, :, cols, :] = data[..., :k]
-        self.halves.keys[b : b + 1, :, cols, :] = data[..., k:]
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        """Packed views of the positions held (computed only if read)."""
-        n = self._idx  # type: ignore[attr-defined]
-        return tuple(  # type: ignore[return-value]
-            mx.concatenate([x[..., :n, :], h[..., :n, :]], axis=-1)
-            for x, h in ((self.keys, self.halves.keys), (self.values, self.halves.values))
-        )
-
-    def filter(self, batch_indices: list[int]) -> None:
-        super().filter(batch_indices)  # type: ignore[misc]
-        self.halves.filter(batch_indices)
-        for buffer in (self, self.halves):  # (a cut of left padding leaves strided views)
-            if buffer.keys is not None:
-                buffer.keys = mx.contiguous(buffer.keys)
-                buffer.values = mx.contiguous(buffer.values)
-
-    def extend(self, other: SplitWords) -> None:
-        super().extend(other)  # type: ignore[misc]
-        self.halves.extend(other.halves)
-
-    def extract(self, idx: int) -> Any:
-        row = super().extract(idx)  # type: ignore[misc]
-        halves = self.halves.extract(idx)
-        if row.keys is not None:
-            row.keys = mx.concatenate([row.keys, halves.keys], axis=-1)
-            row.values = mx.concatenate([row.values, halves.values], axis=-1)
-        return row
-
-    def trim(self, n: int) -> int:
-        self.halves.trim(n)
-        return super().trim(n)  # type: ignore[misc]
-
-    def prepare(self, **kwargs: Any) -> None:
-        super().prepare(**kwargs)  # type: ignore[misc]
-        self.halves.prepare(**kwargs)
-
-    def finalize(self) -> None:
-        super().finalize()  # type: ignore[misc]
-        self.halves.finalize()
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + self.halves.nbytes  # type: ignore[misc]
-
-
-def split_buffer(rows: list[Any], cls: type, keys: tuple[int, int], values: tuple[int, int]) -> Any:
-    """A :class:`SplitWords` buffer of class ``cls`` merged from packed single-row caches
-    (none: one empty row), their words and their scales' and biases' words merged apart (no
-    packed copy of the group); ``keys`` and ``values``: their (bits, group size)."""
-
-    def part(row: Any, words: bool) -> KVCache:
-        out = KVCache()
+    def part(row: Any, words: bool) -> Any:
+        ring = isinstance(row, RotatingKVCache)
+        out = RotatingKVCache(row.max_size) if ring else KVCache()
         out.offset = row.offset
+        if ring:
+            out._idx = row._idx
         if row.keys is not None:
-            k, v = (
-                words_in(x.shape[3], *kind) for x, kind in ((row.keys, keys), (row.values, values))
-            )
+            k = words_in(row.keys.shape[3], *keys)
+            v = words_in(row.values.shape[3], *values)
             out.keys = row.keys[..., :k] if words else row.keys[..., k:]
             out.values = row.values[..., :v] if words else row.values[..., v:]
         return out
 
-    def merged(words: bool) -> GroupKVCache:
-        return GroupKVCache.merge([part(r, words) for r in rows]) if rows else GroupKVCache([0])
-
-    buffer = merged(True)
+    buffer = merge([part(r, True) for r in rows])
     buffer.__class__ = cls
-    buffer.halves = merged(False)
+    buffer.halves = merge([part(r, False) for r in rows])
+    # (a ring of q4 key groups leaves whole: ``GroupRotatingKVCache.extract``)
+    buffer.halves.per_channel = cls.per_channel
     return buffer
 
 
+def _merge_global(parts: list[Any]) -> GroupKVCache:
+    """mlx-lm's merge of single-row caches (none: one empty row)."""
+    return GroupKVCache.merge(parts) if parts else GroupKVCache([0])
+
+
 def held_arrays(layer: Any) -> list[mx.array]:
-    """The arrays a batch layer's buffer holds (a :class:`SplitWords` buffer's halves too):
-    what a step evaluates after writing it."""
+    """The arrays a batch layer's buffer holds (a :class:`QuantizedLayer`'s halves too): what
+    a step evaluates after writing it."""
     arrays = [layer.keys, layer.values]
     halves = getattr(layer, "halves", None)
     return arrays if halves is None else [*arrays, halves.keys, halves.values]
 
 
-class GroupQuantizedKVCache(SplitWords, QuantizedLayer, GroupKVCache):
+class GroupQuantizedKVCache(QuantizedLayer, GroupKVCache):
     """A group's buffer for one global-attention layer, its keys and values quantized."""
 
 
@@ -944,11 +917,15 @@ def quantized_buffer(
 ) -> Any:
     """One group buffer of packed single-row caches (none: one empty row); ``rotated_keys``:
     they hold their keys rotated by :func:`hadamard`."""
+    kinds = ((bits, group_size), (bits, group_size))
     if window is None:
-        merged = split_buffer(rows, GroupQuantizedKVCache, (bits, group_size), (bits, group_size))
+        merged = split_buffer(rows, GroupQuantizedKVCache, *kinds, _merge_global)
     else:
-        merged = GroupRotatingKVCache.merge(rows) if rows else GroupRotatingKVCache(window, [0])
-        merged.__class__ = GroupQuantizedRotatingKVCache
+
+        def merge(parts: list[Any]) -> GroupRotatingKVCache:
+            return GroupRotatingKVCache.merge(parts) if parts else GroupRotatingKVCache(window, [0])
+
+        merged = split_buffer(rows, GroupQuantizedRotatingKVCache, *kinds, merge)
     merged.bits = bits
     merged.rotated_keys = rotated_keys
     return _with_recent(merged, rows, group_size, group_size)
@@ -1063,7 +1040,7 @@ class _ChannelQuantized(QuantizedLayer):
         return row
 
 
-class ChannelQuantizedKVCache(SplitWords, _ChannelQuantized, GroupKVCache):
+class ChannelQuantizedKVCache(_ChannelQuantized, GroupKVCache):
     """A group's buffer for one global-attention layer held as :class:`_ChannelQuantized`."""
 
 
@@ -1081,12 +1058,14 @@ def channel_buffer(
     """One group buffer of channel-quantized single-row caches (:func:`channel_row`, values in
     groups of ``group``; none: one empty row); a global layer's rows read their first position
     from ``first_kv`` (:class:`_ChannelQuantized`; else from what each row carries)."""
+    kinds = ((KEY_BITS, KEY_GROUP_SIZE), (4, group))
     if window is None:
-        kinds = ((KEY_BITS, KEY_GROUP_SIZE), (4, group))
-        merged = split_buffer(rows, ChannelQuantizedKVCache, *kinds)
+        merged = split_buffer(rows, ChannelQuantizedKVCache, *kinds, _merge_global)
         return _with_recent(merged, rows, KEY_GROUP_SIZE, group, first_kv)
-    merged = _merge_ring(rows, ring_size(window, KEY_GROUP_SIZE))
-    merged.__class__ = ChannelQuantizedRotatingKVCache
+    size = ring_size(window, KEY_GROUP_SIZE)
+    merged = split_buffer(
+        rows, ChannelQuantizedRotatingKVCache, *kinds, lambda parts: _merge_ring(parts, size)
+    )
     return _with_recent(merged, rows, KEY_GROUP_SIZE, group)
 
 

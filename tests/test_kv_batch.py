@@ -188,7 +188,9 @@ def test_a_row_cut_right_after_a_chunk_leaves_with_its_window_only(model, bits):
     model(tokens[None], cache=group.layers)  # one chunk: the group's rings hold all n positions
     sliding = [c for c in group.layers if isinstance(c, BatchRotatingKVCache)]
     assert {c.keys.shape[2] for c in sliding} == {n}
-    newest = [(c.keys[..., -window:, :], c.values[..., -window:, :]) for c in sliding]
+    # (packed: a quantized ring holds its words and their scales apart)
+    held = [c.keys_and_values() for c in sliding]
+    newest = [(k[..., -window:, :], v[..., -window:, :]) for k, v in held]
     row = group.extract(group.seqs[0])
     assert [c.keys.shape[2] for c in row] == [min(n, w or n) for w in layout.windows]
     kept = [c for c in row if isinstance(c, RotatingKVCache)]
@@ -459,18 +461,20 @@ def float_rows(keys: mx.array, values: mx.array, window: int | None) -> KVCache:
     return row
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_global_layer_holds_its_words_apart_and_attends_as_packed_rows_would(bits):
-    """A quantized global layer holds its words apart from their scales and biases, so
-    attention hands ``mx.quantized_matmul`` the buffers whole, spare positions included: it
-    attends as over the packed rows, through growth, a filter that cuts left padding, and
-    an extend; a row leaves with exactly the packed bytes it would have had."""
+@pytest.mark.parametrize(("bits", "window"), [(8, None), (4, None), (8, 80), (4, 48)])
+def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bits, window):
+    """A quantized layer holds its words apart from the words of their scales and biases, and
+    attention hands ``mx.quantized_matmul`` the buffers themselves, spare positions included:
+    it attends as over the positions expanded, through growth, a filter (a global layer's cuts
+    left padding), an extend and a ring's wrapping; a row leaves packed, with exactly the bytes
+    packing its positions gives (a q4 ring's: ``test_four_bit_rows_decoded_in_a_group_...``)."""
     from engine.attention import quantized_attention
     from engine.batch_caches import (
         Packing,
-        SplitWords,
+        QuantizedLayer,
         channel_buffer,
         channel_row,
+        hadamard,
         packed_dim,
         quantized_buffer,
     )
@@ -483,52 +487,53 @@ def test_a_global_layer_holds_its_words_apart_and_attends_as_packed_rows_would(b
     values = mx.random.normal(keys.shape, key=mx.random.key(22))
     packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
 
-    def buffer_of(rows: list[int]) -> SplitWords:
-        made = [
-            float_rows(keys[b : b + 1, :, : lengths[b]], values[b : b + 1, :, : lengths[b]], None)
-            for b in rows
-        ]
+    def history(b: int, first: int, n: int, ring: int | None) -> KVCache:
+        return float_rows(keys[b : b + 1, :, first:n], values[b : b + 1, :, first:n], ring)
+
+    def buffer_of(rows: list[int]) -> QuantizedLayer:
+        made = [history(b, 0, lengths[b], window) for b in rows]
         if bits == 8:
-            return quantized_buffer([packing.pack(0, r) for r in made], None, 8, group, True)
-        return channel_buffer([channel_row(r, group) for r in made], None, group)
+            return quantized_buffer([packing.pack(0, r) for r in made], window, 8, group, True)
+        return channel_buffer([channel_row(r, group) for r in made], window, group)
 
     buffer, ids = buffer_of([0, 1, 2]), [0, 1, 2]
     key_bits = 8 if bits == 8 else KEY_BITS
-    assert isinstance(buffer, SplitWords)
     assert buffer.keys.shape[3] == D * key_bits // 32 and buffer.values.shape[3] == D * bits // 32
     at = list(lengths)
     spare = 0
     for t in range(steps):
-        if t == 12:  # the longest row leaves: the padding before the others is cut
+        if t == 12:  # the longest row leaves (a global layer: the padding before the rest is cut)
             buffer.filter([0, 1])
             ids, at = ids[:2], at[:2]
         if t == 20:  # a row joins
             buffer.extend(buffer_of([2]))
             ids, at = [*ids, 2], [*at, lengths[2]]
-        mask = buffer.make_mask(1)
+        mask = buffer.make_mask(1, window_size=window)
         k = mx.stack([keys[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
         v = mx.stack([values[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
         held, _ = buffer.update_and_fetch(k, v)
         at = [a + 1 for a in at]
-        words = held.split[0]
-        assert words is buffer.keys and words.shape[3] == D * key_bits // 32  # the buffer itself
-        spare = max(spare, words.shape[2] - held.keys.shape[2])
+        assert held.keys[0] is buffer.keys and held.values[1] is buffer.halves.values
+        spare = max(spare, buffer.keys.shape[2] - held.columns)
         query = mx.random.normal((len(ids), 2 * H, 1, D), key=mx.random.key(60 + t))
         got = quantized_attention(query, held, 0.125, mask, None)
-        want = quantized_attention(query, dataclasses.replace(held, split=None), 0.125, mask, None)
-        assert mx.allclose(got, want, atol=1e-5).item(), (t, mx.abs(got - want).max().item())
+        keys_f, values_f = held.expanded()
+        want = mx.fast.scaled_dot_product_attention(query, keys_f, values_f, scale=0.125, mask=mask)
+        want = hadamard(want) if held.rotated else want
+        assert mx.allclose(got, want, atol=1e-4).item(), (t, mx.abs(got - want).max().item())
     assert spare > 0  # the buffer grew ahead of its rows, and attention read past them
+    assert not window or buffer.rotated  # (and a ring of 80 positions wrapped: q4's is 48 + 32)
     widths = (packed_dim(D, key_bits, group), packed_dim(D, bits, group))
     for i, (b, n) in enumerate(zip(ids, at, strict=True)):
         row = buffer.extract(i)
-        assert row.keys.shape == (1, H, n, widths[0]) and row.offset == n
-        packed_view = buffer.keys_and_values()
-        lead = packed_view[0].shape[2] - n
-        assert mx.array_equal(row.keys, packed_view[0][i : i + 1, :, lead:]).item()
-        assert mx.array_equal(row.values, packed_view[1][i : i + 1, :, lead:]).item()
-        # The row's bytes are what packing its whole history gives, whatever the buffer did.
-        history = float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], None)
-        want = packing.pack(0, history) if bits == 8 else channel_row(history, group)
+        m = row.keys.shape[2]
+        assert row.keys.shape == (1, H, m, widths[0]) and row.offset == n
+        assert row.values.shape == (1, H, m, widths[1])
+        if bits == 4 and window:
+            continue
+        # The row's bytes are what packing its positions gives, whatever the buffer did.
+        want = history(b, n - m, n, None)
+        want = packing.pack(0, want) if bits == 8 else channel_row(want, group)
         assert mx.array_equal(row.keys, want.keys).item(), b
         assert mx.array_equal(row.values, want.values).item(), b
     halves = buffer.halves.keys.nbytes + buffer.halves.values.nbytes
@@ -758,7 +763,7 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         got = quantized_attention(query, held, 0.125, mask, None)
         # Folded where a key-value head has at most a key group's K query rows and the
         # buffer's columns are whole key groups (a wrapped ring of 40 + K is not).
-        splits = held.wrap and held.keys.shape[2] % K
+        splits = held.wrap and held.columns % K
         steps.append(len(folded) > before)
         assert steps[-1] == (query_heads // H * chunk <= K and not splits), (t, splits)
         keys_f, values_f = held.expanded()
