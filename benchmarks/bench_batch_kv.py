@@ -3,7 +3,8 @@ long-history agents one KV budget lets decode together, and how fast, and how ma
 budget holds, in the model's precision, q8 and q4, and against float16.
 
     python -m benchmarks.bench_batch_kv [--model tiny:gemma3-bench] [--fits 4]
-        [--agents N] [--group-size 128] [--no-float16] [--layer-dtype bfloat16] [--quick]
+        [--agents N] [--group-size 128] [--no-float16] [--layer-dtype bfloat16]
+        [--prefill 4096] [--quick]
 
 The budget is what ``--fits`` agents of ``--history`` tokens set aside in the model's
 precision. ``8 * --fits`` such agents (synthetic caches, see ``benchmarks.synthetic``) ask for
@@ -13,7 +14,8 @@ decoded (the median; free of joins and of a GPU's first compilation of each kern
 against the model's precision. Then, per precision, the same agents' finished caches (as the
 engine hands them back: packed when quantized) go one by one into a ``HotTier`` whose budget
 holds ``--fits`` of them in the model's precision: the agents it holds at the end and its
-bytes per token.
+bytes per token. And, per precision, the seconds one ``--prefill`` -token prompt takes to
+prefill in a fresh engine (``prefill_s``, against the model's precision: ``prefill_vs_model``).
 The capacity baseline is float16 (unless ``--no-float16``): the model's weights cast to
 float16 in a temporary copy, KV in float16, in the same two budgets (``3 * --fits`` agents ask
 for 2 tokens each: only the counts are wanted; float16 is emulated and slow on CPU), and each
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import platform
 import shutil
 import tempfile
@@ -105,6 +108,24 @@ async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> d
     }
 
 
+async def prefill_seconds(args: argparse.Namespace, bits: int | None) -> float:
+    """Seconds to prefill one ``--prefill`` -token prompt (no cache) and sample a token, the
+    best of two, after a short prompt has compiled the engine's kernels."""
+    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits, **group_size(args)))
+    try:
+        vocab = eng.model.vocab_size
+        tokens = [(7 * i) % (vocab - 16) + 16 for i in range(args.prefill)]
+        await eng.generate(GenerationRequest(tokens[:64], max_tokens=1))
+        best = math.inf
+        for _ in range(2):
+            start = time.perf_counter()
+            await eng.generate(GenerationRequest(tokens, max_tokens=1))
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        await eng.close()
+
+
 def float16_copy(spec: str, root: Path) -> Path:
     """The model ``spec`` names with its floating-point weights cast to float16, written under
     ``root`` (its config and tokenizer files copied as they are)."""
@@ -126,13 +147,18 @@ def _rate(tps: float | None) -> str:
 
 
 def show(name: str, row: dict) -> None:
+    prefill = (
+        f"; a {row['prefill_tokens']}-token prompt prefilled in {row['prefill_s']:.2f} s"
+        if "prefill_s" in row
+        else ""
+    )
     print(
         f"{name:>7}: at most {row['max_in_batch']} of {row['agents']} in the batch, KV held "
         f"at most {row['max_held_mb']:.1f} of {row['budget_mb']:.1f} MB, "
         f"{row['tokens_per_s']:.1f} tok/s ({_rate(row['decode_tokens_per_s'])} in decode-only "
         f"steps), {row['completed']} completed; a hot tier of "
         f"{row['hot_budget_mb']:.1f} MB holds {row['hot_agents']} "
-        f"({row['hot_token_bytes']:.0f} bytes a token)",
+        f"({row['hot_token_bytes']:.0f} bytes a token){prefill}",
         flush=True,
     )
 
@@ -178,6 +204,8 @@ async def run(args: argparse.Namespace) -> dict:
     for name, bits in PRECISIONS.items():
         row, need = await ask(args, budget, bits)
         row |= await hot_held(args, bits, hot_budget)
+        row["prefill_s"] = round(await prefill_seconds(args, bits), 3)
+        row["prefill_tokens"] = args.prefill
         rows[name] = row | {"need_mb": need / 2**20}
         show(name, rows[name])
     float16 = None
@@ -193,6 +221,7 @@ async def run(args: argparse.Namespace) -> dict:
             round(decode / base_decode, 3) if decode and base_decode else None
         )
         row["hot_agents_vs_model"] = round(row["hot_agents"] / base["hot_agents"], 3)
+        row["prefill_vs_model"] = round(row["prefill_s"] / base["prefill_s"], 3)
         if float16 is not None:
             row["agents_vs_float16"] = round(row["max_in_batch"] / float16["max_in_batch"], 3)
             row["hot_agents_vs_float16"] = round(row["hot_agents"] / float16["hot_agents"], 3)
@@ -361,11 +390,15 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_false",
         help="skip the float16 capacity baseline (the model cast to float16)",
     )
+    parser.add_argument(
+        "--prefill", type=int, default=4096, help="the prompt whose prefill is timed (tokens)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, 1000-token histories")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 1000, 4
+        args.prefill = 256
         args.layer = (2, 4, 64)
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))

@@ -14,7 +14,7 @@ quantized), so a row read from a q8 file of the same group size (its keys rotate
 batch without a dequantize, and a finished row is stored and held in the hot tier as the batch
 held it: the bytes never drift across resumes. mlx-lm's batch caches only move positions along
 one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run unchanged on
-packed arrays; a token's keys are quantized once, when written, and attention reads them
+quantized words; a token's keys are quantized once, when written, and attention reads them
 through ``mx.quantized_matmul`` as they are (``engine.attention``). A group buffer holds the
 words and the words of their scales and biases in two such buffers moved alike
 (:class:`QuantizedLayer`), so attention reads them whole, without a copy; rows come and go
@@ -482,7 +482,8 @@ class HeldQuantized:
     Attributes:
         keys, values: the buffer's words ``(B, H, L', words)`` and the words of their float16
             scales and biases, each whole and row contiguous (what attention hands
-            ``mx.quantized_matmul`` without copying them): keys per position, or (q4) per
+            ``mx.quantized_matmul`` without copying them; q4's keys it gathers into whole key
+            groups, a copy, at each step): keys per position, or (q4) per
             channel in whole groups (other columns per position); values per position,
             ``rotated`` by :func:`hadamard` (q4). The first ``columns`` positions are held;
             the rest are spare (zeros, or positions trimmed off).
@@ -705,7 +706,7 @@ class QuantizedLayer:
         else:
             key_words = packed(rotated_if(keys, self.rotated_keys), bits, group)
         value_words = packed(rotated_if(values, self.rotated_values), bits, self.value_group_size)
-        self._store(key_words, value_words)
+        columns = self._store(key_words, value_words)
         old, self.lengths = self.lengths, [length + n for length in self.lengths]
         f = self.float_positions()
         if self.recent is None:
@@ -721,7 +722,7 @@ class QuantizedLayer:
         held = HeldQuantized(
             (self.keys, self.halves.keys),  # type: ignore[attr-defined]
             (self.values, self.halves.values),  # type: ignore[attr-defined]
-            super().keys_and_values()[0].shape[2],  # type: ignore[misc]
+            columns,
             tuple(joined),
             *self.step_floats(old, n, fences),
             tuple(self.lengths),
@@ -745,13 +746,19 @@ class QuantizedLayer:
             return words_in(width, self.key_bits, self.group_size)
         return words_in(width, self.bits, self.value_group_size)
 
-    def _store(self, key_words: mx.array, value_words: mx.array) -> None:
+    def _store(self, key_words: mx.array, value_words: mx.array) -> int:
         """Write a step's packed keys and values: their words, and their scales' and biases'
-        words into ``halves`` (mlx-lm's update, on both)."""
+        words into ``halves`` (mlx-lm's update, on both; contiguous, as a ring's first chunk
+        is kept as given). Returns the columns the rows' positions now lie in."""
         k = self._words(key_words.shape[3], "keys")
         v = self._words(value_words.shape[3], "values")
-        self.halves.update_and_fetch(key_words[..., k:], value_words[..., v:])
-        super().update_and_fetch(key_words[..., :k], value_words[..., :v])  # type: ignore[misc]
+        key_words, key_extra = (mx.contiguous(x) for x in (key_words[..., :k], key_words[..., k:]))
+        value_words, value_extra = (
+            mx.contiguous(x) for x in (value_words[..., :v], value_words[..., v:])
+        )
+        self.halves.update_and_fetch(key_extra, value_extra)
+        held, _ = super().update_and_fetch(key_words, value_words)  # type: ignore[misc]
+        return held.shape[2]
 
     def _put_keys(self, b: int, cols: Any, data: mx.array) -> None:
         """Overwrite row ``b``'s key columns ``cols`` with packed ``data``."""
@@ -759,9 +766,10 @@ class QuantizedLayer:
         self.keys[b : b + 1, :, cols, :] = data[..., :k]  # type: ignore[has-type]
         self.halves.keys[b : b + 1, :, cols, :] = data[..., k:]
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        """Packed views of the positions mlx-lm's buffer gives (computed only if read)."""
-        words = super().keys_and_values()  # type: ignore[misc]
+    def packed_views(self) -> tuple[mx.array, mx.array]:
+        """The keys and values of the positions mlx-lm's buffer gives (its
+        ``keys_and_values``), :func:`packed` again (copies, made only when read)."""
+        words = self.keys_and_values()  # type: ignore[attr-defined]
         halves = self.halves.keys_and_values()
         return tuple(  # type: ignore[return-value]
             mx.concatenate([w, h], axis=-1) for w, h in zip(words, halves, strict=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from engine.batch_caches import held_arrays, is_packed
+from engine.batch_caches import is_packed
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, KVBudgetError
 from engine.kv_batch import default_budget_bytes
@@ -191,7 +191,7 @@ class GenerationLoop(threading.Thread):
         try:
             sampled = self.runner.run(plan)
             marker = [] if sampled is None else [sampled]
-            marker += [held_arrays(layer) for seq, _ in plan.prefill for layer in seq.group.layers]
+            marker += [layer.keys for seq, _ in plan.prefill for layer in seq.group.layers]
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])

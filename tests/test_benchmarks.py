@@ -392,6 +392,8 @@ def test_batch_kv_quick(tmp_path):
         assert row["decode_steps"] > 0 and row["decode_tokens_per_s"] > 0
         ratio = row["decode_tokens_per_s"] / rows["model"]["decode_tokens_per_s"]
         assert row["decode_tps_vs_model"] == round(ratio, 3)
+        assert row["prefill_tokens"] == 256 and row["prefill_s"] > 0
+        assert row["prefill_vs_model"] == round(row["prefill_s"] / rows["model"]["prefill_s"], 3)
     # Quantized, an agent sets aside less of the same budget.
     assert rows["q4"]["need_mb"] < rows["q8"]["need_mb"] < rows["model"]["need_mb"]
     # And the hot tier holds the agents' caches as the batch held them: more of them.

@@ -4,6 +4,7 @@ a sequence goes, and the bytes a turn sets aside."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -189,7 +190,7 @@ def test_a_row_cut_right_after_a_chunk_leaves_with_its_window_only(model, bits):
     sliding = [c for c in group.layers if isinstance(c, BatchRotatingKVCache)]
     assert {c.keys.shape[2] for c in sliding} == {n}
     # (packed: a quantized ring holds its words and their scales apart)
-    held = [c.keys_and_values() for c in sliding]
+    held = [c.packed_views() if bits else c.keys_and_values() for c in sliding]
     newest = [(k[..., -window:, :], v[..., -window:, :]) for k, v in held]
     row = group.extract(group.seqs[0])
     assert [c.keys.shape[2] for c in row] == [min(n, w or n) for w in layout.windows]
@@ -403,7 +404,7 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, windo
     assert mx.array_equal(row.recent[0][0], keys[1, :, n - FLOAT_WINDOW : n]).item()
     again = quantized_buffer([row], None, 8, group, rotated)
     assert again.counts == [FLOAT_WINDOW]
-    assert mx.array_equal(again.keys_and_values()[0][..., :n, :], row.keys[..., :n, :]).item()
+    assert mx.array_equal(again.packed_views()[0][..., :n, :], row.keys[..., :n, :]).item()
     # The row's keys expand to what their words hold (rotated back).
     expanded = packing.expand_layer(0, row).keys[..., :n, :]
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
@@ -475,10 +476,12 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
         channel_buffer,
         channel_row,
         hadamard,
+        packed,
         packed_dim,
         quantized_buffer,
     )
     from engine.config import KEY_BITS
+    from engine.kv_batch import GroupKVCache, GroupRotatingKVCache
 
     H, D, group, steps = 2, 64, 32, 40
     lengths = [5, 40, 70]
@@ -496,7 +499,15 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
             return quantized_buffer([packing.pack(0, r) for r in made], window, 8, group, True)
         return channel_buffer([channel_row(r, group) for r in made], window, group)
 
+    def packed_buffer(rows: list[int]) -> Any:
+        """q8: mlx-lm's own buffer of the same packed rows, the reference moved alike."""
+        made = [packing.pack(0, history(b, 0, lengths[b], window)) for b in rows]
+        if window is None:
+            return GroupKVCache.merge(made)
+        return GroupRotatingKVCache.merge(made)
+
     buffer, ids = buffer_of([0, 1, 2]), [0, 1, 2]
+    reference = packed_buffer([0, 1, 2]) if bits == 8 else None
     key_bits = 8 if bits == 8 else KEY_BITS
     assert buffer.keys.shape[3] == D * key_bits // 32 and buffer.values.shape[3] == D * bits // 32
     at = list(lengths)
@@ -505,14 +516,23 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
         if t == 12:  # the longest row leaves (a global layer: the padding before the rest is cut)
             buffer.filter([0, 1])
             ids, at = ids[:2], at[:2]
+            if reference is not None:
+                reference.filter([0, 1])
         if t == 20:  # a row joins
             buffer.extend(buffer_of([2]))
             ids, at = [*ids, 2], [*at, lengths[2]]
+            if reference is not None:
+                reference.extend(packed_buffer([2]))
         mask = buffer.make_mask(1, window_size=window)
         k = mx.stack([keys[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
         v = mx.stack([values[b, :, a : a + 1] for b, a in zip(ids, at, strict=True)])
         held, _ = buffer.update_and_fetch(k, v)
         at = [a + 1 for a in at]
+        if reference is not None:  # the same bytes where mlx-lm's buffer has them, every step
+            want = reference.update_and_fetch(packed(hadamard(k), 8, group), packed(v, 8, group))
+            got_packed = buffer.packed_views()
+            for x, y in zip(got_packed, want, strict=True):
+                assert mx.array_equal(x, y).item(), t
         assert held.keys[0] is buffer.keys and held.values[1] is buffer.halves.values
         spare = max(spare, buffer.keys.shape[2] - held.columns)
         query = mx.random.normal((len(ids), 2 * H, 1, D), key=mx.random.key(60 + t))
