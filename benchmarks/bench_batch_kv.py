@@ -32,7 +32,11 @@ each other, masked): its decode step in
 them (their float positions in that dtype), and q4 with its
 keys expanded (as attention read them before folding each group's scales into the query):
 milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
-above what the buffer holds).
+above what the buffer holds). And the same layer's prompt chunk: one row of ``--history / 2``
+positions attended by a ``--chunk`` -token chunk written after them (``chunk``), per precision;
+on a CPU also q8 with its words read by ``mx.quantized_matmul`` as a decode step reads them
+(``q8 quantized matmul``: how chunks were read before they were expanded, see
+``engine.attention.EXPANDED_ROWS``).
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -55,6 +59,7 @@ from agents.caches.hot import HotTier
 from benchmarks.bench_budget import PRECISIONS, ask, group_size
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
+from engine import attention
 from engine.attention import decode_attention, quantized_attention
 from engine.batch_caches import (
     GroupKVCache,
@@ -393,12 +398,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--prefill", type=int, default=4096, help="the prompt whose prefill is timed (tokens)"
     )
+    parser.add_argument(
+        "--chunk", type=int, default=512, help="the timed layer's prompt chunk (tokens)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, 1000-token histories")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_kv.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.fits, args.history, args.tokens = "tiny:gemma3", 2, 1000, 4
-        args.prefill = 256
+        args.prefill, args.chunk = 256, 64
         args.layer = (2, 4, 64)
     args.agents = args.agents or 8 * args.fits
     report = asyncio.run(run(args))
@@ -413,8 +421,87 @@ def main(argv: list[str] | None = None) -> dict:
             f"{row['working_set_mb']:.1f} MB",
             flush=True,
         )
+    report["chunk"] = attention_chunk(
+        args.history // 2,
+        args.chunk,
+        tuple(args.layer),
+        args.group_size,
+        getattr(mx, args.layer_dtype),
+    )
+    for name, row in report["chunk"]["by_precision"].items():
+        print(
+            f"attention, the same layer's {args.chunk}-token chunk over {args.history // 2} "
+            f"positions: {name}: {row['ms']:.1f} ms ({row['ms_vs_model']:.2f}x)",
+            flush=True,
+        )
     write_report(report, args.out, plot)
     return report
+
+
+def attention_chunk(
+    history: int,
+    chunk: int,
+    layer: tuple[int, int, int],
+    group: int | None = None,
+    dtype: mx.Dtype = mx.float32,
+) -> dict:
+    """One attention layer's prompt chunk: ``chunk`` tokens written after a row of ``history``
+    positions and attended causally over all of them, per precision as
+    :func:`attention_steps` holds them: ``ms`` (the best of :data:`CHUNK_RUNS`)."""
+    kv_heads, q_heads, dim = layer
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    scale = dim**-0.5
+    shape = (1, kv_heads, history + chunk, dim)
+    keys, values = (mx.random.normal(shape, dtype, key=mx.random.key(i)) for i in (1, 2))
+    q = mx.random.normal((1, q_heads, chunk, dim), dtype, key=mx.random.key(3))
+    mx.eval(keys, values, q)
+    g8, g4 = (choose_group_size(dim, group_size_for(bits, group)) for bits in (8, 4))
+    q8 = Packing(8, (g8,), ((dim, dim),), dtype, (False,), (dim & (dim - 1) == 0,))
+    old = tuple(x[..., :history, :] for x in (keys, values))
+    new = tuple(x[..., history:, :] for x in (keys, values))
+
+    def timed(name: str) -> float:
+        row = KVCache()
+        row.update_and_fetch(*old)
+        if name == "model":
+            buffer = GroupKVCache.merge([row])
+        elif name.startswith("q8"):
+            buffer = quantized_buffer([q8.pack(0, row)], None, 8, g8, q8.keys_rotated(0))
+        else:
+            packed = channel_row(row, g4)
+            packed.first_kv = (old[0][..., :1, :], old[1][..., :1, :])
+            buffer = channel_buffer([packed], None, g4)
+        mask = buffer.make_mask(chunk)
+        fetched = buffer.update_and_fetch(*new) if name == "model" else buffer.write(*new)
+        mx.eval(mask, fetched if name == "model" else fetched[0].keys)
+        best = math.inf
+        for _ in range(CHUNK_RUNS):
+            start = time.perf_counter()
+            if name == "model":
+                out = scaled_dot_product_attention(q, *fetched, None, scale=scale, mask=mask)
+            else:
+                out = quantized_attention(q, fetched[0], scale, mask, None)
+            mx.eval(out)
+            best = min(best, time.perf_counter() - start)
+        return 1000 * best
+
+    names = ["model", "q8", "q4"] + (["q8 quantized matmul"] if on_cpu else [])
+    results = {}
+    saved = attention._ON_CPU[0], attention.EXPANDED_ROWS
+    attention._ON_CPU[0] = on_cpu  # (as install() sets it for a model)
+    try:
+        for name in names:
+            if name == "q8 quantized matmul":
+                attention.EXPANDED_ROWS = math.inf
+            results[name] = {"ms": round(timed(name), 1)}
+    finally:
+        attention._ON_CPU[0], attention.EXPANDED_ROWS = saved
+    for row in results.values():
+        row["ms_vs_model"] = round(row["ms"] / results["model"]["ms"], 3)
+    return {"history": history, "chunk": chunk, "layer": list(layer), "by_precision": results}
+
+
+CHUNK_RUNS = 3
 
 
 def plot(report: dict, path: Path) -> Path:

@@ -27,7 +27,9 @@ A quantized layer (``engine.batch_caches``: q8 per position, q4 keys per channel
 rotated, each with its newest positions in float) hands attention a
 :class:`~engine.batch_caches.HeldQuantized`, which :func:`quantized_attention` reads without
 expanding the quantized keys (``bench_batch_kv`` measures its working set and time against
-expanding them).
+expanding them). On a CPU, where MLX's quantized matmul runs one scalar loop per output, a
+prompt's chunk (:data:`EXPANDED_ROWS` query rows a key-value head or more) expands the words
+it reads for one float matmul instead (``bench_batch_kv`` times a chunk both ways).
 """
 
 from __future__ import annotations
@@ -40,10 +42,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import FLOAT_WINDOW, HeldQuantized, QuantizedLayer, hadamard, scales_of
+from engine.batch_caches import (
+    FLOAT_WINDOW,
+    HeldQuantized,
+    QuantizedLayer,
+    dequantized,
+    hadamard,
+    scales_of,
+)
 
 _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
+# On a CPU, query rows a key-value head from which a quantized layer's words are expanded for
+# one float matmul (a prompt's chunk) rather than read by ``mx.quantized_matmul``
+# (:func:`_times_words`).
+EXPANDED_ROWS = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -284,8 +297,9 @@ def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: An
     ``held.reach[b, i]`` before it in float (``recent``, whose last ``Lq`` entries are the
     step's), the rest through the words. The float band is ``FLOAT_WINDOW + 1`` positions a
     query, scored and weighted by one small matmul each, the same whatever the step's shape,
-    so a position computes the same, bit for bit, in a chunk of any size or a decode step.
-    Returns ``(B, Hq, Lq, Dv)`` float32."""
+    so a position reads the same in a chunk of any size or a decode step (bit for bit where
+    both read the words through ``mx.quantized_matmul``; a CPU's expanded chunk sums in another
+    order). Returns ``(B, Hq, Lq, Dv)`` float32."""
     B, n_kv, rows, dk = q.shape
     recent_keys, recent_values = held.recent
     F, dv, L = recent_keys.shape[2], recent_values.shape[3], scores.shape[-1]
@@ -366,7 +380,9 @@ def _times_words(
 ) -> mx.array:
     """``x`` times the held ``kind`` ("keys": scores, ``x`` times their transpose; "values":
     ``x`` weights over their ``L`` columns), heads of ``dim`` per position in groups of
-    ``group``, read through their words by ``mx.quantized_matmul``, in float32.
+    ``group``, read through their words by ``mx.quantized_matmul``, in float32 (on a CPU, for
+    :data:`EXPANDED_ROWS` rows of ``x`` a head or more, the ``L`` positions expanded once and
+    multiplied in float: the same values, summed in another order).
 
     Its operands must be row contiguous (MLX's CUDA backend has no quantized matmul for
     strided ones, its CPU backend copies them): the buffer's words are passed whole, spare
@@ -375,6 +391,9 @@ def _times_words(
     L, keys = held.columns, kind == "keys"
     words, extra = held.keys if keys else held.values
     scales, biases = scales_of(extra, dim // group)
+    if _ON_CPU[0] and x.shape[-2] >= EXPANDED_ROWS:
+        w = _expanded(*(a[..., :L, :] for a in (words, scales, biases)), bits, group)
+        return x @ w.swapaxes(-1, -2) if keys else x @ w
     spare = words.shape[2] - L
     if spare and not keys:
         x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spare)])
@@ -388,6 +407,19 @@ def _times_words(
         bits=bits,
     )
     return out[..., :L] if spare and keys else out
+
+
+def _expanded(words: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int):
+    """Words with their float16 scales and biases as float32 values, as ``mx.dequantize``
+    gives them (8 bits: a word's bytes are its codes, the first the lowest on a little-endian
+    CPU, expanded by elementwise ops, which MLX's CPU backend runs faster than
+    ``mx.dequantize``)."""
+    if bits != 8:
+        return dequantized(words, scales, biases, mx.float32, bits, group)
+    *lead, n = words.shape
+    codes = words.view(mx.uint8).astype(mx.float32).reshape(*lead, -1, group)
+    scales, biases = (x.astype(mx.float32)[..., None] for x in (scales, biases))
+    return (codes * scales + biases).reshape(*lead, n * 4)
 
 
 def _unit_scales(B: int, heads: int, groups: int, group: int, dim: int) -> tuple:

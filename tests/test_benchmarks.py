@@ -422,6 +422,13 @@ def test_batch_kv_quick(tmp_path):
     steps = report["attention"]["by_precision"]
     assert list(steps) == ["model", "q8", "q4", "q4 keys expanded"]
     assert all(s["ms"] > 0 and s["working_set_mb"] >= 0 for s in steps.values())
+    # And its prompt chunk (on this CPU q8 also as its words read by the quantized matmul).
+    chunk = report["chunk"]
+    assert (chunk["history"], chunk["chunk"]) == (500, 64)
+    assert list(chunk["by_precision"]) == ["model", "q8", "q4", "q8 quantized matmul"]
+    for row in chunk["by_precision"].values():
+        assert row["ms"] > 0
+        assert row["ms_vs_model"] == round(row["ms"] / chunk["by_precision"]["model"]["ms"], 3)
 
 
 def test_scaleout_quick(tmp_path):

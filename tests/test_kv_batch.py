@@ -410,14 +410,26 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, windo
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
 
 
+@pytest.mark.parametrize("on_cpu", [False, True])
 @pytest.mark.parametrize("window", [None, 16, 5])
-def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunked(window):
+def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunked(
+    window, on_cpu, monkeypatch
+):
     """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
     eight positions in chunks of every shape: each position's attention output is the same
     (bit for bit in a global layer), as each reads its own position and those before it since
-    the row joined in float and the rest through the words whatever the chunk."""
+    the row joined in float and the rest through the words whatever the chunk. On a CPU a
+    chunk of ``EXPANDED_ROWS`` query rows a head or more (here the whole eight) expands the
+    words for one float matmul: the same values, summed in another order."""
+    from engine import attention
     from engine.attention import quantized_attention
     from engine.batch_caches import Packing, quantized_buffer
+
+    monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
+    assert 2 * 8 >= attention.EXPANDED_ROWS > 2 * 7  # query rows a head: 2 a position
+    expanded = []  # (kind of words each expanded chunk read)
+    real = attention._expanded
+    monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[0].dtype) or real(*a))
 
     H, D, group, cached, fed = 2, 64, 32, 20, 8
     keys = mx.random.normal((1, H, cached + fed, D), key=mx.random.key(21)) * 4
@@ -443,13 +455,84 @@ def test_eight_bit_positions_attend_alike_bit_for_bit_however_a_prompt_is_chunke
     if window is None:  # mlx-lm's named mask, made an array over the positions held
         named = outputs([fed], named=True)
         assert all(mx.array_equal(a, b).item() for a, b in zip(whole, named, strict=True))
-    for chunks in [[7, 1], [3, 5], [1] * 8]:
+    eights = 1 if window else 2  # chunks of 8 so far: keys and values expanded for each
+    assert len(expanded) == (2 * eights if on_cpu else 0)
+    steps = outputs([1] * 8)
+    for chunks in [[7, 1], [3, 5], [8]]:
         again = outputs(chunks)
-        for a, b in zip(whole, again, strict=True):
-            if window is None:
+        for a, b in zip(steps, again, strict=True):
+            # a ring written in place orders its columns otherwise, and an expanded chunk's
+            # float matmul sums in another order
+            if window is None and not (on_cpu and chunks == [8]):
                 assert mx.array_equal(a, b).item(), chunks
-            else:  # a ring written in place orders its columns otherwise: sums in another order
+            else:
                 assert mx.allclose(a, b, rtol=0, atol=1e-5).item(), chunks
+    assert len(expanded) == (2 * eights + 2 if on_cpu else 0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_chunk_on_a_cpu_multiplies_its_words_expanded_as_the_quantized_matmul_reads_them(
+    bits, monkeypatch
+):
+    """On a CPU a prompt's chunk (``EXPANDED_ROWS`` query rows a head or more) multiplies the
+    positions it reads expanded in float, where ``mx.quantized_matmul`` expands them once a
+    row: the same attention to float32 rounding (q4: a chunk its folded key groups still
+    score, values through the words); a decode step still takes the matmul. q8's expansion
+    (its codes are the words' bytes) is exactly ``mx.dequantize``'s."""
+    from engine import attention
+    from engine.attention import quantized_attention
+    from engine.batch_caches import (
+        Packing,
+        channel_buffer,
+        channel_row,
+        quantized_buffer,
+        scales_of,
+    )
+
+    H, D, group, cached, n = 2, 64, 32, 70, 8  # 2 query heads a KV head: 16 rows a chunk
+    keys = mx.random.normal((1, H, cached + n, D), key=mx.random.key(31)) * 4
+    values = mx.random.normal(keys.shape, key=mx.random.key(32))
+    queries = mx.random.normal((1, 2 * H, n, D), key=mx.random.key(33))
+    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    expanded = []
+    real = attention._expanded
+    monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[-2]) or real(*a))
+
+    def attend(on_cpu: bool, chunk: int = n) -> tuple:
+        monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
+        row = float_rows(keys[..., :cached, :], values[..., :cached, :], None)
+        if bits == 8:
+            buffer = quantized_buffer([packing.pack(0, row)], None, 8, group, True)
+        else:
+            buffer = channel_buffer([channel_row(row, group)], None, group)
+        out = []
+        for at in range(0, n, chunk):
+            new = (x[..., cached + at : cached + at + chunk, :] for x in (keys, values))
+            mask = buffer.make_mask(chunk)
+            held, _ = buffer.write(*new)
+            q = queries[..., at : at + chunk, :]
+            out.append(quantized_attention(q, held, 0.125, mask, None))
+        return mx.concatenate(out, axis=2), held
+
+    matmul, _ = attend(False)
+    assert expanded == []
+    on_cpu, held = attend(True)
+    assert expanded == ([8, 8] if bits == 8 else [4])  # q8: keys and values; q4: its values
+    assert mx.allclose(on_cpu, matmul, rtol=0, atol=1e-5).item()
+    steps, _ = attend(True, chunk=1)  # decode steps: 2 rows a head, the matmul's
+    assert len(expanded) == (2 if bits == 8 else 1)
+    assert mx.allclose(steps, matmul, rtol=0, atol=1e-5).item()
+    if bits == 8:
+        words, extra = held.keys
+        scales, biases = scales_of(extra, D // group)
+        want = mx.dequantize(
+            words,
+            scales.astype(mx.float32),
+            biases.astype(mx.float32),
+            group_size=group,
+            bits=8,
+        )
+        assert mx.array_equal(attention._expanded(words, scales, biases, 8, group), want).item()
 
 
 # ---- four bits: keys per channel, values rotated, the newest positions in float -------------
