@@ -33,10 +33,10 @@ them (their float positions in that dtype), and q4 with its
 keys expanded (as attention read them before folding each group's scales into the query):
 milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
 above what the buffer holds). And the same layer's prompt chunk: one row of ``--history / 2``
-positions attended by a ``--chunk`` -token chunk written after them (``chunk``), per precision;
-on a CPU also q8 with its words read by ``mx.quantized_matmul`` as a decode step reads them
-(``q8 quantized matmul``: how chunks were read before they were expanded, see
-``engine.attention.EXPANDED_ROWS``).
+positions attended by a ``--chunk`` -token chunk written after them (``chunk``), per precision,
+its time and working set; on a CPU also q8 with its words read by ``mx.quantized_matmul`` as
+a decode step reads them (``q8 quantized matmul``: how chunks were read before they were
+expanded, see ``engine.attention.EXPANDED_ROWS``).
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, row in report["chunk"]["by_precision"].items():
         print(
             f"attention, the same layer's {args.chunk}-token chunk over {args.history // 2} "
-            f"positions: {name}: {row['ms']:.1f} ms ({row['ms_vs_model']:.2f}x)",
+            f"positions: {name}: {row['ms']:.1f} ms ({row['ms_vs_model']:.2f}x), working set "
+            f"{row['working_set_mb']:.1f} MB",
             flush=True,
         )
     write_report(report, args.out, plot)
@@ -447,7 +448,9 @@ def attention_chunk(
 ) -> dict:
     """One attention layer's prompt chunk: ``chunk`` tokens written after a row of ``history``
     positions and attended causally over all of them, per precision as
-    :func:`attention_steps` holds them: ``ms`` (the best of :data:`CHUNK_RUNS`)."""
+    :func:`attention_steps` holds them (on a CPU also q8 read through the quantized matmul,
+    as a decode step reads it): ``ms`` (the best of :data:`CHUNK_RUNS`) and ``working_set_mb``
+    (MLX's peak memory above what the buffer and the queries hold)."""
     kv_heads, q_heads, dim = layer
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     scale = dim**-0.5
@@ -460,12 +463,12 @@ def attention_chunk(
     old = tuple(x[..., :history, :] for x in (keys, values))
     new = tuple(x[..., history:, :] for x in (keys, values))
 
-    def timed(name: str) -> float:
+    def timed(name: str) -> dict:
         row = KVCache()
         row.update_and_fetch(*old)
         if name == "model":
             buffer = GroupKVCache.merge([row])
-        elif name.startswith("q8"):
+        elif name == "q8":
             buffer = quantized_buffer([q8.pack(0, row)], None, 8, g8, q8.keys_rotated(0))
         else:
             packed = channel_row(row, g4)
@@ -474,8 +477,10 @@ def attention_chunk(
         mask = buffer.make_mask(chunk)
         fetched = buffer.update_and_fetch(*new) if name == "model" else buffer.write(*new)
         mx.eval(mask, fetched if name == "model" else fetched[0].keys)
-        best = math.inf
+        best, peak = math.inf, 0
         for _ in range(CHUNK_RUNS):
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
             start = time.perf_counter()
             if name == "model":
                 out = scaled_dot_product_attention(q, *fetched, None, scale=scale, mask=mask)
@@ -483,17 +488,19 @@ def attention_chunk(
                 out = quantized_attention(q, fetched[0], scale, mask, None)
             mx.eval(out)
             best = min(best, time.perf_counter() - start)
-        return 1000 * best
+            peak = max(peak, mx.get_peak_memory() - before)
+            del out
+        return {"ms": round(1000 * best, 1), "working_set_mb": round(peak / 2**20, 1)}
 
-    names = ["model", "q8", "q4"] + (["q8 quantized matmul"] if on_cpu else [])
     results = {}
     saved = attention._ON_CPU[0], attention.EXPANDED_ROWS
     attention._ON_CPU[0] = on_cpu  # (as install() sets it for a model)
     try:
-        for name in names:
-            if name == "q8 quantized matmul":
-                attention.EXPANDED_ROWS = math.inf
-            results[name] = {"ms": round(timed(name), 1)}
+        for name in ("model", "q8", "q4"):
+            results[name] = timed(name)
+        if on_cpu:
+            attention.EXPANDED_ROWS = math.inf  # every read through the quantized matmul
+            results["q8 quantized matmul"] = timed("q8")
     finally:
         attention._ON_CPU[0], attention.EXPANDED_ROWS = saved
     for row in results.values():

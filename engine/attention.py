@@ -187,7 +187,9 @@ def quantized_attention(
     """Attention of ``(B, Hq, Lq, D)`` queries over a quantized layer.
 
     Keys held per position (q8) are scored through ``mx.quantized_matmul`` as they are (held
-    rotated by :func:`~engine.batch_caches.hadamard`: against the query rotated once). Keys
+    rotated by :func:`~engine.batch_caches.hadamard`: against the query rotated once; on a
+    CPU, :data:`EXPANDED_ROWS` query rows a head or more through the words expanded once,
+    :func:`_times_words`). Keys
     held per channel (q4): a key group's codes ``c`` read as ``s * c + b`` with one scale ``s``
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
@@ -384,8 +386,9 @@ def _times_words(
     :data:`EXPANDED_ROWS` rows of ``x`` a head or more, the ``L`` positions expanded once and
     multiplied in float: the same values, summed in another order).
 
-    Its operands must be row contiguous (MLX's CUDA backend has no quantized matmul for
-    strided ones, its CPU backend copies them): the buffer's words are passed whole, spare
+    The quantized matmul's operands must be row contiguous (MLX's CUDA backend has no
+    quantized matmul for strided ones, its CPU backend copies them): the buffer's words are
+    passed whole, spare
     positions included (their scores are cut off, their weights zero), and only their scales
     and biases, a word a group, are copied (cast to float32)."""
     L, keys = held.columns, kind == "keys"

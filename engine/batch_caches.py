@@ -15,16 +15,18 @@ batch without a dequantize, and a finished row is stored and held in the hot tie
 held it: the bytes never drift across resumes. mlx-lm's batch caches only move positions along
 one axis (grow, rotate, pad, merge, extend, filter, extract, trim), so they run unchanged on
 quantized words; a token's keys are quantized once, when written, and attention reads them
-through ``mx.quantized_matmul`` as they are (``engine.attention``). A group buffer holds the
+through ``mx.quantized_matmul`` as they are (``engine.attention``; on a CPU a prompt's chunk
+expands the positions it reads for one float matmul). A group buffer holds the
 words and the words of their scales and biases in two such buffers moved alike
 (:class:`QuantizedLayer`), so attention reads them whole, without a copy; rows come and go
 packed. A row also keeps float
 copies of its newest :data:`FLOAT_WINDOW` positions (:class:`QuantizedLayer`): each query
 reads its own position and the :data:`FLOAT_WINDOW` before it from them instead of their
 words, back to the last point a cache can start from (its fence: where the row joined, a
-stored block's boundary, a shared head's end), so a position computes the same however it
-was reached. Padding positions are zero words, scales and biases (they read as 0 and are
-masked anyway).
+stored block's boundary, a shared head's end), so a position reads the same however it was
+reached (and computes the same, to float32 rounding where a CPU's chunk sums in another
+order than a decode step). Padding positions are zero words, scales and biases (they read
+as 0 and are masked anyway).
 
 **q4** (:class:`ChannelQuantizedKVCache`, :class:`ChannelQuantizedRotatingKVCache`): four
 bits per position lose too much of the keys (a few channels are far larger than the rest), so

@@ -427,8 +427,26 @@ def test_batch_kv_quick(tmp_path):
     assert (chunk["history"], chunk["chunk"]) == (500, 64)
     assert list(chunk["by_precision"]) == ["model", "q8", "q4", "q8 quantized matmul"]
     for row in chunk["by_precision"].values():
-        assert row["ms"] > 0
+        assert row["ms"] > 0 and row["working_set_mb"] >= 0
         assert row["ms_vs_model"] == round(row["ms"] / chunk["by_precision"]["model"]["ms"], 3)
+
+
+def test_the_timed_chunk_reads_q8_words_expanded_and_through_the_quantized_matmul(monkeypatch):
+    """``bench_batch_kv``'s chunk timing takes both q8 paths on a CPU: the ``q8`` row expands
+    its keys and values (each of its runs), the ``q8 quantized matmul`` row expands nothing
+    (q4's chunk, larger than its key group, is expanded by its own path), and the engine's
+    setting is left as it was."""
+    from benchmarks import bench_batch_kv
+    from engine import attention
+
+    calls = []
+    real = attention._expanded
+    monkeypatch.setattr(attention, "_expanded", lambda *a: calls.append(a[-2]) or real(*a))
+    before = attention._ON_CPU[0], attention.EXPANDED_ROWS
+    got = bench_batch_kv.attention_chunk(100, 32, (2, 4, 64))
+    assert list(got["by_precision"]) == ["model", "q8", "q4", "q8 quantized matmul"]
+    assert calls == [8, 8] * bench_batch_kv.CHUNK_RUNS
+    assert (attention._ON_CPU[0], attention.EXPANDED_ROWS) == before
 
 
 def test_scaleout_quick(tmp_path):
