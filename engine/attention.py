@@ -57,6 +57,9 @@ _ON_CPU = [False]  # set by install(): decode spans take decode_attention
 # one float matmul (a prompt's chunk) rather than read by ``mx.quantized_matmul``
 # (:func:`_times_words`).
 EXPANDED_ROWS = 16
+# Bytes of float32 scores a q8 layer's attention holds for one block of a step's queries: a
+# prompt's chunk over a long history goes in several (:func:`_eight_bit_attention`).
+SCORES_BYTES = 1 << 25
 
 
 @dataclass(slots=True, frozen=True)
@@ -230,11 +233,9 @@ def quantized_attention(
         return hadamard(out) if held.rotated else out
     recent_keys, recent_values = held.recent
     dv, f = recent_values.shape[3], recent_keys.shape[2]
+    if not held.per_channel:
+        return _eight_bit_attention(queries, held, scale, mask).astype(queries.dtype)
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
-    if not held.per_channel:  # (keys held rotated: scored by the query rotated alike)
-        q_keys = hadamard(q) if held.rotated_keys else q
-        scores = _times_words(q_keys, held, "keys", dk, bits, group)
-        return _eight_bit_band(q, scores, held, mask).astype(queries.dtype)
     scores = _folded_scores(q, held)
 
     # Columns held in float (q4: the row's newest positions): scored against ``recent``
@@ -293,38 +294,85 @@ def _masked_softmax(scores: mx.array, mask: Any, Lq: int) -> mx.array:
     return mx.softmax(scores, axis=-1, precise=True)
 
 
-def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: Any) -> mx.array:
-    """q8 attention of queries ``q`` (scaled, ``(B, Hkv, g * Lq, D)``) given their scores
-    against the words: query ``i`` of row ``b`` reads its own position and the
-    ``held.reach[b, i]`` before it in float (``recent``, whose last ``Lq`` entries are the
-    step's), the rest through the words. The float band is ``FLOAT_WINDOW + 1`` positions a
-    query, scored and weighted by one small matmul each, the same whatever the step's shape,
-    so a position reads the same in a chunk of any size or a decode step (bit for bit where
-    both read the words through ``mx.quantized_matmul``; a CPU's expanded chunk sums in another
-    order). Returns ``(B, Hq, Lq, Dv)`` float32."""
+def _eight_bit_attention(
+    queries: mx.array, held: HeldQuantized, scale: float, mask: Any
+) -> mx.array:
+    """q8 attention of ``(B, Hq, Lq, D)`` queries, a block of at most :data:`SCORES_BYTES` of
+    float32 scores at a time (a long prompt's chunk over a long history would otherwise hold
+    several such arrays of all its queries at once), the words expanded once for all blocks
+    where :func:`_times_words` would expand them. Returns ``(B, Hq, Lq, Dv)`` float32."""
+    B, n_q, Lq, dk = queries.shape
+    n_kv, L = held.keys[0].shape[1], held.columns
+    g = n_q // n_kv
+    block = max(1, min(Lq, SCORES_BYTES // (4 * B * n_q * max(L, 1))))
+    dv = held.recent[1].shape[3]
+    expand = _ON_CPU[0] and g * Lq >= EXPANDED_ROWS
+    keys_f = _held_expanded(held, "keys", dk, held.bits, held.group) if expand else None
+    values_f = _held_expanded(held, "values", dv, held.bits, held.value_group) if expand else None
+    outs = []
+    for start in range(0, Lq, block):
+        stop = min(Lq, start + block)
+        q = queries[:, :, start:stop] if block < Lq else queries
+        if outs:  # (one block at a time: its scores gone before the next block's are made)
+            q = mx.depends(q, outs[-1])
+        q = (q.astype(mx.float32) * scale).reshape(B, n_kv, g * (stop - start), dk)
+        q_keys = hadamard(q) if held.rotated_keys else q  # (keys held rotated: so is the query)
+        if keys_f is None:
+            scores = _times_words(q_keys, held, "keys", dk, held.bits, held.group)
+        else:
+            scores = q_keys @ keys_f.swapaxes(-1, -2)
+        part = mask[..., start:stop, :] if isinstance(mask, mx.array) and block < Lq else mask
+        outs.append(_eight_bit_band(q, scores, held, part, start, stop, values_f))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _eight_bit_band(
+    q: mx.array,
+    scores: mx.array,
+    held: HeldQuantized,
+    mask: Any,
+    start: int,
+    stop: int,
+    values_f: mx.array | None = None,
+) -> mx.array:
+    """q8 attention of the step's queries ``start`` to ``stop`` (``q``: scaled,
+    ``(B, Hkv, g * (stop - start), D)``) given their scores against the words: query ``i`` of
+    row ``b`` reads its own position and the ``held.reach[b, i]`` before it in float
+    (``recent``, whose last ``Lq`` entries are the step's), the rest through the words
+    (``values_f``: the values' words expanded, :func:`_times_words`), under ``mask``'s rows of
+    these queries. The float band is
+    ``FLOAT_WINDOW + 1`` positions a query, scored and weighted by one small matmul each, the
+    same whatever the step's shape, so a position reads the same in a chunk of any size or a
+    decode step (bit for bit where both read the words through ``mx.quantized_matmul``; a
+    CPU's expanded chunk sums in another order). Returns ``(B, Hq, stop - start, Dv)``
+    float32."""
     B, n_kv, rows, dk = q.shape
     recent_keys, recent_values = held.recent
     F, dv, L = recent_keys.shape[2], recent_values.shape[3], scores.shape[-1]
-    Lq, W = held.reach.shape[1], FLOAT_WINDOW
+    Lq_all, W = held.reach.shape[1], FLOAT_WINDOW
+    Lq = stop - start
     g = rows // Lq
+    i = mx.arange(start, stop)  # the queries, of the step's
     d = mx.arange(W + 1)  # how far before a query's own position
     # The float entry and the buffer column of query i's position minus d (a chunk is written
     # in order, a ring put back in order first).
-    entry = (F - Lq + mx.arange(Lq)[:, None] - d[None]).reshape(-1)
-    age = (Lq - 1 - mx.arange(Lq))[:, None] + d[None]  # (Lq, W + 1)
+    entry = (F - Lq_all + i[:, None] - d[None]).reshape(-1)
+    age = (Lq_all - 1 - i)[:, None] + d[None]  # (Lq, W + 1)
     column = held.newest - age
     column = column % L if held.wrap else mx.clip(column, 0, L - 1)
-    reads = d[None, None] <= held.reach[..., None]  # (B, Lq, W + 1)
+    reach = held.reach[:, start:stop] if Lq < Lq_all else held.reach  # (B, Lq)
+    reads = d[None, None] <= reach[..., None]  # (B, Lq, W + 1)
     reads &= (age < L if held.wrap else column == held.newest - age)[None]
     band_keys = mx.take(recent_keys, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dk)
     q5 = q.reshape(B, n_kv, g, Lq, 1, dk)
     band = (q5 @ band_keys.astype(mx.float32).swapaxes(-1, -2)).squeeze(-2)  # (.., g, Lq, W+1)
     # Each column read in float takes its band score (position p - d at offset d). Only the
-    # newest Lq + W columns can be (a ring's, at a decode step: all of them, a window's few).
-    lo, hi = (0, L) if held.wrap else (max(0, held.newest + 1 - Lq - W), held.newest + 1)
-    at = mx.array(held.lengths)[:, None] - Lq + mx.arange(Lq)  # (B, Lq) query positions
+    # queries' own Lq columns and the W before them can be (a ring's: all of them).
+    last = held.newest - (Lq_all - stop)  # the column of the queries' last position
+    lo, hi = (0, L) if held.wrap else (max(0, last + 1 - Lq - W), last + 1)
+    at = mx.array(held.lengths)[:, None] - Lq_all + i  # (B, Lq) query positions
     offset = at[..., None] - held.positions[:, None, lo:hi]  # (B, Lq, hi - lo)
-    in_float = ((offset >= 0) & (offset <= held.reach[..., None]))[:, None, None]
+    in_float = ((offset >= 0) & (offset <= reach[..., None]))[:, None, None]
     picked = mx.take_along_axis(band, mx.clip(offset, 0, W)[:, None, None], axis=-1)
     scores = scores.reshape(B, n_kv, g, Lq, L)
     scores = _columns(scores, lo, hi, mx.where(in_float, picked, scores[..., lo:hi]))
@@ -333,7 +381,10 @@ def _eight_bit_band(q: mx.array, scores: mx.array, held: HeldQuantized, mask: An
     zero = mx.array(0, mx.float32)
     weights_q = _columns(weights, lo, hi, mx.where(in_float, zero, weights[..., lo:hi]))
     weights_q = weights_q.reshape(B, n_kv, rows, L)
-    out = _times_words(weights_q, held, "values", dv, held.bits, held.value_group)
+    if values_f is None:
+        out = _times_words(weights_q, held, "values", dv, held.bits, held.value_group)
+    else:
+        out = weights_q @ values_f
     band_weights = mx.take_along_axis(weights, column[None, None, None], axis=-1)
     band_weights = band_weights * reads[:, None, None]  # (B, Hkv, g, Lq, W + 1)
     band_values = mx.take(recent_values, entry, axis=2).reshape(B, n_kv, 1, Lq, W + 1, dv)
@@ -395,7 +446,7 @@ def _times_words(
     words, extra = held.keys if keys else held.values
     scales, biases = scales_of(extra, dim // group)
     if _ON_CPU[0] and x.shape[-2] >= EXPANDED_ROWS:
-        w = _expanded(*(a[..., :L, :] for a in (words, scales, biases)), bits, group)
+        w = _held_expanded(held, kind, dim, bits, group)
         return x @ w.swapaxes(-1, -2) if keys else x @ w
     spare = words.shape[2] - L
     if spare and not keys:
@@ -410,6 +461,15 @@ def _times_words(
         bits=bits,
     )
     return out[..., :L] if spare and keys else out
+
+
+def _held_expanded(held: HeldQuantized, kind: str, dim: int, bits: int, group: int) -> mx.array:
+    """The held ``kind``'s ``held.columns`` positions, heads of ``dim`` in ``bits`` codes in
+    groups of ``group``, expanded to float32 from their words."""
+    L = held.columns
+    words, extra = held.keys if kind == "keys" else held.values
+    scales, biases = scales_of(extra, dim // group)
+    return _expanded(*(a[..., :L, :] for a in (words, scales, biases)), bits, group)
 
 
 def _expanded(words: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int):

@@ -410,15 +410,19 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, windo
     assert mx.allclose(expanded, as_words(keys[1:2, :, :n], rotated), atol=1e-5).item()
 
 
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("on_cpu", [False, True])
 @pytest.mark.parametrize("window", [None, 16, 5])
-def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(window, on_cpu, monkeypatch):
+def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(
+    window, on_cpu, blocked, monkeypatch
+):
     """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
     eight positions in chunks of every shape: each position's attention output is the same
     (bit for bit in a global layer), as each reads its own position and those before it since
     the row joined in float and the rest through the words whatever the chunk. On a CPU a
     chunk of ``EXPANDED_ROWS`` query rows a head or more (here the whole eight) expands the
-    words for one float matmul: the same values, summed in another order."""
+    words for one float matmul: the same values, summed in another order. ``blocked``: a
+    chunk's queries attend a few at a time (``SCORES_BYTES``), each as it would alone."""
     from engine import attention
     from engine.attention import quantized_attention
     from engine.batch_caches import Packing, quantized_buffer
@@ -428,6 +432,13 @@ def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(window, on
     expanded = []  # one entry a call: the words each expanded read took
     real = attention._expanded
     monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[0].shape) or real(*a))
+    # (blocked: 3 queries a block, 4 query heads over at most 28 columns, 4 bytes a score)
+    monkeypatch.setattr(attention, "SCORES_BYTES", 3 * 4 * 4 * 28 + 3 if blocked else 1 << 26)
+    bands = []  # the queries each band took
+    band = attention._eight_bit_band
+    monkeypatch.setattr(
+        attention, "_eight_bit_band", lambda *a: bands.append(a[-2] - a[-3]) or band(*a)
+    )
 
     H, D, group, cached, fed = 2, 64, 32, 20, 8
     keys = mx.random.normal((1, H, cached + fed, D), key=mx.random.key(21)) * 4
@@ -466,6 +477,11 @@ def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(window, on
             else:
                 assert mx.allclose(a, b, rtol=0, atol=1e-5).item(), chunks
     assert len(expanded) == (2 * eights + 2 if on_cpu else 0)
+    if window is None:  # (at most 28 columns: 3 queries a block when blocked)
+        fed_in = [[8]] * eights + [[1] * 8, [7, 1], [3, 5], [8]]
+        size = 3 if blocked else 8
+        want = [min(size, n - at) for c in fed_in for n in c for at in range(0, n, size)]
+        assert bands == want
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -532,6 +548,40 @@ def test_a_chunk_on_a_cpu_multiplies_its_words_expanded_as_the_quantized_matmul_
             bits=8,
         )
         assert mx.array_equal(attention._expanded(words, scales, biases, 8, group), want).item()
+
+
+def test_a_q8_chunk_attends_a_block_of_queries_at_a_time(monkeypatch):
+    """A q8 chunk over a long history attends ``SCORES_BYTES`` of scores at a time: the same
+    outputs as all its queries at once, in a fraction of the working set (MLX's peak memory
+    above what the buffer holds)."""
+    from engine import attention
+    from engine.attention import quantized_attention
+    from engine.batch_caches import Packing, quantized_buffer
+
+    H, D, group, cached, n = 2, 64, 32, 4096, 256
+    keys = mx.random.normal((1, H, cached + n, D), key=mx.random.key(41))
+    values = mx.random.normal(keys.shape, key=mx.random.key(42))
+    queries = mx.random.normal((1, 2 * H, n, D), key=mx.random.key(43))
+    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], None))
+    buffer = quantized_buffer([row], None, 8, group, True)
+    mask = buffer.make_mask(n)
+    held, _ = buffer.write(keys[..., cached:, :], values[..., cached:, :])
+    mx.eval(mask, held.keys, held.values, held.recent, queries)
+    monkeypatch.setattr(attention, "_ON_CPU", [True])
+
+    def attend(scores_bytes: int) -> tuple[mx.array, int]:
+        monkeypatch.setattr(attention, "SCORES_BYTES", scores_bytes)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        out = quantized_attention(queries, held, 0.125, mask, None)
+        mx.eval(out)
+        return out, mx.get_peak_memory() - before
+
+    whole, at_once = attend(1 << 30)  # 4 query heads x 256 x 4,352 columns: 17.8 MB a score
+    blocked, in_blocks = attend(1 << 20)  # 15 queries a block
+    assert mx.allclose(whole, blocked, rtol=0, atol=1e-5).item()
+    assert in_blocks < at_once / 4, (in_blocks, at_once)
 
 
 # ---- four bits: keys per channel, values rotated, the newest positions in float -------------
