@@ -29,7 +29,9 @@ rotated, each with its newest positions in float) hands attention a
 expanding the quantized keys (``bench_batch_kv`` measures its working set and time against
 expanding them). On a CPU, where MLX's quantized matmul runs one scalar loop per output, a
 prompt's chunk (:data:`EXPANDED_ROWS` query rows a key-value head or more) expands the words
-it reads for one float matmul instead (``bench_batch_kv`` times a chunk both ways).
+it reads for one float matmul instead (``bench_batch_kv`` times a chunk both ways). On every
+backend a q8 chunk attends :data:`SCORES_BYTES` of scores at a time, a block of its queries
+after another, so its working set does not grow with chunk size times history.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ _MLX_LM_SDPA = base.scaled_dot_product_attention
 _ON_CPU = [False]  # set by install(): decode spans take decode_attention
 # On a CPU, query rows a key-value head from which a quantized layer's words are expanded for
 # one float matmul (a prompt's chunk) rather than read by ``mx.quantized_matmul``
-# (:func:`_times_words`).
+# (:func:`_eight_bit_attention`, :func:`_times_words`).
 EXPANDED_ROWS = 16
 # Bytes of float32 scores a q8 layer's attention holds for one block of a step's queries: a
 # prompt's chunk over a long history goes in several (:func:`_eight_bit_attention`).
@@ -191,8 +193,8 @@ def quantized_attention(
 
     Keys held per position (q8) are scored through ``mx.quantized_matmul`` as they are (held
     rotated by :func:`~engine.batch_caches.hadamard`: against the query rotated once; on a
-    CPU, :data:`EXPANDED_ROWS` query rows a head or more through the words expanded once,
-    :func:`_times_words`). Keys
+    CPU, :data:`EXPANDED_ROWS` query rows a head or more through the words expanded once),
+    a block of queries at a time (:func:`_eight_bit_attention`). Keys
     held per channel (q4): a key group's codes ``c`` read as ``s * c + b`` with one scale ``s``
     and bias ``b`` per channel, so a query's score against them is ``(q * s) . c + q . b``:
     each key group meets the query scaled by its scales in a matmul over its raw codes
@@ -231,10 +233,10 @@ def quantized_attention(
         else:
             out = _MLX_LM_SDPA(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
         return hadamard(out) if held.rotated else out
-    recent_keys, recent_values = held.recent
-    dv, f = recent_values.shape[3], recent_keys.shape[2]
     if not held.per_channel:
         return _eight_bit_attention(queries, held, scale, mask).astype(queries.dtype)
+    recent_keys, recent_values = held.recent
+    dv, f = recent_values.shape[3], recent_keys.shape[2]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rows, dk)
     scores = _folded_scores(q, held)
 
@@ -321,7 +323,8 @@ def _eight_bit_attention(
             scores = _times_words(q_keys, held, "keys", dk, held.bits, held.group)
         else:
             scores = q_keys @ keys_f.swapaxes(-1, -2)
-        part = mask[..., start:stop, :] if isinstance(mask, mx.array) and block < Lq else mask
+        rows_masked = isinstance(mask, mx.array) and mask.ndim > 1 and mask.shape[-2] == Lq
+        part = mask[..., start:stop, :] if rows_masked and block < Lq else mask
         outs.append(_eight_bit_band(q, scores, held, part, start, stop, values_f))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
@@ -338,7 +341,7 @@ def _eight_bit_band(
     """q8 attention of the step's queries ``start`` to ``stop`` (``q``: scaled,
     ``(B, Hkv, g * (stop - start), D)``) given their scores against the words: query ``i`` of
     row ``b`` reads its own position and the ``held.reach[b, i]`` before it in float
-    (``recent``, whose last ``Lq`` entries are the step's), the rest through the words
+    (``recent``, whose last entries are the step's queries'), the rest through the words
     (``values_f``: the values' words expanded, :func:`_times_words`), under ``mask``'s rows of
     these queries. The float band is
     ``FLOAT_WINDOW + 1`` positions a query, scored and weighted by one small matmul each, the

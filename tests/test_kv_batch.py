@@ -413,50 +413,55 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, windo
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("on_cpu", [False, True])
 @pytest.mark.parametrize("window", [None, 16, 5])
+@pytest.mark.parametrize("warm", [0, 24])
 def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(
-    window, on_cpu, blocked, monkeypatch
+    warm, window, on_cpu, blocked, monkeypatch
 ):
-    """A q8 row resumed from a cache (a sliding window's ring already wrapped) is fed the same
-    eight positions in chunks of every shape: each position's attention output is the same
-    (bit for bit in a global layer), as each reads its own position and those before it since
-    the row joined in float and the rest through the words whatever the chunk. On a CPU a
+    """A q8 row resumed from a cache (a sliding window's ring already wrapped), after ``warm``
+    decode steps (24: its float copies full, each position reading the 16 before it in float),
+    is fed the same eight positions in chunks of every shape: each position's attention output
+    is the same (bit for bit in a global layer), as each reads its own position and those
+    before it since the row joined in float and the rest through the words whatever the
+    chunk. On a CPU a
     chunk of ``EXPANDED_ROWS`` query rows a head or more (here the whole eight) expands the
     words for one float matmul: the same values, summed in another order. ``blocked``: a
     chunk's queries attend a few at a time (``SCORES_BYTES``), each as it would alone."""
     from engine import attention
     from engine.attention import quantized_attention
-    from engine.batch_caches import Packing, quantized_buffer
+    from engine.batch_caches import FLOAT_WINDOW, Packing, quantized_buffer
 
     monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
     monkeypatch.setattr(attention, "EXPANDED_ROWS", 16)  # query rows a head: 2 a position
     expanded = []  # one entry a call: the words each expanded read took
     real = attention._expanded
     monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[0].shape) or real(*a))
-    # (blocked: 3 queries a block, 4 query heads over at most 28 columns, 4 bytes a score)
-    monkeypatch.setattr(attention, "SCORES_BYTES", 3 * 4 * 4 * 28 + 3 if blocked else 1 << 26)
+    H, D, group, cached, fed = 2, 64, 32, 20, 8
+    total = cached + warm + fed
+    # (blocked: 3 queries a block, 4 query heads over at most ``total`` columns, 4 bytes a score)
+    monkeypatch.setattr(attention, "SCORES_BYTES", 3 * 4 * 4 * total + 3 if blocked else 1 << 26)
     bands = []  # the queries each band took
     band = attention._eight_bit_band
     monkeypatch.setattr(
         attention, "_eight_bit_band", lambda *a: bands.append(a[-2] - a[-3]) or band(*a)
     )
 
-    H, D, group, cached, fed = 2, 64, 32, 20, 8
-    keys = mx.random.normal((1, H, cached + fed, D), key=mx.random.key(21)) * 4
+    keys = mx.random.normal((1, H, total, D), key=mx.random.key(21)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(22))
-    queries = mx.random.normal((1, 2 * H, fed, D), key=mx.random.key(23))
+    queries = mx.random.normal((1, 2 * H, warm + fed, D), key=mx.random.key(23))
     packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
 
     def outputs(chunks: list[int], named: bool = False) -> list:
         row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], window))
         buffer = quantized_buffer([row], window, 8, group, True)
         got, at = [], 0
-        for n in chunks:
+        for n in [1] * warm + chunks:
             k, v = (x[..., cached + at : cached + at + n, :] for x in (keys, values))
             mask = "causal" if named else buffer.make_mask(n, window_size=window)
             held, _ = buffer.write(k, v)
             out = quantized_attention(queries[..., at : at + n, :], held, 0.125, mask, None)
-            got += [out[..., i, :] for i in range(n)]
+            got += [out[..., i, :] for i in range(n)] if at >= warm else []
             at += n
+        assert window or held.reach[0, -1].item() == min(warm + fed - 1, FLOAT_WINDOW)
         mx.eval(got)
         return got
 
@@ -477,8 +482,8 @@ def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(
             else:
                 assert mx.allclose(a, b, rtol=0, atol=1e-5).item(), chunks
     assert len(expanded) == (2 * eights + 2 if on_cpu else 0)
-    if window is None:  # (at most 28 columns: 3 queries a block when blocked)
-        fed_in = [[8]] * eights + [[1] * 8, [7, 1], [3, 5], [8]]
+    if window is None:  # (3 queries a block when blocked)
+        fed_in = [[1] * warm + c for c in [[8]] * eights + [[1] * 8, [7, 1], [3, 5], [8]]]
         size = 3 if blocked else 8
         want = [min(size, n - at) for c in fed_in for n in c for at in range(0, n, size)]
         assert bands == want
