@@ -325,16 +325,25 @@ def test_a_packed_row_with_no_positions_expands_to_an_empty_row(model):
     assert all(row.keys is None and row.offset == 0 for row in layout.packing.expand(rows))
 
 
-@pytest.mark.parametrize(("rotated", "window"), [(True, None), (False, None), (True, 7)])
-def test_eight_bit_rows_attend_to_their_newest_positions_in_float(rotated, window):
+@pytest.mark.parametrize(
+    ("rotated", "window", "blocked"),
+    [(True, None, False), (False, None, False), (True, 7, False), (True, None, True)],
+)
+def test_eight_bit_rows_attend_to_their_newest_positions_in_float(
+    rotated, window, blocked, monkeypatch
+):
     """q8 holds every position as its words (keys ``rotated``: of their Hadamard transform)
     and keeps float copies of each row's newest FLOAT_WINDOW positions: each query, of a
     prompt's chunk or a decode step alike, reads its own position and the FLOAT_WINDOW before
     it in float and the rest through the words, but none before where its row joined (a cache
     joins without float copies) or before its fence; a row leaves with its float copies and
     rejoins with them. A sliding window (``window``) shorter than the float copies reads
-    only its own positions."""
+    only its own positions. ``blocked``: the rows' prompt chunk attends a query at a time."""
+    from engine import attention
     from engine.attention import quantized_attention
+
+    if blocked:
+        monkeypatch.setattr(attention, "SCORES_BYTES", 1)
     from engine.batch_caches import (
         FLOAT_WINDOW,
         Packing,
