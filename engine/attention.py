@@ -308,7 +308,7 @@ def _eight_bit_attention(
     g = n_q // n_kv
     block = max(1, min(Lq, SCORES_BYTES // (4 * B * n_q * max(L, 1))))
     dv = held.recent[1].shape[3]
-    expand = _ON_CPU[0] and g * Lq >= EXPANDED_ROWS
+    expand = _expands(g * Lq)
     keys_f = _held_expanded(held, "keys", dk, held.bits, held.group) if expand else None
     values_f = _held_expanded(held, "values", dv, held.bits, held.value_group) if expand else None
     outs = []
@@ -446,11 +446,11 @@ def _times_words(
     positions included (their scores are cut off, their weights zero), and only their scales
     and biases, a word a group, are copied (cast to float32)."""
     L, keys = held.columns, kind == "keys"
-    words, extra = held.keys if keys else held.values
-    scales, biases = scales_of(extra, dim // group)
-    if _ON_CPU[0] and x.shape[-2] >= EXPANDED_ROWS:
+    if _expands(x.shape[-2]):
         w = _held_expanded(held, kind, dim, bits, group)
         return x @ w.swapaxes(-1, -2) if keys else x @ w
+    words, extra = held.keys if keys else held.values
+    scales, biases = scales_of(extra, dim // group)
     spare = words.shape[2] - L
     if spare and not keys:
         x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spare)])
@@ -464,6 +464,12 @@ def _times_words(
         bits=bits,
     )
     return out[..., :L] if spare and keys else out
+
+
+def _expands(rows: int) -> bool:
+    """Whether ``rows`` query rows a key-value head read the words expanded (on a CPU, from
+    :data:`EXPANDED_ROWS` on) rather than through ``mx.quantized_matmul``."""
+    return _ON_CPU[0] and rows >= EXPANDED_ROWS
 
 
 def _held_expanded(held: HeldQuantized, kind: str, dim: int, bits: int, group: int) -> mx.array:
