@@ -46,6 +46,13 @@ The schemes (combinations of):
 - mixed bits: keys and values at different bits, at the same bytes as q4 in groups of 32;
   or global layers' keys at fewer bits than sliding ones' (``global_key_bits``: at 8K the
   global layers hold most of an agent's bytes).
+- **sliding layers per token**: sliding-window layers held by a scheme of their own
+  (``sliding``): per token, rotated, with or without a window, which needs no open key group
+  in float and no ring's extra group, the float positions that weigh most on a sliding
+  layer's few hundred.
+- **pre-RoPE keys** (KVQuant, Hooper et al. 2024): each key quantized as it was before its
+  layer's rotary embedding (undone by its position's angles, done again on reading), so a
+  channel's values along the positions are not turned into each other by the rotation.
 - q8 in larger groups, keys rotated or not: what q8 would need to hold 1.85x the float16
   agents (groups of 32 hold 1.78x at most, of 64 1.88x, of 128 1.94x).
 
@@ -104,6 +111,12 @@ class Scheme:
     sink_in_group: bool = False  # the first ``sink`` positions quantized too, read in float
     clip: bool = False
     global_key_bits: int = 0  # a global layer's key bits (0: ``key_bits``)
+    sliding: Scheme | None = None  # how sliding-window layers hold theirs (None: alike)
+    pre_rope: bool = False  # keys quantized as they were before their rotary embedding
+
+    def of_layer(self, global_layer: bool) -> Scheme:
+        """The scheme a global or sliding-window layer holds its keys and values by."""
+        return self if global_layer or self.sliding is None else self.sliding
 
     @property
     def bits(self) -> float:
@@ -116,6 +129,8 @@ class Scheme:
 
     def layer_bits(self, global_layer: bool) -> float:
         """Bits a stored value of a global or sliding layer takes on average."""
+        if self.of_layer(global_layer) is not self:
+            return self.sliding.layer_bits(False)
         key_bits = self.key_bits_of(global_layer)
         keys = key_bits + (32 / self.key_group if key_bits < 16 else 0)
         values = self.value_bits + (32 / self.value_group if self.value_bits < 16 else 0)
@@ -132,14 +147,16 @@ class Scheme:
         over its words, it is held both ways)."""
         quantized = floats = 0.0
         for n, global_layer in held:
-            sink = self.sink if global_layer else 0
-            f = min(n, self.float_positions - self.sink + sink)
-            q = n - f + (min(f, sink) if self.sink_in_group else 0)
+            s = self.of_layer(global_layer)
+            sink = s.sink if global_layer else 0
+            f = min(n, s.float_positions - s.sink + sink)
+            q = n - f + (min(f, sink) if s.sink_in_group else 0)
             floats, quantized = floats + f, quantized + q * self.layer_bits(global_layer) / 16
         return (quantized + floats) / sum(n for n, _ in held)
 
 
 FIVE_BIT = Scheme(5, 4, 32, 128, per_channel_keys=True, rotate_values=True, window=16)
+PER_TOKEN_SLIDING = Scheme(4, 4, 128, 128, rotate_keys=True, rotate_values=True, window=16)
 
 SCHEMES = {
     "exact (control: the harness alone)": Scheme(16, 16),
@@ -239,6 +256,29 @@ SCHEMES = {
     "first position read in float": replace(FIVE_BIT, key_bits=4, sink=1, sink_in_group=True),
     "4-bit per-channel keys on global layers (5-bit on sliding ones), the rest as the batch's "
     "q4": replace(FIVE_BIT, sink=1, sink_in_group=True, global_key_bits=4),
+    "pre-RoPE 4-bit per-channel keys in groups of 32, the rest as the batch's q4": replace(
+        FIVE_BIT, key_bits=4, sink=1, sink_in_group=True, pre_rope=True
+    ),
+    "pre-RoPE 4-bit per-channel keys in groups of 64, the rest as the batch's q4": replace(
+        FIVE_BIT, key_bits=4, key_group=64, sink=1, sink_in_group=True, pre_rope=True
+    ),
+    "pre-RoPE 5-bit per-channel keys in groups of 32, the rest as the batch's q4": replace(
+        FIVE_BIT, sink=1, sink_in_group=True, pre_rope=True
+    ),
+    "sliding layers per token (4-bit, Hadamard, groups of 128, window 16), global ones as the "
+    "batch's q4": replace(FIVE_BIT, sink=1, sink_in_group=True, sliding=PER_TOKEN_SLIDING),
+    "sliding layers per token (4-bit, Hadamard, groups of 128, no window), global ones as the "
+    "batch's q4": replace(
+        FIVE_BIT, sink=1, sink_in_group=True, sliding=replace(PER_TOKEN_SLIDING, window=0)
+    ),
+    "sliding layers per token (4-bit, Hadamard, groups of 128, no window), global ones' 5-bit "
+    "keys over 64 positions": replace(
+        FIVE_BIT,
+        key_group=64,
+        sink=1,
+        sink_in_group=True,
+        sliding=replace(PER_TOKEN_SLIDING, window=0),
+    ),
     "q8 Hadamard keys and values, group 128, a query's own position in float": Scheme(
         8, 8, 128, 128, rotate_keys=True, rotate_values=True, window=1
     ),
@@ -330,13 +370,16 @@ class Held:
         head_dim: int,
         smoothing: list | None,
         global_layers: frozenset[int] = frozenset(),
+        ropes: list | None = None,
     ):
         self.scheme = scheme
         self.global_layers = global_layers  # (by index: the layers without a window)
+        self.ropes = ropes  # each layer's rotary embedding (``pre_rope``)
         self.rotation = hadamard(head_dim) if scheme.rotate_keys or scheme.rotate_values else None
         self.smoothing = smoothing
 
-    def hold(self, x: mx.array, kind: str, layer: int) -> mx.array:
+    def hold(self, x: mx.array, kind: str, layer: int, start: int = 0) -> mx.array:
+        """``x`` as the scheme holds it (``start``: the position of its first)."""
         s = self.scheme
         keys = kind == "keys"
         bits, group = (s.key_bits, s.key_group) if keys else (s.value_bits, s.value_group)
@@ -346,6 +389,9 @@ class Held:
         if keys and s.smooth_keys:
             mean, scale = self.smoothing[layer]
             x = (x - mean) / scale
+        dtype = x.dtype
+        if keys and s.pre_rope:  # the rotary embedding undone, to be done again below
+            x = self.rope(x.astype(mx.float32), layer, start, undo=True)
         if rotate:
             x = x @ self.rotation
         if keys and s.per_channel_keys:  # groups of positions, channel by channel
@@ -357,7 +403,23 @@ class Held:
             x = x @ self.rotation.T
         if keys and s.smooth_keys:
             x = x * scale + mean
+        if keys and s.pre_rope:
+            x = self.rope(x.astype(mx.float32), layer, start).astype(dtype)
         return x
+
+    def rope(self, x: mx.array, layer: int, start: int, undo: bool = False) -> mx.array:
+        """``x`` (positions ``start`` on) through layer ``layer``'s rotary embedding, or
+        its inverse (``undo``: the positions' angles negated)."""
+        r = self.ropes[layer] if self.ropes else None
+        if not all(hasattr(r, a) for a in ("dims", "traditional", "base", "scale")):
+            raise SystemExit(
+                f"pre-RoPE schemes need mlx's nn.RoPE on every layer; layer {layer} has "
+                f"{type(r).__name__}"
+            )
+        scale = -r.scale if undo else r.scale
+        return mx.fast.rope(
+            x, r.dims, traditional=r.traditional, base=r.base, scale=scale, offset=start
+        )
 
 
 class HeldLayer:
@@ -377,6 +439,7 @@ class HeldLayer:
             sink = 0
         self.quantized = [keys[..., :0, :], values[..., :0, :]]
         self.floats = [keys[..., sink:, :], values[..., sink:, :]]
+        self.start = offset - keys.shape[2] + sink  # the position of the first float one
         self._settle()
 
     def _settle(self) -> None:
@@ -387,8 +450,9 @@ class HeldLayer:
             return
         for i, kind in enumerate(("keys", "values")):
             old, self.floats[i] = self.floats[i][..., :leaving, :], self.floats[i][..., leaving:, :]
-            held = self.held.hold(old, kind, self.layer)
+            held = self.held.hold(old, kind, self.layer, self.start)
             self.quantized[i] = mx.concatenate([self.quantized[i], held], axis=2)
+        self.start += leaving
         mx.eval(self.quantized, self.floats)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -404,6 +468,7 @@ class HeldLayer:
                 cut = min(extra, self.quantized[0].shape[2])
                 self.quantized = [x[..., cut:, :] for x in self.quantized]
                 self.floats = [x[..., extra - cut :, :] for x in self.floats]
+                self.start += extra - cut
         k, v = (
             mx.concatenate([s, q, f], axis=2)
             for s, q, f in zip(self.sink, self.quantized, self.floats, strict=True)
@@ -485,15 +550,19 @@ def run(args: argparse.Namespace) -> dict:
         for _, _, w in prefix
     ]
     global_layers = frozenset(i for i, (_, _, w) in enumerate(prefix) if w is None)
+    ropes = [getattr(getattr(layer, "self_attn", None), "rope", None) for layer in model.layers]
     rows = []
     schemes = {n: SCHEMES[n] for n in QUICK} if args.quick else SCHEMES
     if args.only:
         schemes = {n: s for n, s in schemes.items() if any(w in n for w in args.only)}
     for name, scheme in schemes.items():
         start = time.perf_counter()
-        held = Held(scheme, head_dim, smoothing, global_layers)
+        held = {  # by whether a layer is global
+            g: Held(scheme.of_layer(g), head_dim, smoothing, global_layers, ropes)
+            for g in (True, False)
+        }
         layers = [
-            HeldLayer(k, v, layer.offset, w, held, i)
+            HeldLayer(k, v, layer.offset, w, held[w is None], i)
             for i, ((k, v, w), layer) in enumerate(zip(prefix, exact, strict=True))
         ]
         stats = compare(reference, decode(model, layers, fed))

@@ -514,3 +514,60 @@ def test_q4_schemes_global_key_bits_and_first_position_count_on_global_layers_on
     # one position more in float on a global layer, its words still held
     extra = BATCH_Q4.held_fraction(global_) - plain.held_fraction(global_)
     assert extra == pytest.approx(1 / 8192)
+
+
+def test_q4_schemes_sliding_layers_take_their_own_scheme():
+    """``sliding``: a sliding-window layer holds and counts by its own scheme, a global one by
+    the scheme itself."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from benchmarks.bench_q4_schemes import BATCH_Q4, PER_TOKEN_SLIDING, Held
+
+    mixed = dataclasses.replace(BATCH_Q4, sliding=PER_TOKEN_SLIDING)
+    assert mixed.of_layer(True) is mixed and mixed.of_layer(False) is PER_TOKEN_SLIDING
+    assert mixed.layer_bits(False) == PER_TOKEN_SLIDING.layer_bits(False) == 4.25
+    assert mixed.layer_bits(True) == BATCH_Q4.bits
+    sliding, global_ = [(512, False)], [(8192, True)]
+    assert mixed.held_fraction(sliding) == PER_TOKEN_SLIDING.held_fraction(sliding)
+    assert mixed.held_fraction(global_) == BATCH_Q4.held_fraction(global_)
+    keys = mx.random.normal((1, 1, 128, 128), key=mx.random.key(7))
+    want = Held(PER_TOKEN_SLIDING, 128, None).hold(keys, "keys", 0)
+    got = Held(mixed.of_layer(False), 128, None).hold(keys, "keys", 0)
+    assert mx.array_equal(got, want).item()
+    assert not mx.allclose(Held(mixed, 128, None).hold(keys, "keys", 0), want).item()
+
+
+def test_q4_schemes_pre_rope_keys_are_quantized_at_their_own_positions():
+    """``pre_rope``: a key is quantized with its rotary embedding undone at its position and
+    done again, through a sliding layer's float window and its ring's trimming alike. Keys
+    whose channels are constant before the embedding come back almost exactly; quantized
+    after it they do not."""
+    import dataclasses
+    import types
+
+    import mlx.core as mx
+
+    from benchmarks.bench_q4_schemes import SCHEMES, Held, HeldLayer
+
+    scheme = SCHEMES["pre-RoPE 4-bit per-channel keys in groups of 32, the rest as the batch's q4"]
+    rope = types.SimpleNamespace(dims=128, traditional=False, base=10000.0, scale=1.0)
+
+    def embedded(x, at):
+        return mx.fast.rope(x, 128, traditional=False, base=1e4, scale=1.0, offset=at)
+
+    constant = mx.random.normal((1, 1, 1, 128), key=mx.random.key(8)) * 3
+    pre = mx.broadcast_to(constant, (1, 1, 240, 128))
+    values = mx.random.normal((1, 1, 240, 128), key=mx.random.key(9))
+    errors = {}
+    for s in (scheme, dataclasses.replace(scheme, pre_rope=False)):
+        held = Held(s, 128, None, frozenset(), [rope])
+        # a sliding layer of window 200 holding positions 200 to 399 (offset 400)
+        layer = HeldLayer(embedded(pre[..., :200, :], 200), values[..., :200, :], 400, 200, held, 0)
+        assert layer.start == 360  # (5 key groups held, the 16 newest and 24 more in float)
+        for i in range(40):
+            keys, _ = layer.update_and_fetch(embedded(pre[..., :1, :], 400 + i), values[..., :1, :])
+        assert layer.start == 424 and keys.shape[2] == 200  # (2 key groups more held)
+        errors[s.pre_rope] = mx.abs(keys - embedded(pre[..., :200, :], 240)).max().item()
+    assert errors[True] < 0.01 < 0.1 < errors[False], errors
