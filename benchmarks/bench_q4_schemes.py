@@ -265,6 +265,16 @@ SCHEMES = {
     "pre-RoPE 5-bit per-channel keys in groups of 32, the rest as the batch's q4": replace(
         FIVE_BIT, sink=1, sink_in_group=True, pre_rope=True
     ),
+    "pre-RoPE 4-bit per-channel keys in groups of 64 on global layers, of 32 without a window "
+    "on sliding ones": replace(
+        FIVE_BIT,
+        key_bits=4,
+        key_group=64,
+        sink=1,
+        sink_in_group=True,
+        pre_rope=True,
+        sliding=replace(FIVE_BIT, key_bits=4, window=0, pre_rope=True),
+    ),
     "sliding layers per token (4-bit, Hadamard, groups of 128, window 16), global ones as the "
     "batch's q4": replace(FIVE_BIT, sink=1, sink_in_group=True, sliding=PER_TOKEN_SLIDING),
     "sliding layers per token (4-bit, Hadamard, groups of 128, no window), global ones as the "
@@ -361,8 +371,9 @@ CLIP_LEVELS = (1.0, 0.9, 0.8, 0.7, 0.6)  # of a group's half-range kept on each 
 
 
 class Held:
-    """What a scheme makes of keys or values: ``hold(x, layer)`` for positions leaving the
-    float part, in temporal order (a multiple of ``key_group`` of them for per-channel keys)."""
+    """What a scheme makes of keys or values: ``hold(x, kind, layer, start)`` for positions
+    leaving the float part (``start``: the first one's), in temporal order (a multiple of
+    ``key_group`` of them for per-channel keys)."""
 
     def __init__(
         self,
@@ -401,10 +412,10 @@ class Held:
             x = round_trip(x, bits, group, s.clip)
         if rotate:
             x = x @ self.rotation.T
-        if keys and s.smooth_keys:
-            x = x * scale + mean
         if keys and s.pre_rope:
             x = self.rope(x.astype(mx.float32), layer, start).astype(dtype)
+        if keys and s.smooth_keys:
+            x = x * scale + mean
         return x
 
     def rope(self, x: mx.array, layer: int, start: int, undo: bool = False) -> mx.array:
@@ -480,6 +491,28 @@ class HeldLayer:
         return k, v
 
 
+def held_layers(
+    scheme: Scheme,
+    prefix: list[tuple[mx.array, mx.array, int | None]],
+    offsets: list[int],
+    head_dim: int,
+    smoothing: list | None,
+    ropes: list | None,
+) -> list[HeldLayer]:
+    """Each layer of a prefilled history (``prefix``: its keys and values in temporal order
+    and its window, :func:`temporal`; ``offsets``: the positions it has seen) held as
+    ``scheme`` holds it, a sliding-window layer by ``scheme.sliding`` where it names one."""
+    global_layers = frozenset(i for i, (_, _, w) in enumerate(prefix) if w is None)
+    held = {  # by whether a layer is global
+        g: Held(scheme.of_layer(g), head_dim, smoothing, global_layers, ropes)
+        for g in (True, False)
+    }
+    return [
+        HeldLayer(k, v, offset, w, held[w is None], i)
+        for i, ((k, v, w), offset) in enumerate(zip(prefix, offsets, strict=True))
+    ]
+
+
 def temporal(layer) -> tuple[mx.array, mx.array, int | None]:
     """A prefilled mlx-lm layer cache's keys and values in temporal order, and its window."""
     if not isinstance(layer, RotatingKVCache):
@@ -549,7 +582,6 @@ def run(args: argparse.Namespace) -> dict:
         (CAPACITY_HISTORY, True) if w is None else (min(w, CAPACITY_HISTORY), False)
         for _, _, w in prefix
     ]
-    global_layers = frozenset(i for i, (_, _, w) in enumerate(prefix) if w is None)
     ropes = [getattr(getattr(layer, "self_attn", None), "rope", None) for layer in model.layers]
     rows = []
     schemes = {n: SCHEMES[n] for n in QUICK} if args.quick else SCHEMES
@@ -557,14 +589,8 @@ def run(args: argparse.Namespace) -> dict:
         schemes = {n: s for n, s in schemes.items() if any(w in n for w in args.only)}
     for name, scheme in schemes.items():
         start = time.perf_counter()
-        held = {  # by whether a layer is global
-            g: Held(scheme.of_layer(g), head_dim, smoothing, global_layers, ropes)
-            for g in (True, False)
-        }
-        layers = [
-            HeldLayer(k, v, layer.offset, w, held[w is None], i)
-            for i, ((k, v, w), layer) in enumerate(zip(prefix, exact, strict=True))
-        ]
+        offsets = [layer.offset for layer in exact]
+        layers = held_layers(scheme, prefix, offsets, head_dim, smoothing, ropes)
         stats = compare(reference, decode(model, layers, fed))
         rows.append(
             {"scheme": name, "bits": scheme.bits, "window": scheme.window}

@@ -518,32 +518,41 @@ def test_q4_schemes_global_key_bits_and_first_position_count_on_global_layers_on
 
 def test_q4_schemes_sliding_layers_take_their_own_scheme():
     """``sliding``: a sliding-window layer holds and counts by its own scheme, a global one by
-    the scheme itself."""
+    the scheme itself, as the harness builds its layers (:func:`held_layers`)."""
     import dataclasses
 
     import mlx.core as mx
 
-    from benchmarks.bench_q4_schemes import BATCH_Q4, PER_TOKEN_SLIDING, Held
+    from benchmarks.bench_q4_schemes import BATCH_Q4, PER_TOKEN_SLIDING, held_layers
 
-    mixed = dataclasses.replace(BATCH_Q4, sliding=PER_TOKEN_SLIDING)
-    assert mixed.of_layer(True) is mixed and mixed.of_layer(False) is PER_TOKEN_SLIDING
-    assert mixed.layer_bits(False) == PER_TOKEN_SLIDING.layer_bits(False) == 4.25
+    bare = dataclasses.replace(PER_TOKEN_SLIDING, window=0)
+    mixed = dataclasses.replace(BATCH_Q4, sliding=bare)
+    assert mixed.of_layer(True) is mixed and mixed.of_layer(False) is bare
+    assert mixed.layer_bits(False) == bare.layer_bits(False) == 4.25
     assert mixed.layer_bits(True) == BATCH_Q4.bits
     sliding, global_ = [(512, False)], [(8192, True)]
-    assert mixed.held_fraction(sliding) == PER_TOKEN_SLIDING.held_fraction(sliding)
+    assert mixed.held_fraction(sliding) == bare.held_fraction(sliding) == 4.25 / 16
     assert mixed.held_fraction(global_) == BATCH_Q4.held_fraction(global_)
-    keys = mx.random.normal((1, 1, 128, 128), key=mx.random.key(7))
-    want = Held(PER_TOKEN_SLIDING, 128, None).hold(keys, "keys", 0)
-    got = Held(mixed.of_layer(False), 128, None).hold(keys, "keys", 0)
-    assert mx.array_equal(got, want).item()
-    assert not mx.allclose(Held(mixed, 128, None).hold(keys, "keys", 0), want).item()
+
+    keys, values = (mx.random.normal((1, 1, 100, 128), key=mx.random.key(i)) for i in (7, 8))
+    prefix = [(keys, values, None), (keys[..., -64:, :], values[..., -64:, :], 64)]
+    layers = held_layers(mixed, prefix, [100, 100], 128, None, None)
+    assert [layer.held.scheme for layer in layers] == [mixed, bare]
+    # the global layer: 2 key groups held, the newest 16 and its open key group (20) in
+    # float; the sliding one: every position quantized per token
+    assert [layer.floats[0].shape[2] for layer in layers] == [36, 0]
+    assert [layer.quantized[0].shape[2] for layer in layers] == [64, 64]
+    want = layers[1].held.hold(keys[..., -64:, :], "keys", 1)
+    assert mx.array_equal(layers[1].quantized[0], want).item()
 
 
 def test_q4_schemes_pre_rope_keys_are_quantized_at_their_own_positions():
     """``pre_rope``: a key is quantized with its rotary embedding undone at its position and
-    done again, through a sliding layer's float window and its ring's trimming alike. Keys
-    whose channels are constant before the embedding come back almost exactly; quantized
-    after it they do not."""
+    done again. Keys whose channels are constant before the embedding come back almost
+    exactly (quantized after it they do not), and each batch of positions leaving the float
+    part is quantized from the position it starts at: through a sliding layer's window, a
+    ring so small that its float positions are cut too, and a global layer's first
+    position kept apart or read in float."""
     import dataclasses
     import types
 
@@ -560,14 +569,43 @@ def test_q4_schemes_pre_rope_keys_are_quantized_at_their_own_positions():
     constant = mx.random.normal((1, 1, 1, 128), key=mx.random.key(8)) * 3
     pre = mx.broadcast_to(constant, (1, 1, 240, 128))
     values = mx.random.normal((1, 1, 240, 128), key=mx.random.key(9))
+
+    def run(s, n, offset, window, steps):  # ``steps``: positions written at each
+        held = Held(s, 128, None, frozenset(), [rope])
+        starts = []
+        hold = held.hold
+        held.hold = lambda x, kind, layer, start=0: (
+            starts.append(start),
+            hold(x, kind, layer, start),
+        )[1]
+        layer = HeldLayer(
+            embedded(pre[..., :n, :], offset - n), values[..., :n, :], offset, window, held, 0
+        )
+        keys, at = None, offset
+        for c in steps:
+            keys, _ = layer.update_and_fetch(embedded(pre[..., :c, :], at), values[..., :c, :])
+            at += c
+        return layer, keys, starts[::2]  # (keys, then values, from each start)
+
     errors = {}
     for s in (scheme, dataclasses.replace(scheme, pre_rope=False)):
-        held = Held(s, 128, None, frozenset(), [rope])
-        # a sliding layer of window 200 holding positions 200 to 399 (offset 400)
-        layer = HeldLayer(embedded(pre[..., :200, :], 200), values[..., :200, :], 400, 200, held, 0)
-        assert layer.start == 360  # (5 key groups held, the 16 newest and 24 more in float)
-        for i in range(40):
-            keys, _ = layer.update_and_fetch(embedded(pre[..., :1, :], 400 + i), values[..., :1, :])
-        assert layer.start == 424 and keys.shape[2] == 200  # (2 key groups more held)
+        # a sliding layer of window 200 holding positions 200 to 399 (offset 400): 5 key groups
+        # held at once, then one each time 48 positions are in float
+        layer, keys, starts = run(s, 200, 400, 200, [1] * 40)
+        assert starts == [200, 360, 392] and layer.start == 424 and keys.shape[2] == 200
         errors[s.pre_rope] = mx.abs(keys - embedded(pre[..., :200, :], 240)).max().item()
     assert errors[True] < 0.01 < 0.1 < errors[False], errors
+
+    # a ring of 40 positions, under the 16 newest and an open key group: its oldest float
+    # positions are cut (3 decode steps), until a chunk of 10 leaves 50 in float, whose key
+    # group from position 3 is held (then cut down to the ring, 10 positions more)
+    layer, keys, starts = run(scheme, 40, 40, 40, [1, 1, 1, 10])
+    assert starts == [3] and layer.start == 35 and keys.shape[2] == 40
+    assert mx.abs(keys - embedded(pre[..., :40, :], 13)).max().item() < 0.01
+
+    # a global layer: its first position kept apart (held from position 1) or read in float
+    # over its words (held from 0)
+    apart = dataclasses.replace(scheme, sink_in_group=False)
+    for s, first in ((apart, 1), (scheme, 0)):
+        layer, _, starts = run(s, 100, 100, None, [])
+        assert starts == [first] and layer.start == first + 64, s.sink_in_group
