@@ -17,6 +17,7 @@ from agents.errors import (
     RuntimeClosedError,
     ToolsUnsupportedError,
     TurnFailedError,
+    WorkerIdInUseError,
 )
 from engine.config import EngineConfig, Policy
 from engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
@@ -97,4 +98,5 @@ __all__ = [
     "ToolsUnsupportedError",
     "TurnFailedError",
     "Usage",
+    "WorkerIdInUseError",
 ]

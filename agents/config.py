@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -68,7 +66,10 @@ class RuntimeConfig(BaseModel):
         engine: the batch: its limits, KV memory budget and scheduling policy (EngineConfig).
         worker_id: this process's name among the workers sharing a registry (``agentkv serve
             --worker-id``): leases, logs, ``/ready`` and the ``x-agentkv-worker`` header name
-            it. None: ``<hostname>-<pid>``.
+            it. One live process runs as an id (a lock file under ``data_dir/workers``), so a
+            worker restarted with its id takes its leases back at once. None: the first free
+            ``<hostname>-<n>`` on ``data_dir`` (a lone worker restarted is ``<hostname>-0``
+            again).
         lease_s: seconds an agent's lease outlives a worker that stops renewing it (a crashed
             or partitioned worker's agents pass to another worker after this long); renewed
             every third of it while held.
@@ -127,14 +128,6 @@ class RuntimeConfig(BaseModel):
     @property
     def database(self) -> str:
         return self.db_url or str(self.data_dir / "agentkv.sqlite")
-
-    @property
-    def worker(self) -> str:
-        """The worker id: ``worker_id``, else ``<hostname>-<pid>``."""
-        if self.worker_id is not None:
-            return self.worker_id
-        host = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:48] or "host"
-        return f"{host}-{os.getpid()}"
 
     @property
     def caches_path(self) -> Path:

@@ -17,10 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.prompt import ChatRenderer, Message
+from agents.prompt import PLACEHOLDER_CHARS, ChatRenderer, Message, placeholder_at
 from agents.tool_calls import ParsedReply, ToolCall
-
-_REPLY = "\u27e6agentkv-reply-{}\u27e7"
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,32 +76,33 @@ def render_document(
             calls = tool_calls_of(message)
             for k in range(j, len(replies)):
                 if replies[k].parsed.same_as(message.get("content") or "", calls):
-                    message = {"role": "assistant", "content": _REPLY.format(len(spliced))}
+                    message = {"role": "assistant", "content": ""}  # its calls are in the tokens
                     spliced.append(replies[k])
                     at.append(i)
                     j = k + 1
                     break
         probe.append(message)
-    rendered = renderer.render(probe, add_generation_prompt=True, tools=tools)
-    markers = [_REPLY.format(i) for i in range(len(spliced))]
-    if any(rendered.count(marker) != 1 for marker in markers):
+    rendered = renderer.render(probe, add_generation_prompt=True, tools=tools, placeholders=at)
+    where = placeholder_at(rendered, len(spliced))
+    if where is None:
         # The template moved or dropped a reply's content: no splicing, plain tokens.
         return DocumentPrompt(renderer.full_prompt(messages, tools), [])
     tokens: list[int] = []
     placed: list[CachedReply] = []
-    rest = rendered
-    for marker, reply in zip(markers, spliced, strict=True):
-        head, rest = rest.split(marker)
-        tokens += renderer.encode(head)
+    start = 0
+    for end, reply in zip([*where, len(rendered)], [*spliced, None], strict=True):
+        tokens += renderer.encode(rendered[start:end])
+        if reply is None:
+            break
         placed.append(CachedReply(len(tokens), reply.tokens, reply.parsed))
         tokens += reply.tokens
+        start = end + PLACEHOLDER_CHARS
         # A reply that ended on an end-of-turn token already holds what the template closes with.
         last = reply.tokens[-1] if reply.tokens else None
         if last in renderer.eos_token_ids:
             eos_text = renderer.tokenizer.decode([last])
-            if rest.startswith(eos_text):
-                rest = rest[len(eos_text) :]
-    tokens += renderer.encode(rest)
+            if rendered.startswith(eos_text, start):
+                start += len(eos_text)
     return DocumentPrompt(tokens, placed, dict(zip(at, placed, strict=True)))
 
 

@@ -12,6 +12,7 @@ comes from::
     ├── ToolsUnsupportedError (also ValueError) tools sent to a model that cannot call them
     ├── TurnFailedError                         generation failed; the turn was rolled back
     ├── RuntimeClosedError                      the runtime was used after close()
+    ├── WorkerIdInUseError (also ValueError)    another live process runs as this worker id
     ├── engine.errors.CacheUnusableError        a stored cache that cannot be used (the agent
     │                                           is rebuilt): CacheFormatError, CacheFileError,
     │                                           StaleCacheError
@@ -37,6 +38,7 @@ __all__ = [
     "RuntimeClosedError",
     "ToolsUnsupportedError",
     "TurnFailedError",
+    "WorkerIdInUseError",
 ]
 
 
@@ -94,3 +96,7 @@ def check_text(text: object, where: str) -> str:
             f"character {exc.start}; send UTF-8 text (pair or drop the surrogate)"
         ) from None
     return text
+
+
+class WorkerIdInUseError(AgentKVError, ValueError):
+    """Another live process on this data directory runs as the worker id asked for."""

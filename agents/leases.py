@@ -7,17 +7,29 @@ cache, not an older one. A worker that finds the lease held by another waits for
 one agent queue across workers as they do within one (``TurnRunner.lock``). Held leases are
 renewed every third of the lease time; a worker that stops renewing (a crash, a lost
 database) loses its agents once that time has passed.
+
+A worker id names one live process: :class:`WorkerClaim` holds a lock file for it in the data
+directory while the process runs. A worker restarted on the same data directory (the same
+explicit id, or the default ``<hostname>-<n>``, the lowest ``n`` free) therefore knows its
+predecessor is gone, and takes back at once the leases it left behind rather than waiting for
+them to expire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
+import re
 import secrets
+import socket
 from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
 
-from agents.errors import RuntimeClosedError
+from agents.errors import RuntimeClosedError, WorkerIdInUseError
 from store import LeaseIndex
 
 log = logging.getLogger(__name__)
@@ -25,6 +37,65 @@ log = logging.getLogger(__name__)
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 """Waiting for another worker's lease: the first pause between tries, doubling up to this."""
+
+
+WORKERS_DIR = "workers"
+"""Under the data directory: one lock file per worker id, held by the process running it."""
+
+
+class WorkerClaim:
+    """This process's hold on its worker id in a data directory (a lock file, released when
+    :meth:`release` is called or the process dies)."""
+
+    def __init__(self, worker_id: str, fd: int | None) -> None:
+        self.worker_id = worker_id
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, data_dir: Path, worker_id: str | None) -> WorkerClaim:
+        """Claim ``worker_id``, or (None) the first free ``<hostname>-<n>``. Where no lock file
+        can be written (a full or read-only disk) the id goes unclaimed: the default is then
+        ``<hostname>-<pid>``, and leases wait for a predecessor's to expire.
+
+        Raises:
+            WorkerIdInUseError: another live process (or runtime) has ``worker_id``.
+        """
+        folder = data_dir / WORKERS_DIR
+        host = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:48] or "host"
+        names = [worker_id] if worker_id is not None else (f"{host}-{n}" for n in count())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                fd = _locked(folder / f"{name}.lock")
+                if fd is not None:
+                    return cls(name, fd)
+        except OSError as exc:
+            log.warning("cannot hold a worker id lock in %s (%s); running unclaimed", folder, exc)
+            return cls(worker_id or f"{host}-{os.getpid()}", None)
+        raise WorkerIdInUseError(
+            f"worker id {worker_id!r} is in use by another process on data directory "
+            f"{data_dir}; give each worker its own id (--worker-id)"
+        )
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file gives its lock back
+            self._fd = None
+
+
+def _locked(path: Path) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive lock, or None: it is held (by any
+    open file description, this process's included)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(slots=True)
@@ -37,18 +108,21 @@ class _Held:
 class Leases:
     """The leases of one worker process: held, renewed, given back."""
 
-    def __init__(self, index: LeaseIndex, worker_id: str, seconds: float) -> None:
-        """``seconds``: how long a lease outlives this process's last renewal."""
-        self.worker_id = worker_id
-        self.holder = f"{worker_id}#{secrets.token_hex(4)}"
+    def __init__(self, index: LeaseIndex, claim: WorkerClaim, seconds: float) -> None:
+        """``claim``: this process's worker id (released at :meth:`close`); ``seconds``: how
+        long a lease outlives this process's last renewal."""
+        self.worker_id = claim.worker_id
+        self.holder = f"{claim.worker_id}#{secrets.token_hex(4)}"
         """This process among the workers: a restarted worker is a new holder."""
         self.seconds = seconds
         self.waits = 0
         """Holds that waited for another worker's lease."""
         self.lost = 0
         """Leases found taken by another worker at a renewal (this one renewed too late)."""
+        self._claim = claim
         self._index = index
         self._held: dict[str, _Held] = {}
+        self._taking: set[str] = set()  # holds between taking a lease and recording it
         self._releases: dict[str, asyncio.Task[None]] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._closed = False
@@ -75,7 +149,13 @@ class Leases:
             await asyncio.shield(pending)
         delay, waited = POLL_FIRST_S, False
         while True:
-            lease = await self._index.acquire(agent_id, self.holder, self.worker_id, self.seconds)
+            self._taking.add(agent_id)  # a renewal meanwhile must not give it back
+            try:
+                lease = await self._index.acquire(
+                    agent_id, self.holder, self.worker_id, self.seconds
+                )
+            finally:
+                self._taking.discard(agent_id)
             if lease is not None:
                 break
             if not waited:
@@ -131,21 +211,37 @@ class Leases:
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(self.seconds / 3)
+            asked = {agent_id: held.token for agent_id, held in self._held.items()}
             try:
-                still = await self._index.renew(self.holder, self.seconds, list(self._held))
+                still = await self._index.renew(self.holder, self.seconds, [*asked, *self._taking])
             except Exception as exc:
                 log.warning("could not renew this worker's leases (%s); retrying", exc)
                 continue
-            for agent_id, held in self._held.items():
-                if agent_id in still or held.lost:
-                    continue
-                held.lost = True
-                self.lost += 1
-                log.warning(
-                    "agent %r: its lease expired and another worker took it; a turn of it "
-                    "in flight here is stored only if that worker stores none first",
-                    agent_id,
-                )
+            for agent_id, token in asked.items():
+                held = self._held.get(agent_id)
+                if agent_id in still or held is None or held.lost or held.token != token:
+                    continue  # renewed, given back or taken again meanwhile
+                with contextlib.suppress(Exception):  # (the next renewal tries again)
+                    await self._recheck(agent_id, held)
+
+    async def _recheck(self, agent_id: str, held: _Held) -> None:
+        """A lease the renewal did not find: take it again if no one else holds it (it had
+        expired), else mark it lost."""
+        lease = await self._index.acquire(agent_id, self.holder, self.worker_id, self.seconds)
+        if self._held.get(agent_id) is not held:
+            if lease is not None:  # given back meanwhile: so is this
+                await self._index.release(agent_id, self.holder, lease.token)
+            return
+        if lease is not None:
+            held.token = lease.token
+            return
+        held.lost = True
+        self.lost += 1
+        log.warning(
+            "agent %r: its lease expired and another worker took it; a turn of it in flight "
+            "here is stored only if that worker stores none first",
+            agent_id,
+        )
 
     async def settled(self) -> None:
         """Wait for the leases given back so far to be released in the database."""
@@ -165,3 +261,5 @@ class Leases:
             await self._index.release_all(self.holder)
         except Exception as exc:
             log.warning("could not give this worker's leases back (%s); they expire", exc)
+        finally:
+            self._claim.release()

@@ -30,14 +30,16 @@ from agents.errors import ChatTemplateError, ContextLengthError, InvalidMessageE
 Message = dict[str, Any]
 """A chat message as templates read it: ``role``, ``content`` and, for tool calling,
 ``tool_calls`` (assistant) or role ``tool``."""
-# Stands in for the reply's content while rendering: templates that trim or rewrite content
-# leave a token like this alone, so the text after it is exactly what follows the reply.
-_CUT = "\u27e6agentkv-cache-ends-here\u27e7"
 # Starts an escape in rendered text: _ESC + _ESC is a literal _ESC, _ESC + chr(_FIRST + i) the
 # i-th control string as text (private-use code points of planes 15 and 16).
 _ESC = "\U000f0000"
 _FIRST = 0xF0001
 _ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
+# Placeholders stand in for a message's content while rendering (where a cache ends, a reply
+# to splice): templates that trim or rewrite content leave them alone. Placeholder n is _ESC +
+# chr(_LAST - n), an escape no message text can produce: text's own _ESC is doubled, and
+# controls' codes count up from _FIRST, placeholders' down from _LAST.
+_LAST = 0x10FFFF
 
 
 HEADS_REMEMBERED = 64
@@ -77,7 +79,7 @@ class ChatRenderer:
             if getattr(t, "special", False) or t.content in named
         }
         self.controls = tuple(sorted(set(controls.values())))
-        if len(self.controls) > 0x10FFFF - _FIRST:
+        if len(self.controls) > _LAST - _FIRST:
             raise ValueError(
                 f"tokenizer: {len(self.controls)} control tokens, too many to escape in text"
             )
@@ -93,13 +95,21 @@ class ChatRenderer:
         messages: Sequence[Message],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        placeholders: Sequence[int] = (),
     ) -> str:
         """The conversation as the template writes it, control strings in message text and
-        tools escaped (for :meth:`encode`). Raises ContextLengthError for text that cannot fit
-        the model's context, ChatTemplateError when the template refuses the conversation."""
+        tools escaped (for :meth:`encode`). ``placeholders``: indices of messages whose
+        content is written as placeholder 0, 1, … instead (:func:`placeholder_at`). Raises
+        ContextLengthError for text that cannot fit the model's context, ChatTemplateError
+        when the template refuses the conversation."""
         self._check_size(messages, tools)
+        if len(placeholders) > _LAST - _FIRST - len(self.controls):
+            raise ValueError(f"{len(placeholders)} placeholders: more than escapes can hold")
+        escaped = [self._escaped_message(m) for m in messages]
+        for n, i in enumerate(placeholders):  # after escaping: no text spells a placeholder
+            escaped[i] = {**escaped[i], "content": _ESC + chr(_LAST - n)}
         return self._apply(
-            [self._escaped_message(m) for m in messages],
+            escaped,
             add_generation_prompt,
             self._escaped(tools, self._in_text) if tools else None,
         )
@@ -268,18 +278,36 @@ class ChatRenderer:
         """
         if not 0 < covered < len(messages) or messages[covered - 1]["role"] != "assistant":
             return None
-        probe = [*messages[: covered - 1], {**messages[covered - 1], "content": _CUT}]
-        rendered = self.render([*probe, *messages[covered:]], add_generation_prompt=True)
+        rendered = self.render(messages, add_generation_prompt=True, placeholders=[covered - 1])
         head = self.render(messages[: covered - 1], add_generation_prompt=True)
-        if not rendered.startswith(head) or rendered.count(_CUT) != 1:
+        cuts = placeholder_at(rendered, 1)
+        if not rendered.startswith(head) or cuts is None:
             return None
-        tail = rendered[rendered.index(_CUT) + len(_CUT) :]
+        tail = rendered[cuts[0] + PLACEHOLDER_CHARS :]
         if last_cached_token in self.eos_token_ids:
             eos_text = self.tokenizer.decode([last_cached_token])
             if tail.startswith(eos_text):
                 tail = tail[len(eos_text) :]
         tokens = self.encode(tail)
         return tokens or None
+
+
+PLACEHOLDER_CHARS = 2
+"""The length of a placeholder in rendered text."""
+
+
+def placeholder_at(rendered: str, count: int) -> list[int] | None:
+    """Where placeholders 0 … count-1 stand in rendered text, in order; None unless each
+    stands there once, in order (a template dropped, repeated or moved a message). Escapes
+    are read left to right, so a doubled _ESC from message text is never half of one."""
+    found = [
+        (_LAST - ord(m.group(1)), m.start())
+        for m in _ESCAPE.finditer(rendered)
+        if _LAST - count < ord(m.group(1)) <= _LAST
+    ]
+    if [n for n, _ in found] != list(range(count)):
+        return None
+    return [at for _, at in found]
 
 
 def _text_chars(value: Any) -> int:

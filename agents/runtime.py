@@ -15,7 +15,7 @@ from agents.config import RuntimeConfig
 from agents.conversations import Conversations
 from agents.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
 from agents.formats import FREE, schema_of
-from agents.leases import Leases
+from agents.leases import Leases, WorkerClaim
 from agents.prompt import ChatRenderer, Message, checked_history
 from agents.tool_calls import ToolFormat
 from agents.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
@@ -24,7 +24,14 @@ from engine.engine import Engine
 from engine.grammar import Grammar, GrammarError
 from engine.request import PromptCache
 from engine.sampling import SamplingParams
-from store import AgentNotFoundError, AgentRecord, MessageRecord, Registry, ResponseIndex
+from store import (
+    AgentNotFoundError,
+    AgentRecord,
+    MessageRecord,
+    Registry,
+    RegistryStorageError,
+    ResponseIndex,
+)
 from store.models import utcnow
 
 log = logging.getLogger(__name__)
@@ -39,7 +46,10 @@ class AgentRuntime:
             reply = await rt.chat(agent.id, "Hello")
     """
 
-    def __init__(self, config: RuntimeConfig, registry: Registry, engine: Engine):
+    def __init__(
+        self, config: RuntimeConfig, registry: Registry, engine: Engine, claim: WorkerClaim
+    ):
+        """Use :meth:`open`. ``claim``: this process's worker id, released at close."""
         config = config.resolved()
         self.config = config
         """The configuration, its "auto" budgets resolved to bytes."""
@@ -63,7 +73,7 @@ class AgentRuntime:
             sweep_grace_s=config.sweep_grace_s,
         )
         self._caches = CacheTiers(HotTier(config.hot_cache_bytes), disk, registry)
-        self.leases = Leases(registry.leases, config.worker, config.lease_s)
+        self.leases = Leases(registry.leases, claim, config.lease_s)
         """This worker's leases on agents (workers sharing the registry run each agent's
         turns one at a time)."""
         self._turns = TurnRunner(
@@ -84,15 +94,23 @@ class AgentRuntime:
             config.hot_cache_bytes,
             "none" if config.disk_budget_bytes is None else f"{config.disk_budget_bytes} bytes",
         )
-        registry = await Registry.open(config.database)
+        claim = await asyncio.to_thread(WorkerClaim.take, config.data_dir, config.worker_id)
+        try:
+            registry = await Registry.open(config.database)
+        except BaseException:
+            claim.release()
+            raise
         try:
             engine = await Engine.open(config.model, config.engine_config())
         except BaseException:
+            claim.release()
             await registry.close()
             raise
-        runtime = cls(config, registry, engine)
+        runtime = cls(config, registry, engine, claim)
         try:
             await runtime._caches.disk.sweep()
+        except (RegistryStorageError, OSError) as exc:  # a full disk: tidy up another time
+            log.warning("could not tidy the cache directory at open (%s); opened all the same", exc)
         except BaseException:
             await runtime.close()
             raise
@@ -183,12 +201,24 @@ class AgentRuntime:
         """
         return await self._conversations.count_tokens(list(messages), system, tools)
 
-    async def delete_agent(self, agent_id: str) -> None:
-        """Delete an agent, its transcript and every cache file it had."""
-        self._check_open()
-        await self._delete(agent_id)
+    async def delete_agent(self, agent_id: str, *, expected_version: int | None = None) -> None:
+        """Delete an agent, its transcript and every cache file it had.
 
-    async def _delete(self, agent_id: str, if_expired: bool = False) -> bool:
+        Args:
+            agent_id: the agent.
+            expected_version: delete it only if it is still at this version (0: nothing was
+                ever stored, by any worker), decided while holding it.
+
+        Raises:
+            AgentNotFoundError: no such agent.
+            AgentChangedError: it is not at ``expected_version``; nothing was deleted.
+        """
+        self._check_open()
+        await self._delete(agent_id, expected_version=expected_version)
+
+    async def _delete(
+        self, agent_id: str, if_expired: bool = False, expected_version: int | None = None
+    ) -> bool:
         """Delete the agent (``if_expired``: only if its idle time is still over its
         ``idle_ttl_s`` once it is this worker's: another worker may have used it meanwhile).
         Returns whether it was deleted."""
@@ -199,7 +229,7 @@ class AgentRuntime:
                 if agent.idle_ttl_s is None or idle <= agent.idle_ttl_s:
                     return False
             await self._caches.disk.wait(agent_id)
-            await self._registry.delete_agent(agent_id)
+            await self._registry.delete_agent(agent_id, expected_version)
             self._conversations.drop(agent_id)
             await self._caches.remove(agent_id)
         return True

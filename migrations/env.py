@@ -31,7 +31,7 @@ from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
 from store import database
-from store.models import Base, UTCDateTime
+from store.models import Base, StoredString, StoredText, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata
@@ -45,6 +45,8 @@ def render_item(kind: str, obj: Any, autogen_context: AutogenContext) -> str | b
     """Render the store's own column types as plain ``sa.`` types in revision files."""
     if kind == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"
+    if kind == "type" and isinstance(obj, StoredText | StoredString):
+        return f"sa.{type(obj.impl).__name__}()"
     return False
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from sqlalchemy import make_url
 
 from agents import AgentKVError, AgentRuntime, RuntimeConfig
 from server.api import agents as agents_api
@@ -111,8 +112,8 @@ def create_app(
 ) -> FastAPI:
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
-    ``app.state.worker`` is the worker's id (``config.worker``), named on every response;
-    ``app.state.drain`` is its :class:`server.worker.Drain`, which ``/ready`` reports.
+    ``app.state.worker`` is the worker's id (claimed when the runtime opens), named on every
+    response; ``app.state.drain`` is its :class:`server.worker.Drain`, which ``/ready`` reports.
 
     Args:
         config: the runtime to serve.
@@ -135,7 +136,7 @@ def create_app(
     if max_messages < 1:
         raise ValueError(f"max_messages must be positive, got {max_messages}")
     metrics = ServerMetrics()
-    worker, drain = config.worker, Drain()
+    drain = Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,6 +145,8 @@ def create_app(
         except (AgentKVError, ValueError) as exc:  # bad configuration (a budget too small, a
             app.state.startup_error = exc  # database URL of no supported kind...): say so
             raise
+        app.state.worker = runtime.leases.worker_id
+        log.info("worker %s, registry %s", app.state.worker, shown_url(config.database))
         expiry = None
         try:
             identity = Identity(runtime, stateless_ttl_s, max_stateless_agents)
@@ -191,13 +194,13 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.worker, app.state.drain = worker, drain
-    install_error_handlers(app, headers={WORKER_HEADER: worker})
+    app.state.worker, app.state.drain = config.worker_id, drain  # (the id claimed, once open)
+    install_error_handlers(app, headers=lambda: {WORKER_HEADER: app.state.worker or ""})
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, hosts=allowed_hosts, open_paths=HEALTH_PATHS)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    app.add_middleware(WorkerMiddleware, worker=worker, drain=drain)  # outermost: every reply
+    app.add_middleware(WorkerMiddleware, state=app.state)  # outermost: every reply
     app.include_router(health_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
@@ -239,3 +242,10 @@ def create_app(
         return Response(body, media_type=metrics.content_type)
 
     return app
+
+
+def shown_url(database: str) -> str:
+    """A database URL or path as it can be logged: without a password."""
+    if "://" not in database:
+        return database
+    return make_url(database).render_as_string(hide_password=True)

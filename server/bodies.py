@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 * 1024
 CHUNK = 256
+MAX_DEPTH = 64
+"""Lists and objects nest at most this deep in a chat body (tool schemas included)."""
 
 Body = TypeVar("Body", bound=BaseModel)
 Result = TypeVar("Result")
@@ -77,13 +79,17 @@ async def parse_off_loop(
 def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
     """``raw`` JSON as ``model``, its messages validated in chunks (see the module docstring)."""
     try:
-        # A Python hook runs between objects, where the interpreter can hand the GIL over:
-        # a body of many small objects does not hold it for the whole parse.
-        data = json.loads(raw, object_pairs_hook=_dict)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise APIError.invalid(f"body: not valid JSON: {exc}") from None
+        text = raw.decode("utf-8")  # JSON is UTF-8 (RFC 8259); json.loads would guess
+    except UnicodeDecodeError as exc:
+        raise APIError.invalid(f"body: not valid UTF-8 at byte {exc.start}") from None
+    try:
+        data = json_value(text)
+    except ValueError as exc:
+        raise APIError.invalid(f"body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError.invalid(f"body: must be a JSON object, not {type(data).__name__}")
     key = "messages" if "messages" in model.model_fields else "input"  # (Responses API)
-    messages = data.get(key) if isinstance(data, dict) else None
+    messages = data.get(key)
     if isinstance(messages, list):
         if len(messages) > max_messages:
             message = too_many_messages_message(len(messages), max_messages, key)
@@ -97,6 +103,41 @@ def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
 
 def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
+
+
+def json_value(text: str | bytes) -> Any:
+    """Parsed JSON text, lists and objects nested at most :data:`MAX_DEPTH` deep (what reads
+    it later recurses). Raises ValueError saying what is wrong."""
+    try:
+        # A Python hook runs between objects, where the interpreter can hand the GIL over:
+        # a body of many small objects does not hold it for the whole parse.
+        data = json.loads(text, object_pairs_hook=_dict)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    except RecursionError:
+        data = _TOO_DEEP
+    if data is _TOO_DEEP or _deeper_than(data, MAX_DEPTH):
+        raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep")
+    return data
+
+
+_TOO_DEEP = object()
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether JSON ``data`` nests lists and objects more than ``limit`` levels deep (what
+    reads it later recurses: a deeper body would fail there)."""
+    level: list[Any] = [data] if isinstance(data, dict | list) else []
+    for _ in range(limit):
+        level = [
+            child
+            for value in level
+            for child in (value.values() if isinstance(value, dict) else value)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return False
+    return True
 
 
 @functools.cache

@@ -129,11 +129,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         options["max_stateless_agents"] = args.max_stateless_agents or None  # 0: no cap
     options["keep_volatile"] = args.keep_volatile_metadata
     _log_to_stderr()
-    app = create_app(config, api_key, **options)
-    print(
-        f"{PROG}: worker {app.state.worker}, registry {_shown_url(config.database)}",
-        file=sys.stderr,
-    )
+    app = create_app(config, api_key, **options)  # (it logs its worker id and registry)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
     server = DrainingServer(uvicorn_config, app.state.drain, grace_s=args.drain_grace_s)
     try:
@@ -141,6 +137,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except SystemExit:  # uvicorn exits when the app fails to start
         if getattr(app.state, "startup_error", None) is None:
             raise
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down cleanly
+        print(f"{PROG}: stopped", file=sys.stderr)
     error = getattr(app.state, "startup_error", None)
     if error is not None:
         print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -166,15 +164,6 @@ def _budgets(config: RuntimeConfig, disk_auto: bool) -> str:
         f"hot tier budget {gib(config.hot_cache_bytes)} ({HOT_CACHE_SHARE:.0%} of memory, at "
         f"most {gib(HOT_CACHE_MAX_BYTES)}), disk budget {disk_text}"
     )
-
-
-def _shown_url(database: str) -> str:
-    """A database URL or path as it can be logged: without a password."""
-    if "://" not in database:
-        return database
-    from sqlalchemy import make_url
-
-    return make_url(database).render_as_string(hide_password=True)
 
 
 def _worker_id(text: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
@@ -172,11 +173,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) -> None:
+def install_error_handlers(
+    app: FastAPI, headers: Callable[[], dict[str, str]] | None = None
+) -> None:
     """Answer every error in the dialect of the route it happened on.
 
-    ``headers`` go on the answers to unexpected exceptions, which Starlette sends from outside
-    every middleware (the others get them from the middleware that adds them).
+    ``headers()`` go on the answers to unexpected exceptions, which Starlette sends from
+    outside every middleware (the others get them from the middleware that adds them).
     """
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
@@ -188,7 +191,7 @@ def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises these after answering, and uvicorn logs the traceback.
         response = api_error(exc).response(Dialect.of(request))
-        response.headers.update(headers or {})
+        response.headers.update(headers() if headers else {})
         return response
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:

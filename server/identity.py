@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import (
+    AgentChangedError,
     AgentExistsError,
     AgentNotFoundError,
     AgentRecord,
@@ -91,6 +92,8 @@ DEFAULT_STATELESS_TTL_S = 3600
 """Idle TTL of the agents made for requests without an id (and of Claude Code sessions)."""
 DEFAULT_MAX_STATELESS_AGENTS = 256
 """Stateless agents kept at most (the idle ones used least recently go first)."""
+FIRST_USE_TRIES = 4
+"""Times a request that creates its agent on first use tries to find or create it."""
 
 
 def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
@@ -131,7 +134,10 @@ class Claim:
         history: messages the turn imports before its own (``chat(..., history=...)``).
         document: the conversation to answer whole (``AgentRuntime.respond``); None: the turn
             is the next user message (``AgentRuntime.stream``).
-        created: the agent was created for this request (deleted again if the turn fails).
+        created: the agent was created for this request (deleted again if the turn fails
+            before any turn of it is stored).
+        on_first_use: the request names its agent and creates it when there is none: a turn
+            that finds it gone (discarded by a failed request that created it) is run again.
         retired: stateless agents over the cap, deleted once the turn is over (it may resume
             from their blocks first).
         committed: the turn was stored.
@@ -145,6 +151,7 @@ class Claim:
     history: list[ChatMessage] = field(default_factory=list)
     document: list[Message] | None = None
     created: bool = False
+    on_first_use: bool = False
     retired: list[str] = field(default_factory=list)
     committed: bool = False
 
@@ -261,10 +268,15 @@ class Identity:
         return None
 
     async def _discard(self, agent_id: str) -> None:
-        """Delete an agent a failed request created, so a refused request leaves nothing."""
+        """Delete an agent a failed request created, so a refused request leaves nothing;
+        unless a turn of it was stored meanwhile (another request, on any worker, found it)."""
         self._index.drop(agent_id)
         try:
-            await self._runtime.delete_agent(agent_id)
+            await self._runtime.delete_agent(agent_id, expected_version=0)
+        except AgentChangedError:  # another request's turn was stored: the agent is kept
+            log.info("agent %r: kept after its first turn failed (another turn stored)", agent_id)
+        except AgentNotFoundError:
+            pass  # deleted meanwhile
         except Exception:
             log.exception("could not delete agent %r after its first turn failed", agent_id)
 
@@ -282,21 +294,32 @@ class Identity:
         return self._runtime.stored_text(reply.content.as_message())
 
     async def _named(self, agent_id: str, request: TurnRequest, idle_ttl_s: int | None) -> Claim:
+        """The claim on a named agent, created on first use."""
         runtime = self._runtime
-        created = False
-        try:
-            await runtime.get_agent(agent_id)
-            transcript = as_chat(await runtime.transcript(agent_id))
-        except AgentNotFoundError:
+        for attempt in range(1, FIRST_USE_TRIES + 1):
+            # Another request (on any worker) may create or discard the agent in between.
+            try:
+                transcript, created = as_chat(await runtime.transcript(agent_id)), False
+                break
+            except AgentNotFoundError:
+                pass
             try:
                 await runtime.create_agent(
                     agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
                 )
                 transcript, created = [], True
-            except AgentExistsError:  # a request on this worker or another created it first
-                transcript = as_chat(await runtime.transcript(agent_id))
+                break
+            except AgentExistsError:
+                if attempt == FIRST_USE_TRIES:
+                    raise
         imported = request.history if request.document is None and not transcript else []
-        return Claim(agent_id, history=list(imported), document=request.document, created=created)
+        return Claim(
+            agent_id,
+            history=list(imported),
+            document=request.document,
+            created=created,
+            on_first_use=True,
+        )
 
     async def _match(self, request: TurnRequest) -> Claim:
         """Take the idle agent that resent the conversation, else the one with the longest

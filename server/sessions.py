@@ -50,7 +50,7 @@ def session_of(user_id: str | None) -> str | None:
         return None
     try:
         data = json.loads(user_id)
-    except ValueError:
+    except (ValueError, RecursionError):
         match = _LEGACY_SESSION.search(user_id)
         return match.group(1) if match else None
     session = data.get("session_id") if isinstance(data, dict) else None

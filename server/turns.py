@@ -16,24 +16,38 @@ from contextlib import AsyncExitStack
 from typing import Annotated, Any
 
 from fastapi import Header, Request
+from pydantic import AfterValidator
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agents import InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
+from agents import AgentNotFoundError, InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
 from agents.tool_calls import ToolFormat
 from server.conversation import TurnRequest
 from server.errors import ClientDisconnectedError
-from server.identity import Claim
+from server.identity import FIRST_USE_TRIES, Claim
 from server.state import ServerState
 
+
+def _utf8(value: str | None) -> str | None:
+    """A header's text: HTTP hands its bytes over as Latin-1; clients send UTF-8."""
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
+HeaderText = AfterValidator(_utf8)
+"""Route parameter metadata: a header's value read as UTF-8."""
 AGENT_HEADER = "x-agent-id"
-AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER)]
+AgentHeader = Annotated[str | None, Header(alias=AGENT_HEADER), HeaderText]
 """Route parameter type: the agent id a request names in its header."""
 CACHE_SOURCE_HEADER = "x-agentkv-cache-source"
 """Response header of a whole (not streamed) turn: where its cache came from (``Reply.
 cache_source``: hot, disk, prefix, rebuilt or none)."""
 SESSION_HEADER = "x-claude-code-session-id"
-SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER)]
+SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER), HeaderText]
 """Route parameter type: the Claude Code session a request belongs to."""
 
 
@@ -92,16 +106,29 @@ async def _whole_turn(state: ServerState, request: TurnRequest) -> Reply:
 
 
 async def _claimed_turn(state: ServerState, request: TurnRequest) -> Reply:
-    async with state.identity.claim(request) as claim:
-        reply = None
-        async with contextlib.aclosing(_events(state, claim, request)) as events:
-            async for event in events:
-                if isinstance(event, Reply):
-                    reply = event
-                    claim.commit(reply)
-        assert reply is not None
+    for attempt in range(1, FIRST_USE_TRIES + 1):
+        claim = None
+        try:
+            async with state.identity.claim(request) as claim:
+                reply = None
+                async with contextlib.aclosing(_events(state, claim, request)) as events:
+                    async for event in events:
+                        if isinstance(event, Reply):
+                            reply = event
+                            claim.commit(reply)
+                assert reply is not None
+            break
+        except AgentNotFoundError:
+            if not _gone_on_first_use(claim) or attempt == FIRST_USE_TRIES:
+                raise
     state.metrics.observe_turn(reply)
     return reply
+
+
+def _gone_on_first_use(claim: Claim | None) -> bool:
+    """Whether a turn that found no agent runs again: its request creates the agent on first
+    use, and another request that had created it discarded it (its own turn failed)."""
+    return claim is not None and claim.on_first_use and not claim.committed
 
 
 class TurnStream:
@@ -124,20 +151,27 @@ class TurnStream:
 
     async def start(self) -> TurnStream:
         """Resolve the agent and wait for the first event; raises what the turn raises."""
-        try:
-            self._claim = await self._stack.enter_async_context(
-                self._state.identity.claim(self._request)
-            )
-            events = _events(self._state, self._claim, self._request)
-            self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
-            self._events = events
-            self._first = await self._next()
-        except BaseException as exc:
-            await self.aclose()
-            if isinstance(exc, InvalidResponseFormatError):
-                raise self._request.format_error(exc) from None
-            raise
-        return self
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._claim = await self._stack.enter_async_context(
+                    self._state.identity.claim(self._request)
+                )
+                events = _events(self._state, self._claim, self._request)
+                self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
+                self._events = events
+                self._first = await self._next()
+                return self
+            except BaseException as exc:
+                claim, self._claim, self._events = self._claim, None, None
+                await self.aclose()
+                if isinstance(exc, InvalidResponseFormatError):
+                    raise self._request.format_error(exc) from None
+                again = isinstance(exc, AgentNotFoundError) and _gone_on_first_use(claim)
+                if not again or attempt == FIRST_USE_TRIES:
+                    raise
+                self._stack = AsyncExitStack()
 
     def events(self) -> AsyncIterator[TextDelta | Reply]:
         """The turn's events, the first one included, ending with the Reply."""

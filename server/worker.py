@@ -25,6 +25,7 @@ import signal
 import time
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -76,10 +77,12 @@ class Drain:
 class WorkerMiddleware:
     """ASGI middleware: names the worker on every response and counts requests in flight."""
 
-    def __init__(self, app: ASGIApp, worker: str, drain: Drain):
+    def __init__(self, app: ASGIApp, state: Any):
+        """``state``: the app's state: its ``worker`` (the id, once the runtime has claimed
+        it) and ``drain``."""
         self.app = app
-        self.header = (WORKER_HEADER.encode(), worker.encode())
-        self.drain = drain
+        self.state = state
+        self.drain: Drain = state.drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,7 +91,8 @@ class WorkerMiddleware:
 
         async def send_named(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                header = (WORKER_HEADER.encode(), (self.state.worker or "").encode())
+                message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
         if scope["path"] in HEALTH_PATHS:

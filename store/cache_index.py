@@ -219,19 +219,21 @@ class CacheIndex:
             return {agent_id: path for agent_id, path in rows}
 
 
-async def require_agent(session: AsyncSession, agent_id: str, *, lock: bool = False) -> None:
-    """Raise ``AgentNotFoundError`` unless the agent exists.
+async def require_agent(session: AsyncSession, agent_id: str, *, lock: bool = False) -> int:
+    """The agent's version; raises ``AgentNotFoundError`` unless the agent exists.
 
     Args:
         lock: Also lock the agent's row until the transaction ends (``FOR NO KEY UPDATE`` on
             PostgreSQL, which waits for and blocks the agent's other writers and its deletion;
             SQLite's writers hold the whole file anyway).
     """
-    query = select(Agent.id).where(Agent.id == agent_id)
+    query = select(Agent.version).where(Agent.id == agent_id)
     if lock:
         query = query.with_for_update(key_share=True)
-    if await session.scalar(query) is None:
+    version = await session.scalar(query)
+    if version is None:
         raise AgentNotFoundError(agent_id)
+    return version
 
 
 async def current_cache(session: AsyncSession, agent_id: str) -> KVCache | None:

@@ -16,6 +16,7 @@ takes an asyncio lock so writers queue in FIFO order instead of polling SQLite's
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import weakref
@@ -44,6 +45,8 @@ from store import postgres
 from store.errors import MigrationError, RegistryClosedError, RegistryStorageError
 from store.postgres import Lock
 
+log = logging.getLogger(__name__)
+
 DRIVER = "sqlite+aiosqlite"
 DRIVERS = {"sqlite": DRIVER, "postgresql": postgres.DRIVER}
 """The driver of each supported database; a URL naming the database alone gets this one."""
@@ -54,6 +57,9 @@ PRAGMAS = (
     "synchronous=NORMAL",
     "foreign_keys=ON",
 )
+RESERVE_SUFFIX = "-reserve"
+RESERVE_BYTES = 4 * 1024 * 1024
+"""A SQLite registry's reserve beside it, given up when a full disk keeps it from opening."""
 _BEGIN_OPTION = "agentkv_sqlite_begin"
 WRITE: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE"}
 """Execution options for a connection whose transaction will write."""
@@ -73,13 +79,32 @@ class Database:
 
     @classmethod
     async def open(cls, target: str | os.PathLike[str]) -> Database:
-        """Create the engine for ``target`` (see :func:`database_url`) and migrate to head."""
-        engine = create_engine(database_url(target))
-        try:
-            await upgrade(engine)
-        except BaseException:
-            await engine.dispose()
-            raise
+        """Create the engine for ``target`` (see :func:`database_url`) and migrate to head.
+
+        A SQLite registry keeps a reserve file beside it (:data:`RESERVE_BYTES`): when the
+        disk is full, opening gives the reserve up so that SQLite can start (its shared-memory
+        file, a read transaction) and the transcripts stay readable; writes then fail with
+        ``RegistryStorageError`` once that space is used, and the reserve is made again at
+        the next open with space to spare.
+        """
+        url = database_url(target)
+        reserve = None if url.drivername != DRIVER else Path(f"{url.database}{RESERVE_SUFFIX}")
+        for attempt in (1, 2):
+            engine = create_engine(url)
+            try:
+                await upgrade(engine)
+                break
+            except RegistryStorageError as exc:
+                await engine.dispose()
+                if attempt == 2 or reserve is None or not exc.is_full:
+                    raise
+                if not await asyncio.to_thread(_give_up, reserve):
+                    raise
+            except BaseException:
+                await engine.dispose()
+                raise
+        if reserve is not None:
+            await asyncio.to_thread(_keep_reserve, reserve)
         return cls(engine)
 
     async def close(self) -> None:
@@ -373,6 +398,29 @@ async def _connected(engine: AsyncEngine) -> AsyncConnection:
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def _keep_reserve(path: Path) -> None:
+    """Make the reserve file when it is missing and there is room (quietly not, otherwise)."""
+    if path.exists():
+        return
+    temp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, RESERVE_BYTES)  # blocks, not a sparse file
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+
+
+def _give_up(path: Path) -> bool:
+    """Delete the reserve file; returns whether there was one."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("the disk is full: gave up the registry's reserve (%s) to open it", path)
+    return True
 
 
 def _cannot_write(engine: AsyncEngine, exc: Exception) -> RegistryStorageError | None:

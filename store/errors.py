@@ -159,8 +159,11 @@ class RegistryStorageError(StoreError):
 
     @property
     def is_full(self) -> bool:
-        """The disk (or the database's page limit) is full."""
-        return self.code.startswith("SQLITE_FULL") or self.code == "POSTGRES_DISK_FULL"
+        """The disk (or the database's page limit) is full (SQLite's shared-memory file could
+        not grow, too)."""
+        return self.code.startswith(("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")) or (
+            self.code == "POSTGRES_DISK_FULL"
+        )
 
 
 class BlocksMissingError(StoreError, LookupError):

@@ -48,7 +48,9 @@ class LeaseIndex:
     async def acquire(
         self, agent_id: str, holder: str, worker_id: str, seconds: float
     ) -> Lease | None:
-        """Take the agent's lease for ``seconds`` if it is free, expired or ``holder``'s own.
+        """Take the agent's lease for ``seconds`` if it is free, expired, ``holder``'s own, or
+        held by an earlier process of ``worker_id`` (which is gone: one live process runs as a
+        worker id, see ``agents.leases.WorkerClaim``).
 
         Returns:
             The lease (its ``token`` is new with every call), or None: another holder has it.
@@ -81,7 +83,9 @@ class LeaseIndex:
                                 "acquired_at": taken.acquired_at,
                                 "expires_at": taken.expires_at,
                             },
-                            where=(AgentLease.holder == holder) | (AgentLease.expires_at < now),
+                            where=(AgentLease.holder == holder)
+                            | (AgentLease.worker_id == worker_id)
+                            | (AgentLease.expires_at < now),
                         ).returning(AgentLease.token)
                     )
                 ).first()

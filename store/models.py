@@ -8,6 +8,7 @@ callers: ``store.registry`` turns rows into the frozen records of ``store.record
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -66,6 +67,44 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
 
+# PostgreSQL's text cannot hold NUL: there it is stored as _PUA "0" and a literal _PUA doubled.
+_PUA = "\ue000"
+_UNESCAPE = {_PUA: _PUA, "0": "\x00"}
+
+
+class _TextEverywhere(TypeDecorator[str]):
+    """Text any backend stores and returns exactly, NUL included (a tokenizer's ``<0x00>``
+    byte token can put one in a reply): escaped on PostgreSQL, as it is on SQLite."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is None or dialect.name != "postgresql":
+            return value
+        if "\x00" in value or _PUA in value:
+            value = value.replace(_PUA, _PUA + _PUA).replace("\x00", _PUA + "0")
+        return value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is None or dialect.name != "postgresql" or _PUA not in value:
+            return value
+        return re.sub(_PUA + "(.)", lambda m: _UNESCAPE.get(m[1], m[0]), value, flags=re.DOTALL)
+
+
+class StoredText(_TextEverywhere):
+    """``Text`` that round-trips every string on every backend."""
+
+    cache_ok = True
+
+
+class StoredString(_TextEverywhere):
+    """``String`` (unbounded) that round-trips every string on every backend."""
+
+    impl = String
+    cache_ok = True
+
+
 ByteCount = BigInteger().with_variant(Integer(), "sqlite")
 """File sizes: 64-bit (a segment of a long prefill on a large model passes 2 GiB); SQLite's
 INTEGER is 64-bit already (PostgreSQL's ``integer`` is not: 0007 widens it there)."""
@@ -87,8 +126,8 @@ class Agent(Base):
     __tablename__ = "agents"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str] = mapped_column(String, nullable=False, default=_name_defaults_to_id)
-    system_prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    name: Mapped[str] = mapped_column(StoredString, nullable=False, default=_name_defaults_to_id)
+    system_prompt: Mapped[str | None] = mapped_column(StoredText, nullable=True)
     model_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
@@ -135,7 +174,7 @@ class Message(Base):
     )
     position: Mapped[int] = mapped_column(Integer, nullable=False)
     role: Mapped[str] = mapped_column(String(16), nullable=False)
-    content: Mapped[str] = mapped_column(Text, nullable=False)
+    content: Mapped[str] = mapped_column(StoredText, nullable=False)
     token_count: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
 

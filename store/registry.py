@@ -167,18 +167,27 @@ class Registry:
             rows = await session.scalars(query)
             return [AgentRecord.from_row(row) for row in rows]
 
-    async def delete_agent(self, agent_id: str) -> CacheRecord | None:
+    async def delete_agent(
+        self, agent_id: str, expected_version: int | None = None
+    ) -> CacheRecord | None:
         """Delete an agent with its messages and cache entry.
+
+        Args:
+            agent_id: the agent.
+            expected_version: delete nothing unless the agent is at this version.
 
         Returns:
             The cache entry that was current, so the caller can delete its file; else ``None``.
 
         Raises:
             AgentNotFoundError: No such agent.
+            AgentChangedError: It is not at ``expected_version`` (nothing deleted).
         """
         validate_agent_id(agent_id)
         async with self._db.write() as session:
-            await require_agent(session, agent_id, lock=True)  # no cache set meanwhile
+            version = await require_agent(session, agent_id, lock=True)  # no cache set meanwhile
+            if expected_version is not None and version != expected_version:
+                raise AgentChangedError(agent_id, expected_version, version)
             cache = await current_cache(session, agent_id)
             deleted = await session.scalar(
                 delete(Agent).where(Agent.id == agent_id).returning(Agent.id)

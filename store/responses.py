@@ -34,6 +34,8 @@ from store.models import Message, StoredResponse, utcnow
 from store.postgres import Lock
 from store.records import NewResponse, ResponseRecord
 
+RESPONSE_ID_CHARS = StoredResponse.__table__.c.id.type.length
+"""The longest response id the column holds."""
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _CHAIN_COLUMNS = (
     StoredResponse.id,
@@ -75,6 +77,7 @@ class ResponseIndex:
 
     async def get_json(self, response_id: str) -> str:
         """The stored response object, as JSON text. Raises ``ResponseNotFoundError``."""
+        _check_id(response_id)
         async with self._db.read() as session:
             row = (
                 await session.execute(
@@ -95,6 +98,7 @@ class ResponseIndex:
         Raises:
             ResponseNotFoundError: no such response.
         """
+        _check_id(response_id)
         link = (
             select(StoredResponse.id, StoredResponse.previous_id, literal(0).label("depth"))
             .where(StoredResponse.id == response_id)
@@ -133,6 +137,7 @@ class ResponseIndex:
         Raises:
             ResponseNotFoundError: no such response.
         """
+        _check_id(response_id)
         async with self._db.write() as session:
             await database.hold(session, Lock.RESPONSES)
             if not await _delete(session, [response_id]):
@@ -148,6 +153,13 @@ class ResponseIndex:
         async with self._db.write() as session:
             await database.hold(session, Lock.RESPONSES)
             return await _delete(session, list(await session.scalars(old)))
+
+
+def _check_id(response_id: str) -> None:
+    """Raise ``ResponseNotFoundError`` for an id no response can have (one no backend can even
+    compare: over the column's length, or holding NUL)."""
+    if len(response_id) > RESPONSE_ID_CHARS or "\x00" in response_id:
+        raise ResponseNotFoundError(response_id)
 
 
 def _fields(record: ResponseRecord) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents import AgentChangedError, AgentRuntime, RuntimeConfig, TextDelta
-from agents.leases import Leases
+from agents.leases import Leases, WorkerClaim
 from store import AgentNotFoundError, NewMessage, Registry
 from store.models import AgentLease, utcnow
 
@@ -192,7 +192,7 @@ async def test_a_lease_lost_at_a_renewal_is_taken_again(db_url: str) -> None:
     notices at its next renewal, once, and takes the lease again before it next runs it."""
     async with await Registry.open(db_url) as registry:
         await registry.create_agent("a")
-        mine = Leases(registry.leases, "w1", 0.9)
+        mine = Leases(registry.leases, WorkerClaim("w1", None), 0.9)
         await mine.hold("a")
         mine.hold_more("a")  # the turn's save
         mine.drop("a")  # the turn is over; the save is not

@@ -44,7 +44,7 @@ from agents import AgentRuntime, Reply
 from agents.prompt import Message
 from agents.tool_calls import ToolFormat
 from server.api.anthropic_content import is_plain
-from server.bodies import FieldPolicy, parse_off_loop
+from server.bodies import FieldPolicy, json_value, parse_off_loop
 from server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -108,9 +108,9 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     function = call.get("function") or {}
     arguments = function.get("arguments") or "{}"
     try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        raise APIError.invalid(f"{where}.function.arguments: not valid JSON", where) from None
+        arguments = json_value(arguments) if isinstance(arguments, str) else arguments
+    except ValueError as exc:
+        raise APIError.invalid(f"{where}.function.arguments: {exc}", where) from None
     if not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
         raise APIError.invalid(
             f"{where}: a tool call needs a name and JSON-object arguments", where

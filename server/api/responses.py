@@ -76,6 +76,7 @@ from server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
 from server.state import State
 from server.turns import (
     AgentHeader,
+    HeaderText,
     TurnStream,
     TurnStreamingResponse,
     reply_headers,
@@ -85,7 +86,7 @@ from store import ResponseRecord
 
 router = APIRouter()
 
-SessionId = Annotated[str | None, Header(alias="session-id")]
+SessionId = Annotated[str | None, Header(alias="session-id"), HeaderText]
 """Route parameter type: Codex's session id header."""
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -488,5 +489,7 @@ async def count_input_tokens(http: Request, state: State) -> dict[str, Any]:
     read = await asyncio.to_thread(
         conversation, body.input, body.instructions, body.tools, items_of(earlier)
     )
+    if not read.messages:
+        raise APIError.invalid("input: holds no message to count", "input")
     count = await state.runtime.count_tokens(read.messages, read.system or None, read.tools)
     return {"object": "response.input_tokens", "input_tokens": count}

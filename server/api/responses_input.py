@@ -17,13 +17,13 @@ refused, since clients such as Codex always send some.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agents.prompt import Message
+from server.bodies import json_value
 from server.conversation import TEXT_JOINER, checked_text
 from server.errors import APIError
 
@@ -120,7 +120,7 @@ class _Reader:
             raise APIError.invalid(f"{where}.name: required (a string)", f"{where}.name")
         arguments = item.get("arguments", "{}")
         try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+            parsed = json_value(arguments) if isinstance(arguments, str) else None
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
