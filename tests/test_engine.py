@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -15,8 +16,10 @@ from engine.errors import EngineClosedError, EngineOverloadedError, InvalidCache
 from engine.kv_batch import KVLayout
 from engine.request import FinishReason, GenerationRequest, PromptCache, TokenEvent
 from engine.sampling import SamplingParams
+from tests.alike import assert_q8_alike, q8_alike
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
+HEAD_DIM = 64  # tiny:llama's key and value heads
 
 
 def open_engine(spec: str, **config) -> Engine:
@@ -611,16 +614,15 @@ async def test_a_forced_token_is_held_at_q8_as_a_prompts_token():
         prompted = await eng.generate(GenerationRequest(tokens, max_tokens=2))
         assert forced.cache.tokens == tokens == prompted.cache.tokens[: len(tokens)]
 
-        def same(a, b) -> list[bool]:
+        def held(cache) -> list[np.ndarray]:
             n = len(tokens)
-            return [
-                mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
-                and mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
-                for x, y in zip(a.layers, b.layers, strict=True)
-            ]
+            return [np.array(x[..., :n, :]) for c in cache.layers for x in (c.keys, c.values)]
 
         assert forced.cache.layers[0].keys.dtype == mx.uint32  # packed: q8 words
-        assert await eng.run(same, forced.cache, prompted.cache) == [True] * 4
+        # The forced token is a decode row, the prompt's last a chunk's: alike up to rounding.
+        ours, theirs = await eng.run(lambda: (held(forced.cache), held(prompted.cache)))
+        for x, y in zip(ours, theirs, strict=True):
+            assert_q8_alike(x, y, HEAD_DIM)
     finally:
         await eng.close()
 
@@ -650,23 +652,28 @@ async def test_q8_positions_past_a_cache_point_compute_as_resumed_from_there():
         )
         return result
 
-    def held(result) -> list[mx.array]:
+    def held(result) -> list[np.ndarray]:
         n = len(tokens)
-        return [x[..., :n, :] for layer in result.cache.layers for x in (layer.keys, layer.values)]
+        layers = result.cache.layers
+        return [np.array(x[..., :n, :]) for layer in layers for x in (layer.keys, layer.values)]
 
-    def same(a, b) -> bool:
-        return all(mx.array_equal(x, y).item() for x, y in zip(held(a), held(b), strict=True))
+    def alike(a, b) -> bool:
+        pairs = zip(held(a), held(b), strict=True)
+        return all(q8_alike(x, y, HEAD_DIM) for x, y in pairs)
 
     try:
         whole = await run(fenced, None, (23,))
         for at in (23, 32):  # the cache point; a block boundary
             resumed = await run(fenced, at, (23,))
-            assert resumed.token_ids == whole.token_ids
-            # (the logits of chunks of other sizes: matmuls of other shapes, equal to ~1e-6)
+            # Chunks of other sizes: matmuls of other shapes, whose floats may round apart
+            # by an ulp, and so the q8 codes by a step where a value sits on a boundary.
             got, want = ([t.logprob for t in r.logprobs] for r in (resumed, whole))
-            assert got == pytest.approx(want, abs=1e-4)
-            assert await fenced.run(same, whole, resumed), at
-        assert not await plain.run(same, await run(plain, None), await run(plain, 23))
+            assert got == pytest.approx(want, abs=1e-3)
+            assert resumed.token_ids == whole.token_ids
+            assert await fenced.run(alike, whole, resumed), at
+        # Unfenced, the positions after the point read their predecessors in float on one
+        # path and quantized on the other: far more than rounding apart.
+        assert not await plain.run(alike, await run(plain, None), await run(plain, 23))
     finally:
         await fenced.close()
         await plain.close()
