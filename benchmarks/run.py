@@ -25,6 +25,7 @@ from benchmarks import (
     bench_q4_schemes,
     bench_resume,
     bench_roundtrip,
+    bench_soak,
     bench_stall,
     bench_stateless,
 )
@@ -44,6 +45,7 @@ SUITE = {
     "peer": bench_peer,
     "stall": bench_stall,
     "event_loop": bench_event_loop,
+    "soak": bench_soak,
     "stateless": bench_stateless,
     "fidelity": bench_fidelity,
     "q4_schemes": bench_q4_schemes,

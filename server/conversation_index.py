@@ -50,6 +50,11 @@ class ConversationIndex:
     def __len__(self) -> int:
         return len(self._digest_of)
 
+    def __contains__(self, digest: object) -> bool:
+        """Whether some agent is in that state (cheap: checked for every prefix of a long
+        conversation)."""
+        return digest in self._agents_at
+
     def put(self, agent_id: str, digest: bytes, asked: bytes | None = None) -> None:
         """Record the agent's state (``asked``: its state before its last message, when that
         is a reply) as its latest use."""

@@ -290,6 +290,12 @@ class Identity:
         stored = [ChatMessage(m["role"], self._runtime.stored_text(m)) for m in document]
         return _system_key(system, request.tools), stored
 
+    def _digested(self, request: TurnRequest) -> tuple[list[ChatMessage], list[bytes]]:
+        """The request's messages as transcripts store them, and the digests of their
+        prefixes (after its system key)."""
+        system, conversation = self._conversation(request)
+        return conversation, prefix_digests(system, conversation)
+
     def _stored_reply(self, reply: Reply) -> str:
         return self._runtime.stored_text(reply.content.as_message())
 
@@ -324,9 +330,8 @@ class Identity:
     async def _match(self, request: TurnRequest) -> Claim:
         """Take the idle agent that resent the conversation, else the one with the longest
         matching transcript, else a new one (entered)."""
-        system, conversation = self._conversation(request)
-        # Hashing grows with the conversation (tens of thousands of messages): off the loop.
-        digests = await asyncio.to_thread(prefix_digests, system, conversation)
+        # Reading and hashing grow with the conversation (ten thousand messages): off the loop.
+        conversation, digests = await asyncio.to_thread(self._digested, request)
         while True:
             async with self._match_lock:
                 found = self._resent_idle(digests) or self._longest_idle(digests[:-1])
@@ -392,6 +397,8 @@ class Identity:
         of its prefixes)."""
         # At least one message: an agent with an empty transcript is nobody's conversation yet.
         for matched in range(len(digests) - 1, 0, -1):
+            if digests[matched] not in self._index:
+                continue
             for agent_id in self._index.agents_at(digests[matched]):
                 if not self._users[agent_id]:
                     return _Found(agent_id, matched)

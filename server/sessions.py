@@ -17,6 +17,8 @@ VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MU
 attribution (``x-anthropic-billing-header: cc_version=2.1.330.a1b; cc_entrypoint=cli;``, its
 suffix new for every prompt), the first block of its system prompt."""
 
+_VOLATILE_PREFIX = "x-anthropic-billing-header:"
+
 STATELESS_PREFIX = "stateless-"
 SESSION_PREFIX = "claude-code-"
 RESPONSES_SESSION_PREFIX = "session-"  # sessions named by Responses API clients (Codex)
@@ -28,14 +30,14 @@ def without_volatile_lines(system: Any) -> Any:
     block left with no text is dropped. Anything else is returned as it is (and refused later,
     by whoever checks it)."""
     if isinstance(system, str):
-        return VOLATILE_LINES.sub("", system)
+        return _without_volatile(system)
     if not isinstance(system, list):
         return system
     kept = []
     for block in system:
         text = block.get("text") if isinstance(block, dict) else None
-        if isinstance(text, str) and VOLATILE_LINES.search(text):
-            text = VOLATILE_LINES.sub("", text)
+        if isinstance(text, str) and _VOLATILE_PREFIX in text:
+            text = _without_volatile(text)
             if not text:
                 continue
             block = {**block, "text": text}
@@ -55,6 +57,12 @@ def session_of(user_id: str | None) -> str | None:
         return match.group(1) if match else None
     session = data.get("session_id") if isinstance(data, dict) else None
     return session if isinstance(session, str) and session else None
+
+
+def _without_volatile(text: str) -> str:
+    # A regex scan of a long prompt holds the GIL throughout (the event loop waits); finding
+    # the prefix first is a fast search.
+    return VOLATILE_LINES.sub("", text) if _VOLATILE_PREFIX in text else text
 
 
 def named_agent(user_id: str | None) -> str | None:

@@ -79,15 +79,21 @@ class _TextEverywhere(TypeDecorator[str]):
     impl = Text
     cache_ok = True
 
+    def bind_processor(self, dialect: Dialect) -> Any:
+        return super().bind_processor(dialect) if dialect.name == "postgresql" else None
+
+    def result_processor(self, dialect: Dialect, coltype: object) -> Any:
+        return super().result_processor(dialect, coltype) if dialect.name == "postgresql" else None
+
     def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
-        if value is None or dialect.name != "postgresql":
+        if value is None:
             return value
         if "\x00" in value or _PUA in value:
             value = value.replace(_PUA, _PUA + _PUA).replace("\x00", _PUA + "0")
         return value
 
     def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
-        if value is None or dialect.name != "postgresql" or _PUA not in value:
+        if value is None or _PUA not in value:
             return value
         return re.sub(_PUA + "(.)", lambda m: _UNESCAPE.get(m[1], m[0]), value, flags=re.DOTALL)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from datetime import datetime
 from enum import Enum
@@ -25,7 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store import database, validation
-from store.cache_index import INSERT_CHUNK, CacheIndex, current_cache, require_agent
+from store.cache_index import CacheIndex, current_cache, require_agent
 from store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
 from store.ids import new_agent_id, validate_agent_id
 from store.leases import LeaseIndex
@@ -294,15 +294,15 @@ class Registry:
             first = 0 if last is None else last + 1
             rows = await _off_loop(len(batch), _message_rows, agent_id, first, now, batch)
             # One executemany per chunk, not one ORM object per row: an import can be 10^4+
-            # messages, and each chunk gives the event loop a turn.
-            for i in range(0, len(rows), INSERT_CHUNK):
-                await session.execute(insert(Message.__table__), rows[i : i + INSERT_CHUNK])
+            # messages, and each chunk (a few ms of parameters) gives the event loop a turn.
+            for i in range(0, len(rows), MESSAGE_CHUNK):
+                await session.execute(insert(Message.__table__), rows[i : i + MESSAGE_CHUNK])
             ids = await session.scalars(
-                select(Message.id)
+                select(Message.__table__.c.id)
                 .where(Message.agent_id == agent_id, Message.position >= first)
                 .order_by(Message.position)
             )
-            return await _off_loop(len(rows), _message_records, list(ids), rows)
+        return await _off_loop(len(rows), _message_records, ids, rows)
 
     async def transcript(
         self, agent_id: str, *, start: int = 0, limit: int | None = None
@@ -315,9 +315,10 @@ class Registry:
         """
         validate_agent_id(agent_id)
         validation.check_count("start", start)
-        columns = [getattr(Message, f.name) for f in fields(MessageRecord)]
+        table = Message.__table__.c
+        columns = [table[f.name] for f in fields(MessageRecord)]
         query = (
-            select(*columns)  # plain rows: no ORM identity map for long transcripts
+            select(*columns)  # table columns: rows processed as they are read, off the loop
             .where(Message.agent_id == agent_id, Message.position >= start)
             .order_by(Message.position)
         )
@@ -326,8 +327,14 @@ class Registry:
             query = query.limit(limit)
         async with self._db.read() as session:
             await require_agent(session, agent_id)
-            rows = await session.execute(query)
-            return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
+            # The connection's Core result, not the session's: the ORM would process every
+            # row here, on the event loop.
+            result = await (await session.connection()).execute(query)
+        # The rows are fetched; making records of them grows with the transcript (a worker
+        # thread: the event loop serves other clients meanwhile).
+        if limit is not None and limit < OFF_LOOP_ROWS:
+            return _transcript_records(result)
+        return await asyncio.to_thread(_transcript_records, result)
 
     async def transcripts(self, id_prefix: str = "") -> dict[str, list[tuple[Role, str]]]:
         """(role, content) of every message of every agent whose id starts with ``id_prefix``,
@@ -397,6 +404,8 @@ async def _touch(
 
 
 OFF_LOOP_ROWS = 1000
+MESSAGE_CHUNK = 256
+"""Messages inserted per statement."""
 """Imports of at least this many messages are validated and turned into rows and records in a
 worker thread: Python work growing with them would stall every other client's event loop."""
 
@@ -421,7 +430,11 @@ def _message_rows(
     ]
 
 
-def _message_records(ids: list[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
+def _transcript_records(rows: Iterable[Any]) -> list[MessageRecord]:
+    return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
+
+
+def _message_records(ids: Iterable[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
     return [
         MessageRecord(id=i, **row | {"role": Role(row["role"])})
         for i, row in zip(ids, rows, strict=True)

@@ -110,21 +110,22 @@ def test_event_loop_quick(tmp_path):
 
     assert (tmp_path / "x.png").stat().st_size > 0
     assert (report["messages"], report["target_ms"]) == (2_000, 50.0)
-    requests = [row["request"] for row in report["rows"]]
-    assert requests == [
-        "idle (default)",
-        "anthropic messages (default)",
-        "anthropic megabytes (default)",
-        "openai messages (default)",
-        "openai megabytes (default)",
-        "idle (raised)",
-        "anthropic messages (raised)",
-        "openai messages (raised)",
+    kinds = [
+        ("history at the limit (stateless)", 400),
+        ("history at the limit (named)", 400),
+        ("0.2 MB system prompt (stateless)", 400),
+        ("0.2 MB system prompt (named)", 400),
+        ("history over the limit (stateless)", 413),
+        ("0.2 MB user message (stateless)", 400),
     ]
+    kinds.append(("turn of a 2,000-message transcript", 400))
+    expected = [("baseline (a stream)", None)] + [
+        (f"{api} {kind}", status) for api in ("anthropic", "openai") for kind, status in kinds
+    ]
+    assert [(row["request"], row.get("status")) for row in report["rows"]] == expected
     for row in report["rows"]:
         assert row["pings"] > 0 and row["worst_ms"] >= row["median_ms"] > 0
-        # Each big request is refused as too long for the tiny model's context.
-        assert row.get("status") == (None if row["request"].startswith("idle") else 400)
+        assert row["stream_worst_gap_ms"] >= row["stream_median_gap_ms"] > 0
 
 
 def test_resume_quick(tmp_path):

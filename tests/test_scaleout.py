@@ -9,6 +9,7 @@ PostgreSQL server. HAProxy missing: these tests skip, unless ``CI=true``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -29,6 +30,7 @@ import httpx
 import pytest
 
 from agents import RuntimeConfig
+from benchmarks import bench_soak
 from server.background import serve_in_thread
 from server.cli import build_parser, main
 from server.scaleout.local import (
@@ -404,3 +406,15 @@ def test_cli_scaleout_flags(tmp_path, capsys):
     args = ["serve", "--model", MODEL, "--data-dir", str(data), "--port", "0"]
     assert main([*args, "--db-url", "mysql://agentkv@db/agentkv"]) == 2
     assert "unsupported database URL" in capsys.readouterr().err
+
+
+def test_racing_first_turns_with_clients_leaving_lose_nothing_over_http(cluster: Cluster) -> None:
+    """The soak of ``benchmarks.bench_soak``, small: first turns of new agents sent to both
+    workers at once, turns of shared agents to either, a third of the clients leaving early.
+    Every acknowledged turn is stored once, after its message; no 500, no wrong 404."""
+    urls = {worker.id: worker.url for worker in cluster.workers}
+    tally, checked = asyncio.run(bench_soak.soak(urls, 16, 24, 0.3, seed=7))
+    assert checked == {"lost": 0, "duplicated": 0, "misplaced": 0}
+    assert [s for s in tally.sent if s.status is not None and s.status >= 500] == []
+    assert [s for s in tally.sent if s.status == 404] == []
+    assert sum(s.reply is not None for s in tally.sent) >= 16
