@@ -21,7 +21,7 @@ setup: $(STAMP)
 # imports cblas_sgemm unprefixed, and the scipy-openblas wheels export scipy_cblas_sgemm.
 # Installed when this user can (root, or passwordless sudo); otherwise one line says how.
 blas:
-	@if $(PYTHON) -c "from engine.models import blas; raise SystemExit(not blas.wanted_but_missing())"; then \
+	@if $(PYTHON) -c "import runpy; blas = runpy.run_path('engine/models/blas.py'); raise SystemExit(not blas['wanted_but_missing']())"; then \
 	if [ "$$(id -u)" = 0 ]; then as=""; \
 	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as="sudo -n"; \
 	else as=no; fi; \

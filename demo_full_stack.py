@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents import AgentRuntime, EngineConfig, Reply, RuntimeConfig, SamplingParams
-from engine.errors import ModelInstallError
+from agentkv import AgentRuntime, EngineConfig, Reply, RuntimeConfig, SamplingParams
+from agentkv.engine.errors import ModelInstallError
 
 DEFAULT_MODEL = "gemma3-270m"
 FALLBACK_MODEL = "tiny:gemma3"
@@ -152,7 +152,7 @@ def shown(text: str, width: int = 140) -> str:
 
 def blas_line() -> str:
     """Which BLAS MLX's CPU matmuls run on (after MLX is loaded)."""
-    from engine.models import blas
+    from agentkv.engine.models import blas
 
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
@@ -257,7 +257,7 @@ def http_turn(config: RuntimeConfig, agent_id: str, heading: str) -> tuple[str, 
     """One turn of an existing agent through the anthropic SDK against `agentkv serve`."""
     import anthropic
 
-    from server.background import serve_in_thread
+    from agentkv.server.background import serve_in_thread
 
     with serve_in_thread(config) as url:
         client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
@@ -279,7 +279,7 @@ def http_turn(config: RuntimeConfig, agent_id: str, heading: str) -> tuple[str, 
 
 def pick_model(spec: str) -> str:
     """``spec``, or the tiny model when the default packaged model cannot be installed."""
-    from engine.models.loading import resolve_model_path
+    from agentkv.engine.models.loading import resolve_model_path
 
     if spec != DEFAULT_MODEL:
         return spec

@@ -1,55 +1,93 @@
 """agentkv's public API: persistent LLM agents over a continuously batched MLX engine.
 
-from agents import AgentRuntime, RuntimeConfig, SamplingParams
+    from agentkv import AgentRuntime, RuntimeConfig, SamplingParams
+
+The package's folders: ``agents/`` is this package (the runtime), ``engine/``, ``store/``,
+``server/`` and ``migrations/`` its subpackages ``agentkv.engine`` and so on.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from agents.config import RuntimeConfig
-from agents.errors import (
-    AgentKVError,
-    ChatTemplateError,
-    ContextLengthError,
-    EmptyMessageError,
-    InvalidMessageError,
-    InvalidResponseFormatError,
-    RuntimeClosedError,
-    ToolsUnsupportedError,
-    TurnFailedError,
-    WorkerIdInUseError,
-)
-from engine.config import EngineConfig, Policy
-from engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
-from store import (
-    AgentChangedError,
-    AgentExistsError,
-    AgentNotFoundError,
-    AgentRecord,
-    InvalidAgentIdError,
-    MessageRecord,
-    RegistryStorageError,
-    StoreError,
-)
+import agentkv.engine  # noqa: F401  (only the OpenBLAS preload hook: mlx loads it when imported)
 
 if TYPE_CHECKING:
-    from agents.caches.tiers import CacheInfo
-    from agents.runtime import AgentRuntime
-    from agents.types import Reply, TextDelta, Timings, Usage
-    from engine.request import TokenLogprob
-    from engine.sampling import SamplingParams
+    from agentkv.caches.tiers import CacheInfo
+    from agentkv.config import RuntimeConfig
+    from agentkv.engine.config import EngineConfig, Policy
+    from agentkv.engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
+    from agentkv.engine.request import TokenLogprob
+    from agentkv.engine.sampling import SamplingParams
+    from agentkv.errors import (
+        AgentKVError,
+        ChatTemplateError,
+        ContextLengthError,
+        EmptyMessageError,
+        InvalidMessageError,
+        InvalidResponseFormatError,
+        RuntimeClosedError,
+        ToolsUnsupportedError,
+        TurnFailedError,
+        WorkerIdInUseError,
+    )
+    from agentkv.runtime import AgentRuntime
+    from agentkv.store import (
+        AgentChangedError,
+        AgentExistsError,
+        AgentNotFoundError,
+        AgentRecord,
+        InvalidAgentIdError,
+        MessageRecord,
+        RegistryStorageError,
+        StoreError,
+    )
+    from agentkv.types import Reply, TextDelta, Timings, Usage
 
-# Imported when first used: these load MLX, which configuring a runtime or catching its errors
-# does not need (``from agents import RuntimeConfig`` stays light).
+# Every name is imported when first used: ``import agentkv.store`` (which runs this file first)
+# loads only the store, and ``from agentkv import RuntimeConfig`` no MLX.
 _LAZY = {
-    "AgentRuntime": "agents.runtime",
-    "CacheInfo": "agents.caches.tiers",
-    "Reply": "agents.types",
-    "TextDelta": "agents.types",
-    "Timings": "agents.types",
-    "Usage": "agents.types",
-    "SamplingParams": "engine.sampling",
-    "TokenLogprob": "engine.request",
+    "AgentRuntime": "agentkv.runtime",
+    "CacheInfo": "agentkv.caches.tiers",
+    "Reply": "agentkv.types",
+    "TextDelta": "agentkv.types",
+    "Timings": "agentkv.types",
+    "Usage": "agentkv.types",
+    "SamplingParams": "agentkv.engine.sampling",
+    "TokenLogprob": "agentkv.engine.request",
+    "RuntimeConfig": "agentkv.config",
+    "EngineConfig": "agentkv.engine.config",
+    "Policy": "agentkv.engine.config",
+    "CacheUnusableError": "agentkv.engine.errors",
+    "EngineOverloadedError": "agentkv.engine.errors",
+    "KVBudgetError": "agentkv.engine.errors",
+    **dict.fromkeys(
+        [
+            "AgentKVError",
+            "ChatTemplateError",
+            "ContextLengthError",
+            "EmptyMessageError",
+            "InvalidMessageError",
+            "InvalidResponseFormatError",
+            "RuntimeClosedError",
+            "ToolsUnsupportedError",
+            "TurnFailedError",
+            "WorkerIdInUseError",
+        ],
+        "agentkv.errors",
+    ),
+    **dict.fromkeys(
+        [
+            "AgentChangedError",
+            "AgentExistsError",
+            "AgentNotFoundError",
+            "AgentRecord",
+            "InvalidAgentIdError",
+            "MessageRecord",
+            "RegistryStorageError",
+            "StoreError",
+        ],
+        "agentkv.store",
+    ),
 }
 
 
@@ -60,7 +98,7 @@ def __dir__() -> list[str]:
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'agents' has no attribute {name!r}")
+        raise AttributeError(f"module 'agentkv' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig, group_size_for
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
+from agentkv.engine.config import EngineConfig, group_size_for
+from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS
 
 # hot_cache_bytes="auto": this share of the physical memory, at most HOT_CACHE_MAX_BYTES (the
 # fallback where the platform does not say how much memory it has).

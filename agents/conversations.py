@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.document import (
+from agentkv.document import (
     CachedReply,
     DocumentPrompt,
     common_prefix,
@@ -24,13 +24,13 @@ from agents.document import (
     render_document,
     tool_calls_of,
 )
-from agents.errors import EmptyMessageError, ToolsUnsupportedError, check_text
-from agents.prompt import Message, checked_texts
-from agents.tool_calls import ParsedReply, ToolFormat
-from agents.turns import TurnRunner, off_loop
-from agents.types import CacheSource, Reply, TurnPlan
-from engine.request import GenerationResult
-from store import AgentRecord, MessageRecord, NewMessage
+from agentkv.engine.request import GenerationResult
+from agentkv.errors import EmptyMessageError, ToolsUnsupportedError, check_text
+from agentkv.prompt import Message, checked_texts
+from agentkv.store import AgentRecord, MessageRecord, NewMessage
+from agentkv.tool_calls import ParsedReply, ToolFormat
+from agentkv.turns import TurnRunner, off_loop
+from agentkv.types import CacheSource, Reply, TurnPlan
 
 
 class Conversations:

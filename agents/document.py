@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.prompt import PLACEHOLDER_CHARS, ChatRenderer, Message, placeholder_at
-from agents.tool_calls import ParsedReply, ToolCall
+from agentkv.prompt import PLACEHOLDER_CHARS, ChatRenderer, Message, placeholder_at
+from agentkv.tool_calls import ParsedReply, ToolCall
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,7 +27,7 @@ comes from::
 
 from __future__ import annotations
 
-from engine.errors import AgentKVError
+from agentkv.engine.errors import AgentKVError
 
 __all__ = [
     "AgentKVError",

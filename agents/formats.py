@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.errors import InvalidResponseFormatError
+from agentkv.errors import InvalidResponseFormatError
 
 FREE = object()  # free text: no grammar
 

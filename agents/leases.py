@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
-from agents.errors import RuntimeClosedError, WorkerIdInUseError
-from store import LeaseIndex
+from agentkv.errors import RuntimeClosedError, WorkerIdInUseError
+from agentkv.store import LeaseIndex
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
+from agentkv.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
 
 Message = dict[str, Any]
 """A chat message as templates read it: ``role``, ``content`` and, for tool calling,

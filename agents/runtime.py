@@ -8,23 +8,20 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from agents.caches import DiskCaches
-from agents.caches.hot import HotTier
-from agents.caches.tiers import CacheInfo, CacheTiers
-from agents.config import RuntimeConfig
-from agents.conversations import Conversations
-from agents.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
-from agents.formats import FREE, schema_of
-from agents.leases import Leases, WorkerClaim
-from agents.prompt import ChatRenderer, Message, checked_history
-from agents.tool_calls import ToolFormat
-from agents.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
-from agents.types import Reply, TextDelta
-from engine.engine import Engine
-from engine.grammar import Grammar, GrammarError
-from engine.request import PromptCache
-from engine.sampling import SamplingParams
-from store import (
+from agentkv.caches import DiskCaches
+from agentkv.caches.hot import HotTier
+from agentkv.caches.tiers import CacheInfo, CacheTiers
+from agentkv.config import RuntimeConfig
+from agentkv.conversations import Conversations
+from agentkv.engine.engine import Engine
+from agentkv.engine.grammar import Grammar, GrammarError
+from agentkv.engine.request import PromptCache
+from agentkv.engine.sampling import SamplingParams
+from agentkv.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
+from agentkv.formats import FREE, schema_of
+from agentkv.leases import Leases, WorkerClaim
+from agentkv.prompt import ChatRenderer, Message, checked_history
+from agentkv.store import (
     AgentNotFoundError,
     AgentRecord,
     MessageRecord,
@@ -32,7 +29,10 @@ from store import (
     RegistryStorageError,
     ResponseIndex,
 )
-from store.models import utcnow
+from agentkv.store.models import utcnow
+from agentkv.tool_calls import ToolFormat
+from agentkv.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
+from agentkv.types import Reply, TextDelta
 
 log = logging.getLogger(__name__)
 

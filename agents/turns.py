@@ -23,23 +23,23 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agents.caches.tiers import CacheTiers, Resumed, Start
-from agents.config import RuntimeConfig
-from agents.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
-from agents.leases import Leases
-from agents.prompt import ChatRenderer, Message, checked_history, conversation_digest
-from agents.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
-from engine.engine import Engine
-from engine.grammar import Grammar
-from engine.request import (
+from agentkv.caches.tiers import CacheTiers, Resumed, Start
+from agentkv.config import RuntimeConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.grammar import Grammar
+from agentkv.engine.request import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
     PromptCache,
     TokenLogprob,
 )
-from engine.sampling import SamplingParams
-from store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
+from agentkv.engine.sampling import SamplingParams
+from agentkv.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
+from agentkv.leases import Leases
+from agentkv.prompt import ChatRenderer, Message, checked_history, conversation_digest
+from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
+from agentkv.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
 
 log = logging.getLogger(__name__)
 

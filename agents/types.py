@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from agents.tool_calls import ParsedReply
-from engine.request import PromptCache, TokenLogprob
+from agentkv.engine.request import PromptCache, TokenLogprob
+from agentkv.tool_calls import ParsedReply
 
 CacheSource = Literal["hot", "disk", "prefix", "none", "rebuilt"]
 """Where a turn's cache came from: the agent's own (hot tier, disk), stored blocks another

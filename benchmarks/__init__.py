@@ -4,4 +4,4 @@ Importing ``engine`` here, before any benchmark module imports ``mlx.core``, pre
 (import sorting puts third-party ``mlx`` above first-party ``engine`` inside the modules).
 """
 
-import engine  # noqa: F401
+import agentkv.engine  # noqa: F401

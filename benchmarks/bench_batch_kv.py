@@ -55,13 +55,10 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from agents.caches.hot import HotTier
-from benchmarks.bench_budget import PRECISIONS, ask, group_size
-from benchmarks.plots import bar_labels, save_plot, write_report
-from benchmarks.synthetic import synthetic_cache
-from engine import attention
-from engine.attention import decode_attention, quantized_attention
-from engine.batch_caches import (
+from agentkv.caches.hot import HotTier
+from agentkv.engine import attention
+from agentkv.engine.attention import decode_attention, quantized_attention
+from agentkv.engine.batch_caches import (
     GroupKVCache,
     Packing,
     channel_buffer,
@@ -69,10 +66,13 @@ from engine.batch_caches import (
     hadamard,
     quantized_buffer,
 )
-from engine.config import EngineConfig, choose_group_size, group_size_for
-from engine.engine import Engine
-from engine.models.loading import resolve_model_path
-from engine.request import GenerationRequest
+from agentkv.engine.config import EngineConfig, choose_group_size, group_size_for
+from agentkv.engine.engine import Engine
+from agentkv.engine.models.loading import resolve_model_path
+from agentkv.engine.request import GenerationRequest
+from benchmarks.bench_budget import PRECISIONS, ask, group_size
+from benchmarks.plots import bar_labels, save_plot, write_report
+from benchmarks.synthetic import synthetic_cache
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.request import GenerationRequest
 from benchmarks.plots import save_plot, write_report
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -13,9 +13,9 @@ import sys
 
 PROBE = """
 import json, sys, time
-import engine
+import agentkv.engine
 import mlx.core as mx
-from engine.models import blas
+from agentkv.engine.models import blas
 n, iters = int(sys.argv[1]), int(sys.argv[2])
 a = mx.random.normal((n, n)); b = mx.random.normal((n, n)); mx.eval(a, b, a @ b)
 t = time.perf_counter()

@@ -44,11 +44,11 @@ import numpy as np
 from mlx_lm.models.cache import save_prompt_cache
 from sqlalchemy import insert, select
 
-from agents import AgentRuntime, RuntimeConfig
+from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.store.database import Database
+from agentkv.store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
 from benchmarks.bench_resume import chat_token_counter, raw_resume, sized_history, words
 from benchmarks.plots import bar_labels, save_plot, write_report
-from store.database import Database
-from store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
 
 RESULTS = Path(__file__).parent / "results"
 KV_BITS = {"none": None, "q8": 8}

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.meter import StepRecord
+from agentkv.engine.request import GenerationRequest, GenerationResult
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.meter import StepRecord
-from engine.request import GenerationRequest, GenerationResult
 
 RESULTS = Path(__file__).parent / "results"
 PRECISIONS = {"model": None, "q8": 8, "q4": 4}  # --mix: KV in the batch (batch_kv_bits)

@@ -39,8 +39,8 @@ from typing import Any
 
 import httpx
 
+from agentkv.store import NewMessage, Registry
 from benchmarks.plots import save_plot, write_report
-from store import NewMessage, Registry
 
 RESULTS = Path(__file__).parent / "results"
 PING_EVERY_S = 0.005
@@ -60,7 +60,7 @@ def agentkv_serve(model: str, data_dir: Path, *options: str) -> Iterator[str]:
     args = ["serve", "--model", model, "--data-dir", str(data_dir), "--port", str(port)]
     args += options
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "agentkv.server.cli", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

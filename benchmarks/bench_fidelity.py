@@ -49,15 +49,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from agentkv.engine.batch_caches import QuantizedLayer, is_packed
+from agentkv.engine.config import group_size_for
+from agentkv.engine.engine import Engine
+from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS
+from agentkv.engine.kv_batch import KVLayout, first_positions
+from agentkv.engine.request import PromptCache
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import save_plot, write_report
-from engine.batch_caches import QuantizedLayer, is_packed
-from engine.config import group_size_for
-from engine.engine import Engine
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
-from engine.kv_batch import KVLayout, first_positions
-from engine.request import PromptCache
 
 RESULTS = Path(__file__).parent / "results"
 TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"

@@ -25,10 +25,10 @@ import statistics
 import time
 from pathlib import Path
 
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.request import GenerationRequest
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
 

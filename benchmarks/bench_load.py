@@ -37,14 +37,14 @@ import numpy as np
 import safetensors.numpy
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
+from agentkv.engine.kv.encoded import EncodedCache
+from agentkv.engine.kv.quant import dequantize_on_host
+from agentkv.engine.kv.whole import decode_cache, encode_cache
+from agentkv.engine.request import PromptCache
+from agentkv.store import cache_files
+from agentkv.store.cache_files import read_cache_file, write_cache_file
 from benchmarks.paged_io import load_paged, save_paged
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.kv.encoded import EncodedCache
-from engine.kv.quant import dequantize_on_host
-from engine.kv.whole import decode_cache, encode_cache
-from engine.request import PromptCache
-from store import cache_files
-from store.cache_files import read_cache_file, write_cache_file
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"none": None, "q8": 8, "q4": 4}

@@ -27,12 +27,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.meter import StepRecord
+from agentkv.engine.request import GenerationRequest, PromptCache
 from benchmarks.plots import save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.meter import StepRecord
-from engine.request import GenerationRequest, PromptCache
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -8,7 +8,7 @@ Both servers run as subprocesses on 127.0.0.1, one at a time (never both at once
 steals the other's cores), on the same local model directory:
 
 - agentkv: ``python -m server.cli serve --model DIR --data-dir TMP --kv-bits 8`` (as shipped);
-- mlx_lm.server: ``python -c "import engine; ...; runpy.run_module('mlx_lm.server')"
+- mlx_lm.server: ``python -c "import agentkv.engine; ...; runpy.run_module('mlx_lm.server')"
   --model DIR``. The wrapper only imports ``engine`` first, which preloads the system OpenBLAS
   exactly as agentkv does for itself (without it mlx-cpu uses its bundled reference BLAS, ~30x
   slower matmuls), and restores the default SIGINT handler (a process started from a background
@@ -69,16 +69,17 @@ import mlx_lm
 import numpy as np
 from openai import AsyncOpenAI
 
+from agentkv.engine.models.loading import resolve_model_path
 from benchmarks.bench_resume import chat_token_counter, sized_history
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.models.loading import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("agentkv", "mlx_lm")
 PHASES = ("cold", "hot", "restart", "restart_concurrent")
 MLX_LM_WRAPPER = (
-    "import engine, runpy, signal, sys; "  # engine first: the same OpenBLAS preload as agentkv
+    # agentkv.engine first: the same OpenBLAS preload as agentkv
+    "import agentkv.engine, runpy, signal, sys; "
     "signal.signal(signal.SIGINT, signal.default_int_handler); "
     "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; "
     "runpy.run_module('mlx_lm.server', run_name='__main__', alter_sys=True)"
@@ -268,7 +269,7 @@ class Bench:
         port = free_port()
         common = ["--model", self.model, "--host", "127.0.0.1", "--port", str(port)]
         if name == "agentkv":
-            argv = [sys.executable, "-m", "server.cli", "serve", *common]
+            argv = [sys.executable, "-m", "agentkv.server.cli", "serve", *common]
             argv += ["--data-dir", str(self.data_dir), "--kv-bits", self.args.kv_bits]
             ready = "/v1/models"
         else:

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from agentkv.engine.config import EngineConfig, Policy
+from agentkv.engine.engine import Engine
+from agentkv.engine.request import GenerationRequest
 from benchmarks.bench_batching import make_prompts
 from benchmarks.plots import save_plot, write_report
-from engine.config import EngineConfig, Policy
-from engine.engine import Engine
-from engine.request import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
 

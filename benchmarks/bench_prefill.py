@@ -29,12 +29,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.request import GenerationRequest, PromptCache
 from benchmarks.bench_batching import make_prompts
 from benchmarks.plots import save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import GenerationRequest, PromptCache
 
 RESULTS = Path(__file__).parent / "results"
 FOREVER = 50_000  # longer than the prefill lasts; each decoder reserves its KV

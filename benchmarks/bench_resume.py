@@ -54,10 +54,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
-from agents import AgentRuntime, RuntimeConfig
+from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.models.loading import resolve_model_path
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.config import EngineConfig
-from engine.models.loading import resolve_model_path
 
 RESULTS = Path(__file__).parent / "results"
 KV_BITS = {"none": None, "q8": 8, "q4": 4}

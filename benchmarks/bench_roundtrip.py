@@ -37,11 +37,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from agentkv.engine.engine import Engine
+from agentkv.engine.kv.whole import encode_cache
+from agentkv.engine.request import GenerationRequest, PromptCache
 from benchmarks.paged_io import load_paged, nbytes, save_paged
 from benchmarks.plots import bar_labels, save_plot, write_report
-from engine.engine import Engine
-from engine.kv.whole import encode_cache
-from engine.request import GenerationRequest, PromptCache
 
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 16  # ids below are special tokens in every tiny model

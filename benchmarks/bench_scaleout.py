@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from agentkv.server.scaleout.local import Cluster, local_cluster
+from agentkv.server.worker import WORKER_HEADER
 from benchmarks.plots import bar_labels, save_plot, write_report
-from server.scaleout.local import Cluster, local_cluster
-from server.worker import WORKER_HEADER
 
 RESULTS = Path(__file__).parent / "results"
 NO_EOS = {"1": -100, "5": -100}  # tiny:gemma3's end tokens

@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
+from agentkv.server.scaleout.local import local_cluster
 from benchmarks.plots import bar_labels, save_plot, write_report
-from server.scaleout.local import local_cluster
 
 RESULTS = Path(__file__).parent / "results"
 ROUTE = "/v1/chat/completions"

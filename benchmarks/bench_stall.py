@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from agents import AgentRuntime, RuntimeConfig
+from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.server.background import serve_in_thread
 from benchmarks.plots import save_plot, write_report
-from server.background import serve_in_thread
 
 RESULTS = Path(__file__).parent / "results"
 PROBE_S = 0.005

@@ -105,7 +105,7 @@ def levels_off(rows: list[dict], key: str) -> bool:
 
 def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     port = free_port()
-    argv = [sys.executable, "-m", "server.cli", "serve", "--model", args.model]
+    argv = [sys.executable, "-m", "agentkv.server.cli", "serve", "--model", args.model]
     argv += ["--data-dir", str(data_dir), "--port", str(port), *args.serve_args]
     server = ServerProcess("agentkv", argv, "/v1/models", port, data_dir.parent / "serve.log")
     system = " ".join(f"Rule {i}: answer briefly about parcels." for i in range(args.rules))

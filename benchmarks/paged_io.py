@@ -10,14 +10,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.batch_caches import Packing
-from engine.config import group_size_for
-from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS, EncodedCache
-from engine.kv.load import LoadedFile, decode_paged
-from engine.kv.paged import encode_paged, split_blocks, token_slice
-from engine.request import PromptCache
-from store.cache_files import load_into_mlx, verify_checksum, write_cache_file
+from agentkv.engine.batch_caches import Packing
+from agentkv.engine.config import group_size_for
+from agentkv.engine.kv.assemble import assemble_paged
+from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS, EncodedCache
+from agentkv.engine.kv.load import LoadedFile, decode_paged
+from agentkv.engine.kv.paged import encode_paged, split_blocks, token_slice
+from agentkv.engine.request import PromptCache
+from agentkv.store.cache_files import load_into_mlx, verify_checksum, write_cache_file
 
 
 def save_paged(

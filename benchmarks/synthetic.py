@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from engine.request import PromptCache
+from agentkv.engine.request import PromptCache
 
 
 def synthetic_cache(model, tokens: int, seed: int, vocab: int) -> PromptCache:

@@ -26,7 +26,7 @@ PACKAGES = tuple(str(ROOT / p) + os.sep for p in ("agents", "engine", "store", "
 
 
 async def record(model: str, data_dir: Path, cold: bool) -> dict[str, set[str]]:
-    from agents import AgentRuntime, RuntimeConfig
+    from agentkv import AgentRuntime, RuntimeConfig
 
     files: dict[str, set[str]] = defaultdict(set)
     recording = False

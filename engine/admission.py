@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from engine.errors import EngineOverloadedError
+from agentkv.engine.errors import EngineOverloadedError
 
 T = TypeVar("T")
 

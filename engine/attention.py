@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from engine.batch_caches import (
+from agentkv.engine.batch_caches import (
     FLOAT_WINDOW,
     HeldQuantized,
     QuantizedLayer,

@@ -64,7 +64,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from engine.config import KEY_BITS, KEY_GROUP_SIZE
+from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
 
 MIN_GROWTH = 32
 

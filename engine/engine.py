@@ -14,22 +14,22 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.batch_caches import Packing, is_packed
-from engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
-from engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
-from engine.grammar import Grammars
-from engine.loop import GenerationLoop
-from engine.meter import EngineStats, StepRecord
-from engine.models.loading import LoadedModel
-from engine.request import (
+from agentkv.engine.batch_caches import Packing, is_packed
+from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
+from agentkv.engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
+from agentkv.engine.grammar import Grammars
+from agentkv.engine.loop import GenerationLoop
+from agentkv.engine.meter import EngineStats, StepRecord
+from agentkv.engine.models.loading import LoadedModel
+from agentkv.engine.request import (
     GenerationRequest,
     GenerationResult,
     PromptCache,
     RequestStats,
     TokenEvent,
 )
-from engine.sequence import Sequence
-from engine.stopping import StopStrings
+from agentkv.engine.sequence import Sequence
+from agentkv.engine.stopping import StopStrings
 
 T = TypeVar("T")
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from engine.batch_caches import (
+from agentkv.engine.batch_caches import (
     FLOAT_WINDOW,
     MIN_GROWTH,
     GroupKVCache,
@@ -40,11 +40,11 @@ from engine.batch_caches import (
     quantized_token_bytes,
     rotates_keys,
 )
-from engine.config import KEY_BITS, KEY_GROUP_SIZE, choose_group_size, group_size_for
-from engine.errors import InvalidCacheError, UnsupportedModelError
+from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, choose_group_size, group_size_for
+from agentkv.engine.errors import InvalidCacheError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from agentkv.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,22 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from engine.batch_caches import is_packed
-from engine.config import EngineConfig
-from engine.errors import EngineClosedError, KVBudgetError
-from engine.kv_batch import default_budget_bytes
-from engine.meter import EngineStats, Meter
-from engine.models.loading import LoadedModel, load_model
-from engine.request import FinishReason, GenerationResult, PromptCache, TokenEvent, TokenLogprob
-from engine.runner import ModelRunner, StepPlan
-from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence
+from agentkv.engine.batch_caches import is_packed
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.errors import EngineClosedError, KVBudgetError
+from agentkv.engine.kv_batch import default_budget_bytes
+from agentkv.engine.meter import EngineStats, Meter
+from agentkv.engine.models.loading import LoadedModel, load_model
+from agentkv.engine.request import (
+    FinishReason,
+    GenerationResult,
+    PromptCache,
+    TokenEvent,
+    TokenLogprob,
+)
+from agentkv.engine.runner import ModelRunner, StepPlan
+from agentkv.engine.scheduler import Scheduler
+from agentkv.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.request import FinishReason
+from agentkv.engine.request import FinishReason
 
 if TYPE_CHECKING:
-    from engine.runner import StepPlan
-    from engine.scheduler import Scheduler
+    from agentkv.engine.runner import StepPlan
+    from agentkv.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 _COUNTER = {

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.grammar import Grammar
-from engine.sampling import SamplingParams
+from agentkv.engine.grammar import Grammar
+from agentkv.engine.sampling import SamplingParams
 
 CHECKPOINTS_KEPT = 2
 """Earlier turn boundaries a cache can be cut back to (see :meth:`PromptCache.checkpointed`);

@@ -21,11 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from engine.attention import Span, StepCache, install
-from engine.batch_caches import held_arrays
-from engine.errors import UnsupportedModelError
-from engine.kv_batch import KVGroup, KVLayout, first_positions
-from engine.sequence import SeqStatus, Sequence
+from agentkv.engine.attention import Span, StepCache, install
+from agentkv.engine.batch_caches import held_arrays
+from agentkv.engine.errors import UnsupportedModelError
+from agentkv.engine.kv_batch import KVGroup, KVLayout, first_positions
+from agentkv.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.admission import AdmissionQueue
-from engine.config import EngineConfig, Policy
-from engine.kv_batch import KVGroup, KVLayout, best_group
-from engine.pacing import MIN_CHUNK, PrefillPacer
-from engine.request import layer_nbytes
-from engine.runner import StepPlan
-from engine.sequence import SeqStatus, Sequence
+from agentkv.engine.admission import AdmissionQueue
+from agentkv.engine.config import EngineConfig, Policy
+from agentkv.engine.kv_batch import KVGroup, KVLayout, best_group
+from agentkv.engine.pacing import MIN_CHUNK, PrefillPacer
+from agentkv.engine.request import layer_nbytes
+from agentkv.engine.runner import StepPlan
+from agentkv.engine.sequence import SeqStatus, Sequence
 
 FAIR_SLICE_STEPS = 64  # under `fair`, a turn's steps before it yields to a waiting one
 MIN_RUN_STEPS = 8  # a (re)admitted turn runs this many steps before it can be preempted

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from engine.request import GenerationRequest, RequestStats, TokenLogprob
-from engine.sampling import LogitsProcessor, Sampler
-from engine.stopping import StopStrings
+from agentkv.engine.request import GenerationRequest, RequestStats, TokenLogprob
+from agentkv.engine.sampling import LogitsProcessor, Sampler
+from agentkv.engine.stopping import StopStrings
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from engine.kv_batch import KVGroup
+    from agentkv.engine.kv_batch import KVGroup
 
 
 class SeqStatus(Enum):

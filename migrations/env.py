@@ -30,8 +30,8 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
-from store import database
-from store.models import Base, StoredString, StoredText, UTCDateTime
+from agentkv.store import database
+from agentkv.store.models import Base, StoredString, StoredText, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata

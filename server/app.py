@@ -37,20 +37,20 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from sqlalchemy import make_url
 
-from agents import AgentKVError, AgentRuntime, RuntimeConfig
-from server.api import agents as agents_api
-from server.api import anthropic as anthropic_api
-from server.api import health as health_api
-from server.api import openai as openai_api
-from server.api import responses as responses_api
-from server.api import stored_responses as stored_responses_api
-from server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
-from server.hosts import HostCheck
-from server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
-from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, BodySizeLimit
-from server.metrics import RequestMetricsMiddleware, ServerMetrics
-from server.state import ModelInfo, ServerState, State
-from server.worker import HEALTH_PATHS, WORKER_HEADER, Drain, WorkerMiddleware
+from agentkv import AgentKVError, AgentRuntime, RuntimeConfig
+from agentkv.server.api import agents as agents_api
+from agentkv.server.api import anthropic as anthropic_api
+from agentkv.server.api import health as health_api
+from agentkv.server.api import openai as openai_api
+from agentkv.server.api import responses as responses_api
+from agentkv.server.api import stored_responses as stored_responses_api
+from agentkv.server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
+from agentkv.server.hosts import HostCheck
+from agentkv.server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
+from agentkv.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, BodySizeLimit
+from agentkv.server.metrics import RequestMetricsMiddleware, ServerMetrics
+from agentkv.server.state import ModelInfo, ServerState, State
+from agentkv.server.worker import HEALTH_PATHS, WORKER_HEADER, Drain, WorkerMiddleware
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import uvicorn
 
-from agents import RuntimeConfig
-from server.app import create_app
-from server.hosts import allowed_hosts
+from agentkv import RuntimeConfig
+from agentkv.server.app import create_app
+from agentkv.server.hosts import allowed_hosts
 
 
 @contextlib.contextmanager

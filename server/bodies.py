@@ -30,8 +30,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from server.errors import TOO_LARGE, APIError
-from server.limits import too_many_messages_message
+from agentkv.server.errors import TOO_LARGE, APIError
+from agentkv.server.limits import too_many_messages_message
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import (
+from agentkv.engine.errors import (
     KVBudgetError,
     ModelInstallError,
     ModelNotFoundError,
@@ -35,12 +35,12 @@ BAD_INPUT = (
 EXIT_BAD_INPUT = 2
 
 if TYPE_CHECKING:
-    from agents.config import RuntimeConfig
+    from agentkv.config import RuntimeConfig
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from engine.models.loading import model_fingerprint
-    from engine.models.tiny import build_tiny_model, tiny_model_dir
+    from agentkv.engine.models.loading import model_fingerprint
+    from agentkv.engine.models.tiny import build_tiny_model, tiny_model_dir
 
     # Without --out the model goes to (or comes from) the shared cache that "tiny:" specs use.
     path = tiny_model_dir(args.spec) if args.out is None else build_tiny_model(args.spec, args.out)
@@ -50,7 +50,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_list_tiny(args: argparse.Namespace) -> int:
-    from engine.models.tiny import TINY_SPECS
+    from agentkv.engine.models.tiny import TINY_SPECS
 
     width = max(map(len, TINY_SPECS))
     for name, spec in TINY_SPECS.items():
@@ -61,8 +61,8 @@ def _cmd_list_tiny(args: argparse.Namespace) -> int:
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     import time
 
-    from engine.models.gguf import import_gguf
-    from engine.models.loading import model_fingerprint
+    from agentkv.engine.models.gguf import import_gguf
+    from agentkv.engine.models.loading import model_fingerprint
 
     start = time.perf_counter()
     path = import_gguf(args.file, args.out, dtype=args.dtype, progress=not args.quiet)
@@ -73,7 +73,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_fingerprint(args: argparse.Namespace) -> int:
-    from engine.models.loading import model_fingerprint, resolve_model_path
+    from agentkv.engine.models.loading import model_fingerprint, resolve_model_path
 
     print(model_fingerprint(resolve_model_path(args.spec)))
     return 0
@@ -84,13 +84,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from agents.config import RuntimeConfig
-    from engine.config import EngineConfig
-    from engine.models.loading import resolve_model_path
-    from server.app import create_app
-    from server.hosts import allowed_hosts, is_loopback
-    from server.identity import DEFAULT_STATELESS_TTL_S
-    from server.worker import DrainingServer
+    from agentkv.config import RuntimeConfig
+    from agentkv.engine.config import EngineConfig
+    from agentkv.engine.models.loading import resolve_model_path
+    from agentkv.server.app import create_app
+    from agentkv.server.hosts import allowed_hosts, is_loopback
+    from agentkv.server.identity import DEFAULT_STATELESS_TTL_S
+    from agentkv.server.worker import DrainingServer
 
     resolve_model_path(args.model)  # a bad spec fails here, as bad input, not in the server
     api_key = args.api_key or os.environ.get("AGENTKV_API_KEY") or None
@@ -148,7 +148,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _budgets(config: RuntimeConfig, disk_auto: bool) -> str:
     """The resolved memory and disk budgets, said at start-up."""
-    from agents.config import DISK_BUDGET_SHARE, HOT_CACHE_MAX_BYTES, HOT_CACHE_SHARE
+    from agentkv.config import DISK_BUDGET_SHARE, HOT_CACHE_MAX_BYTES, HOT_CACHE_SHARE
 
     def gib(n: int) -> str:
         return f"{n / 1024**3:.2f} GiB"
@@ -167,7 +167,7 @@ def _budgets(config: RuntimeConfig, disk_auto: bool) -> str:
 
 
 def _worker_id(text: str) -> str:
-    from agents.config import WORKER_ID_PATTERN
+    from agentkv.config import WORKER_ID_PATTERN
 
     if re.fullmatch(WORKER_ID_PATTERN, text) is None:
         raise argparse.ArgumentTypeError(
@@ -448,11 +448,10 @@ def _log_to_stderr() -> None:
     uvicorn's."""
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-    for name in ("agents", "engine", "server", "store"):
-        logger = logging.getLogger(name)
-        logger.setLevel(logging.INFO)
-        if not logger.handlers:
-            logger.addHandler(handler)
+    logger = logging.getLogger("agentkv")
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        logger.addHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

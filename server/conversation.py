@@ -8,12 +8,12 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, StringConstraints
 from pydantic_core import PydanticCustomError
 
-from agents import InvalidMessageError, InvalidResponseFormatError, SamplingParams
-from agents.errors import check_text
-from agents.prompt import Message
-from server.errors import APIError
-from server.limits import MAX_STOP_CHARS
-from server.sessions import SESSION_PREFIX
+from agentkv import InvalidMessageError, InvalidResponseFormatError, SamplingParams
+from agentkv.errors import check_text
+from agentkv.prompt import Message
+from agentkv.server.errors import APIError
+from agentkv.server.limits import MAX_STOP_CHARS
+from agentkv.server.sessions import SESSION_PREFIX
 
 TEXT_JOINER = "\n"
 """Joins the text blocks of one message (or of a system prompt given as blocks)."""

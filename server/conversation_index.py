@@ -13,8 +13,8 @@ import hashlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
-from server.conversation import ChatMessage
-from store import MessageRecord
+from agentkv.server.conversation import ChatMessage
+from agentkv.store import MessageRecord
 
 
 def extend_digest(digest: bytes, role: str, content: str) -> bytes:

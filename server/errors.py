@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from agents import (
+from agentkv import (
     AgentChangedError,
     AgentExistsError,
     AgentKVError,

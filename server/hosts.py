@@ -16,7 +16,7 @@ import ipaddress
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import MISDIRECTED, APIError, Dialect
+from agentkv.server.errors import MISDIRECTED, APIError, Dialect
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ANY = "*"

@@ -68,7 +68,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import (
+from agentkv import (
     AgentChangedError,
     AgentExistsError,
     AgentNotFoundError,
@@ -78,10 +78,15 @@ from agents import (
     Reply,
     RuntimeClosedError,
 )
-from agents.prompt import Message
-from server.conversation import ChatMessage, TurnRequest
-from server.conversation_index import ConversationIndex, as_chat, extend_digest, prefix_digests
-from server.sessions import (
+from agentkv.prompt import Message
+from agentkv.server.conversation import ChatMessage, TurnRequest
+from agentkv.server.conversation_index import (
+    ConversationIndex,
+    as_chat,
+    extend_digest,
+    prefix_digests,
+)
+from agentkv.server.sessions import (
     STATELESS_PREFIX,
     session_agent_id,
 )

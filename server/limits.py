@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import TOO_LARGE, APIError, Dialect
+from agentkv.server.errors import TOO_LARGE, APIError, Dialect
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_MESSAGES = 10_000

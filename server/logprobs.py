@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agents import AgentRuntime, TokenLogprob
-from engine.request import MAX_TOP_LOGPROBS
-from server.errors import APIError
+from agentkv import AgentRuntime, TokenLogprob
+from agentkv.engine.request import MAX_TOP_LOGPROBS
+from agentkv.server.errors import APIError
 
 
 def top_logprobs(logprobs: bool | None, top: int | None, field: str = "top_logprobs") -> int | None:

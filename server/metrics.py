@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agents import Reply
+from agentkv import Reply
 
 CACHE_SOURCES = ("hot", "disk", "prefix", "rebuilt", "none")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from store import is_valid_agent_id
+from agentkv.store import is_valid_agent_id
 
 VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
 """Lines that carry no instruction and change from request to request: Claude Code's billing

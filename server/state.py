@@ -8,10 +8,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from agents import AgentRuntime, Reply
-from server.identity import Identity
-from server.limits import DEFAULT_MAX_MESSAGES
-from server.metrics import ServerMetrics
+from agentkv import AgentRuntime, Reply
+from agentkv.server.identity import Identity
+from agentkv.server.limits import DEFAULT_MAX_MESSAGES
+from agentkv.server.metrics import ServerMetrics
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,12 +20,12 @@ from pydantic import AfterValidator
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agents import AgentNotFoundError, InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
-from agents.tool_calls import ToolFormat
-from server.conversation import TurnRequest
-from server.errors import ClientDisconnectedError
-from server.identity import FIRST_USE_TRIES, Claim
-from server.state import ServerState
+from agentkv import AgentNotFoundError, InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
+from agentkv.server.conversation import TurnRequest
+from agentkv.server.errors import ClientDisconnectedError
+from agentkv.server.identity import FIRST_USE_TRIES, Claim
+from agentkv.server.state import ServerState
+from agentkv.tool_calls import ToolFormat
 
 
 def _utf8(value: str | None) -> str | None:

@@ -3,7 +3,7 @@
 
 Typical use::
 
-    from store import NewMessage, Registry
+    from agentkv.store import NewMessage, Registry
 
     async with await Registry.open("data/agentkv.sqlite") as registry:
         agent = await registry.create_agent(system_prompt="You are terse.")
@@ -21,14 +21,14 @@ a newer job for the same key replaces one that has not started::
     await asyncio.to_thread(writer.close)  # finishes the queued jobs, then stops the thread
 """
 
-from store.cache_files import (
+from agentkv.store.cache_files import (
     CacheFile,
     CacheFileInfo,
     read_cache_file,
     remove_cache_file,
     write_cache_file,
 )
-from store.errors import (
+from agentkv.store.errors import (
     AgentChangedError,
     AgentExistsError,
     AgentNotFoundError,
@@ -46,9 +46,9 @@ from store.errors import (
     ResponseNotFoundError,
     StoreError,
 )
-from store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
-from store.leases import Lease, LeaseIndex
-from store.records import (
+from agentkv.store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
+from agentkv.store.leases import Lease, LeaseIndex
+from agentkv.store.records import (
     AgentRecord,
     CacheRecord,
     DiskUsage,
@@ -61,9 +61,9 @@ from store.records import (
     Role,
     StoredBlock,
 )
-from store.registry import Registry
-from store.responses import ResponseIndex
-from store.writer import CacheWriter, JobFuture
+from agentkv.store.registry import Registry
+from agentkv.store.responses import ResponseIndex
+from agentkv.store.writer import CacheWriter, JobFuture
 
 __all__ = [
     "AGENT_ID_PATTERN",

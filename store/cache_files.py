@@ -31,7 +31,7 @@ import safetensors.numpy
 import xxhash
 from safetensors import SafetensorError
 
-from store.errors import CacheFileCorruptError, CacheFileMissingError, Corruption
+from agentkv.store.errors import CacheFileCorruptError, CacheFileMissingError, Corruption
 
 CHECKSUM_KEY = "checksum"
 """Metadata key holding the file's checksum; reserved, callers may not set it."""

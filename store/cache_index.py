@@ -20,12 +20,12 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select, union, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from store import database, validation
-from store.errors import AgentNotFoundError, BlocksMissingError
-from store.ids import validate_agent_id
-from store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
-from store.postgres import Lock
-from store.records import CacheRecord, DiskUsage, NewBlock, NewCacheEntry, StoredBlock
+from agentkv.store import database, validation
+from agentkv.store.errors import AgentNotFoundError, BlocksMissingError
+from agentkv.store.ids import validate_agent_id
+from agentkv.store.models import Agent, KVBlock, KVCache, KVCacheBlock, utcnow
+from agentkv.store.postgres import Lock
+from agentkv.store.records import CacheRecord, DiskUsage, NewBlock, NewCacheEntry, StoredBlock
 
 INSERT_CHUNK = 1000
 _IN_CHUNK = 500  # keys per IN (...) list, well under SQLite's bound-parameter limit

@@ -40,10 +40,10 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import ConnectionPoolEntry
 
-import migrations
-from store import postgres
-from store.errors import MigrationError, RegistryClosedError, RegistryStorageError
-from store.postgres import Lock
+import agentkv.migrations as migrations
+from agentkv.store import postgres
+from agentkv.store.errors import MigrationError, RegistryClosedError, RegistryStorageError
+from agentkv.store.postgres import Lock
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import errno
 import os
 from enum import StrEnum
 
-from engine.errors import AgentKVError, CacheUnusableError
+from agentkv.engine.errors import AgentKVError, CacheUnusableError
 
 _MAX_SHOWN = 80
 

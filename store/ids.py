@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from store.errors import InvalidAgentIdError
+from agentkv.store.errors import InvalidAgentIdError
 
 AGENT_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 AGENT_ID_RULE = (

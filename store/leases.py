@@ -21,10 +21,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
-from store import database
-from store.errors import AgentNotFoundError
-from store.ids import validate_agent_id
-from store.models import AgentLease, utcnow
+from agentkv.store import database
+from agentkv.store.errors import AgentNotFoundError
+from agentkv.store.ids import validate_agent_id
+from agentkv.store.models import AgentLease, utcnow
 
 
 @dataclass(slots=True, frozen=True)

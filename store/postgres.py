@@ -19,7 +19,7 @@ from sqlalchemy import URL, Connection, Select, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from store.errors import RegistryStorageError
+from agentkv.store.errors import RegistryStorageError
 
 DRIVER = "postgresql+asyncpg"
 DIALECT = "postgresql"

@@ -8,8 +8,8 @@ from enum import StrEnum
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from store.errors import InvalidRecordError
-from store.models import Agent, KVCache, Message
+from agentkv.store.errors import InvalidRecordError
+from agentkv.store.models import Agent, KVCache, Message
 
 MAX_FINGERPRINT_CHARS = 64
 MAX_NAME_CHARS = 256

@@ -24,14 +24,14 @@ from sqlalchemy import literal as sa_literal
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from store import database, validation
-from store.cache_index import CacheIndex, current_cache, require_agent
-from store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
-from store.ids import new_agent_id, validate_agent_id
-from store.leases import LeaseIndex
-from store.models import Agent, Message, UTCDateTime, utcnow
-from store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
-from store.responses import ResponseIndex
+from agentkv.store import database, validation
+from agentkv.store.cache_index import CacheIndex, current_cache, require_agent
+from agentkv.store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
+from agentkv.store.ids import new_agent_id, validate_agent_id
+from agentkv.store.leases import LeaseIndex
+from agentkv.store.models import Agent, Message, UTCDateTime, utcnow
+from agentkv.store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
+from agentkv.store.responses import ResponseIndex
 
 
 class _Keep(Enum):

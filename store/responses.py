@@ -27,12 +27,12 @@ from typing import Any
 from sqlalchemy import delete, func, insert, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from store import database
-from store.cache_index import require_agent
-from store.errors import InvalidRecordError, ResponseNotFoundError
-from store.models import Message, StoredResponse, utcnow
-from store.postgres import Lock
-from store.records import NewResponse, ResponseRecord
+from agentkv.store import database
+from agentkv.store.cache_index import require_agent
+from agentkv.store.errors import InvalidRecordError, ResponseNotFoundError
+from agentkv.store.models import Message, StoredResponse, utcnow
+from agentkv.store.postgres import Lock
+from agentkv.store.records import NewResponse, ResponseRecord
 
 RESPONSE_ID_CHARS = StoredResponse.__table__.c.id.type.length
 """The longest response id the column holds."""

@@ -9,8 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from store.errors import InvalidRecordError
-from store.records import MAX_FINGERPRINT_CHARS, MAX_NAME_CHARS, NewMessage, Role
+from agentkv.store.errors import InvalidRecordError
+from agentkv.store.records import MAX_FINGERPRINT_CHARS, MAX_NAME_CHARS, NewMessage, Role
 
 _ROLES = frozenset(role.value for role in Role)
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from store.errors import CacheWriterClosedError
+from agentkv.store.errors import CacheWriterClosedError
 
 T = TypeVar("T")
 THREAD_NAME = "agentkv-cache-writer"

@@ -1,6 +1,6 @@
 """Shared fixtures. `engine` is imported first so OpenBLAS is preloaded before mlx.core."""
 
-import engine  # noqa: F401  (side effect: OpenBLAS preload, must precede any mlx import)
+import agentkv.engine  # noqa: F401  (side effect: OpenBLAS preload, must precede any mlx import)
 
 # isort: split
 import contextvars
@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from engine.models.tiny import tiny_model_dir
-from engine.sampling import SamplingParams
-from server import turns
+from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.engine.sampling import SamplingParams
+from agentkv.server import turns
 from tests.postgres import PostgresServer, PostgresUnavailable
 
 TOOLS_MODEL = "tiny:tools"  # the tiny model with a tool-call format (Hermes-style <tool_call>)

@@ -1,6 +1,6 @@
 """No request field is silently ignored: every field of each API's official SDK is declared by
 the server's request model and classified (``FieldPolicy``) as honoured, accepted without
-effect (and named in the README), or refused with a 400 naming it; fields no model declares
+effect (and named in the HTTP API docs), or refused with a 400 naming it; fields no model declares
 are logged once by name (tested in ``test_responses.py``)."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsBas
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 from pydantic import BaseModel, ValidationError
 
-from agents import RuntimeConfig
-from server.api.anthropic import CountTokensRequest, MessagesRequest
-from server.api.openai import ChatCompletionRequest
-from server.api.responses import ResponsesRequest
-from server.background import serve_in_thread
+from agentkv import RuntimeConfig
+from agentkv.server.api.anthropic import CountTokensRequest, MessagesRequest
+from agentkv.server.api.openai import ChatCompletionRequest
+from agentkv.server.api.responses import ResponsesRequest
+from agentkv.server.background import serve_in_thread
 
-README = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+HTTP_API = (Path(__file__).parent.parent / "docs" / "http-api.md").read_text(encoding="utf-8")
 HI = [{"role": "user", "content": "Hi"}]
-# model, the SDK's parameters, route, a minimal body, the README paragraph's first words
+# model, the SDK's parameters, route, a minimal body, the docs paragraph's first words
 APIS = {
     "chat": (
         ChatCompletionRequest,
@@ -78,7 +78,7 @@ def example(model: type[BaseModel], body: dict, name: str) -> object:
 
 
 def paragraph(start: str) -> str:
-    return README[README.index(start) :].split("\n\n")[0]
+    return HTTP_API[HTTP_API.index(start) :].split("\n\n")[0]
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -119,7 +119,7 @@ def test_a_refused_field_is_a_400_naming_it(http, api, name):
 def test_accepted_fields_are_taken_without_a_word(http, api, caplog):
     model, _, route, body, _ = APIS[api]
     accepted = {name: example(model, body, name) for name in model.FIELDS.accepted}
-    with caplog.at_level(logging.INFO, logger="server.bodies"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.bodies"):
         response = http.post(route, json=body | accepted)
     assert response.status_code == 200, response.text
     assert "not known to this server" not in caplog.text

@@ -437,8 +437,8 @@ def test_the_timed_chunk_reads_q8_words_expanded_and_through_the_quantized_matmu
     its keys and values (each of its runs), the ``q8 quantized matmul`` row expands nothing
     (q4's chunk, larger than its key group, is expanded by its own path), and the engine's
     setting is left as it was."""
+    from agentkv.engine import attention
     from benchmarks import bench_batch_kv
-    from engine import attention
 
     calls = []
     real = attention._expanded

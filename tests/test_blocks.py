@@ -14,21 +14,21 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 from sqlalchemy import func, select, update
 
-from agents import AgentRuntime, Reply, RuntimeConfig
-from agents.caches import BLOCKS_DIR, DiskStats, chain_keys
-from agents.caches.hot import HotTier
-from agents.caches.janitor import Janitor
-from agents.caches.layout import CacheLayout
-from agents.caches.save import Saver
-from agents.caches.shared import Shared
-from agents.caches.writes import Writes
-from agents.document import common_prefix
-from engine.models.tiny import tiny_model_dir
-from engine.request import Checkpoint, PromptCache
-from store import Registry
-from store.cache_files import read_cache_file
-from store.database import Database
-from store.models import KVBlock, KVCacheBlock, utcnow
+from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv.caches import BLOCKS_DIR, DiskStats, chain_keys
+from agentkv.caches.hot import HotTier
+from agentkv.caches.janitor import Janitor
+from agentkv.caches.layout import CacheLayout
+from agentkv.caches.save import Saver
+from agentkv.caches.shared import Shared
+from agentkv.caches.writes import Writes
+from agentkv.document import common_prefix
+from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.engine.request import Checkpoint, PromptCache
+from agentkv.store import Registry
+from agentkv.store.cache_files import read_cache_file
+from agentkv.store.database import Database
+from agentkv.store.models import KVBlock, KVCacheBlock, utcnow
 from tests.alike import assert_q8_alike
 
 BLOCK = 16
@@ -604,10 +604,10 @@ async def test_disk_budget_evicts_cold_agents_but_keeps_blocks_others_list(tmp_p
 
 
 async def test_a_format_1_cache_still_resumes_and_its_next_save_is_paged(tmp_path):
-    from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION
-    from engine.kv.whole import encode_cache
-    from store import NewCacheEntry
-    from store.cache_files import write_cache_file
+    from agentkv.engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSION
+    from agentkv.engine.kv.whole import encode_cache
+    from agentkv.store import NewCacheEntry
+    from agentkv.store.cache_files import write_cache_file
 
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         agent = await rt.create_agent(system_prompt=SYSTEM)
@@ -686,7 +686,7 @@ async def test_a_cancelled_turn_waiting_for_a_shared_head_leaves_it_stored(tmp_p
 
 
 async def test_a_prompt_over_the_context_stores_no_shared_head(tmp_path):
-    from agents import ContextLengthError
+    from agentkv import ContextLengthError
 
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
         agent = await rt.create_agent(system_prompt=SYSTEM)
@@ -744,9 +744,9 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
     their files stay while listed."""
     from sqlalchemy import update
 
-    from engine.kv.encoded import EncodedCache
-    from engine.kv.paged import split_blocks
-    from store.cache_files import write_cache_file
+    from agentkv.engine.kv.encoded import EncodedCache
+    from agentkv.engine.kv.paged import split_blocks
+    from agentkv.store.cache_files import write_cache_file
 
     settings = config(tmp_path, kv_bits=None, share_prefixes=False)
     async with await AgentRuntime.open(settings) as rt:
@@ -784,7 +784,7 @@ async def test_blocks_stored_one_per_file_still_resume(tmp_path):
 async def test_blocks_stored_meanwhile_are_cut_out_of_a_segment(tmp_path):
     """A save whose segment holds blocks another save stored since it looked writes only the
     rest, as a segment of its own: what a save of just those blocks writes."""
-    from engine.kv.paged import encode_paged
+    from agentkv.engine.kv.paged import encode_paged
 
     settings = config(tmp_path, kv_bits=None, share_prefixes=False)
     async with await AgentRuntime.open(settings) as rt:

@@ -17,14 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from store import cache_files
-from store.cache_files import (
+from agentkv.store import cache_files
+from agentkv.store.cache_files import (
     CacheFileInfo,
     read_cache_file,
     remove_cache_file,
     write_cache_file,
 )
-from store.errors import (
+from agentkv.store.errors import (
     CacheFileCorruptError,
     CacheFileError,
     CacheFileMissingError,

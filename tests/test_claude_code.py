@@ -21,9 +21,9 @@ import openai
 import pytest
 from test_server import metric
 
-from agents import RuntimeConfig
-from server.app import DEFAULT_STATELESS_TTL_S
-from server.background import serve_in_thread
+from agentkv import RuntimeConfig
+from agentkv.server.app import DEFAULT_STATELESS_TTL_S
+from agentkv.server.background import serve_in_thread
 
 MODEL = "tiny:tools"
 DATA = Path(__file__).parent / "data" / "claude_code"

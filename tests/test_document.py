@@ -6,9 +6,9 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from agents import AgentRuntime, Reply, RuntimeConfig
-from agents.document import common_prefix
-from engine.models.tiny import tiny_model_dir
+from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv.document import common_prefix
+from agentkv.engine.models.tiny import tiny_model_dir
 
 
 def config(data_dir: Path, model: str) -> RuntimeConfig:

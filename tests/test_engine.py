@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
-from engine.kv_batch import KVLayout
-from engine.request import FinishReason, GenerationRequest, PromptCache, TokenEvent
-from engine.sampling import SamplingParams
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
+from agentkv.engine.kv_batch import KVLayout
+from agentkv.engine.request import FinishReason, GenerationRequest, PromptCache, TokenEvent
+from agentkv.engine.sampling import SamplingParams
 from tests.alike import assert_q8_alike, q8_alike
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -419,7 +419,7 @@ async def test_timings_charge_prefill_to_prefill(gemma):
 
 
 async def test_a_bug_in_the_loop_fails_requests_instead_of_hanging(monkeypatch):
-    from engine.meter import Meter
+    from agentkv.engine.meter import Meter
 
     eng = await Engine.open("tiny:gemma3")
     boom = RuntimeError("bug in the loop")
@@ -583,7 +583,7 @@ def test_batch_kv_bits_takes_8_4_or_none():
 async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
     monkeypatch, caplog
 ):
-    from engine import attention
+    from agentkv.engine import attention
 
     quantized = attention.quantized_attention
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from agents import AgentChangedError, AgentRuntime, RuntimeConfig, TextDelta
-from agents.leases import Leases, WorkerClaim
-from store import AgentNotFoundError, NewMessage, Registry
-from store.models import AgentLease, utcnow
+from agentkv import AgentChangedError, AgentRuntime, RuntimeConfig, TextDelta
+from agentkv.leases import Leases, WorkerClaim
+from agentkv.store import AgentNotFoundError, NewMessage, Registry
+from agentkv.store.models import AgentLease, utcnow
 
 MODEL = "tiny:gemma3"
 
@@ -218,6 +218,6 @@ async def test_a_lease_lost_at_a_renewal_is_taken_again(db_url: str) -> None:
 
 
 def test_the_sweep_grace_defaults_to_the_janitors() -> None:
-    from agents.caches.janitor import SWEEP_GRACE_S
+    from agentkv.caches.janitor import SWEEP_GRACE_S
 
     assert RuntimeConfig(model=MODEL).sweep_grace_s == SWEEP_GRACE_S

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agents import RuntimeConfig
-from server.background import serve_in_thread
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
 
 MODEL = "tiny:gemma3"
 NUL = "a\u0000b"

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine.errors import ModelInstallError, OutputDirNotEmptyError, UnsupportedModelError
-from engine.models.gguf import import_gguf
-from engine.models.packaged import (
+from agentkv.engine.errors import ModelInstallError, OutputDirNotEmptyError, UnsupportedModelError
+from agentkv.engine.models.gguf import import_gguf
+from agentkv.engine.models.packaged import (
     NO_INSTALL_ENV,
     PACKAGED_MODELS,
     PackagedModel,
     packaged_model_dir,
 )
-from engine.models.tiny import tiny_model_dir
-from server.cli import main
+from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.server.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = (ROOT / "benchmarks" / "data" / "alice_ch1_2.txt").read_text(encoding="utf-8")
@@ -291,7 +291,7 @@ def test_missing_model_package_says_how_to_install_it(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 async def test_gemma3_270m_spec_resumed_from_disk_equals_uninterrupted(tmp_path):
-    from agents import AgentRuntime, RuntimeConfig
+    from agentkv import AgentRuntime, RuntimeConfig
 
     turns = ["The capital of France is Paris. Name a famous museum there.", "Which river?"]
 

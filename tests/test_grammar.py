@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.grammar import GrammarError
-from engine.request import FinishReason, GenerationRequest
-from engine.sampling import SamplingParams
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.grammar import GrammarError
+from agentkv.engine.request import FinishReason, GenerationRequest
+from agentkv.engine.sampling import SamplingParams
 
 TITLE = {
     "type": "object",
@@ -82,7 +82,7 @@ def test_a_schema_that_cannot_compile_names_the_problem(engine, schema, says):
 
 
 async def test_the_runtime_holds_a_reply_to_a_response_format(tmp_path):
-    from agents import AgentRuntime, InvalidResponseFormatError, RuntimeConfig
+    from agentkv import AgentRuntime, InvalidResponseFormatError, RuntimeConfig
 
     config = RuntimeConfig(model="tiny:gemma3", data_dir=tmp_path)
     schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": TITLE}}
@@ -102,7 +102,7 @@ async def test_the_runtime_holds_a_reply_to_a_response_format(tmp_path):
 
 
 async def test_a_failing_grammar_ends_its_reply_not_the_batch(engine, monkeypatch, caplog):
-    from engine.grammar import GrammarProcessor
+    from agentkv.engine.grammar import GrammarProcessor
 
     grammar = await asyncio.to_thread(engine.grammars.json_schema, TITLE)
     free = GenerationRequest(prompt(engine, 21, salt=2), max_tokens=16)
@@ -123,7 +123,7 @@ async def test_a_failing_grammar_ends_its_reply_not_the_batch(engine, monkeypatc
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     import mlx.core as mx
 
-    from engine.sampling import OccurrencePenalty
+    from agentkv.engine.sampling import OccurrencePenalty
 
     penalty = OccurrencePenalty(presence=0.5, frequency=0.25)
     logits = mx.zeros((1, 8))

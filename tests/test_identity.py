@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from agents import AgentRuntime, Reply, RuntimeConfig
-from server.conversation import TurnRequest
-from server.identity import DEFAULT_MAX_STATELESS_AGENTS, Identity
-from server.metrics import ServerMetrics
-from server.state import ModelInfo, ServerState
-from server.turns import TurnStream
+from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv.server.conversation import TurnRequest
+from agentkv.server.identity import DEFAULT_MAX_STATELESS_AGENTS, Identity
+from agentkv.server.metrics import ServerMetrics
+from agentkv.server.state import ModelInfo, ServerState
+from agentkv.server.turns import TurnStream
 
 MODEL = "tiny:gemma3"
 LONG_SYSTEM = " ".join(f"Rule {i}: answer politely and briefly about parcels." for i in range(40))

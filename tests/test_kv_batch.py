@@ -15,8 +15,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from engine.attention import install
-from engine.kv_batch import (
+from agentkv.engine.attention import install
+from agentkv.engine.kv_batch import (
     MIN_GROWTH,
     PADDING_TOLERANCE,
     KVGroup,
@@ -24,7 +24,7 @@ from engine.kv_batch import (
     best_group,
     growth,
 )
-from engine.models.loading import load_model
+from agentkv.engine.models.loading import load_model
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
 
@@ -111,7 +111,7 @@ def test_a_group_gives_back_exactly_the_caches_it_was_given(model):
 
 
 def test_a_group_refuses_caches_of_another_shape(model):
-    from engine.errors import InvalidCacheError
+    from agentkv.engine.errors import InvalidCacheError
 
     layout = KVLayout.of(model)
     wrong = [KVCache() for _ in layout.windows]
@@ -122,7 +122,7 @@ def test_a_group_refuses_caches_of_another_shape(model):
 
 
 def test_a_group_refuses_a_cache_with_other_heads(model):
-    from engine.errors import InvalidCacheError
+    from agentkv.engine.errors import InvalidCacheError
 
     layout = KVLayout.of(model)
     caches = prefilled(model, 6)
@@ -297,7 +297,7 @@ def test_a_quantized_group_gives_back_exactly_the_quantized_rows(model, bits):
 
 
 def test_a_packed_row_joins_only_a_layer_held_quantized(model):
-    from engine.errors import InvalidCacheError
+    from agentkv.engine.errors import InvalidCacheError
 
     quantized, exact = KVLayout.of(model, bits=8), KVLayout.of(model)
     group = KVGroup.start(quantized, Seq(12), prefilled(model, 12))
@@ -339,12 +339,12 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(
     joins without float copies) or before its fence; a row leaves with its float copies and
     rejoins with them. A sliding window (``window``) shorter than the float copies reads
     only its own positions. ``blocked``: the rows' prompt chunk attends a query at a time."""
-    from engine import attention
-    from engine.attention import quantized_attention
+    from agentkv.engine import attention
+    from agentkv.engine.attention import quantized_attention
 
     if blocked:
         monkeypatch.setattr(attention, "SCORES_BYTES", 1)
-    from engine.batch_caches import (
+    from agentkv.engine.batch_caches import (
         FLOAT_WINDOW,
         Packing,
         expand,
@@ -435,9 +435,9 @@ def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(
     chunk of ``EXPANDED_ROWS`` query rows a head or more (here the whole eight) expands the
     words for one float matmul: the same values, summed in another order. ``blocked``: a
     chunk's queries attend a few at a time (``SCORES_BYTES``), each as it would alone."""
-    from engine import attention
-    from engine.attention import quantized_attention
-    from engine.batch_caches import FLOAT_WINDOW, Packing, quantized_buffer
+    from agentkv.engine import attention
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import FLOAT_WINDOW, Packing, quantized_buffer
 
     monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
     monkeypatch.setattr(attention, "EXPANDED_ROWS", 16)  # query rows a head: 2 a position
@@ -507,9 +507,9 @@ def test_a_chunk_on_a_cpu_multiplies_its_words_expanded_as_the_quantized_matmul_
     row: the same attention to float32 rounding (q4: a chunk its folded key groups still
     score, values through the words); a decode step still takes the matmul. q8's expansion
     (its codes are the words' bytes) is exactly ``mx.dequantize``'s."""
-    from engine import attention
-    from engine.attention import quantized_attention
-    from engine.batch_caches import (
+    from agentkv.engine import attention
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import (
         Packing,
         channel_buffer,
         channel_row,
@@ -568,9 +568,9 @@ def test_a_q8_chunk_attends_a_block_of_queries_at_a_time(monkeypatch):
     """A q8 chunk over a long history attends ``SCORES_BYTES`` of scores at a time: the same
     outputs as all its queries at once, in a fraction of the working set (MLX's peak memory
     above what the buffer holds)."""
-    from engine import attention
-    from engine.attention import quantized_attention
-    from engine.batch_caches import Packing, quantized_buffer
+    from agentkv.engine import attention
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import Packing, quantized_buffer
 
     H, D, group, cached, n = 2, 64, 32, 4096, 256
     keys = mx.random.normal((1, H, cached + n, D), key=mx.random.key(41))
@@ -615,8 +615,8 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
     it attends as over the positions expanded, through growth, a filter (a global layer's cuts
     left padding), an extend and a ring's wrapping; a row leaves packed, with exactly the bytes
     packing its positions gives (a q4 ring's: ``test_four_bit_rows_decoded_in_a_group_...``)."""
-    from engine.attention import quantized_attention
-    from engine.batch_caches import (
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import (
         Packing,
         QuantizedLayer,
         channel_buffer,
@@ -626,8 +626,8 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
         packed_dim,
         quantized_buffer,
     )
-    from engine.config import KEY_BITS
-    from engine.kv_batch import GroupKVCache, GroupRotatingKVCache
+    from agentkv.engine.config import KEY_BITS
+    from agentkv.engine.kv_batch import GroupKVCache, GroupRotatingKVCache
 
     H, D, group, steps = 2, 64, 32, 40
     lengths = [5, 40, 70]
@@ -718,15 +718,15 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
     the bytes quantizing the whole history at once gives, the float copies are the newest
     positions exactly, and attention through the group equals attention over those positions
     expanded (one key channel is 100x the others, which per-position scales would blur)."""
-    from engine.attention import quantized_attention
-    from engine.batch_caches import (
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import (
         channel_buffer,
         channel_row,
         expanded_channel_row,
         float_window,
         hadamard,
     )
-    from engine.config import KEY_GROUP_SIZE as K
+    from agentkv.engine.config import KEY_GROUP_SIZE as K
 
     group, H, D, steps = 32, 2, 64, 90  # (values in groups of 32, keys of K positions)
     lengths = [7, 96]  # the window starts a key group: no position of one is lost
@@ -794,8 +794,8 @@ def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
     words (decode steps through the folded scores; a 40-token chunk's expanded keys), where
     ``recent`` does not hold it; a row without them reads its words. Rows keep theirs through
     ``extend``, ``filter`` and ``extract``."""
-    from engine.attention import quantized_attention
-    from engine.batch_caches import channel_buffer, channel_row, hadamard
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import channel_buffer, channel_row, hadamard
 
     group, H, D = 32, 2, 64
     lengths = [3, 70, 161] if chunk == 1 else [161]
@@ -863,14 +863,14 @@ def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
 
 
 def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
-    from engine.batch_caches import (
+    from agentkv.engine.batch_caches import (
         channel_boundary,
         channel_row,
         join_packed,
         packed,
         packed_per_position,
     )
-    from engine.kv.quant import hadamard, quantize_channel_keys
+    from agentkv.engine.kv.quant import hadamard, quantize_channel_keys
 
     keys = mx.random.normal((1, 2, 150, 64), key=mx.random.key(4)) * 3
     values = mx.random.normal((1, 2, 150, 64), key=mx.random.key(5))
@@ -895,14 +895,16 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
     a key group has positions (a 5- or 40-token chunk of 4 heads) or a ring that splits a
     group (a 40-position window's) expand them. Either way it gives what attention over the
     expanded keys gives, rows of different lengths padded."""
-    import engine.attention
-    from engine.attention import quantized_attention
-    from engine.batch_caches import channel_buffer, channel_row, hadamard
+    import agentkv.engine.attention
+    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.batch_caches import channel_buffer, channel_row, hadamard
 
     folded, steps = [], []  # calls scoring the quantized keys as they are; per step, whether
-    fold = engine.attention._folded_scores
-    monkeypatch.setattr(engine.attention, "_folded_scores", lambda *a: folded.append(1) or fold(*a))
-    from engine.config import KEY_GROUP_SIZE as K
+    fold = agentkv.engine.attention._folded_scores
+    monkeypatch.setattr(
+        agentkv.engine.attention, "_folded_scores", lambda *a: folded.append(1) or fold(*a)
+    )
+    from agentkv.engine.config import KEY_GROUP_SIZE as K
 
     group, H, D = 32, 2, 64  # (values in groups of 32; keys per channel over K positions)
     lengths = [3, 70, 161]

@@ -20,29 +20,29 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from engine.batch_caches import codes_of
-from engine.config import GROUP_SIZE_BY_BITS
-from engine.engine import Engine
-from engine.errors import CacheFormatError
-from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import (
+from agentkv.engine.batch_caches import codes_of
+from agentkv.engine.config import GROUP_SIZE_BY_BITS
+from agentkv.engine.engine import Engine
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.assemble import assemble_paged
+from agentkv.engine.kv.encoded import (
     FORMAT_VERSION,
     GROUP_SIZES,
     EncodedCache,
     choose_group_size,
 )
-from engine.kv.layouts import group_of, part_group
-from engine.kv.load import BlockRun, decode_paged
-from engine.kv.paged import PagedCache, encode_paged, split_blocks
-from engine.kv.quant import (
+from agentkv.engine.kv.layouts import group_of, part_group
+from agentkv.engine.kv.load import BlockRun, decode_paged
+from agentkv.engine.kv.paged import PagedCache, encode_paged, split_blocks
+from agentkv.engine.kv.quant import (
     channel_span,
     dequantize_on_host,
     hadamard,
     hadamard_on_host,
 )
-from engine.kv.whole import decode_cache, encode_cache
-from engine.request import GenerationRequest, PromptCache
-from store.cache_files import load_into_mlx
+from agentkv.engine.kv.whole import decode_cache, encode_cache
+from agentkv.engine.request import GenerationRequest, PromptCache
+from agentkv.store.cache_files import load_into_mlx
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
 WINDOW = 32  # tiny:gemma3's sliding window
@@ -197,7 +197,7 @@ def test_q4_files_of_earlier_key_schemes_read_as_written(monkeypatch, n):
     positions), read as written, in MLX and on the host, as does today's (5-bit keys over 32
     positions); a newer file read as if it were an older one is refused on its key scales' or
     words' shape (as a reader from before refuses it), not misread."""
-    import engine.kv.whole
+    import agentkv.engine.kv.whole
 
     mx.random.seed(7)
     keys = mx.random.normal((1, 2, n, 64)) * mx.array([30.0] + [1.0] * 63)
@@ -207,7 +207,9 @@ def test_q4_files_of_earlier_key_schemes_read_as_written(monkeypatch, n):
     flags = {"channel_keys": True, "rotated_values": True}
     encoded = {}
     for key_group, extra in ((32, {}), (16, {"key_group_size": 16})):  # the earlier schemes
-        monkeypatch.setattr(engine.kv.whole, "quant_scheme", lambda *a, x=extra, **k: flags | x)
+        monkeypatch.setattr(
+            agentkv.engine.kv.whole, "quant_scheme", lambda *a, x=extra, **k: flags | x
+        )
         encoded[key_group, 4] = encode_cache(cache, 4, 32)
         monkeypatch.undo()
     encoded[32, 5] = new = encode_cache(cache, 4, 32)
@@ -750,7 +752,7 @@ def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(c
         layer.update_and_fetch(keys, values)
         layers.append(layer)
     cache = PromptCache(layers, list(range(10)))
-    with caplog.at_level(logging.WARNING, logger="engine.kv.quant"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.kv.quant"):
         encoded = encode_cache(cache, 4, 64)
     assert "KV head size 72 is not divisible by any quantization group size" in caplog.text
     assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [64, None]
@@ -771,7 +773,7 @@ BLOCK = 16
 
 def write_paged(tmp_path, paged) -> tuple[str, list[str]]:
     """The tail and segments of a PagedCache as files (safetensors with a checksum)."""
-    from store.cache_files import write_cache_file
+    from agentkv.store.cache_files import write_cache_file
 
     blocks = [
         str(write_cache_file(tmp_path / f"b{j}.safetensors", b.tensors, b.metadata).path)
@@ -830,9 +832,9 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
     """A batch holding q4 (keys per channel, values rotated) takes a q4 file's words as they
     are: the positions it holds quantized are exactly what quantizing the original cache gives
     (not the file's dequantized values quantized again); the newest are float."""
-    from engine.batch_caches import channel_boundary, float_window, is_packed
-    from engine.config import KEY_GROUP_SIZE as K
-    from engine.kv_batch import KVLayout
+    from agentkv.engine.batch_caches import channel_boundary, float_window, is_packed
+    from agentkv.engine.config import KEY_GROUP_SIZE as K
+    from agentkv.engine.kv_batch import KVLayout
 
     cache = await history(gemma, n)
     paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
@@ -868,10 +870,10 @@ async def test_a_q4_file_of_four_bit_keys_joins_a_q4_batch_expanded(
     """A q4 file written before five-bit keys (4-bit keys over 16 positions, or before that
     over the layer's group size: 32 positions, as the batch's five-bit keys) does not join a
     batch holding q4 with its words: it loads expanded as stored (the batch packs it anew)."""
-    import engine.kv.paged
-    from engine.batch_caches import is_packed
-    from engine.kv.quant import quant_scheme
-    from engine.kv_batch import KVLayout
+    import agentkv.engine.kv.paged
+    from agentkv.engine.batch_caches import is_packed
+    from agentkv.engine.kv.quant import quant_scheme
+    from agentkv.engine.kv_batch import KVLayout
 
     def four_bit_keys(*args, **kwargs):
         fields = quant_scheme(*args, **kwargs)
@@ -882,7 +884,7 @@ async def test_a_q4_file_of_four_bit_keys_joins_a_q4_batch_expanded(
 
     cache = await history(gemma, 130)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, 4, 32)).packing
-    monkeypatch.setattr(engine.kv.paged, "quant_scheme", four_bit_keys)
+    monkeypatch.setattr(agentkv.engine.kv.paged, "quant_scheme", four_bit_keys)
     paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
     monkeypatch.undo()
     layouts = json.loads(paged.tail.metadata["layers"])
@@ -905,9 +907,9 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read
     its words as stored (saved again, the same bytes). A q8 file written before keys were
     rotated (its layouts without ``rotated_keys``) still loads: expanded as stored, unrotated
     (the batch packs such a row, rotated, when it joins)."""
-    import engine.kv.paged
-    from engine.batch_caches import is_packed
-    from engine.kv_batch import KVLayout
+    import agentkv.engine.kv.paged
+    from agentkv.engine.batch_caches import is_packed
+    from agentkv.engine.kv_batch import KVLayout
 
     cache = await history(gemma, 130)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
@@ -924,7 +926,7 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read
             np.testing.assert_array_equal(x, new.tensors[name], err_msg=name)
 
     # As agentkv wrote q8 files before (format 2): no flags, keys quantized as they are.
-    monkeypatch.setattr(engine.kv.paged, "quant_scheme", lambda *args, **kwargs: {})
+    monkeypatch.setattr(agentkv.engine.kv.paged, "quant_scheme", lambda *args, **kwargs: {})
     legacy = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
     monkeypatch.undo()
     # Rotated keys make format 3 (which an agentkv reading only format 2 refuses); files
@@ -1004,7 +1006,7 @@ async def test_a_q8_batch_row_at_a_block_boundary_with_no_new_blocks_saves(
 ):
     """A q8 batch's row (keys rotated) ending on a block boundary, all its blocks stored: its
     global layers' tail is empty, whether the file keeps the batch's words or expands them."""
-    from engine.kv_batch import KVLayout
+    from agentkv.engine.kv_batch import KVLayout
 
     cache = await history(gemma, 4 * BLOCK)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
@@ -1175,8 +1177,8 @@ async def test_a_file_read_as_the_batch_holds_it_keeps_its_words_and_computes_no
     """A q8 file into a q8 batch (its words packed as stored) and a q4 file into a q4 batch
     (its words kept; the batch reads the first position itself): given ``first_positions``,
     nothing is dequantized, so nothing asks for it, and the rows are those read without."""
-    from engine.batch_caches import is_packed
-    from engine.kv_batch import KVLayout
+    from agentkv.engine.batch_caches import is_packed
+    from agentkv.engine.kv_batch import KVLayout
 
     cache = await history(gemma, 130)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, bits, group)).packing
@@ -1212,7 +1214,7 @@ async def test_a_first_position_that_cannot_be_had_leaves_the_words_and_is_logge
         raise RuntimeError("out of memory")
 
     plain = await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False)
-    with caplog.at_level(logging.WARNING, logger="engine.kv.load"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.kv.load"):
         got = [
             await gemma.run(decode_paged, load_into_mlx, tail, block_paths, False, None, None, f)
             for f in (failing, lambda token: None)

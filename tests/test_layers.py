@@ -1,5 +1,7 @@
-"""The packages' layering, read from their imports: each layer imports only itself and the
-layers below, never a peer, and the light entry points import no MLX."""
+"""The packages' shape, read from their files: each layer imports only itself and the layers
+below, never a peer; no import cycle, not even one for type hints; no module past
+:data:`MAX_LINES` but those named with a reason; one installed name, ``agentkv``; and the light
+entry points import no MLX."""
 
 from __future__ import annotations
 
@@ -11,18 +13,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {  # the repo's folders and the names they install as
+    "server": "agentkv.server",
+    "agents": "agentkv",
+    "store": "agentkv.store",
+    "migrations": "agentkv.migrations",
+    "engine": "agentkv.engine",
+}
 # Highest first: (layer, the modules it holds). A module belongs to the layer of its longest
 # prefix here. Layers of one rank are peers: neither imports the other.
 LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
-    [("cli", ("server.cli", "server.__main__"))],
-    [("server", ("server",))],
-    [("agents", ("agents",))],
-    [("cache store", ("agents.caches",))],
-    [("kv codec", ("engine.kv",)), ("registry", ("store", "migrations"))],
-    [("engine", ("engine",))],
-    [("model loading", ("engine.models",))],
-    [("errors", ("engine.errors",))],
+    [("cli", ("agentkv.server.cli",))],
+    [("server", ("agentkv.server",))],
+    [("agents", ("agentkv",))],
+    [("cache store", ("agentkv.caches",))],
+    [("kv codec", ("agentkv.engine.kv",)), ("registry", ("agentkv.store", "agentkv.migrations"))],
+    [("engine", ("agentkv.engine",))],
+    [("model loading", ("agentkv.engine.models",))],
+    [("errors", ("agentkv.engine.errors",))],
 ]
+MAX_LINES = 400
+LONGER = {  # module -> why it stays longer than MAX_LINES
+}
 
 
 def layer_of(module: str) -> tuple[int, str] | None:
@@ -46,20 +58,18 @@ def imports(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module))
-            # ``from engine import errors`` imports the module engine.errors
+            # ``from agentkv.engine import errors`` imports the module agentkv.engine.errors
             found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
     return found
 
 
-PACKAGES = ["server", "agents", "store", "migrations", "engine"]
-
-
 def modules() -> list[tuple[str, Path]]:
+    """(installed name, file) of every module of the packages."""
     out = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            relative = path.relative_to(ROOT).with_suffix("")
-            out.append((".".join(relative.parts).removesuffix(".__init__"), path))
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            out.append((".".join((package, *parts)).removesuffix(".__init__"), path))
     return out
 
 
@@ -92,32 +102,105 @@ def test_the_layer_test_sees_a_wrong_import(tmp_path):
     bad = tmp_path / "engine" / "kv" / "bad.py"
     bad.parent.mkdir(parents=True)
     bad.write_text(
-        "from server.app import create_app\n"  # up
-        "from store import Registry\n"  # a peer
-        "from engine.kv.encoded import FORMAT_VERSION\n"  # its own layer
-        "from engine import errors\n"  # down
+        "from agentkv.server.app import create_app\n"  # up
+        "from agentkv.store import Registry\n"  # a peer
+        "from agentkv.engine.kv.encoded import FORMAT_VERSION\n"  # its own layer
+        "from agentkv.engine import errors\n"  # down
     )
-    found = wrong_imports("engine.kv.bad", bad)
+    found = wrong_imports("agentkv.engine.kv.bad", bad)
     assert [w.split(" imports ")[1] for w in found] == [
-        "server.app (server)",
-        "server.app.create_app (server)",
-        "store (registry)",
-        "store.Registry (registry)",
+        "agentkv.server.app (server)",
+        "agentkv.server.app.create_app (server)",
+        "agentkv.store (registry)",
+        "agentkv.store.Registry (registry)",
     ]
-    assert layer_of("engine.kv_batch") == (5, "engine")  # a prefix ends at a dot
+    assert layer_of("agentkv.engine.kv_batch") == (5, "engine")  # a prefix ends at a dot
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (a name imported from a package counts as
+    its module when there is one, else the package). A package does not count as importing
+    its own modules: its ``__init__`` re-exports them."""
+    known = {m for m, _ in modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules():
+        targets = set()
+        for _, imported in imports(path):
+            while imported and imported not in known:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != module:
+                targets.add(imported)
+        if path.name == "__init__.py":
+            targets = {t for t in targets if not t.startswith(module + ".")}
+        graph[module] = targets
+    return graph
+
+
+def test_the_cycle_test_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_nothing_imports_the_folders_by_their_own_names():
+    """The folders install under ``agentkv``: ``import engine`` would be a second copy of the
+    module (or, installed beside another project, someone else's)."""
+    files = [p for _, p in modules()]
+    files += [*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/**/*.py")]
+    files.append(ROOT / "demo_full_stack.py")
+    bare = [
+        f"{p.relative_to(ROOT)}:{line} {name}"
+        for p in files
+        for line, name in imports(p)
+        if name.split(".")[0] in FOLDERS
+    ]
+    assert bare == []
 
 
 @pytest.mark.parametrize(
     "statement",
     [
-        "import store",
-        "from agents import RuntimeConfig, AgentKVError, EngineConfig",
-        "import engine.errors, engine.kv.encoded, engine.config",
+        "import agentkv.store",
+        "from agentkv import RuntimeConfig, AgentKVError, EngineConfig",
+        "import agentkv.engine.errors, agentkv.engine.kv.encoded, agentkv.engine.config",
     ],
 )
 def test_light_entry_points_load_no_mlx_and_no_blas(statement):
     code = (
-        f"import sys; {statement}; from engine.models import blas; "
+        f"import sys; {statement}; from agentkv.engine.models import blas; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')), "
         "blas.loaded_library())"
     )
@@ -127,21 +210,28 @@ def test_light_entry_points_load_no_mlx_and_no_blas(statement):
     assert out.stdout.strip() == "[] None"
 
 
-def test_every_folder_of_modules_is_a_package():
-    """pyproject finds packages by their __init__.py: a folder without one would be left out
-    of the wheel."""
+def test_every_folder_of_modules_is_a_package_the_wheel_lists():
+    """pyproject lists the packages: a folder without an ``__init__.py``, or one it does not
+    list, would be left out of the wheel."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     folders = {
         path.parent
-        for package in PACKAGES
-        for path in (ROOT / package).rglob("*.py")
+        for folder in FOLDERS
+        for path in (ROOT / folder).rglob("*.py")
         if "__pycache__" not in path.parts
     }
     missing = [f.relative_to(ROOT) for f in folders if not (f / "__init__.py").exists()]
     assert missing == []
+    packages = {m for m, p in modules() if p.name == "__init__.py"}
+    assert packages == listed
 
 
-def test_the_lazy_names_of_agents_are_listed_and_importable():
-    import agents
+def test_the_lazy_names_of_agentkv_are_listed_and_importable():
+    import agentkv
 
-    assert set(agents.__all__) <= set(dir(agents))
-    assert all(getattr(agents, name) is not None for name in agents.__all__)
+    assert set(agentkv.__all__) <= set(dir(agentkv))
+    assert all(getattr(agentkv, name) is not None for name in agentkv.__all__)

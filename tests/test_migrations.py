@@ -23,8 +23,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, inspect
 
-import migrations
-from store import (
+import agentkv.migrations as migrations
+from agentkv.store import (
     InvalidRecordError,
     MigrationError,
     NewBlock,
@@ -35,7 +35,7 @@ from store import (
     StoredBlock,
     database,
 )
-from store.models import Base
+from agentkv.store.models import Base
 from tests import postgres
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,7 +359,7 @@ async def test_each_downgrade_restores_the_schema_its_upgrade_started_from(
 
 OPEN_READ_ONLY = """
 import asyncio, sys
-from store import Registry, RegistryStorageError
+from agentkv.store import Registry, RegistryStorageError
 try:
     asyncio.run(Registry.open(sys.argv[1]))
 except RegistryStorageError as exc:

@@ -26,14 +26,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents import AgentRuntime, RegistryStorageError, Reply, RuntimeConfig, WorkerIdInUseError
-from agents.leases import Leases, WorkerClaim
-from server.conversation import TurnRequest
-from server.identity import Identity
-from server.metrics import ServerMetrics
-from server.state import ModelInfo, ServerState
-from server.turns import TurnStream, run_turn
-from store import Registry
+from agentkv import AgentRuntime, RegistryStorageError, Reply, RuntimeConfig, WorkerIdInUseError
+from agentkv.leases import Leases, WorkerClaim
+from agentkv.server.conversation import TurnRequest
+from agentkv.server.identity import Identity
+from agentkv.server.metrics import ServerMetrics
+from agentkv.server.state import ModelInfo, ServerState
+from agentkv.server.turns import TurnStream, run_turn
+from agentkv.store import Registry
 
 MODEL = "tiny:gemma3"
 
@@ -333,7 +333,7 @@ def test_ctrl_c_stops_agentkv_serve_cleanly(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     args = ["serve", "--model", MODEL, "--data-dir", str(tmp_path), "--port", str(port)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "agentkv.server.cli", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

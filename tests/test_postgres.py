@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import make_url
 
-from store import (
+from agentkv.store import (
     NewBlock,
     NewCacheEntry,
     NewMessage,
@@ -24,7 +24,7 @@ from store import (
     cache_index,
     database,
 )
-from store import (
+from agentkv.store import (
     registry as registry_module,
 )
 from tests import postgres
@@ -189,7 +189,7 @@ async def test_an_append_waits_for_the_one_in_progress(
 
 APPEND_FROM_A_PROCESS = """
 import asyncio, sys
-from store import NewMessage, Registry
+from agentkv.store import NewMessage, Registry
 
 async def main(url, name, count):
     async with await Registry.open(url) as registry:

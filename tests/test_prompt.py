@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from agents import AgentRuntime, ChatTemplateError, ContextLengthError, RuntimeConfig
-from agents.prompt import ChatRenderer
-from engine.models.loading import load_model
-from engine.models.tiny import tiny_model_dir
+from agentkv import AgentRuntime, ChatTemplateError, ContextLengthError, RuntimeConfig
+from agentkv.engine.models.loading import load_model
+from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.prompt import ChatRenderer
 
 # Like the official Gemma-3 template: the system prompt is folded into the first user turn,
 # content is trimmed, and user/assistant must alternate.

@@ -1,4 +1,4 @@
-"""The README's examples run as written (paths and ports aside)."""
+"""The examples of the README and the docs run as written (paths and ports aside)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from agents import RuntimeConfig
-from server.background import serve_in_thread
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCKS = [
+    block
+    for page in PAGES
+    for block in re.findall(r"```(\w+)\n(.*?)```", page.read_text(), flags=re.S)
+]
 PYTHON = [code for lang, code in BLOCKS if lang == "python"]
 BASH = [code for lang, code in BLOCKS if lang == "bash"]
 

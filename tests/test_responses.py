@@ -22,8 +22,8 @@ import openai
 import pytest
 from test_server import metric
 
-from agents import RuntimeConfig
-from server.background import serve_in_thread
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
 
 MODEL = "tiny:tools"
 DATA = Path(__file__).parent / "data" / "codex"
@@ -140,7 +140,7 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
     }
     tools = [WEATHER, namespace, {"type": "web_search", "external_web_access": False}]
     force_tool_call("book_train", {"city": "Lyon"}, text="Booking. ")
-    with caplog.at_level(logging.INFO, logger="server.api.responses_input"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.api.responses_input"):
         called = client.responses.create(
             model="m", input="A train to Lyon?", tools=tools, prompt_cache_key="s-tools"
         )
@@ -333,7 +333,7 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(http, extra, field,
 
 
 def test_unknown_fields_are_logged_not_silently_dropped(http, caplog):
-    with caplog.at_level(logging.INFO, logger="server.bodies"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.bodies"):
         response = http.post(
             "/v1/responses",
             json={"model": "m", "input": "Hi", "max_output_tokens": 2, "future_knob": 1},
@@ -567,7 +567,7 @@ def test_a_tool_choice_that_cannot_be_forced_is_a_400(http, path, body, says):
 def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, caplog):
     from mlx_lm.utils import load_tokenizer
 
-    from engine.models.tiny import tiny_model_dir
+    from agentkv.engine.models.tiny import tiny_model_dir
 
     tokenizer = load_tokenizer(tiny_model_dir(MODEL))
     token = tokenizer.encode("e", add_special_tokens=False)[0]
@@ -591,7 +591,7 @@ def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, ca
     ):
         response = http.post("/v1/chat/completions", json={"model": "m", "messages": ask, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
-    with caplog.at_level(logging.INFO, logger="server.bodies"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.bodies"):
         response = http.post(
             "/v1/chat/completions",
             json={"model": "m", "messages": ask, "max_tokens": 1, "new_knob": 1},
@@ -608,7 +608,7 @@ def test_anthropic_fields_unknown_to_the_server_are_logged(http, caplog):
         "thinking": {"type": "disabled"},  # known: accepted without effect
         "brand_new_option": True,
     }
-    with caplog.at_level(logging.INFO, logger="server.bodies"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.bodies"):
         assert http.post("/v1/messages", json=body).status_code == 200
     assert "Anthropic Messages: field 'brand_new_option' is not known" in caplog.text
     assert "'thinking'" not in caplog.text

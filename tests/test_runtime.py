@@ -21,11 +21,11 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from pydantic import ValidationError
 
-import agents
-import agents.errors
-import engine.errors
-import store.errors
-from agents import (
+import agentkv
+import agentkv.engine.errors
+import agentkv.errors
+import agentkv.store.errors
+from agentkv import (
     AgentExistsError,
     AgentKVError,
     AgentNotFoundError,
@@ -41,13 +41,13 @@ from agents import (
     SamplingParams,
     TextDelta,
 )
-from agents.prompt import ChatRenderer
-from engine.errors import CacheFormatError
-from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import EncodedCache
-from engine.kv.paged import split_blocks
-from store import NewCacheEntry, Registry
-from store.cache_files import read_cache_file
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.assemble import assemble_paged
+from agentkv.engine.kv.encoded import EncodedCache
+from agentkv.engine.kv.paged import split_blocks
+from agentkv.prompt import ChatRenderer
+from agentkv.store import NewCacheEntry, Registry
+from agentkv.store.cache_files import read_cache_file
 
 SYSTEM_S = [{"role": "system", "content": "S"}]
 TURNS = [
@@ -291,7 +291,7 @@ def flip(path: Path) -> None:
 async def test_damaged_cache_file_is_rebuilt_from_transcript(tmp_path, damage, caplog):
     path = await saved_cache_path(tmp_path, "x")
     damage(path)
-    with caplog.at_level(logging.WARNING, logger="agents.caches.load"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.caches.load"):
         async with await AgentRuntime.open(config(tmp_path)) as rt:
             reply = await rt.chat("x", "Second turn", max_tokens=6)
             assert reply.cache_source == "rebuilt"
@@ -312,7 +312,7 @@ async def test_cache_file_of_another_model_is_rebuilt(tmp_path):
         entry = (await rt.cache_info("x")).stored
         target = rt.config.caches_path / entry.path
         target.write_bytes(foreign.read_bytes())  # ...placed where tiny:llama's file was
-        from store.cache_files import read_cache_file
+        from agentkv.store.cache_files import read_cache_file
 
         checksum = read_cache_file(target).checksum
         async with await Registry.open(rt.config.database) as registry:
@@ -429,7 +429,7 @@ async def test_delete_agent_leaves_no_files(tmp_path):
 KILLED_RIGHT_AFTER_REPLY = textwrap.dedent(
     """
     import asyncio, os, sys
-    from agents import AgentRuntime, RuntimeConfig
+    from agentkv import AgentRuntime, RuntimeConfig
 
     async def main():
         rt = await AgentRuntime.open(RuntimeConfig(model="tiny:gemma3", data_dir=sys.argv[1]))
@@ -684,7 +684,7 @@ async def test_no_mlx_call_on_the_event_loop_during_a_seeded_turn(tmp_path):
 def test_every_public_error_derives_from_one_root():
     classes = [
         obj
-        for module in (agents, engine.errors, store.errors, agents.errors)
+        for module in (agentkv, agentkv.engine.errors, agentkv.store.errors, agentkv.errors)
         for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, Exception)
     ]
@@ -806,11 +806,11 @@ async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path):
 
 async def test_a_turn_over_the_kv_budget_is_refused_and_stores_nothing(tmp_path):
     budget = 2 * 1024 * 1024
-    engine_config = agents.EngineConfig(kv_budget_bytes=budget)
+    engine_config = agentkv.EngineConfig(kv_budget_bytes=budget)
     async with await AgentRuntime.open(config(tmp_path, engine=engine_config)) as rt:
         await rt.create_agent("a")
         first = await rt.chat("a", "hello there", max_tokens=6)
-        with pytest.raises(agents.KVBudgetError, match="max_tokens") as refused:
+        with pytest.raises(agentkv.KVBudgetError, match="max_tokens") as refused:
             await rt.chat("a", "tell me everything", max_tokens=6000)
         assert refused.value.budget_bytes == budget < refused.value.needed_bytes
         assert [m.content for m in await rt.transcript("a")] == ["hello there", first.text]
@@ -973,7 +973,7 @@ async def test_a_batch_quantized_otherwise_than_the_disk_still_resumes(
 
 
 def test_runtime_batch_kv_bits_is_the_engines():
-    from engine.config import EngineConfig
+    from agentkv.engine.config import EngineConfig
 
     def engine(**kw):
         return RuntimeConfig(model="m", **kw).engine_config()

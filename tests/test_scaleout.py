@@ -29,18 +29,18 @@ from typing import NoReturn
 import httpx
 import pytest
 
-from agents import RuntimeConfig
-from benchmarks import bench_soak
-from server.background import serve_in_thread
-from server.cli import build_parser, main
-from server.scaleout.local import (
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
+from agentkv.server.cli import build_parser, main
+from agentkv.server.scaleout.local import (
     CONFIG,
     Cluster,
     RouterNotInstalledError,
     local_cluster,
     router_config,
 )
-from server.worker import WORKER_HEADER
+from agentkv.server.worker import WORKER_HEADER
+from benchmarks import bench_soak
 from tests.conftest import DATABASES
 
 MODEL = "tiny:gemma3"

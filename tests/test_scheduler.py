@@ -10,15 +10,15 @@ import pytest
 from mlx_lm.generate import generate_step
 from pydantic import ValidationError
 
-from engine.admission import AdmissionQueue
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import EngineOverloadedError, KVBudgetError
-from engine.kv_batch import KVGroup
-from engine.meter import StepRecord
-from engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
-from engine.request import FinishReason, GenerationRequest
-from engine.sampling import SamplingParams
+from agentkv.engine.admission import AdmissionQueue
+from agentkv.engine.config import EngineConfig
+from agentkv.engine.engine import Engine
+from agentkv.engine.errors import EngineOverloadedError, KVBudgetError
+from agentkv.engine.kv_batch import KVGroup
+from agentkv.engine.meter import StepRecord
+from agentkv.engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
+from agentkv.engine.request import FinishReason, GenerationRequest
+from agentkv.engine.sampling import SamplingParams
 
 
 class Clock:
@@ -431,11 +431,11 @@ async def test_fair_rotates_one_turn_per_time_slice():
         assert result.token_ids == greedy(eng, request.prompt_tokens, 160)
 
 
-@pytest.mark.parametrize("where", ["engine.scheduler.Scheduler._merge_groups", "leave"])
+@pytest.mark.parametrize("where", ["agentkv.engine.scheduler.Scheduler._merge_groups", "leave"])
 async def test_a_failure_while_scheduling_fails_the_batch_and_the_engine_serves_on(
     where, monkeypatch
 ):
-    from engine.scheduler import Scheduler
+    from agentkv.engine.scheduler import Scheduler
 
     eng = await Engine.open("tiny:gemma3")
     try:
@@ -466,8 +466,8 @@ async def test_a_failure_while_scheduling_fails_the_batch_and_the_engine_serves_
 
 @pytest.fixture(scope="module")
 def layout():
-    from engine.kv_batch import KVLayout
-    from engine.models.loading import load_model
+    from agentkv.engine.kv_batch import KVLayout
+    from agentkv.engine.models.loading import load_model
 
     return KVLayout.of(load_model("tiny:gemma3").model)
 
@@ -482,7 +482,7 @@ def waiting(scheduler, n: int, priority: int = 0, salt: int = 0):
 
 
 def test_a_turn_queued_while_another_is_admitted_is_neither_lost_nor_admitted_twice(layout):
-    from engine.scheduler import Scheduler
+    from agentkv.engine.scheduler import Scheduler
 
     scheduler = Scheduler(EngineConfig(completion_batch_size=1), layout, budget_bytes=1 << 30)
     first = waiting(scheduler, 10)
@@ -501,7 +501,7 @@ def test_a_turn_queued_while_another_is_admitted_is_neither_lost_nor_admitted_tw
 
 
 def test_fair_prefill_gives_a_small_budget_to_a_few_prompts_in_turn(layout):
-    from engine.scheduler import Scheduler
+    from agentkv.engine.scheduler import Scheduler
 
     scheduler = Scheduler(EngineConfig(policy="fair"), layout, budget_bytes=1 << 30)
     prompts = [waiting(scheduler, 100, salt=i) for i in range(5)]
@@ -520,9 +520,9 @@ def test_a_joining_q4_turn_reads_the_first_position_of_its_own_first_token():
     for the sequence's first token: a resumed turn's history's, a new one's prompt's."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.models.loading import load_model
-    from engine.runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from agentkv.engine.models.loading import load_model
+    from agentkv.engine.runner import ModelRunner
+    from agentkv.engine.scheduler import Scheduler
     from tests.test_runner import sequence
 
     model = load_model("tiny:gemma3").model

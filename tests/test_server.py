@@ -24,11 +24,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import EngineConfig, RuntimeConfig
-from agents.config import default_hot_cache_bytes
-from server.background import serve_in_thread
-from server.cli import build_parser, main
-from store import NewMessage, Registry
+from agentkv import EngineConfig, RuntimeConfig
+from agentkv.config import default_hot_cache_bytes
+from agentkv.server.background import serve_in_thread
+from agentkv.server.cli import build_parser, main
+from agentkv.store import NewMessage, Registry
 
 MODEL = "tiny:gemma3"
 KEY = "sk-test-key"
@@ -425,7 +425,7 @@ def test_stateless_match_checks_the_transcript(srv, claude, http, caplog):
     changed = raw.headers["x-agent-id"]
     asyncio.run(append_behind_the_servers_back(changed))
     history = [user("Q1"), assistant(raw.parse().content[0].text), user("Q2")]
-    with caplog.at_level(logging.INFO, logger="server.identity"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.identity"):
         raw = claude.messages.with_raw_response.create(
             model="m", max_tokens=6, system=system, messages=history
         )
@@ -880,7 +880,9 @@ def test_agentkv_serve_reports_its_budgets_and_stateless_agents_expire_in_an_hou
     args = ["serve", "--model", MODEL, "--data-dir", str(data), "--port", str(port)]
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *args], stdout=subprocess.DEVNULL, stderr=out
+            [sys.executable, "-m", "agentkv.server.cli", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
         )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
@@ -991,7 +993,7 @@ def test_cli_batch_flags_are_checked_and_named(tmp_path, capsys):
 
 
 def test_volatile_lines_are_dropped_from_system_prompts_only():
-    from server.sessions import without_volatile_lines
+    from agentkv.server.sessions import without_volatile_lines
 
     line = "x-anthropic-billing-header: cc_version=2.1.330.7c2; cc_entrypoint=cli;"
     blocks = [{"type": "text", "text": line}, {"type": "text", "text": "Be brief.", "x": 1}]

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import AgentRuntime, RegistryStorageError, RuntimeConfig
-from server.background import serve_in_thread
-from server.errors import Dialect, api_error
-from server.hosts import allowed_hosts, host_of
+from agentkv import AgentRuntime, RegistryStorageError, RuntimeConfig
+from agentkv.server.background import serve_in_thread
+from agentkv.server.errors import Dialect, api_error
+from agentkv.server.hosts import allowed_hosts, host_of
 
 MODEL = "tiny:gemma3"
 MAX_BODY = 256 * 1024
@@ -361,7 +361,7 @@ def test_agentkv_serve_checks_the_host_unless_allowed(tmp_path: Path):
             port = s.getsockname()[1]
         args = ["serve", "--model", MODEL, "--data-dir", str(tmp_path), "--port", str(port)]
         process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *args, *extra],
+            [sys.executable, "-m", "agentkv.server.cli", *args, *extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from agents import RuntimeConfig
-from server.background import serve_in_thread
-from server.bodies import INLINE_BYTES
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
+from agentkv.server.bodies import INLINE_BYTES
 
 MODEL = "tiny:gemma3"
 MAX_MESSAGES = 1000

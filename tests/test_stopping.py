@@ -3,7 +3,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.stopping import StopStrings
+from agentkv.engine.stopping import StopStrings
 
 
 def run(stops, chunks):

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
 
-from store import (
+from agentkv.store import (
     AgentExistsError,
     AgentNotFoundError,
     InvalidAgentIdError,
@@ -37,7 +37,7 @@ from store import (
     is_valid_agent_id,
     validate_agent_id,
 )
-from store.models import Agent
+from agentkv.store.models import Agent
 from tests import postgres
 
 ENTRY = NewCacheEntry(

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from store.errors import CacheWriterClosedError, StoreError
-from store.writer import THREAD_NAME, CacheWriter, JobFuture
+from agentkv.store.errors import CacheWriterClosedError, StoreError
+from agentkv.store.writer import THREAD_NAME, CacheWriter, JobFuture
 
 TIMEOUT = 10  # seconds; only reached when a test is about to fail
 

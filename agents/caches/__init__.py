@@ -30,9 +30,9 @@ collection, pins, the disk budget, the sweep), ``prefixes`` (shared prefixes and
 and ``tiers`` (``CacheTiers``: both tiers as one, what the runtime and its turns hold).
 """
 
-from agents.caches.disk import DiskCaches
-from agents.caches.layout import BLOCKS_DIR, chain_keys
-from agents.caches.load import LoadedCache, StaleCacheError
-from agents.caches.stats import DiskStats
+from agentkv.caches.disk import DiskCaches
+from agentkv.caches.layout import BLOCKS_DIR, chain_keys
+from agentkv.caches.load import LoadedCache, StaleCacheError
+from agentkv.caches.stats import DiskStats
 
 __all__ = ["BLOCKS_DIR", "DiskCaches", "DiskStats", "LoadedCache", "StaleCacheError", "chain_keys"]

@@ -7,19 +7,19 @@ import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agents.caches.janitor import SWEEP_GRACE_S, Janitor
-from agents.caches.layout import CacheLayout, link_or_copy
-from agents.caches.load import LoadedCache, Loader
-from agents.caches.prefixes import Prefix, Prefixes
-from agents.caches.save import Saver
-from agents.caches.shared import Shared
-from agents.caches.stats import DiskStats
-from agents.caches.writes import Writes
-from engine.engine import Engine
-from engine.kv.encoded import DEFAULT_BLOCK_TOKENS
-from engine.request import PromptCache
-from store import BlocksMissingError, NewCacheEntry, Registry
-from store.cache_files import remove_cache_file
+from agentkv.caches.janitor import SWEEP_GRACE_S, Janitor
+from agentkv.caches.layout import CacheLayout, link_or_copy
+from agentkv.caches.load import LoadedCache, Loader
+from agentkv.caches.prefixes import Prefix, Prefixes
+from agentkv.caches.save import Saver
+from agentkv.caches.shared import Shared
+from agentkv.caches.stats import DiskStats
+from agentkv.caches.writes import Writes
+from agentkv.engine.engine import Engine
+from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS
+from agentkv.engine.request import PromptCache
+from agentkv.store import BlocksMissingError, NewCacheEntry, Registry
+from agentkv.store.cache_files import remove_cache_file
 
 
 class DiskCaches:

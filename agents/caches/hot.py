@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import Checkpoint, PromptCache
+from agentkv.engine.request import Checkpoint, PromptCache
 
 
 @dataclass(slots=True, frozen=True)

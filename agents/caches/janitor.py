@@ -18,10 +18,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agents.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, remove_quietly
-from agents.caches.shared import Part, Shared
-from store import StoredBlock
-from store.cache_files import remove_cache_file
+from agentkv.caches.layout import BLOCK_NAME, BLOCKS_DIR, WRITTEN_NAME, remove_quietly
+from agentkv.caches.shared import Part, Shared
+from agentkv.store import StoredBlock
+from agentkv.store.cache_files import remove_cache_file
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from engine.config import KEY_BITS, KEY_GROUP_SIZE
-from store import StoredBlock
-from store.cache_files import remove_cache_file
+from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
+from agentkv.store import StoredBlock
+from agentkv.store.cache_files import remove_cache_file
 
 log = logging.getLogger(__name__)
 

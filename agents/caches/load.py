@@ -18,19 +18,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.caches.layout import BLOCKS_DIR, names_segment_of, remove_quietly
-from agents.caches.shared import Part
-from engine.errors import CacheFormatError, CacheUnusableError
-from engine.kv.assemble import assemble_paged
-from engine.kv.encoded import FORMAT_VERSION, PAGED_FORMAT_VERSIONS, EncodedCache, block_tokens_of
-from engine.kv.load import BlockRun, LoadedFile, decode_paged
-from engine.kv.paged import split_blocks
-from engine.kv.quant import dequantize_on_host
-from engine.kv.whole import decode_cache
-from engine.request import PromptCache
-from store import CacheRecord, StoredBlock
-from store.cache_files import load_into_mlx, read_cache_file, verify_checksum
-from store.errors import CacheFileCorruptError
+from agentkv.caches.layout import BLOCKS_DIR, names_segment_of, remove_quietly
+from agentkv.caches.shared import Part
+from agentkv.engine.errors import CacheFormatError, CacheUnusableError
+from agentkv.engine.kv.assemble import assemble_paged
+from agentkv.engine.kv.encoded import (
+    FORMAT_VERSION,
+    PAGED_FORMAT_VERSIONS,
+    EncodedCache,
+    block_tokens_of,
+)
+from agentkv.engine.kv.load import BlockRun, LoadedFile, decode_paged
+from agentkv.engine.kv.paged import split_blocks
+from agentkv.engine.kv.quant import dequantize_on_host
+from agentkv.engine.kv.whole import decode_cache
+from agentkv.engine.request import PromptCache
+from agentkv.store import CacheRecord, StoredBlock
+from agentkv.store.cache_files import load_into_mlx, read_cache_file, verify_checksum
+from agentkv.store.errors import CacheFileCorruptError
 
 log = logging.getLogger(__name__)
 

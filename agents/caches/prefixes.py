@@ -15,15 +15,15 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from agents.caches.janitor import Janitor
-from agents.caches.layout import remove_all
-from agents.caches.load import Loader
-from agents.caches.save import Saver
-from agents.caches.shared import Part, Shared
-from engine.errors import CacheUnusableError
-from engine.kv.paged import PagedCache
-from engine.request import GenerationRequest, PromptCache
-from store import NewBlock
+from agentkv.caches.janitor import Janitor
+from agentkv.caches.layout import remove_all
+from agentkv.caches.load import Loader
+from agentkv.caches.save import Saver
+from agentkv.caches.shared import Part, Shared
+from agentkv.engine.errors import CacheUnusableError
+from agentkv.engine.kv.paged import PagedCache
+from agentkv.engine.request import GenerationRequest, PromptCache
+from agentkv.store import NewBlock
 
 log = logging.getLogger(__name__)
 

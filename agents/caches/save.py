@@ -20,14 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.caches.janitor import Janitor
-from agents.caches.layout import remove_all, segment_name
-from agents.caches.shared import Part, Shared
-from engine.kv.encoded import EncodedCache, consecutive_runs
-from engine.kv.paged import PagedCache, encode_paged, token_slice
-from engine.request import PromptCache
-from store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry
-from store.cache_files import remove_cache_file, write_cache_file
+from agentkv.caches.janitor import Janitor
+from agentkv.caches.layout import remove_all, segment_name
+from agentkv.caches.shared import Part, Shared
+from agentkv.engine.kv.encoded import EncodedCache, consecutive_runs
+from agentkv.engine.kv.paged import PagedCache, encode_paged, token_slice
+from agentkv.engine.request import PromptCache
+from agentkv.store import AgentNotFoundError, BlocksMissingError, NewBlock, NewCacheEntry
+from agentkv.store.cache_files import remove_cache_file, write_cache_file
 
 log = logging.getLogger(__name__)
 

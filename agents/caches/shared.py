@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.caches.layout import CacheLayout
-from agents.caches.stats import DiskStats
-from agents.caches.writes import Writes
-from engine.engine import Engine
-from store import Registry
+from agentkv.caches.layout import CacheLayout
+from agentkv.caches.stats import DiskStats
+from agentkv.caches.writes import Writes
+from agentkv.engine.engine import Engine
+from agentkv.store import Registry
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from store import DiskUsage
+from agentkv.store import DiskUsage
 
 
 @dataclass(slots=True)

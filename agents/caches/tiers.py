@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agents.caches.disk import DiskCaches
-from agents.caches.hot import HotTier, longest_shared
-from engine.request import PromptCache
-from store import CacheRecord, Registry
+from agentkv.caches.disk import DiskCaches
+from agentkv.caches.hot import HotTier, longest_shared
+from agentkv.engine.request import PromptCache
+from agentkv.store import CacheRecord, Registry
 
 log = logging.getLogger(__name__)
 

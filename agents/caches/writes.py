@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from store.writer import CacheWriter
+from agentkv.store.writer import CacheWriter
 
 T = TypeVar("T")
 

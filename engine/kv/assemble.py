@@ -8,16 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import CacheFormatError
-from engine.kv.encoded import (
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import (
     FORMAT_VERSION,
     PAGED_FORMAT_VERSIONS,
     EncodedCache,
     is_paged_format,
     tensor,
 )
-from engine.kv.layouts import STORED, parse_paged_layouts, part_bits, part_group, part_names
-from engine.kv.quant import quantized_parts
+from agentkv.engine.kv.layouts import STORED, parse_paged_layouts, part_bits, part_group, part_names
+from agentkv.engine.kv.quant import quantized_parts
 
 
 def assemble_paged(

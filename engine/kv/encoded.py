@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import (  # noqa: F401  (this module's names for them)
+from agentkv.engine.config import (  # noqa: F401  (this module's names for them)
     FALLBACK_GROUP_SIZES,
     GROUP_SIZES,
     choose_group_size,
 )
-from engine.errors import CacheFormatError
+from agentkv.engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
 # Paged files with q8 keys rotated (a layer's layout says ``rotated_keys``, ``engine.kv.quant``)

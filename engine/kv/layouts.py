@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.batch_caches import Packing, is_packed
-from engine.errors import CacheFormatError
-from engine.kv.encoded import GROUP_SIZES, EncodedCache
+from agentkv.engine.batch_caches import Packing, is_packed
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache
 
 KEY_GROUP_SIZES = (16, *GROUP_SIZES)  # of keys per channel: positions a scale covers
 FILE_KEY_BITS = (4, 5)  # of keys per channel (5 bits: a key head size that packs into words)

@@ -12,12 +12,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.batch_caches import Packing, channel_row, is_packed, join_packed
-from engine.errors import CacheFormatError
-from engine.kv.encoded import PAGED_FORMAT_VERSIONS, block_tokens_of, is_paged_format, parse_int
-from engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
-from engine.kv.quant import SCHEME_FLAGS, expand_layer_part
-from engine.request import PromptCache
+from agentkv.engine.batch_caches import Packing, channel_row, is_packed, join_packed
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import (
+    PAGED_FORMAT_VERSIONS,
+    block_tokens_of,
+    is_paged_format,
+    parse_int,
+)
+from agentkv.engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
+from agentkv.engine.kv.quant import SCHEME_FLAGS, expand_layer_part
+from agentkv.engine.request import PromptCache
 
 log = logging.getLogger(__name__)
 

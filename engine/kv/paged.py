@@ -39,11 +39,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engine.errors import CacheFormatError
-from engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
-from engine.kv.layouts import temporal_layer
-from engine.kv.quant import layer_group_size, quant_scheme, stored_kv
-from engine.request import PromptCache
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
+from agentkv.engine.kv.layouts import temporal_layer
+from agentkv.engine.kv.quant import layer_group_size, quant_scheme, stored_kv
+from agentkv.engine.request import PromptCache
 
 
 @dataclass(slots=True, frozen=True)

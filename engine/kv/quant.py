@@ -39,7 +39,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from engine.batch_caches import (
+from agentkv.engine.batch_caches import (
     Packing,
     as_float16,
     codes_of,
@@ -48,10 +48,10 @@ from engine.batch_caches import (
     quantize_per_position,
     rotates_keys,
 )
-from engine.config import KEY_BITS, KEY_GROUP_SIZE
-from engine.errors import CacheFormatError
-from engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
-from engine.kv.layouts import STORED, group_of, parse_layouts, part_bits, part_group
+from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
+from agentkv.engine.kv.layouts import STORED, group_of, parse_layouts, part_bits, part_group
 
 log = logging.getLogger(__name__)
 ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's flag for each

@@ -37,10 +37,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.config import group_size_for
-from engine.errors import CacheFormatError
-from engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
-from engine.kv.layouts import (
+from agentkv.engine.config import group_size_for
+from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
+from agentkv.engine.kv.layouts import (
     DTYPES,
     STORED,
     group_of,
@@ -49,7 +49,7 @@ from engine.kv.layouts import (
     part_group,
     temporal_layer,
 )
-from engine.kv.quant import (
+from agentkv.engine.kv.quant import (
     SCHEME_FLAGS,
     expand_layer_part,
     layer_group_size,
@@ -57,7 +57,7 @@ from engine.kv.quant import (
     quantized_parts,
     stored_kv,
 )
-from engine.request import PromptCache
+from agentkv.engine.request import PromptCache
 
 
 def encode_cache(

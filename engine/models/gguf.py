@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnsupportedModelError
-from engine.models.gguf_families import FAMILIES, Family, GGUFMetadata, hf_name
-from engine.models.gguf_tokenizer import GGUFVocab, build_tokenizer
+from agentkv.engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnsupportedModelError
+from agentkv.engine.models.gguf_families import FAMILIES, Family, GGUFMetadata, hf_name
+from agentkv.engine.models.gguf_tokenizer import GGUFVocab, build_tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16")
 IMPORTER_VERSION = 1  # bump when the output of an import changes

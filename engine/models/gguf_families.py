@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import UnsupportedModelError
-from engine.models.chat_formats import GEMMA3_TEMPLATE, LLAMA_TEMPLATE, PLAIN_TEMPLATE
+from agentkv.engine.errors import UnsupportedModelError
+from agentkv.engine.models.chat_formats import GEMMA3_TEMPLATE, LLAMA_TEMPLATE, PLAIN_TEMPLATE
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 

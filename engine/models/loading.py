@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ModelNotFoundError
-from engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
-from engine.models.tiny import TINY_SPECS, tiny_model_dir
+from agentkv.engine.errors import ModelNotFoundError
+from agentkv.engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
+from agentkv.engine.models.tiny import TINY_SPECS, tiny_model_dir
 
 if TYPE_CHECKING:
     import mlx.nn as nn

@@ -21,9 +21,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelInstallError, OutputDirNotEmptyError
-from engine.models.gguf import IMPORTER_VERSION, MARKER_FILE, import_gguf
-from engine.models.tiny import models_home
+from agentkv.engine.errors import ModelInstallError, OutputDirNotEmptyError
+from agentkv.engine.models.gguf import IMPORTER_VERSION, MARKER_FILE, import_gguf
+from agentkv.engine.models.tiny import models_home
 
 log = logging.getLogger(__name__)
 

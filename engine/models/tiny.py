@@ -28,9 +28,9 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
-from engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, ChatFormat
-from engine.models.tiny_tokenizer import write_tokenizer
+from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
+from agentkv.engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, ChatFormat
+from agentkv.engine.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
 HOME_ENV = "AGENTKV_HOME"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.models.tiny import TinySpec
+    from agentkv.engine.models.tiny import TinySpec
 
 
 def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:

@@ -22,10 +22,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from agents import AgentRecord, MessageRecord
-from server.conversation import UTF8
-from server.state import State
-from store.records import MAX_NAME_CHARS
+from agentkv import AgentRecord, MessageRecord
+from agentkv.server.conversation import UTF8
+from agentkv.server.state import State
+from agentkv.store.records import MAX_NAME_CHARS
 
 router = APIRouter(prefix="/v1/agents")
 DEFAULT_PAGE, MAX_PAGE = 20, 1000

@@ -33,17 +33,16 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from agents import Reply
-from agents.prompt import Message
-from agents.tool_calls import ToolCall
-from server.api.anthropic_content import (
+from agentkv import Reply
+from agentkv.prompt import Message
+from agentkv.server.api.anthropic_content import (
     is_plain,
     template_messages,
     template_tools,
     tool_input_json,
 )
-from server.bodies import FieldPolicy, parse_off_loop
-from server.conversation import (
+from agentkv.server.bodies import FieldPolicy, parse_off_loop
+from agentkv.server.conversation import (
     TEXT_JOINER,
     ChatMessage,
     StopString,
@@ -52,11 +51,11 @@ from server.conversation import (
     split_turn,
     text_of,
 )
-from server.errors import APIError, Dialect, api_error
-from server.limits import MAX_STOP_SEQUENCES
-from server.sessions import named_agent, session_of, without_volatile_lines
-from server.state import ServerState, State
-from server.turns import (
+from agentkv.server.errors import APIError, Dialect, api_error
+from agentkv.server.limits import MAX_STOP_SEQUENCES
+from agentkv.server.sessions import named_agent, session_of, without_volatile_lines
+from agentkv.server.state import ServerState, State
+from agentkv.server.turns import (
     AgentHeader,
     SessionHeader,
     TurnStream,
@@ -64,6 +63,7 @@ from server.turns import (
     reply_headers,
     run_turn,
 )
+from agentkv.tool_calls import ToolCall
 
 router = APIRouter()
 

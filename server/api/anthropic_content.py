@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agents.prompt import Message
-from server.conversation import TEXT_JOINER, checked_text, refuse_empty, text_field
-from server.errors import APIError
+from agentkv.prompt import Message
+from agentkv.server.conversation import TEXT_JOINER, checked_text, refuse_empty, text_field
+from agentkv.server.errors import APIError
 
 UNREADABLE_BLOCKS = ("image", "document", "search_result", "container_upload")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")

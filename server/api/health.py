@@ -17,8 +17,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from server.state import ServerState
-from server.worker import Drain
+from agentkv.server.state import ServerState
+from agentkv.server.worker import Drain
 
 router = APIRouter()
 READY_QUERY_TIMEOUT_S = 2.0

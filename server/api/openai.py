@@ -40,12 +40,11 @@ from pydantic import (
     field_validator,
 )
 
-from agents import AgentRuntime, Reply
-from agents.prompt import Message
-from agents.tool_calls import ToolFormat
-from server.api.anthropic_content import is_plain
-from server.bodies import FieldPolicy, json_value, parse_off_loop
-from server.conversation import (
+from agentkv import AgentRuntime, Reply
+from agentkv.prompt import Message
+from agentkv.server.api.anthropic_content import is_plain
+from agentkv.server.bodies import FieldPolicy, json_value, parse_off_loop
+from agentkv.server.conversation import (
     TEXT_JOINER,
     ChatMessage,
     StopString,
@@ -55,18 +54,19 @@ from server.conversation import (
     split_turn,
     text_of,
 )
-from server.errors import APIError, Dialect, api_error
-from server.limits import MAX_STOP_SEQUENCES
-from server.logprobs import logprob_content, top_logprobs
-from server.sessions import RESPONSES_SESSION_PREFIX, named_agent
-from server.state import State
-from server.turns import (
+from agentkv.server.errors import APIError, Dialect, api_error
+from agentkv.server.limits import MAX_STOP_SEQUENCES
+from agentkv.server.logprobs import logprob_content, top_logprobs
+from agentkv.server.sessions import RESPONSES_SESSION_PREFIX, named_agent
+from agentkv.server.state import State
+from agentkv.server.turns import (
     AgentHeader,
     TurnStream,
     TurnStreamingResponse,
     reply_headers,
     run_turn,
 )
+from agentkv.tool_calls import ToolFormat
 
 router = APIRouter()
 

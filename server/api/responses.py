@@ -63,18 +63,17 @@ from pydantic import (
     StrictInt,
 )
 
-from agents import AgentRuntime, Reply
-from agents.tool_calls import ToolCall, ToolFormat
-from server.api.openai import forced_choice
-from server.api.responses_input import Conversation, conversation
-from server.api.stored_responses import continued, items_of, store_response
-from server.bodies import FieldPolicy, parse_off_loop
-from server.conversation import TurnRequest, sampling_from
-from server.errors import APIError, Dialect, api_error
-from server.logprobs import logprob_content, top_logprobs
-from server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
-from server.state import State
-from server.turns import (
+from agentkv import AgentRuntime, Reply
+from agentkv.server.api.openai import forced_choice
+from agentkv.server.api.responses_input import Conversation, conversation
+from agentkv.server.api.stored_responses import continued, items_of, store_response
+from agentkv.server.bodies import FieldPolicy, parse_off_loop
+from agentkv.server.conversation import TurnRequest, sampling_from
+from agentkv.server.errors import APIError, Dialect, api_error
+from agentkv.server.logprobs import logprob_content, top_logprobs
+from agentkv.server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
+from agentkv.server.state import State
+from agentkv.server.turns import (
     AgentHeader,
     HeaderText,
     TurnStream,
@@ -82,7 +81,8 @@ from server.turns import (
     reply_headers,
     run_turn,
 )
-from store import ResponseRecord
+from agentkv.store import ResponseRecord
+from agentkv.tool_calls import ToolCall, ToolFormat
 
 router = APIRouter()
 

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.prompt import Message
-from server.bodies import json_value
-from server.conversation import TEXT_JOINER, checked_text
-from server.errors import APIError
+from agentkv.prompt import Message
+from agentkv.server.bodies import json_value
+from agentkv.server.conversation import TEXT_JOINER, checked_text
+from agentkv.server.errors import APIError
 
 log = logging.getLogger(__name__)
 

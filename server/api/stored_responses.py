@@ -16,10 +16,10 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from sqlalchemy.exc import SQLAlchemyError
 
-from agents import Reply
-from server.errors import NOT_FOUND, APIError, ErrorKind
-from server.state import ServerState, State
-from store import NewResponse, ResponseNotFoundError, ResponseRecord, StoreError
+from agentkv import Reply
+from agentkv.server.errors import NOT_FOUND, APIError, ErrorKind
+from agentkv.server.state import ServerState, State
+from agentkv.store import NewResponse, ResponseNotFoundError, ResponseRecord, StoreError
 
 log = logging.getLogger(__name__)
 router = APIRouter()

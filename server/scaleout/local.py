@@ -56,7 +56,7 @@ class Worker:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", *self.args],
+                [sys.executable, "-m", "agentkv.server.cli", *self.args],
                 stdout=subprocess.DEVNULL,
                 stderr=out,
             )
