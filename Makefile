@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: setup blas test lint format demo bench bench-quick clean
+.PHONY: setup blas test lint docs format demo bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,12 +34,16 @@ blas:
 	echo "*** No OpenBLAS: MLX's CPU matmuls run ~30x slower. Install it: sudo apt-get install libopenblas0-pthread ***"; \
 	fi
 
-test: blas setup lint
+test: blas setup lint docs
 	$(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The documentation site (docs/, mkdocs.yml): broken links and anchors fail the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -11,6 +11,7 @@ from typing import Any
 from agentkv.caches import DiskCaches
 from agentkv.caches.hot import HotTier
 from agentkv.caches.tiers import CacheInfo, CacheTiers
+from agentkv.chat_turn import ChatTurn
 from agentkv.config import RuntimeConfig
 from agentkv.conversations import Conversations
 from agentkv.engine.engine import Engine
@@ -31,8 +32,8 @@ from agentkv.store import (
 )
 from agentkv.store.models import utcnow
 from agentkv.tool_calls import ToolFormat
-from agentkv.turns import ChatTurn, TurnOptions, TurnRunner, off_loop
-from agentkv.types import Reply, TextDelta
+from agentkv.turns import TurnRunner, off_loop
+from agentkv.types import Reply, TextDelta, TurnOptions
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A turn takes the agent's lock, reads the agent and its transcript, plans (which 
 and what to prefill: :meth:`CacheTiers.resume`, :meth:`TurnRunner.plan_from_prefix`), generates
 through the engine, stores itself uninterruptibly (transcript rows, hot tier, a scheduled save)
 and replies. What differs between kinds is a :class:`Turn`: how it plans and what it stores.
-:class:`ChatTurn` is ``AgentRuntime.stream``'s (a new user message after the stored
+``agentkv.chat_turn.ChatTurn`` is ``AgentRuntime.stream``'s (a new user message after the stored
 transcript); ``agents.conversations.DocumentTurn`` is a whole conversation resent by the client.
 A turn that fails, is refused, is cancelled or whose stream is closed early stores nothing.
 """
@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentkv.caches.tiers import CacheTiers, Resumed, Start
+from agentkv.caches.tiers import CacheTiers, Start
 from agentkv.config import RuntimeConfig
 from agentkv.engine.engine import Engine
-from agentkv.engine.grammar import Grammar
 from agentkv.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -35,28 +31,16 @@ from agentkv.engine.request import (
     TokenLogprob,
 )
 from agentkv.engine.sampling import SamplingParams
-from agentkv.errors import ContextLengthError, EmptyMessageError, TurnFailedError, check_text
+from agentkv.errors import ContextLengthError, TurnFailedError
 from agentkv.leases import Leases
-from agentkv.prompt import ChatRenderer, Message, checked_history, conversation_digest
+from agentkv.prompt import ChatRenderer, Message, conversation_digest
 from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
-from agentkv.types import CacheSource, Reply, TextDelta, Timings, TurnPlan, Usage
+from agentkv.types import CacheSource, Reply, TextDelta, Timings, TurnOptions, TurnPlan, Usage
 
 log = logging.getLogger(__name__)
 
 OFF_LOOP_MESSAGES = 256
 """Conversations at least this long are checked in a worker thread (see :func:`off_loop`)."""
-
-
-@dataclass(slots=True)
-class TurnOptions:
-    """A turn's generation settings (None: the runtime's and the agent's defaults)."""
-
-    max_tokens: int | None = None
-    sampling: SamplingParams | None = None
-    stop: list[str] | None = None
-    priority: float = 0.0
-    grammar: Grammar | None = None  # the reply is held to it (see agents.formats)
-    logprobs: int | None = None  # report tokens' logprobs, with this many alternatives
 
 
 class Turn(Protocol):
@@ -405,112 +389,3 @@ def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> 
     """The agent's system prompt and stored messages, as chat-template messages."""
     system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
     return system + [{"role": str(m.role), "content": m.content} for m in transcript]
-
-
-@dataclass(slots=True)
-class ChatTurn:
-    """A new user message (after ``history``, stored with it) following the transcript."""
-
-    runner: TurnRunner
-    message: str
-    history: list[Message]
-    message_id: int | None = field(default=None, init=False)
-
-    @classmethod
-    async def checked(
-        cls, runner: TurnRunner, message: str, history: Sequence[Message]
-    ) -> ChatTurn:
-        """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
-        if check_text(message, "message").strip() == "":
-            raise EmptyMessageError("message is empty: a turn needs some text")
-        return cls(runner, message, await off_loop(checked_history, history))
-
-    async def plan(
-        self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
-    ) -> TurnPlan:
-        """Resume the agent's cache (hot, then disk) and prefill the messages it does not
-        cover; without one, prefill everything, from a stored prefix when there is one."""
-        runner, renderer = self.runner, self.runner.renderer
-        messages = [
-            *transcript_messages(agent, transcript),
-            *self.history,
-            {"role": "user", "content": self.message},
-        ]
-        n_history = len(transcript) + len(self.history)  # the messages before the new one
-        start = time.perf_counter()
-        offset = len(messages) - n_history - 1  # the system message, if any
-        resumed = await runner.caches.resume(agent.id, agent.version)
-        if resumed is not None:
-            # Hashing, rendering and tokenizing grow with the history: off the event loop.
-            delta = await asyncio.to_thread(
-                self._extend, agent.id, messages, offset, n_history, resumed
-            )
-            if delta is not None:
-                return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
-        tokens = await asyncio.to_thread(renderer.full_prompt, messages)
-        source = "rebuilt" if transcript else "none"
-        heads = functools.partial(renderer.shared_heads, messages, tokens)
-        return await runner.plan_from_prefix(tokens, heads, source, start, priority)
-
-    def _extend(
-        self,
-        agent_id: str,
-        messages: list[Message],
-        offset: int,
-        n_history: int,
-        resumed: Resumed,
-    ) -> list[int] | None:
-        """The tokens that follow the resumed cache, or None (logged) when it cannot be used:
-        it was made from another conversation, or the template does not extend it."""
-        count = resumed.message_count
-        if count > n_history:  # newer than the transcript, which only removed rows cause
-            return None
-        digest = conversation_digest(messages[: offset + count])
-        if resumed.digest != digest:
-            made_from = (
-                f"a conversation with digest {resumed.digest}"
-                if resumed.digest
-                else "a conversation it did not record (saved by an older agentkv)"
-            )
-            log.warning(
-                "agent %r: its %s cache was made from %s, not from the %d messages of its "
-                "transcript it claims to cover (digest %s); rebuilding from the transcript",
-                agent_id,
-                resumed.source,
-                made_from,
-                count,
-                digest,
-            )
-            return None
-        delta = self.runner.renderer.delta(messages, offset + count, resumed.cache.tokens[-1])
-        if delta is None:
-            log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
-        return delta
-
-    async def commit(
-        self,
-        agent: AgentRecord,
-        transcript: list[MessageRecord],
-        plan: TurnPlan,
-        result: GenerationResult,
-    ) -> None:
-        stored = await self.runner.registry.append_messages(
-            agent.id,
-            [
-                *(NewMessage(m["role"], m["content"]) for m in self.history),
-                NewMessage("user", self.message, len(plan.prompt_tokens)),
-                NewMessage("assistant", result.text, len(result.token_ids)),
-            ],
-            expected_version=agent.version,
-        )
-        messages = [
-            *transcript_messages(agent, transcript),
-            *self.history,
-            {"role": "user", "content": self.message},
-            {"role": "assistant", "content": result.text},
-        ]
-        await self.runner.keep(agent, result, plan, messages, stored[-1].position + 1)
-        self.message_id = stored[-1].id
-
-    def reply(self, reply: Reply) -> Reply:
-        return dataclasses.replace(reply, message_id=self.message_id)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from agentkv.engine.grammar import Grammar
 from agentkv.engine.request import PromptCache, TokenLogprob
+from agentkv.engine.sampling import SamplingParams
 from agentkv.tool_calls import ParsedReply
 
 CacheSource = Literal["hot", "disk", "prefix", "none", "rebuilt"]
@@ -100,3 +102,15 @@ class TurnPlan:
     fresh: int = 0  # tokens of ``cache`` this turn prefilled itself (a shared head it stored)
     release: Callable[[], None] | None = None  # unpins the head's blocks once the turn saved
     cache_points: tuple[int, ...] = ()  # shared heads' ends it prefills past (engine's request)
+
+
+@dataclass(slots=True)
+class TurnOptions:
+    """A turn's generation settings (None: the runtime's and the agent's defaults)."""
+
+    max_tokens: int | None = None
+    sampling: SamplingParams | None = None
+    stop: list[str] | None = None
+    priority: float = 0.0
+    grammar: Grammar | None = None  # the reply is held to it (see agentkv.formats)
+    logprobs: int | None = None  # report tokens' logprobs, with this many alternatives

@@ -36,7 +36,7 @@ above what the buffer holds). And the same layer's prompt chunk: one row of ``--
 positions attended by a ``--chunk`` -token chunk written after them (``chunk``), per precision,
 its time and working set; on a CPU also q8 with its words read by ``mx.quantized_matmul`` as
 a decode step reads them (``q8 quantized matmul``: how chunks were read before they were
-expanded, see ``engine.attention.EXPANDED_ROWS``).
+expanded, see ``engine.words.EXPANDED_ROWS``).
 Writes benchmarks/results/batch_kv.json and .png.
 """
 
@@ -56,20 +56,20 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from agentkv.caches.hot import HotTier
-from agentkv.engine import attention
-from agentkv.engine.attention import decode_attention, quantized_attention
-from agentkv.engine.batch_caches import (
-    GroupKVCache,
-    Packing,
-    channel_buffer,
-    channel_row,
-    hadamard,
-    quantized_buffer,
-)
+from agentkv.engine.attention import words
+from agentkv.engine.attention.dense import decode_attention
+from agentkv.engine.attention.quantized import quantized_attention
+from agentkv.engine.batch.buffers import GroupKVCache
+from agentkv.engine.batch.channel import channel_buffer
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.batch.quantized import quantized_buffer
+from agentkv.engine.batch.rows import channel_row
+from agentkv.engine.codes import hadamard
 from agentkv.engine.config import EngineConfig, choose_group_size, group_size_for
 from agentkv.engine.engine import Engine
 from agentkv.engine.models.loading import resolve_model_path
 from agentkv.engine.request import GenerationRequest
+from agentkv.engine.scheme import LayerScheme
 from benchmarks.bench_budget import PRECISIONS, ask, group_size
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache
@@ -291,7 +291,8 @@ def attention_steps(
 
     # (as the batch chooses: another size where the preferred one does not divide the heads)
     g8, g4 = (choose_group_size(dim, group_size_for(bits, group)) for bits in (8, 4))
-    q8 = Packing(8, (g8,), ((dim, dim),), dtype, (False,), (dim & (dim - 1) == 0,))
+    scheme = LayerScheme(8, g8, rotated_keys=dim & (dim - 1) == 0)
+    q8 = Packing(8, (scheme,), ((dim, dim),), dtype)
 
     def attend(name: str, fetched: tuple, q: mx.array, mask: mx.array) -> mx.array:
         if name in ("q8", "q4"):
@@ -459,7 +460,8 @@ def attention_chunk(
     q = mx.random.normal((1, q_heads, chunk, dim), dtype, key=mx.random.key(3))
     mx.eval(keys, values, q)
     g8, g4 = (choose_group_size(dim, group_size_for(bits, group)) for bits in (8, 4))
-    q8 = Packing(8, (g8,), ((dim, dim),), dtype, (False,), (dim & (dim - 1) == 0,))
+    scheme = LayerScheme(8, g8, rotated_keys=dim & (dim - 1) == 0)
+    q8 = Packing(8, (scheme,), ((dim, dim),), dtype)
     old = tuple(x[..., :history, :] for x in (keys, values))
     new = tuple(x[..., history:, :] for x in (keys, values))
 
@@ -493,16 +495,16 @@ def attention_chunk(
         return {"ms": round(1000 * best, 1), "working_set_mb": round(peak / 2**20, 1)}
 
     results = {}
-    saved = attention._ON_CPU[0], attention.EXPANDED_ROWS
-    attention._ON_CPU[0] = on_cpu  # (as install() sets it for a model)
+    saved = words.DEVICE.cpu, words.EXPANDED_ROWS
+    words.DEVICE.cpu = on_cpu  # (as install() sets it for a model)
     try:
         for name in ("model", "q8", "q4"):
             results[name] = timed(name)
         if on_cpu:
-            attention.EXPANDED_ROWS = math.inf  # every read through the quantized matmul
+            words.EXPANDED_ROWS = math.inf  # every read through the quantized matmul
             results["q8 quantized matmul"] = timed("q8")
     finally:
-        attention._ON_CPU[0], attention.EXPANDED_ROWS = saved
+        words.DEVICE.cpu, words.EXPANDED_ROWS = saved
     for row in results.values():
         row["ms_vs_model"] = round(row["ms"] / results["model"]["ms"], 3)
     return {"history": history, "chunk": chunk, "layer": list(layer), "by_precision": results}

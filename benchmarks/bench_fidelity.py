@@ -11,8 +11,8 @@ saves the cache three ways (``none``: exact, ``q8``, ``q4``: keys per channel, v
 Hadamard-rotated, ``engine.kv.quant``) as the runtime stores caches (blocks and a tail:
 ``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
 them back as a resume does (``decode_paged``: a layer dequantized from q8 or q4 words holds its
-first position as the model computes it for the first token, ``engine.kv_batch.first_positions``,
-since 2026-11-25; before, as its words gave it) and teacher-forces the same tokens. Reported per
+first position as the model computes it for the first token,
+``engine.batch.layout.first_positions``) and teacher-forces the same tokens. Reported per
 variant: argmax agreement with the reference (and its 95% Wilson interval over the
 continuation's tokens: at the default 1,024 and 98%, about 97.0-98.7%, so a target a point
 away is told apart; 256 tokens could not), mean and max KL(reference || resumed), perplexity
@@ -22,7 +22,7 @@ In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4
 batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
 dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
 the newest positions in float, and a global layer's first position as the engine computes it,
-``engine.kv_batch.first_positions``) into its group buffers (``KVLayout.buffers``), and
+``engine.batch.layout.first_positions``) into its group buffers (``KVLayout.buffers``), and
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
 history as held, every fed token's keys and values held as the batch writes them (q8: each
 position reads the 16 before it in float, back to the history's end or the last multiple of
@@ -49,11 +49,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from agentkv.engine.batch_caches import QuantizedLayer, is_packed
+from agentkv.engine.batch.layout import KVLayout, first_positions
+from agentkv.engine.batch.quantized import QuantizedLayer
+from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import group_size_for
 from agentkv.engine.engine import Engine
 from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS
-from agentkv.engine.kv_batch import KVLayout, first_positions
 from agentkv.engine.request import PromptCache
 from benchmarks.bench_roundtrip import compare, next_token_logprobs
 from benchmarks.paged_io import load_paged, nbytes, save_paged

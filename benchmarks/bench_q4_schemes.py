@@ -82,7 +82,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from agentkv.engine.batch_caches import as_float16, quantize_per_channel
+from agentkv.engine.codes import as_float16, quantize_per_channel
 from agentkv.engine.kv.quant import dequantize_f32
 from agentkv.engine.models.loading import load_model
 from benchmarks.plots import save_plot, write_report

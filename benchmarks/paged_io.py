@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from agentkv.engine.batch_caches import Packing
+from agentkv.engine.batch.packing import Packing
 from agentkv.engine.config import group_size_for
 from agentkv.engine.kv.assemble import assemble_paged
 from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS, EncodedCache

@@ -77,7 +77,7 @@ class EngineConfig(BaseModel):
             float16 (0.26x of float32; keys rotated), q4 0.32x and 0.16x (keys per channel
             in 5-bit codes over 32 positions, values rotated in 4-bit codes in groups of
             128), each plus a row's newest
-            positions in float (see ``engine.batch_caches``), so the KV budget holds more
+            positions in float (see ``engine.batch``), so the KV budget holds more
             long-history turns.
         batch_kv_group_size: its quantization group size (32, 64 or 128; q4: of the values,
             its keys' groups are :data:`KEY_GROUP_SIZE` positions; a layer whose heads it
@@ -85,7 +85,7 @@ class EngineConfig(BaseModel):
             (:data:`GROUP_SIZE_BY_BITS`).
         cache_block_tokens: tokens per stored cache block (the runtime's ``kv_block_tokens``):
             a cache may start at any multiple of it, so a q8 batch reads no float copy across
-            one (see ``engine.batch_caches.QuantizedLayer``). None: caches start only where
+            one (see ``engine.batch.quantized.QuantizedLayer``). None: caches start only where
             turns joined and at their requests' ``cache_points``.
     """
 

@@ -14,7 +14,8 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
-from agentkv.engine.batch_caches import Packing, is_packed
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
 from agentkv.engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from agentkv.engine.grammar import Grammars
@@ -42,7 +43,9 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: obj
 
 def _describe(packing: Packing) -> str:
     groups = sorted({g for g in packing.group_sizes if g is not None})
-    rotated = ", keys rotated" if any(packing.rotated_keys) else ""
+    rotated = (
+        ", keys rotated" if any(map(packing.keys_rotated, range(len(packing.schemes)))) else ""
+    )
     if packing.any_channel:
         rotated = (
             f", keys per channel at {KEY_BITS} bits over {KEY_GROUP_SIZE} positions, values rotated"

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from agentkv.engine.batch_caches import is_packed
+from agentkv.engine.batch.budget import default_budget_bytes
+from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import EngineConfig
 from agentkv.engine.errors import EngineClosedError, KVBudgetError
-from agentkv.engine.kv_batch import default_budget_bytes
 from agentkv.engine.meter import EngineStats, Meter
 from agentkv.engine.models.loading import LoadedModel, load_model
 from agentkv.engine.request import (
@@ -31,9 +31,10 @@ from agentkv.engine.request import (
     TokenEvent,
     TokenLogprob,
 )
-from agentkv.engine.runner import ModelRunner, StepPlan
+from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import SeqStatus, Sequence
+from agentkv.engine.step import StepPlan, logprob_values, token_values
 
 log = logging.getLogger(__name__)
 CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)
@@ -201,8 +202,8 @@ class GenerationLoop(threading.Thread):
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])
-            tokens = _values([p for _, p in plan.fed])
-            logprobs = _logprob_values(plan, tokens)
+            tokens = token_values([p for _, p in plan.fed])
+            logprobs = logprob_values(plan, tokens)
         except Exception as exc:
             self._fail_batch(exc, "generation step failed")
             return
@@ -368,39 +369,3 @@ class GenerationLoop(threading.Thread):
             logprobs=seq.logprobs if seq.request.logprobs is not None else None,
         )
         self._emit(seq, result)
-
-
-def _values(pending: list) -> list[int]:
-    """The ints of pending tokens: rows of sampled arrays (each read once) or ints."""
-    read: dict[int, list[int]] = {}
-    out = []
-    for p in pending:
-        if isinstance(p, int):
-            out.append(p)
-            continue
-        array, index = p
-        if id(array) not in read:
-            read[id(array)] = array.tolist()
-        out.append(read[id(array)][index])
-    return out
-
-
-def _logprob_values(plan: StepPlan, tokens: list[int]) -> list[TokenLogprob | None]:
-    """The reported logprobs of the tokens ``plan`` fed (None where not asked), each
-    sequence's alternatives cut to what it asked for, most likely first."""
-    read: dict[int, list] = {}
-    out: list[TokenLogprob | None] = []
-    for (seq, _), token, pending in zip(plan.fed, tokens, plan.fed_logprobs, strict=True):
-        if pending is None:
-            out.append(None)
-            continue
-        arrays, row = pending
-        if id(arrays) not in read:
-            read[id(arrays)] = [a.tolist() for a in arrays]
-        values = read[id(arrays)]
-        top: tuple[tuple[int, float], ...] = ()
-        if len(values) > 1 and seq.request.logprobs:
-            ranked = sorted(zip(values[1][row], values[2][row], strict=True), key=lambda t: -t[1])
-            top = tuple(ranked[: seq.request.logprobs])
-        out.append(TokenLogprob(token, values[0][row], top))
-    return out

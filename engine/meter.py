@@ -16,8 +16,8 @@ import mlx.core as mx
 from agentkv.engine.request import FinishReason
 
 if TYPE_CHECKING:
-    from agentkv.engine.runner import StepPlan
     from agentkv.engine.scheduler import Scheduler
+    from agentkv.engine.step import StepPlan
 
 log = logging.getLogger(__name__)
 _COUNTER = {

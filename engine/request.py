@@ -45,7 +45,7 @@ class PromptCache:
     sliding windows have moved on (most recent first; see :meth:`checkpointed`).
 
     ``packing``: set when some layers hold their keys and values quantized, as a batch with
-    ``batch_kv_bits`` holds them (uint32 arrays, ``engine.batch_caches.Packing``; its
+    ``batch_kv_bits`` holds them (uint32 arrays, ``engine.batch.packing.Packing``; its
     ``expand`` gives the float layers); None when every layer is in the model's precision.
     """
 
@@ -236,7 +236,7 @@ class GenerationRequest:
             cache's included) that other turns may resume a cache from besides where this one
             joined and the stored blocks' boundaries: shared heads' ends. A q8 batch reads no
             float copy across them, so the positions after them compute the same from such a
-            cache (``engine.batch_caches.QuantizedLayer``).
+            cache (``engine.batch.quantized.QuantizedLayer``).
     """
 
     prompt_tokens: list[int]

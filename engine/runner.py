@@ -14,18 +14,18 @@ device's work.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from agentkv.engine.attention import Span, StepCache, install
-from agentkv.engine.batch_caches import held_arrays
+from agentkv.engine.attention.step import Span, StepCache, install
+from agentkv.engine.batch.buffers import held_arrays
+from agentkv.engine.batch.layout import KVLayout, first_positions
 from agentkv.engine.errors import UnsupportedModelError
-from agentkv.engine.kv_batch import KVGroup, KVLayout, first_positions
 from agentkv.engine.sequence import SeqStatus, Sequence
+from agentkv.engine.step import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -34,35 +34,12 @@ CHANNEL_PROBE_TOKENS = 160  # whole key groups FLOAT_WINDOW old and more (a ring
 FIRST_TOKENS_KEPT = 16  # first tokens whose first-position keys and values are kept
 
 
-@dataclass(slots=True)
-class StepPlan:
-    """What one step runs: every row of ``decode`` groups decodes one token, and each
-    ``(sequence, n)`` of ``prefill`` feeds the next ``n`` tokens of its prompt."""
-
-    decode: list[KVGroup]
-    prefill: list[tuple[Sequence, int]]
-    fed: list[tuple[Sequence, Any]] = field(default_factory=list)  # decode rows' tokens
-    fed_logprobs: list[Any] = field(default_factory=list)  # and their logprobs (or None)
-
-    @property
-    def decode_rows(self) -> int:
-        return sum(len(g.seqs) for g in self.decode)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefill)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-
 class ModelRunner:
     """Runs steps of the batch through one model (on the generation thread)."""
 
     def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int | None = None):
         """``kv_bits``: hold the layers' KV quantized in the batch (see
-        ``engine.batch_caches``), in groups of ``group_size`` (None: the precision's own); a
+        ``engine.batch``), in groups of ``group_size`` (None: the precision's own); a
         model whose attention cannot take quantized keys (attention sinks) keeps them in its
         precision, with a warning."""
         self.model = model
@@ -79,7 +56,7 @@ class ModelRunner:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
     def first_positions(self, token: int) -> list[tuple[mx.array, mx.array]]:
-        """:func:`~engine.kv_batch.first_positions` of ``token`` through this model, kept for
+        """:func:`~engine.batch.layout.first_positions` of ``token`` through this model, kept for
         the last :data:`FIRST_TOKENS_KEPT` tokens asked (most sequences start with BOS)."""
         if token in self._firsts:
             got = self._firsts.pop(token)

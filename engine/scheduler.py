@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 
 from agentkv.engine.admission import AdmissionQueue
+from agentkv.engine.batch.groups import KVGroup, best_group
+from agentkv.engine.batch.layout import KVLayout
 from agentkv.engine.config import EngineConfig, Policy
-from agentkv.engine.kv_batch import KVGroup, KVLayout, best_group
 from agentkv.engine.pacing import MIN_CHUNK, PrefillPacer
 from agentkv.engine.request import layer_nbytes
-from agentkv.engine.runner import StepPlan
 from agentkv.engine.sequence import SeqStatus, Sequence
+from agentkv.engine.step import StepPlan
 
 FAIR_SLICE_STEPS = 64  # under `fair`, a turn's steps before it yields to a waiting one
 MIN_RUN_STEPS = 8  # a (re)admitted turn runs this many steps before it can be preempted

@@ -14,7 +14,7 @@ from agentkv.engine.stopping import StopStrings
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from agentkv.engine.kv_batch import KVGroup
+    from agentkv.engine.batch.groups import KVGroup
 
 
 class SeqStatus(Enum):

@@ -46,10 +46,11 @@ from agentkv.server.api import responses as responses_api
 from agentkv.server.api import stored_responses as stored_responses_api
 from agentkv.server.errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
 from agentkv.server.hosts import HostCheck
-from agentkv.server.identity import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S, Identity
+from agentkv.server.identity import Identity
 from agentkv.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, BodySizeLimit
 from agentkv.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from agentkv.server.state import ModelInfo, ServerState, State
+from agentkv.server.stateless import DEFAULT_MAX_STATELESS_AGENTS, DEFAULT_STATELESS_TTL_S
 from agentkv.server.worker import HEALTH_PATHS, WORKER_HEADER, Drain, WorkerMiddleware
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from agentkv import AgentNotFoundError, InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
+from agentkv.server.claims import Claim
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.errors import ClientDisconnectedError
-from agentkv.server.identity import FIRST_USE_TRIES, Claim
+from agentkv.server.identity import FIRST_USE_TRIES
 from agentkv.server.state import ServerState
 from agentkv.tool_calls import ToolFormat
 

@@ -38,31 +38,29 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.pool import ConnectionPoolEntry
 
 import agentkv.migrations as migrations
 from agentkv.store import postgres
 from agentkv.store.errors import MigrationError, RegistryClosedError, RegistryStorageError
 from agentkv.store.postgres import Lock
+from agentkv.store.sqlite import (
+    BUSY_TIMEOUT_MS,
+    CANNOT_WRITE,
+    RESERVE_SUFFIX,
+    WRITE,
+    give_up_reserve,
+    keep_reserve,
+    on_begin,
+    on_connect,
+    set_foreign_keys,
+    storage_error,
+)
 
 log = logging.getLogger(__name__)
 
 DRIVER = "sqlite+aiosqlite"
 DRIVERS = {"sqlite": DRIVER, "postgresql": postgres.DRIVER}
 """The driver of each supported database; a URL naming the database alone gets this one."""
-BUSY_TIMEOUT_MS = 5000
-PRAGMAS = (
-    f"busy_timeout={BUSY_TIMEOUT_MS}",
-    "journal_mode=WAL",
-    "synchronous=NORMAL",
-    "foreign_keys=ON",
-)
-RESERVE_SUFFIX = "-reserve"
-RESERVE_BYTES = 4 * 1024 * 1024
-"""A SQLite registry's reserve beside it, given up when a full disk keeps it from opening."""
-_BEGIN_OPTION = "agentkv_sqlite_begin"
-WRITE: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE"}
-"""Execution options for a connection whose transaction will write."""
 
 
 class Database:
@@ -98,13 +96,13 @@ class Database:
                 await engine.dispose()
                 if attempt == 2 or reserve is None or not exc.is_full:
                     raise
-                if not await asyncio.to_thread(_give_up, reserve):
+                if not await asyncio.to_thread(give_up_reserve, reserve):
                     raise
             except BaseException:
                 await engine.dispose()
                 raise
         if reserve is not None:
-            await asyncio.to_thread(_keep_reserve, reserve)
+            await asyncio.to_thread(keep_reserve, reserve)
         return cls(engine)
 
     async def close(self) -> None:
@@ -176,34 +174,6 @@ def upsert(session: AsyncSession, table: Any) -> Insert:
     return insert(table)
 
 
-_CODES_BY_MESSAGE = (
-    ("database or disk is full", "SQLITE_FULL"),
-    ("readonly database", "SQLITE_READONLY"),
-    ("database is locked", "SQLITE_BUSY"),
-    ("disk i/o error", "SQLITE_IOERR"),
-    ("unable to open database file", "SQLITE_CANTOPEN"),
-)
-
-
-_CANNOT_WRITE = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_FULL", "SQLITE_IOERR")
-"""Codes that say the file cannot be opened or written, whatever the schema."""
-
-
-def storage_error(exc: OperationalError, path: str | None = None) -> RegistryStorageError:
-    """The RegistryStorageError an SQLite OperationalError stands for (naming ``path``)."""
-    at = f" ({path})" if path else ""
-    cause: BaseException | None = exc.orig
-    while cause is not None:  # aiosqlite's adapter wraps sqlite3's error
-        if name := getattr(cause, "sqlite_errorname", None):
-            return RegistryStorageError(name, f"{cause}{at}")
-        cause = cause.__cause__
-    detail = str(exc.orig)
-    for fragment, code in _CODES_BY_MESSAGE:
-        if fragment in detail.lower():
-            return RegistryStorageError(code, f"{detail}{at}")
-    return RegistryStorageError("SQLITE_ERROR", f"{detail}{at}")
-
-
 def database_url(target: str | os.PathLike[str]) -> URL:
     """Turn a SQLite file path or a SQLAlchemy URL into an aiosqlite or asyncpg URL.
 
@@ -253,35 +223,9 @@ def create_engine(url: URL) -> AsyncEngine:
             url, isolation_level=postgres.ISOLATION_LEVEL, pool_pre_ping=True
         )
     engine = create_async_engine(url)
-    event.listen(engine.sync_engine, "connect", _on_connect)
-    event.listen(engine.sync_engine, "begin", _on_begin)
+    event.listen(engine.sync_engine, "connect", on_connect)
+    event.listen(engine.sync_engine, "begin", on_begin)
     return engine
-
-
-def _on_connect(dbapi_connection: Any, connection_record: ConnectionPoolEntry) -> None:
-    dbapi_connection.isolation_level = None  # we emit BEGIN ourselves, in _on_begin
-    cursor = dbapi_connection.cursor()
-    try:
-        for pragma in PRAGMAS:
-            cursor.execute(f"PRAGMA {pragma}")
-            cursor.fetchall()
-    finally:
-        cursor.close()
-
-
-def _on_begin(connection: Connection) -> None:
-    mode = connection.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
-    connection.exec_driver_sql(f"BEGIN {mode}")
-
-
-def _set_foreign_keys(connection: Connection, enabled: bool) -> None:
-    # On the raw DBAPI connection: through `connection` it would autobegin, and SQLite ignores
-    # PRAGMA foreign_keys inside a transaction.
-    cursor = connection.connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA foreign_keys={'ON' if enabled else 'OFF'}")
-    finally:
-        cursor.close()
 
 
 @contextmanager
@@ -305,7 +249,7 @@ def migration_transaction(connection: Connection) -> Iterator[None]:
             postgres.hold_sync(connection, Lock.MIGRATION)
             yield
         return
-    _set_foreign_keys(connection, False)
+    set_foreign_keys(connection, False)
     try:
         with connection.execution_options(**WRITE).begin():
             yield
@@ -316,7 +260,7 @@ def migration_transaction(connection: Connection) -> Iterator[None]:
                     "rolled back, fix the revision's data steps"
                 )
     finally:
-        _set_foreign_keys(connection, True)
+        set_foreign_keys(connection, True)
 
 
 def alembic_config(script_location: str | os.PathLike[str] | None = None) -> Config:
@@ -400,29 +344,6 @@ async def _connected(engine: AsyncEngine) -> AsyncConnection:
         delay = min(delay * 2, 0.1)
 
 
-def _keep_reserve(path: Path) -> None:
-    """Make the reserve file when it is missing and there is room (quietly not, otherwise)."""
-    if path.exists():
-        return
-    temp = path.with_name(f"{path.name}.tmp")
-    try:
-        with open(temp, "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, RESERVE_BYTES)  # blocks, not a sparse file
-        os.replace(temp, path)
-    except OSError:
-        temp.unlink(missing_ok=True)
-
-
-def _give_up(path: Path) -> bool:
-    """Delete the reserve file; returns whether there was one."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return False
-    log.warning("the disk is full: gave up the registry's reserve (%s) to open it", path)
-    return True
-
-
 def _cannot_write(engine: AsyncEngine, exc: Exception) -> RegistryStorageError | None:
     """The storage error ``exc`` is when it says the database cannot be opened or written."""
     if engine.dialect.name == postgres.DIALECT:
@@ -430,7 +351,7 @@ def _cannot_write(engine: AsyncEngine, exc: Exception) -> RegistryStorageError |
     if not isinstance(exc, OperationalError):
         return None
     error = storage_error(exc, engine.url.database)
-    return error if error.code.startswith(_CANNOT_WRITE) else None
+    return error if error.code.startswith(CANNOT_WRITE) else None
 
 
 def _not_migrated(engine: AsyncEngine, revision: str, exc: Exception) -> MigrationError:

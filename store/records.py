@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -330,3 +331,33 @@ def _check_relative_path(path: object) -> None:
             f"path={path!r}: expected a non-empty path relative to the cache directory, "
             "with '/' separators and no '..' parts"
         )
+
+
+def message_rows(
+    agent_id: str, first: int, now: datetime, batch: Sequence[NewMessage]
+) -> list[dict[str, Any]]:
+    """The ``messages`` table's rows of ``batch``, at positions from ``first`` on."""
+    return [
+        {
+            "agent_id": agent_id,
+            "position": first + offset,
+            "role": message.role,
+            "content": message.content,
+            "token_count": message.token_count,
+            "created_at": now,
+        }
+        for offset, message in enumerate(batch)
+    ]
+
+
+def transcript_records(rows: Iterable[Any]) -> list[MessageRecord]:
+    """Records of the ``messages`` rows read in :class:`MessageRecord`'s field order."""
+    return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
+
+
+def message_records(ids: Iterable[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
+    """Records of rows :func:`message_rows` made, stored with these ids."""
+    return [
+        MessageRecord(id=i, **row | {"role": Role(row["role"])})
+        for i, row in zip(ids, rows, strict=True)
+    ]

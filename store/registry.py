@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from datetime import datetime
 from enum import Enum
@@ -30,7 +30,16 @@ from agentkv.store.errors import AgentChangedError, AgentExistsError, AgentNotFo
 from agentkv.store.ids import new_agent_id, validate_agent_id
 from agentkv.store.leases import LeaseIndex
 from agentkv.store.models import Agent, Message, UTCDateTime, utcnow
-from agentkv.store.records import AgentRecord, CacheRecord, MessageRecord, NewMessage, Role
+from agentkv.store.records import (
+    AgentRecord,
+    CacheRecord,
+    MessageRecord,
+    NewMessage,
+    Role,
+    message_records,
+    message_rows,
+    transcript_records,
+)
 from agentkv.store.responses import ResponseIndex
 
 
@@ -292,7 +301,7 @@ class Registry:
                 select(func.max(Message.position)).where(Message.agent_id == agent_id)
             )
             first = 0 if last is None else last + 1
-            rows = await _off_loop(len(batch), _message_rows, agent_id, first, now, batch)
+            rows = await _off_loop(len(batch), message_rows, agent_id, first, now, batch)
             # One executemany per chunk, not one ORM object per row: an import can be 10^4+
             # messages, and each chunk (a few ms of parameters) gives the event loop a turn.
             for i in range(0, len(rows), MESSAGE_CHUNK):
@@ -302,7 +311,7 @@ class Registry:
                 .where(Message.agent_id == agent_id, Message.position >= first)
                 .order_by(Message.position)
             )
-        return await _off_loop(len(rows), _message_records, ids, rows)
+        return await _off_loop(len(rows), message_records, ids, rows)
 
     async def transcript(
         self, agent_id: str, *, start: int = 0, limit: int | None = None
@@ -333,8 +342,8 @@ class Registry:
         # The rows are fetched; making records of them grows with the transcript (a worker
         # thread: the event loop serves other clients meanwhile).
         if limit is not None and limit < OFF_LOOP_ROWS:
-            return _transcript_records(result)
-        return await asyncio.to_thread(_transcript_records, result)
+            return transcript_records(result)
+        return await asyncio.to_thread(transcript_records, result)
 
     async def transcripts(self, id_prefix: str = "") -> dict[str, list[tuple[Role, str]]]:
         """(role, content) of every message of every agent whose id starts with ``id_prefix``,
@@ -404,38 +413,11 @@ async def _touch(
 
 
 OFF_LOOP_ROWS = 1000
-MESSAGE_CHUNK = 256
-"""Messages inserted per statement."""
 """Imports of at least this many messages are validated and turned into rows and records in a
 worker thread: Python work growing with them would stall every other client's event loop."""
+MESSAGE_CHUNK = 256
+"""Messages inserted per statement."""
 
 
 async def _off_loop(n: int, work: Any, *args: Any) -> Any:
     return work(*args) if n < OFF_LOOP_ROWS else await asyncio.to_thread(work, *args)
-
-
-def _message_rows(
-    agent_id: str, first: int, now: datetime, batch: Sequence[NewMessage]
-) -> list[dict[str, Any]]:
-    return [
-        {
-            "agent_id": agent_id,
-            "position": first + offset,
-            "role": message.role,
-            "content": message.content,
-            "token_count": message.token_count,
-            "created_at": now,
-        }
-        for offset, message in enumerate(batch)
-    ]
-
-
-def _transcript_records(rows: Iterable[Any]) -> list[MessageRecord]:
-    return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
-
-
-def _message_records(ids: Iterable[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
-    return [
-        MessageRecord(id=i, **row | {"role": Role(row["role"])})
-        for i, row in zip(ids, rows, strict=True)
-    ]

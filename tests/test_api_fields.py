@@ -20,8 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from agentkv import RuntimeConfig
 from agentkv.server.api.anthropic import CountTokensRequest, MessagesRequest
-from agentkv.server.api.openai import ChatCompletionRequest
-from agentkv.server.api.responses import ResponsesRequest
+from agentkv.server.api.openai_request import ChatCompletionRequest
+from agentkv.server.api.responses_request import ResponsesRequest
 from agentkv.server.background import serve_in_thread
 
 HTTP_API = (Path(__file__).parent.parent / "docs" / "http-api.md").read_text(encoding="utf-8")

@@ -437,17 +437,17 @@ def test_the_timed_chunk_reads_q8_words_expanded_and_through_the_quantized_matmu
     its keys and values (each of its runs), the ``q8 quantized matmul`` row expands nothing
     (q4's chunk, larger than its key group, is expanded by its own path), and the engine's
     setting is left as it was."""
-    from agentkv.engine import attention
+    from agentkv.engine.attention import words
     from benchmarks import bench_batch_kv
 
     calls = []
-    real = attention._expanded
-    monkeypatch.setattr(attention, "_expanded", lambda *a: calls.append(a[-2]) or real(*a))
-    before = attention._ON_CPU[0], attention.EXPANDED_ROWS
+    real = words.expanded
+    monkeypatch.setattr(words, "expanded", lambda *a: calls.append(a[-2]) or real(*a))
+    before = words.DEVICE.cpu, words.EXPANDED_ROWS
     got = bench_batch_kv.attention_chunk(100, 32, (2, 4, 64))
     assert list(got["by_precision"]) == ["model", "q8", "q4", "q8 quantized matmul"]
     assert calls == [8, 8] * bench_batch_kv.CHUNK_RUNS
-    assert (attention._ON_CPU[0], attention.EXPANDED_ROWS) == before
+    assert (words.DEVICE.cpu, words.EXPANDED_ROWS) == before
 
 
 def test_scaleout_quick(tmp_path):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+from agentkv.engine.batch.layout import KVLayout
 from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import EngineClosedError, EngineOverloadedError, InvalidCacheError
-from agentkv.engine.kv_batch import KVLayout
 from agentkv.engine.request import FinishReason, GenerationRequest, PromptCache, TokenEvent
 from agentkv.engine.sampling import SamplingParams
 from tests.alike import assert_q8_alike, q8_alike
@@ -583,14 +583,14 @@ def test_batch_kv_bits_takes_8_4_or_none():
 async def test_a_model_that_cannot_attend_to_quantized_keys_keeps_its_precision(
     monkeypatch, caplog
 ):
-    from agentkv.engine import attention
+    from agentkv.engine.attention import step
 
-    quantized = attention.quantized_attention
+    quantized = step.quantized_attention
 
     def with_sinks(queries, held, scale, mask, sinks):  # as a model with attention sinks calls
         return quantized(queries, held, scale, mask, mx.zeros((queries.shape[1],)))
 
-    monkeypatch.setattr(attention, "quantized_attention", with_sinks)
+    monkeypatch.setattr(step, "quantized_attention", with_sinks)
     eng = await Engine.open("tiny:llama", EngineConfig(batch_kv_bits=8))
     try:
         assert eng.stats().batch_kv_bits == 0

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig
 from agentkv.server.conversation import TurnRequest
-from agentkv.server.identity import DEFAULT_MAX_STATELESS_AGENTS, Identity
+from agentkv.server.identity import Identity
 from agentkv.server.metrics import ServerMetrics
 from agentkv.server.state import ModelInfo, ServerState
+from agentkv.server.stateless import DEFAULT_MAX_STATELESS_AGENTS
 from agentkv.server.turns import TurnStream
 
 MODEL = "tiny:gemma3"

@@ -15,15 +15,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from agentkv.engine.attention import install
-from agentkv.engine.kv_batch import (
-    MIN_GROWTH,
-    PADDING_TOLERANCE,
-    KVGroup,
-    KVLayout,
-    best_group,
-    growth,
-)
+from agentkv.engine.attention.step import install
+from agentkv.engine.batch.buffers import MIN_GROWTH, growth
+from agentkv.engine.batch.groups import KVGroup, best_group
+from agentkv.engine.batch.layout import PADDING_TOLERANCE, KVLayout
 from agentkv.engine.models.loading import load_model
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -339,26 +334,23 @@ def test_eight_bit_rows_attend_to_their_newest_positions_in_float(
     joins without float copies) or before its fence; a row leaves with its float copies and
     rejoins with them. A sliding window (``window``) shorter than the float copies reads
     only its own positions. ``blocked``: the rows' prompt chunk attends a query at a time."""
-    from agentkv.engine import attention
-    from agentkv.engine.attention import quantized_attention
+    from agentkv.engine.attention import eight_bit
+    from agentkv.engine.attention.quantized import quantized_attention
 
     if blocked:
-        monkeypatch.setattr(attention, "SCORES_BYTES", 1)
-    from agentkv.engine.batch_caches import (
-        FLOAT_WINDOW,
-        Packing,
-        expand,
-        hadamard,
-        packed,
-        quantized_buffer,
-    )
+        monkeypatch.setattr(eight_bit, "SCORES_BYTES", 1)
+    from agentkv.engine.batch.held import FLOAT_WINDOW
+    from agentkv.engine.batch.packing import Packing
+    from agentkv.engine.batch.quantized import quantized_buffer
+    from agentkv.engine.codes import expand, hadamard, packed
+    from agentkv.engine.scheme import LayerScheme
 
     H, D, group, prompt, steps = 2, 64, 32, 3, 24
     lengths = [5, 40]
     total = max(lengths) + prompt + steps
     keys = mx.random.normal((2, H, total, D), key=mx.random.key(11)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(12))
-    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (rotated,))
+    packing = Packing(8, (LayerScheme(8, group, rotated_keys=rotated),), ((D, D),), mx.float32)
     rows = [
         packing.pack(0, float_rows(keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window))
         for b, n in enumerate(lengths)
@@ -435,29 +427,32 @@ def test_eight_bit_positions_attend_alike_however_a_prompt_is_chunked(
     chunk of ``EXPANDED_ROWS`` query rows a head or more (here the whole eight) expands the
     words for one float matmul: the same values, summed in another order. ``blocked``: a
     chunk's queries attend a few at a time (``SCORES_BYTES``), each as it would alone."""
-    from agentkv.engine import attention
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import FLOAT_WINDOW, Packing, quantized_buffer
+    from agentkv.engine.attention import eight_bit, words
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.held import FLOAT_WINDOW
+    from agentkv.engine.batch.packing import Packing
+    from agentkv.engine.batch.quantized import quantized_buffer
+    from agentkv.engine.scheme import LayerScheme
 
-    monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
-    monkeypatch.setattr(attention, "EXPANDED_ROWS", 16)  # query rows a head: 2 a position
+    monkeypatch.setattr(words.DEVICE, "cpu", on_cpu)
+    monkeypatch.setattr(words, "EXPANDED_ROWS", 16)  # query rows a head: 2 a position
     expanded = []  # one entry a call: the words each expanded read took
-    real = attention._expanded
-    monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[0].shape) or real(*a))
+    real = words.expanded
+    monkeypatch.setattr(words, "expanded", lambda *a: expanded.append(a[0].shape) or real(*a))
     H, D, group, cached, fed = 2, 64, 32, 20, 8
     total = cached + warm + fed
     # (blocked: 3 queries a block, 4 query heads over at most ``total`` columns, 4 bytes a score)
-    monkeypatch.setattr(attention, "SCORES_BYTES", 3 * 4 * 4 * total + 3 if blocked else 1 << 26)
+    monkeypatch.setattr(eight_bit, "SCORES_BYTES", 3 * 4 * 4 * total + 3 if blocked else 1 << 26)
     bands = []  # the queries each band took
-    band = attention._eight_bit_band
+    band = eight_bit.eight_bit_band
     monkeypatch.setattr(
-        attention, "_eight_bit_band", lambda *a: bands.append(a[-2] - a[-3]) or band(*a)
+        eight_bit, "eight_bit_band", lambda *a: bands.append(a[-2] - a[-3]) or band(*a)
     )
 
     keys = mx.random.normal((1, H, total, D), key=mx.random.key(21)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(22))
     queries = mx.random.normal((1, 2 * H, warm + fed, D), key=mx.random.key(23))
-    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    packing = Packing(8, (LayerScheme(8, group, rotated_keys=True),), ((D, D),), mx.float32)
 
     def outputs(chunks: list[int], named: bool = False) -> list:
         row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], window))
@@ -507,28 +502,27 @@ def test_a_chunk_on_a_cpu_multiplies_its_words_expanded_as_the_quantized_matmul_
     row: the same attention to float32 rounding (q4: a chunk its folded key groups still
     score, values through the words); a decode step still takes the matmul. q8's expansion
     (its codes are the words' bytes) is exactly ``mx.dequantize``'s."""
-    from agentkv.engine import attention
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import (
-        Packing,
-        channel_buffer,
-        channel_row,
-        quantized_buffer,
-        scales_of,
-    )
+    from agentkv.engine.attention import words
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.channel import channel_buffer
+    from agentkv.engine.batch.packing import Packing
+    from agentkv.engine.batch.quantized import quantized_buffer
+    from agentkv.engine.batch.rows import channel_row
+    from agentkv.engine.codes import scales_of
+    from agentkv.engine.scheme import LayerScheme
 
     H, D, group, cached, n = 2, 64, 32, 70, 8  # 2 query heads a KV head: 16 rows a chunk
     keys = mx.random.normal((1, H, cached + n, D), key=mx.random.key(31)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(32))
     queries = mx.random.normal((1, 2 * H, n, D), key=mx.random.key(33))
-    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    packing = Packing(8, (LayerScheme(8, group, rotated_keys=True),), ((D, D),), mx.float32)
     expanded = []
-    real = attention._expanded
-    monkeypatch.setattr(attention, "_expanded", lambda *a: expanded.append(a[-2]) or real(*a))
-    monkeypatch.setattr(attention, "EXPANDED_ROWS", 16)
+    real = words.expanded
+    monkeypatch.setattr(words, "expanded", lambda *a: expanded.append(a[-2]) or real(*a))
+    monkeypatch.setattr(words, "EXPANDED_ROWS", 16)
 
     def attend(on_cpu: bool, chunk: int = n) -> tuple:
-        monkeypatch.setattr(attention, "_ON_CPU", [on_cpu])
+        monkeypatch.setattr(words.DEVICE, "cpu", on_cpu)
         row = float_rows(keys[..., :cached, :], values[..., :cached, :], None)
         if bits == 8:
             buffer = quantized_buffer([packing.pack(0, row)], None, 8, group, True)
@@ -552,40 +546,42 @@ def test_a_chunk_on_a_cpu_multiplies_its_words_expanded_as_the_quantized_matmul_
     assert len(expanded) == (2 if bits == 8 else 1)
     assert mx.allclose(steps, matmul, rtol=0, atol=1e-5).item()
     if bits == 8:
-        words, extra = held.keys
+        key_words, extra = held.keys
         scales, biases = scales_of(extra, D // group)
         want = mx.dequantize(
-            words,
+            key_words,
             scales.astype(mx.float32),
             biases.astype(mx.float32),
             group_size=group,
             bits=8,
         )
-        assert mx.array_equal(attention._expanded(words, scales, biases, 8, group), want).item()
+        assert mx.array_equal(words.expanded(key_words, scales, biases, 8, group), want).item()
 
 
 def test_a_q8_chunk_attends_a_block_of_queries_at_a_time(monkeypatch):
     """A q8 chunk over a long history attends ``SCORES_BYTES`` of scores at a time: the same
     outputs as all its queries at once, in a fraction of the working set (MLX's peak memory
     above what the buffer holds)."""
-    from agentkv.engine import attention
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import Packing, quantized_buffer
+    from agentkv.engine.attention import eight_bit, words
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.packing import Packing
+    from agentkv.engine.batch.quantized import quantized_buffer
+    from agentkv.engine.scheme import LayerScheme
 
     H, D, group, cached, n = 2, 64, 32, 4096, 256
     keys = mx.random.normal((1, H, cached + n, D), key=mx.random.key(41))
     values = mx.random.normal(keys.shape, key=mx.random.key(42))
     queries = mx.random.normal((1, 2 * H, n, D), key=mx.random.key(43))
-    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    packing = Packing(8, (LayerScheme(8, group, rotated_keys=True),), ((D, D),), mx.float32)
     row = packing.pack(0, float_rows(keys[..., :cached, :], values[..., :cached, :], None))
     buffer = quantized_buffer([row], None, 8, group, True)
     mask = buffer.make_mask(n)
     held, _ = buffer.write(keys[..., cached:, :], values[..., cached:, :])
     mx.eval(mask, held.keys, held.values, held.recent, queries)
-    monkeypatch.setattr(attention, "_ON_CPU", [True])
+    monkeypatch.setattr(words.DEVICE, "cpu", True)
 
     def attend(scores_bytes: int) -> tuple[mx.array, int]:
-        monkeypatch.setattr(attention, "SCORES_BYTES", scores_bytes)
+        monkeypatch.setattr(eight_bit, "SCORES_BYTES", scores_bytes)
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         out = quantized_attention(queries, held, 0.125, mask, None)
@@ -615,26 +611,22 @@ def test_a_quantized_layer_holds_its_words_apart_and_attends_over_them_whole(bit
     it attends as over the positions expanded, through growth, a filter (a global layer's cuts
     left padding), an extend and a ring's wrapping; a row leaves packed, with exactly the bytes
     packing its positions gives (a q4 ring's: ``test_four_bit_rows_decoded_in_a_group_...``)."""
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import (
-        Packing,
-        QuantizedLayer,
-        channel_buffer,
-        channel_row,
-        hadamard,
-        packed,
-        packed_dim,
-        quantized_buffer,
-    )
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.buffers import GroupKVCache, GroupRotatingKVCache
+    from agentkv.engine.batch.channel import channel_buffer
+    from agentkv.engine.batch.packing import Packing
+    from agentkv.engine.batch.quantized import QuantizedLayer, quantized_buffer
+    from agentkv.engine.batch.rows import channel_row
+    from agentkv.engine.codes import hadamard, packed, packed_dim
     from agentkv.engine.config import KEY_BITS
-    from agentkv.engine.kv_batch import GroupKVCache, GroupRotatingKVCache
+    from agentkv.engine.scheme import LayerScheme
 
     H, D, group, steps = 2, 64, 32, 40
     lengths = [5, 40, 70]
     total = max(lengths) + 2 * steps
     keys = mx.random.normal((4, H, total, D), key=mx.random.key(21)) * 4
     values = mx.random.normal(keys.shape, key=mx.random.key(22))
-    packing = Packing(8, (group,), ((D, D),), mx.float32, (False,), (True,))
+    packing = Packing(8, (LayerScheme(8, group, rotated_keys=True),), ((D, D),), mx.float32)
 
     def history(b: int, first: int, n: int, ring: int | None) -> KVCache:
         return float_rows(keys[b : b + 1, :, first:n], values[b : b + 1, :, first:n], ring)
@@ -718,14 +710,11 @@ def test_four_bit_rows_decoded_in_a_group_hold_what_a_whole_cache_quantizes(wind
     the bytes quantizing the whole history at once gives, the float copies are the newest
     positions exactly, and attention through the group equals attention over those positions
     expanded (one key channel is 100x the others, which per-position scales would blur)."""
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import (
-        channel_buffer,
-        channel_row,
-        expanded_channel_row,
-        float_window,
-        hadamard,
-    )
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.channel import channel_buffer
+    from agentkv.engine.batch.held import float_window
+    from agentkv.engine.batch.rows import channel_row, expanded_channel_row
+    from agentkv.engine.codes import hadamard
     from agentkv.engine.config import KEY_GROUP_SIZE as K
 
     group, H, D, steps = 32, 2, 64, 90  # (values in groups of 32, keys of K positions)
@@ -794,8 +783,10 @@ def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
     words (decode steps through the folded scores; a 40-token chunk's expanded keys), where
     ``recent`` does not hold it; a row without them reads its words. Rows keep theirs through
     ``extend``, ``filter`` and ``extract``."""
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import channel_buffer, channel_row, hadamard
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.channel import channel_buffer
+    from agentkv.engine.batch.rows import channel_row
+    from agentkv.engine.codes import hadamard
 
     group, H, D = 32, 2, 64
     lengths = [3, 70, 161] if chunk == 1 else [161]
@@ -863,13 +854,9 @@ def test_four_bit_global_rows_read_their_first_position_in_float(chunk):
 
 
 def test_four_bit_keys_in_the_batch_are_what_a_q4_file_stores():
-    from agentkv.engine.batch_caches import (
-        channel_boundary,
-        channel_row,
-        join_packed,
-        packed,
-        packed_per_position,
-    )
+    from agentkv.engine.batch.held import channel_boundary
+    from agentkv.engine.batch.rows import channel_row
+    from agentkv.engine.codes import join_packed, packed, packed_per_position
     from agentkv.engine.kv.quant import hadamard, quantize_channel_keys
 
     keys = mx.random.normal((1, 2, 150, 64), key=mx.random.key(4)) * 3
@@ -895,15 +882,15 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
     a key group has positions (a 5- or 40-token chunk of 4 heads) or a ring that splits a
     group (a 40-position window's) expand them. Either way it gives what attention over the
     expanded keys gives, rows of different lengths padded."""
-    import agentkv.engine.attention
-    from agentkv.engine.attention import quantized_attention
-    from agentkv.engine.batch_caches import channel_buffer, channel_row, hadamard
+    from agentkv.engine.attention import quantized
+    from agentkv.engine.attention.quantized import quantized_attention
+    from agentkv.engine.batch.channel import channel_buffer
+    from agentkv.engine.batch.rows import channel_row
+    from agentkv.engine.codes import hadamard
 
     folded, steps = [], []  # calls scoring the quantized keys as they are; per step, whether
-    fold = agentkv.engine.attention._folded_scores
-    monkeypatch.setattr(
-        agentkv.engine.attention, "_folded_scores", lambda *a: folded.append(1) or fold(*a)
-    )
+    fold = quantized.folded_scores
+    monkeypatch.setattr(quantized, "folded_scores", lambda *a: folded.append(1) or fold(*a))
     from agentkv.engine.config import KEY_GROUP_SIZE as K
 
     group, H, D = 32, 2, 64  # (values in groups of 32; keys per channel over K positions)

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from agentkv.engine.batch_caches import codes_of
+from agentkv.engine.codes import codes_of
 from agentkv.engine.config import GROUP_SIZE_BY_BITS
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import CacheFormatError
@@ -752,9 +752,9 @@ def test_a_head_dim_no_group_size_divides_is_stored_unquantized_with_a_warning(c
         layer.update_and_fetch(keys, values)
         layers.append(layer)
     cache = PromptCache(layers, list(range(10)))
-    with caplog.at_level(logging.WARNING, logger="agentkv.engine.kv.quant"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.scheme"):
         encoded = encode_cache(cache, 4, 64)
-    assert "KV head size 72 is not divisible by any quantization group size" in caplog.text
+    assert "KV head size 72/72 is not divisible by any quantization group size" in caplog.text
     assert [layer["group_size"] for layer in json.loads(encoded.metadata["layers"])] == [64, None]
     assert {"layers.0.keys.q", "layers.1.keys", "layers.1.values"} <= set(encoded.tensors)
     assert "layers.1.keys.q" not in encoded.tensors
@@ -832,9 +832,10 @@ async def test_a_q4_file_joins_a_q4_batch_as_it_is_stored(gemma, tmp_path, n):
     """A batch holding q4 (keys per channel, values rotated) takes a q4 file's words as they
     are: the positions it holds quantized are exactly what quantizing the original cache gives
     (not the file's dequantized values quantized again); the newest are float."""
-    from agentkv.engine.batch_caches import channel_boundary, float_window, is_packed
+    from agentkv.engine.batch.held import channel_boundary, float_window
+    from agentkv.engine.batch.layout import KVLayout
+    from agentkv.engine.batch.rows import is_packed
     from agentkv.engine.config import KEY_GROUP_SIZE as K
-    from agentkv.engine.kv_batch import KVLayout
 
     cache = await history(gemma, n)
     paged = await gemma.run(encode_paged, cache, 4, 32, 2 * BLOCK)
@@ -871,9 +872,9 @@ async def test_a_q4_file_of_four_bit_keys_joins_a_q4_batch_expanded(
     over the layer's group size: 32 positions, as the batch's five-bit keys) does not join a
     batch holding q4 with its words: it loads expanded as stored (the batch packs it anew)."""
     import agentkv.engine.kv.paged
-    from agentkv.engine.batch_caches import is_packed
+    from agentkv.engine.batch.layout import KVLayout
+    from agentkv.engine.batch.rows import is_packed
     from agentkv.engine.kv.quant import quant_scheme
-    from agentkv.engine.kv_batch import KVLayout
 
     def four_bit_keys(*args, **kwargs):
         fields = quant_scheme(*args, **kwargs)
@@ -908,12 +909,12 @@ async def test_a_q8_file_joins_a_q8_batch_as_stored_and_an_unrotated_one_is_read
     rotated (its layouts without ``rotated_keys``) still loads: expanded as stored, unrotated
     (the batch packs such a row, rotated, when it joins)."""
     import agentkv.engine.kv.paged
-    from agentkv.engine.batch_caches import is_packed
-    from agentkv.engine.kv_batch import KVLayout
+    from agentkv.engine.batch.layout import KVLayout
+    from agentkv.engine.batch.rows import is_packed
 
     cache = await history(gemma, 130)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
-    assert all(packing.rotated_keys)  # head size 64
+    assert all(map(packing.keys_rotated, range(len(packing.schemes))))  # head size 64
     paged = await gemma.run(encode_paged, cache, 8, 64, BLOCK)
     tail, block_paths = write_paged(tmp_path, paged)
     assert all(x["rotated_keys"] for x in json.loads(paged.tail.metadata["layers"]))
@@ -1006,7 +1007,7 @@ async def test_a_q8_batch_row_at_a_block_boundary_with_no_new_blocks_saves(
 ):
     """A q8 batch's row (keys rotated) ending on a block boundary, all its blocks stored: its
     global layers' tail is empty, whether the file keeps the batch's words or expands them."""
-    from agentkv.engine.kv_batch import KVLayout
+    from agentkv.engine.batch.layout import KVLayout
 
     cache = await history(gemma, 4 * BLOCK)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, 8, 64)).packing
@@ -1177,8 +1178,8 @@ async def test_a_file_read_as_the_batch_holds_it_keeps_its_words_and_computes_no
     """A q8 file into a q8 batch (its words packed as stored) and a q4 file into a q4 batch
     (its words kept; the batch reads the first position itself): given ``first_positions``,
     nothing is dequantized, so nothing asks for it, and the rows are those read without."""
-    from agentkv.engine.batch_caches import is_packed
-    from agentkv.engine.kv_batch import KVLayout
+    from agentkv.engine.batch.layout import KVLayout
+    from agentkv.engine.batch.rows import is_packed
 
     cache = await history(gemma, 130)
     packing = (await gemma.run(KVLayout.of, gemma.model.model, bits, group)).packing

@@ -7,13 +7,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from agentkv.engine.attention import ragged_attention
-from agentkv.engine.batch_caches import HeldQuantized
-from agentkv.engine.kv_batch import KVGroup
+from agentkv.engine.attention.step import ragged_attention
+from agentkv.engine.batch.groups import KVGroup
+from agentkv.engine.batch.held import HeldQuantized
 from agentkv.engine.models.loading import load_model
 from agentkv.engine.request import GenerationRequest, RequestStats
-from agentkv.engine.runner import ModelRunner, StepPlan
+from agentkv.engine.runner import ModelRunner
 from agentkv.engine.sequence import SeqStatus, Sequence
+from agentkv.engine.step import StepPlan
 from agentkv.engine.stopping import StopStrings
 
 SPECS = ["tiny:gemma3", "tiny:llama"]

@@ -11,10 +11,10 @@ from mlx_lm.generate import generate_step
 from pydantic import ValidationError
 
 from agentkv.engine.admission import AdmissionQueue
+from agentkv.engine.batch.groups import KVGroup
 from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import EngineOverloadedError, KVBudgetError
-from agentkv.engine.kv_batch import KVGroup
 from agentkv.engine.meter import StepRecord
 from agentkv.engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
 from agentkv.engine.request import FinishReason, GenerationRequest
@@ -466,7 +466,7 @@ async def test_a_failure_while_scheduling_fails_the_batch_and_the_engine_serves_
 
 @pytest.fixture(scope="module")
 def layout():
-    from agentkv.engine.kv_batch import KVLayout
+    from agentkv.engine.batch.layout import KVLayout
     from agentkv.engine.models.loading import load_model
 
     return KVLayout.of(load_model("tiny:gemma3").model)

@@ -425,7 +425,7 @@ def test_stateless_match_checks_the_transcript(srv, claude, http, caplog):
     changed = raw.headers["x-agent-id"]
     asyncio.run(append_behind_the_servers_back(changed))
     history = [user("Q1"), assistant(raw.parse().content[0].text), user("Q2")]
-    with caplog.at_level(logging.INFO, logger="agentkv.server.identity"):
+    with caplog.at_level(logging.INFO, logger="agentkv.server.stateless"):
         raw = claude.messages.with_raw_response.create(
             model="m", max_tokens=6, system=system, messages=history
         )

@@ -61,7 +61,7 @@ async def rebuilt_reply(rt: AgentRuntime, agent_id: str, text: str) -> list[int]
 async def test_swapped_caches_are_rebuilt_from_each_agents_own_transcript(tmp_path, caplog):
     await make_agents(tmp_path)
     swap_caches(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="agentkv.turns"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.chat_turn"):
         async with await AgentRuntime.open(config(tmp_path)) as rt:
             # The swap took: a0's entry now holds a1's conversation.
             foreign = await rt.export_cache("a0")
@@ -84,7 +84,7 @@ async def test_swapped_caches_are_rebuilt_from_each_agents_own_transcript(tmp_pa
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "agentkv.turns" and r.levelno == logging.WARNING
+        if r.name == "agentkv.chat_turn" and r.levelno == logging.WARNING
     ]
     assert len(warnings) == 2
     for agent_id, message in zip(FIRST, warnings, strict=True):
@@ -103,7 +103,7 @@ async def test_hot_cache_of_a_transcript_changed_underneath_is_not_used(tmp_path
                 "UPDATE messages SET content = ? WHERE agent_id = 'a0' AND position = 0",
                 (FIRST["a1"],),
             )
-        with caplog.at_level(logging.WARNING, logger="agentkv.turns"):
+        with caplog.at_level(logging.WARNING, logger="agentkv.chat_turn"):
             reply = await rt.chat("a0", "What is my name?", max_tokens=8)
         assert reply.cache_source == "rebuilt"
         assert "its hot cache was made from a conversation with digest" in caplog.text
@@ -121,7 +121,7 @@ async def test_a_fork_resumes_the_cache_it_shares(tmp_path, caplog):
         await rt.fork("a0", "a0-fork")
         await rt.flush()
         await rt.unload("a0-fork")
-        with caplog.at_level(logging.WARNING, logger="agentkv.turns"):
+        with caplog.at_level(logging.WARNING, logger="agentkv.chat_turn"):
             assert (await rt.chat("a0-fork", "More.", max_tokens=4)).cache_source == "disk"
             assert (await rt.chat("a0", "More.", max_tokens=4)).cache_source == "hot"
         assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []

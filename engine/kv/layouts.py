@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agentkv.engine.batch_caches import Packing, is_packed
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache
 
@@ -28,7 +29,7 @@ def temporal_layer(
 ) -> tuple[mx.array, mx.array, dict]:
     """Keys and values of one layer in temporal order (used positions only), and its layout.
 
-    A layer held packed (uint32 words, see ``engine.batch_caches``) is described by
+    A layer held packed (uint32 words, see ``engine.batch``) is described by
     ``packing``: its layout names the model's dtype and head sizes, its arrays stay packed
     (a layer held with keys per channel is expanded: the batch's float positions are the
     newest, which a file quantizes on its own terms)."""

@@ -12,7 +12,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agentkv.engine.batch_caches import Packing, channel_row, is_packed, join_packed
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.batch.rows import channel_row, is_packed
+from agentkv.engine.codes import join_packed
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import (
     PAGED_FORMAT_VERSIONS,
@@ -21,8 +23,9 @@ from agentkv.engine.kv.encoded import (
     parse_int,
 )
 from agentkv.engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
-from agentkv.engine.kv.quant import SCHEME_FLAGS, expand_layer_part
+from agentkv.engine.kv.quant import expand_layer_part
 from agentkv.engine.request import PromptCache
+from agentkv.engine.scheme import FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def decode_paged(
 
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
     bits, group size and scheme, per token (q8, keys rotated), is not dequantized: its words,
-    scales and biases are packed as the batch holds them (``engine.batch_caches``), bit for
+    scales and biases are packed as the batch holds them (``engine.batch``), bit for
     bit what the file stores.
     A q4 layer (keys per channel, values rotated) joins a batch holding q4 with its stored
     words too, its newest positions expanded into the float copies the batch keeps of them.
@@ -249,8 +252,8 @@ def _first_positions_of(
 
 
 def scheme_of(layout: dict) -> dict[str, bool]:
-    """A layer's quantization flags (``engine.kv.quant.quant_scheme``) as its layout sets them."""
-    return {flag: True for flag in SCHEME_FLAGS if layout.get(flag, False)}
+    """A layer's quantization flags (``engine.scheme.FLAGS``) as its layout sets them."""
+    return {flag: True for flag in FLAGS if layout.get(flag, False)}
 
 
 def layer_recent(layer: Any) -> tuple[mx.array, ...]:

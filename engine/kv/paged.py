@@ -42,8 +42,9 @@ from mlx_lm.models.cache import KVCache
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
 from agentkv.engine.kv.layouts import temporal_layer
-from agentkv.engine.kv.quant import layer_group_size, quant_scheme, stored_kv
+from agentkv.engine.kv.quant import quant_scheme, stored_kv
 from agentkv.engine.request import PromptCache
+from agentkv.engine.scheme import layer_scheme
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,8 +103,9 @@ def encode_paged(
     for i, layer in enumerate(cache.layers):
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
-        layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = quant_scheme(kv_bits, layer_group, dims, block_tokens, layout["keep"])
+        decided = layer_scheme(kv_bits, group_size, dims, block_tokens, layout["keep"])
+        layer_group = None if decided is None else decided.group_size
+        scheme = quant_scheme(decided)
         if is_global(layer):
             keys, values = keys[..., low:, :], values[..., low:, :]
             entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}

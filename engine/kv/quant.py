@@ -22,7 +22,7 @@ have the shapes of per-token quantization in groups of ``group`` (the words ``he
 key_bits / 32`` a position) and every tensor is cut into blocks along the positions like it;
 positions of a group that is not whole (a sliding window's first, a cache's last) are
 quantized per token, at the same bits, in groups of ``group`` channels (by the same min/max rule,
-``engine.batch_caches.quantize_per_position``), and all of a window's keys are per token in
+``engine.codes.quantize_per_position``), and all of a window's keys are per token in
 the layer's ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's
 layout says which scheme it uses (``channel_keys`` with its ``key_group_size`` and
 ``key_bits``, ``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized,
@@ -39,52 +39,27 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from agentkv.engine.batch_caches import (
-    Packing,
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.codes import (
     as_float16,
     codes_of,
     hadamard,
     quantize_per_channel,
     quantize_per_position,
-    rotates_keys,
 )
-from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
 from agentkv.engine.errors import CacheFormatError
-from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache, choose_group_size, tensor
+from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache, tensor
 from agentkv.engine.kv.layouts import STORED, group_of, parse_layouts, part_bits, part_group
+from agentkv.engine.scheme import LayerScheme
 
 log = logging.getLogger(__name__)
 ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's flag for each
-SCHEME_FLAGS = ("channel_keys", "rotated_values", "rotated_keys")
-_warned_head_dims: set[int] = set()
 
 
-def quant_scheme(
-    kv_bits: int | None,
-    group_size: int | None,
-    dims: tuple[int, int],
-    block_tokens: int | None = None,
-    keep: int | None = None,
-) -> dict[str, bool | int]:
-    """The layout fields of a layer of (key, value) head sizes ``dims`` quantized at
-    ``kv_bits`` in groups of ``group_size``: q8's ``rotated_keys`` (a power-of-two key head
-    size), q4's ``channel_keys`` (with its ``key_group_size`` and ``key_bits``) and
-    ``rotated_values`` where
-    they apply (paged in blocks a whole number of key groups long, and not a window that keeps
-    its first positions, whose stored order is not the positions'; a power-of-two value head
-    size to rotate), else none."""
-    key_dim, value_dim = dims
-    if group_size is None or kv_bits is None:
-        return {}
-    if kv_bits == 8:
-        return {"rotated_keys": True} if rotates_keys(kv_bits, key_dim) else {}
-    fields: dict[str, bool | int] = {}
-    group = KEY_GROUP_SIZE  # (dividing the key head size: KEY_BITS pack it into words)
-    if (block_tokens is None or block_tokens % group == 0) and not keep and key_dim % group == 0:
-        fields |= {"channel_keys": True, "key_group_size": group, "key_bits": KEY_BITS}
-    if value_dim & (value_dim - 1) == 0:
-        fields["rotated_values"] = True
-    return fields
+def quant_scheme(scheme: LayerScheme | None) -> dict[str, bool | int]:
+    """The layout fields a cache file stores a layer of ``scheme`` under (none for a layer in
+    the model's precision): ``engine.scheme.layer_scheme`` decides them, for the batch too."""
+    return {} if scheme is None else scheme.flags()
 
 
 def stored_kv(
@@ -101,7 +76,7 @@ def stored_kv(
     quantized words, scales and biases (lazy); ``start``: the position of the first one;
     ``scheme``: :func:`quant_scheme`'s fields (rotated keys; per-channel keys, rotated values).
 
-    Keys and values packed by the batch (``packing``, ``engine.batch_caches``) are the words,
+    Keys and values packed by the batch (``packing``, ``engine.batch``) are the words,
     scales and biases ``mx.quantize`` made of their float16 cast: stored as they are when the
     file's bits, group size and scheme are the batch's, per token (no dequantize, no drift
     across resumes), else dequantized first."""
@@ -173,22 +148,6 @@ def hadamard_on_host(x: np.ndarray) -> np.ndarray:
         h *= 2
     y *= np.float32(1 / math.sqrt(dim))
     return np.ascontiguousarray(y.T).reshape(shape)
-
-
-def layer_group_size(key_dim: int, value_dim: int, preferred: int) -> int | None:
-    """One group size for a layer's keys and values, or None (logged once per head size)."""
-    # A group size divides both head sizes exactly when it divides their gcd.
-    group_size = choose_group_size(math.gcd(key_dim, value_dim), preferred)
-    dims = {key_dim, value_dim}
-    if group_size is None and not dims <= _warned_head_dims:
-        _warned_head_dims.update(dims)
-        log.warning(
-            "KV head size %s is not divisible by any quantization group size %s; "
-            "such layers are saved unquantized",
-            "/".join(map(str, sorted(dims))),
-            GROUP_SIZES,
-        )
-    return group_size
 
 
 def quantized_parts(

@@ -50,14 +50,13 @@ from agentkv.engine.kv.layouts import (
     temporal_layer,
 )
 from agentkv.engine.kv.quant import (
-    SCHEME_FLAGS,
     expand_layer_part,
-    layer_group_size,
     quant_scheme,
     quantized_parts,
     stored_kv,
 )
 from agentkv.engine.request import PromptCache
+from agentkv.engine.scheme import FLAGS, layer_scheme
 
 
 def encode_cache(
@@ -92,8 +91,9 @@ def encode_cache(
     for i, layer in enumerate(cache.layers):
         keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
-        layer_group = None if kv_bits is None else layer_group_size(*dims, group_size)
-        scheme = quant_scheme(kv_bits, layer_group, dims, keep=layout["keep"])
+        decided = layer_scheme(kv_bits, group_size, dims, keep=layout["keep"])
+        layer_group = None if decided is None else decided.group_size
+        scheme = quant_scheme(decided)
         layouts.append(layout | {"group_size": layer_group} | scheme)
         start = layout["offset"] - keys.shape[2]
         pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, start, scheme)
@@ -172,7 +172,7 @@ def _read_kv(
     group, bits = part_group(layout, kind, group_size), part_bits(layout, kind, encoded.kv_bits)
     parts = quantized_parts(encoded, name, shape, group, bits)
     q, scales, biases = (mx.array(x) for x in parts)
-    if any(layout.get(flag, False) for flag in SCHEME_FLAGS):
+    if any(layout.get(flag, False) for flag in FLAGS):
         got = {".q": q, ".scales": scales, ".biases": biases}
         x = expand_layer_part(got, layout, kind, encoded.kv_bits, group_size, fused=False)
     else:

@@ -303,7 +303,8 @@ def _build_and_move(definition: TinySpec, target: Path) -> None:
 
 
 def _write_model(definition: TinySpec, out: Path) -> None:
-    write_tokenizer(definition, out)
+    corpus = (definition.seed, definition.corpus_words, definition.lexicon_size)
+    write_tokenizer(definition.chat, definition.vocab_size, corpus, out)
     config, chat = definition.config, definition.chat
     generation = {
         "bos_token_id": config["bos_token_id"],

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from agentkv.engine.models.tiny import TinySpec
+from agentkv.engine.models.chat_formats import ChatFormat
 
 
 def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:
@@ -42,24 +40,25 @@ def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:
     return lines
 
 
-def write_tokenizer(spec: TinySpec, out: Path) -> None:
-    """Train a byte-level BPE on the spec's generated corpus; write ``out/tokenizer.json``."""
+def write_tokenizer(
+    chat: ChatFormat, vocab_size: int, corpus: tuple[int, int, int], out: Path
+) -> None:
+    """Train a byte-level BPE of ``vocab_size`` with ``chat``'s special tokens on the corpus
+    (seed, words, lexicon size) generates; write ``out/tokenizer.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    chat = spec.chat
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size,
+        vocab_size=vocab_size,
         special_tokens=list(chat.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _corpus(spec.seed, spec.corpus_words, spec.lexicon_size)
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.train_from_iterator(_corpus(*corpus), trainer)
     # A corpus too small for the vocab leaves ids the model can emit but nothing decodes.
-    missing = spec.vocab_size - tokenizer.get_vocab_size()
+    missing = vocab_size - tokenizer.get_vocab_size()
     tokenizer.add_special_tokens([f"<unused{i}>" for i in range(missing)])
     for i, token in enumerate(chat.special_tokens):
         if tokenizer.token_to_id(token) != i:

@@ -1,23 +1,11 @@
-"""The batch's KV memory: length groups, what they hold, and what a turn will need.
-
-mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` left-pad every sequence to the longest
-one. agentkv keeps them, but per *group*: sequences of similar length share one padded buffer
-per layer, and attention runs once per group (``engine.attention``). A sequence joins the group
-where it adds the least padding, and only while the group's padded size stays within
-``PADDING_TOLERANCE`` of what its sequences own; otherwise it starts a group of its own. So the
-batch holds about the sum of its sequences' histories, not batch size × the longest.
-
-The buffers themselves are in ``engine.batch_caches``; with ``batch_kv_bits`` they hold their
-keys and values quantized (global and sliding-window layers alike).
-"""
+"""The batch's KV layout: per layer its window, its bytes a token and how it is held
+(:class:`KVLayout`); the first positions a quantized layer reads in float."""
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -26,28 +14,18 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from agentkv.engine.batch_caches import (
-    FLOAT_WINDOW,
-    MIN_GROWTH,
-    GroupKVCache,
-    GroupRotatingKVCache,
-    Packing,
-    channel_buffer,
-    float_window,
-    growth,
-    is_packed,
-    quantized_buffer,
-    quantized_token_bytes,
-    rotates_keys,
-)
-from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, choose_group_size, group_size_for
+from agentkv.engine.batch.buffers import GroupKVCache, GroupRotatingKVCache, growth
+from agentkv.engine.batch.channel import channel_buffer
+from agentkv.engine.batch.held import FLOAT_WINDOW, float_window
+from agentkv.engine.batch.packing import Packing
+from agentkv.engine.batch.quantized import quantized_buffer
+from agentkv.engine.batch.rows import is_packed
+from agentkv.engine.codes import quantized_token_bytes
+from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import InvalidCacheError, UnsupportedModelError
-
-if TYPE_CHECKING:
-    from agentkv.engine.sequence import Sequence
+from agentkv.engine.scheme import layer_scheme
 
 log = logging.getLogger(__name__)
-
 PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences own
 
 
@@ -90,24 +68,15 @@ class KVLayout:
         token_bytes = [(c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches]
         if bits is None:
             return cls(windows, tuple(token_bytes), heads)
-        groups: list[int | None] = [None] * len(caches)
-        channel = [False] * len(caches)
-        rotated = [False] * len(caches)
-        for i, (n, dk, dv) in enumerate(heads):
-            chosen = choose_group_size(math.gcd(dk, dv), group_size)
-            if chosen is None:
-                _warn_unquantized(dk, dv)
-                continue
-            groups[i] = chosen
-            # q4 keeps keys per channel and rotates values (a power-of-two head size).
-            channel[i] = bits == 4 and dk % KEY_GROUP_SIZE == 0 and dv & (dv - 1) == 0
-            key_group, key_bits = (KEY_GROUP_SIZE, KEY_BITS) if channel[i] else (chosen, bits)
-            token_bytes[i] = quantized_token_bytes(n, dk, dv, bits, chosen, key_group, key_bits)
-            # q8 rotates keys (a power-of-two head size), as a q8 file stores them.
-            rotated[i] = rotates_keys(bits, dk)
+        schemes = [layer_scheme(bits, group_size, (dk, dv)) for _, dk, dv in heads]
+        for i, ((n, dk, dv), scheme) in enumerate(zip(heads, schemes, strict=True)):
+            if scheme is not None:
+                token_bytes[i] = quantized_token_bytes(
+                    n, dk, dv, bits, scheme.group_size, scheme.key_group, scheme.key_bits
+                )
         dims = tuple((dk, dv) for _, dk, dv in heads)
         dtype = caches[0].keys.dtype
-        packing = Packing(bits, tuple(groups), dims, dtype, tuple(channel), tuple(rotated))
+        packing = Packing(bits, tuple(schemes), dims, dtype)
         return cls(windows, tuple(token_bytes), heads, (), packing)
 
     @property
@@ -188,7 +157,7 @@ class KVLayout:
     @property
     def reads_first_positions(self) -> bool:
         """Whether a row's group buffers take its :func:`first_positions` (q4's global layers
-        read them in float over their words: see ``engine.batch_caches._ChannelQuantized``)."""
+        read them in float over their words: see ``engine.batch.channel._ChannelQuantized``)."""
         return self.packing is not None and any(
             self.packing.channel_keys(i) and w is None for i, w in enumerate(self.windows)
         )
@@ -265,153 +234,3 @@ def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
 
 def _heads(cache: Any) -> tuple[int, int, int]:
     return cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3]
-
-
-_warned: set[tuple[int, int]] = set()
-
-
-def _warn_unquantized(key_dim: int, value_dim: int) -> None:
-    if (key_dim, value_dim) not in _warned:
-        _warned.add((key_dim, value_dim))
-        log.warning(
-            "batch_kv_bits: KV head size %d/%d is not divisible by a quantization group "
-            "size; such layers stay unquantized in the batch",
-            key_dim,
-            value_dim,
-        )
-
-
-class KVGroup:
-    """Sequences whose KV share one padded buffer per layer (mlx-lm's batch caches).
-
-    A sequence enters through a group of its own (:meth:`start`), prefills there, and may then
-    be merged into a group of similar lengths (:meth:`absorb`). Row ``i`` of every layer is
-    ``seqs[i]``.
-    """
-
-    __slots__ = ("layers", "padded", "seqs")
-
-    def __init__(self, layers: list[Any], seqs: list[Sequence]):
-        self.layers = layers
-        self.seqs = seqs
-        self.padded = len(seqs) > 1  # its buffers may hold positions no sequence owns
-        for seq in seqs:
-            seq.group = self
-
-    @classmethod
-    def start(
-        cls, layout: KVLayout, seq: Sequence, layers: list[Any] | None, first: list | None = None
-    ) -> KVGroup:
-        """A group holding ``seq`` alone, starting from ``layers`` (copied) or empty;
-        ``first``: per layer, its first position's keys and values (see
-        :meth:`KVLayout.buffers`)."""
-        if layers is None:
-            return cls(layout.empty_layers(first), [seq])
-        return cls(layout.buffers(layers, first), [seq])
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s.tokens) for s in self.seqs]
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def settled(self) -> bool:
-        """Whether no sliding layer holds positions beyond its ring. A prompt's chunk leaves
-        them until the row's next decode step writes in place; a group that merged then would
-        pad every row of the other group to them, past what those rows reserved."""
-        return all(
-            layer.keys is None or layer.keys.shape[2] <= layer.max_size
-            for layer in self.layers
-            if isinstance(layer, GroupRotatingKVCache)
-        )
-
-    @property
-    def positions(self) -> mx.array:
-        """Each row's next position (its rotary offset)."""
-        return self.layers[0].offset
-
-    def absorb(self, other: KVGroup) -> None:
-        """Append ``other``'s sequences as rows of this group (both buffers are copied)."""
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            mine.extend(theirs)
-        for seq in other.seqs:
-            seq.group = self
-        self.seqs += other.seqs
-        self.padded = True
-        other.seqs, other.layers = [], []
-
-    def extract(self, seq: Sequence) -> list[Any]:
-        """``seq``'s own per-layer caches (KVCache / RotatingKVCache), copied out; packed for
-        the layers held quantized (``Packing.expand`` expands them)."""
-        row = self.seqs.index(seq)
-        return [layer.extract(row) for layer in self.layers]
-
-    def remove(self, seqs: list[Sequence]) -> None:
-        gone = {id(s) for s in seqs}
-        keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
-        for seq in seqs:
-            seq.group = None
-        if not keep:
-            self.seqs, self.layers = [], []
-            return
-        if len(keep) < len(self.seqs):
-            for layer in self.layers:
-                layer.filter(keep)
-            self.seqs = [self.seqs[i] for i in keep]
-
-    def compact(self, layout: KVLayout) -> bool:
-        """Copy the group into buffers sized for the sequences it still holds, when rows that
-        left (the longest, say) leave it holding much more; returns whether it did."""
-        lengths = self.lengths
-        if not lengths or self.held_bytes <= 1.125 * layout.padded_bytes(lengths) + len(
-            lengths
-        ) * layout.owned_bytes(MIN_GROWTH):
-            return False
-        self.layers = [
-            layout._buffer(j, [layer.extract(i) for i in range(len(lengths))])
-            for j, layer in enumerate(self.layers)
-        ]
-        return True
-
-
-def best_group(layout: KVLayout, groups: list[KVGroup], joining: list[int]) -> KVGroup | None:
-    """The group that sequences of these lengths add the least padding to, within tolerance."""
-    best, best_waste = None, None
-    for group in groups:
-        lengths = group.lengths + joining
-        if not layout.fits_one_group(lengths):
-            continue
-        waste = layout.padded_bytes(lengths) - sum(layout.owned_bytes(n) for n in lengths)
-        if best_waste is None or waste < best_waste:
-            best, best_waste = group, waste
-    return best
-
-
-BUDGET_SHARE = 0.6  # of the device memory left once the weights are loaded
-
-
-def default_budget_bytes() -> int:
-    """A share of the memory left after the weights: Apple's recommended working set, CUDA's
-    free memory, else the host's available RAM."""
-    info = mx.device_info()
-    if "max_recommended_working_set_size" in info:
-        left = int(info["max_recommended_working_set_size"]) - mx.get_active_memory()
-    elif "free_memory" in info:
-        left = int(info["free_memory"])
-    else:
-        left = _available_ram()
-    return max(0, int(left * BUDGET_SHARE))
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

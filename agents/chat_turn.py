@@ -1,0 +1,133 @@
+"""A chat turn: a new user message (and the history stored with it) after the agent's stored
+transcript. It resumes the agent's cache (hot, then disk) and prefills only the messages the
+cache does not cover, rendered as a delta (``agentkv.prompt``); without a usable cache it
+prefills the whole conversation, from a stored prefix where there is one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agentkv.caches.tiers import Resumed
+from agentkv.engine.request import GenerationResult
+from agentkv.errors import EmptyMessageError, check_text
+from agentkv.prompt import Message, checked_history, conversation_digest
+from agentkv.store import AgentRecord, MessageRecord, NewMessage
+from agentkv.turns import TurnRunner, off_loop, transcript_messages
+from agentkv.types import Reply, TurnPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """A new user message (after ``history``, stored with it) following the transcript."""
+
+    runner: TurnRunner
+    message: str
+    history: list[Message]
+    message_id: int | None = field(default=None, init=False)
+
+    @classmethod
+    async def checked(
+        cls, runner: TurnRunner, message: str, history: Sequence[Message]
+    ) -> ChatTurn:
+        """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
+        if check_text(message, "message").strip() == "":
+            raise EmptyMessageError("message is empty: a turn needs some text")
+        return cls(runner, message, await off_loop(checked_history, history))
+
+    async def plan(
+        self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
+    ) -> TurnPlan:
+        """Resume the agent's cache (hot, then disk) and prefill the messages it does not
+        cover; without one, prefill everything, from a stored prefix when there is one."""
+        runner, renderer = self.runner, self.runner.renderer
+        messages = [
+            *transcript_messages(agent, transcript),
+            *self.history,
+            {"role": "user", "content": self.message},
+        ]
+        n_history = len(transcript) + len(self.history)  # the messages before the new one
+        start = time.perf_counter()
+        offset = len(messages) - n_history - 1  # the system message, if any
+        resumed = await runner.caches.resume(agent.id, agent.version)
+        if resumed is not None:
+            # Hashing, rendering and tokenizing grow with the history: off the event loop.
+            delta = await asyncio.to_thread(
+                self._extend, agent.id, messages, offset, n_history, resumed
+            )
+            if delta is not None:
+                return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
+        tokens = await asyncio.to_thread(renderer.full_prompt, messages)
+        source = "rebuilt" if transcript else "none"
+        heads = functools.partial(renderer.shared_heads, messages, tokens)
+        return await runner.plan_from_prefix(tokens, heads, source, start, priority)
+
+    def _extend(
+        self,
+        agent_id: str,
+        messages: list[Message],
+        offset: int,
+        n_history: int,
+        resumed: Resumed,
+    ) -> list[int] | None:
+        """The tokens that follow the resumed cache, or None (logged) when it cannot be used:
+        it was made from another conversation, or the template does not extend it."""
+        count = resumed.message_count
+        if count > n_history:  # newer than the transcript, which only removed rows cause
+            return None
+        digest = conversation_digest(messages[: offset + count])
+        if resumed.digest != digest:
+            made_from = (
+                f"a conversation with digest {resumed.digest}"
+                if resumed.digest
+                else "a conversation it did not record (saved by an older agentkv)"
+            )
+            log.warning(
+                "agent %r: its %s cache was made from %s, not from the %d messages of its "
+                "transcript it claims to cover (digest %s); rebuilding from the transcript",
+                agent_id,
+                resumed.source,
+                made_from,
+                count,
+                digest,
+            )
+            return None
+        delta = self.runner.renderer.delta(messages, offset + count, resumed.cache.tokens[-1])
+        if delta is None:
+            log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
+        return delta
+
+    async def commit(
+        self,
+        agent: AgentRecord,
+        transcript: list[MessageRecord],
+        plan: TurnPlan,
+        result: GenerationResult,
+    ) -> None:
+        stored = await self.runner.registry.append_messages(
+            agent.id,
+            [
+                *(NewMessage(m["role"], m["content"]) for m in self.history),
+                NewMessage("user", self.message, len(plan.prompt_tokens)),
+                NewMessage("assistant", result.text, len(result.token_ids)),
+            ],
+            expected_version=agent.version,
+        )
+        messages = [
+            *transcript_messages(agent, transcript),
+            *self.history,
+            {"role": "user", "content": self.message},
+            {"role": "assistant", "content": result.text},
+        ]
+        await self.runner.keep(agent, result, plan, messages, stored[-1].position + 1)
+        self.message_id = stored[-1].id
+
+    def reply(self, reply: Reply) -> Reply:
+        return dataclasses.replace(reply, message_id=self.message_id)
