@@ -22,7 +22,6 @@ from benchmarks import (
     bench_peer,
     bench_policies,
     bench_prefill,
-    bench_q4_schemes,
     bench_resume,
     bench_roundtrip,
     bench_soak,
@@ -48,7 +47,6 @@ SUITE = {
     "soak": bench_soak,
     "stateless": bench_stateless,
     "fidelity": bench_fidelity,
-    "q4_schemes": bench_q4_schemes,
 }
 
 

@@ -9,20 +9,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-# The group size a precision quantizes in unless told. q4 (values rotated; keys per channel in
-# groups of KEY_GROUP_SIZE positions, ``engine.kv.quant``): 128, whose values lose no more
-# than in groups of 32 once rotated, at 4.25 bits a value instead of 5. q8 (keys rotated):
-# 128, 0.516x the bytes of float16 against 0.5625x at 32, diverging from the exact model about
-# as much as unrotated keys in groups of 32 did (README, *Resume fidelity*). Unquantized
-# caches record DEFAULT_GROUP_SIZE (it is not used).
+# The group size a precision quantizes in unless told: 128 for q4 (values rotated; keys per
+# channel in groups of KEY_GROUP_SIZE positions, ``engine.kv.quant``) and q8 (keys rotated),
+# 4.25 bits a q4 value and 0.516x the bytes of float16 at q8 (0.5625x in groups of 32); the
+# research log (docs/research/kv-fidelity.md) has their fidelity. Unquantized caches record
+# DEFAULT_GROUP_SIZE (it is not used).
 DEFAULT_GROUP_SIZE = 32
 GROUP_SIZE_BY_BITS = {8: 128, 4: 128}
 # q4 keys per channel: the positions each channel's scale and bias cover, and the bits of
 # each key's code. Keys cost q4 most of its fidelity. Five-bit codes over 32 positions take
 # the bytes of four-bit codes over 16 (6 bits a key with its group's float16 scale and bias;
 # 5.125 bits a value with values in groups of 128), and halve the step wherever a channel's
-# range over 32 positions is its range over 16: on gemma3-270m at a 4K history they diverge
-# from the exact model 45% less (mean KL; README, *Four-bit schemes*).
+# range over 32 positions is its range over 16 (docs/research/kv-fidelity.md).
 KEY_GROUP_SIZE = 32
 KEY_BITS = 5
 FALLBACK_GROUP_SIZES = (64, 32, 128)  # tried in this order after the preferred one

@@ -1,34 +1,33 @@
-"""Quantizing keys and values for storage and expanding them again: in numpy on a reader
-thread, or in MLX on the generation thread, both in float32.
+"""Quantizing keys and values for storage and expanding them again: in numpy on a reader thread, or
+in MLX on the generation thread, both in float32.
 
 q8 quantizes every position's keys and values along the head dimension (``mx.quantize``, a
-float16 scale and bias per group of ``group_size`` values), keys rotated first by an
-orthonormal Walsh-Hadamard transform of the head dimension (:func:`hadamard`; a power-of-two
-head size): a key's few large channels otherwise set its groups' scales, and the rest lose
-their precision (``bench_fidelity`` and ``bench_q4_schemes`` measure it). q4 quantizes values
-rotated the same way (a few large channels spread over all of them), in groups of the layer's
-``group_size``, and quantizes keys per channel instead: each channel over ``key_group_size``
-(:data:`~engine.config.KEY_GROUP_SIZE`, 32) consecutive positions (KIVI), to ``key_bits``
-(:data:`~engine.config.KEY_BITS`, 5: the bytes of four-bit codes over 16 positions, half their
-step). Keys have outlier channels that one per-token scale cannot serve; along the positions,
-a channel's values are alike. Per-token q4 kept 90.2% of teacher-forced top-1 tokens on
-``gemma3-270m`` at a 4K-token history (``bench_fidelity``); see the README's *Four-bit
-schemes* for this scheme's.
+float16 scale and bias per group of ``group_size`` values), keys rotated first by an orthonormal
+Walsh-Hadamard transform of the head dimension (:func:`hadamard`; a power-of-two head size): a
+key's few large channels otherwise set its groups' scales, and the rest lose their precision
+(``bench_fidelity`` and ``benchmarks.research.bench_q4_schemes`` measure it). q4 quantizes
+values rotated the same way (a few large channels spread over all of them), in groups of the
+layer's ``group_size``, and quantizes keys per channel instead: each channel over
+``key_group_size`` (:data:`~engine.config.KEY_GROUP_SIZE`, 32) consecutive positions (KIVI), to
+``key_bits`` (:data:`~engine.config.KEY_BITS`, 5: the bytes of four-bit codes over 16 positions,
+half their step). Keys have outlier channels that one per-token scale cannot serve; along the
+positions, a channel's values are alike (``docs/research/kv-fidelity.md`` compares the
+schemes).
 
 A per-channel key group is positions ``[k * group, (k + 1) * group)`` of the sequence, whole
 inside the stored ones; its ``head_dim`` scales (and biases) are spread over its positions'
-scale slots, ``head_dim / group`` to a position, in channel order. So the scales and biases
-have the shapes of per-token quantization in groups of ``group`` (the words ``head_dim *
-key_bits / 32`` a position) and every tensor is cut into blocks along the positions like it;
-positions of a group that is not whole (a sliding window's first, a cache's last) are
-quantized per token, at the same bits, in groups of ``group`` channels (by the same min/max rule,
-``engine.codes.quantize_per_position``), and all of a window's keys are per token in
-the layer's ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's
-layout says which scheme it uses (``channel_keys`` with its ``key_group_size`` and
-``key_bits``, ``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized,
-or a file written before) is per token and unrotated; one with ``channel_keys`` but no
-``key_group_size`` (written before key groups of their own) has key groups of its
-``group_size``, and one without ``key_bits`` (written before five-bit keys) four-bit keys.
+scale slots, ``head_dim / group`` to a position, in channel order. So the scales and biases have
+the shapes of per-token quantization in groups of ``group`` (the words ``head_dim * key_bits /
+32`` a position) and every tensor is cut into blocks along the positions like it; positions of a
+group that is not whole (a sliding window's first, a cache's last) are quantized per token, at
+the same bits, in groups of ``group`` channels (by the same min/max rule,
+``engine.codes.quantize_per_position``), and all of a window's keys are per token in the layer's
+``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's layout says
+which scheme it uses (``channel_keys`` with its ``key_group_size`` and ``key_bits``,
+``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized, or a file
+written before) is per token and unrotated; one with ``channel_keys`` but no ``key_group_size``
+(written before key groups of their own) has key groups of its ``group_size``, and one without
+``key_bits`` (written before five-bit keys) four-bit keys.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ from agentkv.engine.kv.quant import dequantize_f32
 from agentkv.engine.models.loading import load_model
 from benchmarks.plots import save_plot, write_report
 
-RESULTS = Path(__file__).parent / "results"
-TEXT = Path(__file__).parent / "data" / "alice_ch1_2.txt"
+RESULTS = Path(__file__).parent.parent / "results"
+TEXT = Path(__file__).parent.parent / "data" / "alice_ch1_2.txt"
 CAPACITY_HISTORY = 8192  # the history ``× float16 at 8K`` is counted at
 TARGET = 0.98  # top-1 agreement a four-bit scheme must keep at a 4K history
 
