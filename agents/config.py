@@ -68,8 +68,8 @@ class RuntimeConfig(BaseModel):
             --worker-id``): leases, logs, ``/ready`` and the ``x-agentkv-worker`` header name
             it. One live process runs as an id (a lock file under ``data_dir/workers``), so a
             worker restarted with its id takes its leases back at once. None: the first free
-            ``<hostname>-<n>`` on ``data_dir`` (a lone worker restarted is ``<hostname>-0``
-            again).
+            ``<hostname>-<dir>-<n>`` on ``data_dir`` (``dir``: six hex digits of its path; a
+            lone worker restarted is ``...-0`` again).
         lease_s: seconds an agent's lease outlives a worker that stops renewing it (a crashed
             or partitioned worker's agents pass to another worker after this long); renewed
             every third of it while held.

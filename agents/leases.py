@@ -10,7 +10,7 @@ database) loses its agents once that time has passed.
 
 A worker id names one live process: :class:`WorkerClaim` holds a lock file for it in the data
 directory while the process runs. A worker restarted on the same data directory (the same
-explicit id, or the default ``<hostname>-<n>``, the lowest ``n`` free) therefore knows its
+explicit id, or the default ``<hostname>-<dir>-<n>``, the lowest ``n`` free) therefore knows its
 predecessor is gone, and takes back at once the leases it left behind rather than waiting for
 them to expire.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -53,7 +54,9 @@ class WorkerClaim:
 
     @classmethod
     def take(cls, data_dir: Path, worker_id: str | None) -> WorkerClaim:
-        """Claim ``worker_id``, or (None) the first free ``<hostname>-<n>``. Where no lock file
+        """Claim ``worker_id``, or (None) the first free ``<hostname>-<dir>-<n>`` (``dir``: six hex
+        digits of the data directory's path, so workers of other directories sharing one
+        registry get other names). Where no lock file
         can be written (a full or read-only disk) the id goes unclaimed: the default is then
         ``<hostname>-<pid>``, and leases wait for a predecessor's to expire.
 
@@ -62,7 +65,9 @@ class WorkerClaim:
         """
         folder = data_dir / WORKERS_DIR
         host = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:48] or "host"
-        names = [worker_id] if worker_id is not None else (f"{host}-{n}" for n in count())
+        # Workers on other data directories (sharing one registry) get other names.
+        place = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:6]
+        names = [worker_id] if worker_id is not None else (f"{host}-{place}-{n}" for n in count())
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for name in names:

@@ -204,6 +204,11 @@ async def test_a_worker_id_runs_in_one_process_at_a_time(tmp_path: Path) -> None
         default = RuntimeConfig(model=MODEL, data_dir=tmp_path)
         async with await AgentRuntime.open(default) as a, await AgentRuntime.open(default) as b:
             assert (a.leases.worker_id[-2:], b.leases.worker_id[-2:]) == ("-0", "-1")
+        # Another data directory sharing the registry: another name, though its first.
+        other = RuntimeConfig(model=MODEL, data_dir=tmp_path / "b", db_url=default.database)
+        async with await AgentRuntime.open(default) as a, await AgentRuntime.open(other) as b:
+            assert a.leases.worker_id.endswith("-0") and b.leases.worker_id.endswith("-0")
+            assert a.leases.worker_id != b.leases.worker_id
         assert rt.leases.worker_id == "w1"
     async with await AgentRuntime.open(config) as rt:  # given back at close
         assert rt.leases.worker_id == "w1"
