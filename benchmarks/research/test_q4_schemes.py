@@ -1,18 +1,9 @@
 """The four-bit schemes harness's own tests (run by hand: ``python -m pytest
 benchmarks/research``; not part of ``make test``)."""
 
-import importlib
-import json
-
 import pytest
 
-
-def run_quick(name, tmp_path):
-    module = importlib.import_module(f"benchmarks.{name}")
-    out = tmp_path / "x.json"
-    report = module.main(["--quick", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    return report
+from tests.test_benchmarks import run_quick
 
 
 def test_q4_schemes_quick(tmp_path):
