@@ -1,6 +1,6 @@
-"""agentkv end to end on Gemma 3 270M (trained weights), the tiny model or a local model dir.
+"""agentkv end to end on Gemma 3 270M (trained weights), the tiny model or any mlx-lm model.
 
-    python demo_full_stack.py [--model gemma3-270m | tiny:gemma3 | PATH] [--data-dir DIR]
+    python demo_full_stack.py [--model gemma3-270m | tiny:gemma3 | PATH | ORG/NAME] [--data-dir DIR]
 
 Gemma 3 270M is a small base model: poor at answering chat questions, good at continuing text
 and at copying from its context. So each agent keeps a document of its own (a ship's log, a
@@ -298,7 +298,7 @@ async def main(argv: list[str] | None = None) -> int:
         "--model",
         default=DEFAULT_MODEL,
         help=f"gemma3-270m (default; {FALLBACK_MODEL} if it cannot be installed), tiny:<name> "
-        "or a local model dir",
+        "a local model dir or a Hugging Face id",
     )
     parser.add_argument("--data-dir", type=Path, help="keep data here (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=3, help="writing rounds (at least 2)")

@@ -30,7 +30,8 @@ class RuntimeConfig(BaseModel):
     """How to run agentkv.
 
     Attributes:
-        model: ``tiny:<name>`` or a local mlx-lm model directory.
+        model: a Hugging Face id (``org/name[@revision]``), a local mlx-lm model directory,
+            ``gemma3-270m`` or ``tiny:<name>`` (``engine.models.loading.resolve_model_path``).
         data_dir: holds ``agentkv.sqlite`` and ``caches/`` unless overridden.
         db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
         cache_dir: overrides ``data_dir/caches``.

