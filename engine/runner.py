@@ -23,7 +23,7 @@ from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
-from agentkv.engine.errors import UnsupportedModelError
+from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
 
@@ -50,8 +50,20 @@ class ModelRunner:
                 f"{type(model).__module__} has its own attention function; agentkv batches "
                 "models that use mlx-lm's scaled_dot_product_attention"
             )
-        self.layout = KVLayout.of(model)  # the probe compares logits in the model's precision
-        self._backbone, self._head = self._split_head()
+        try:  # the probes compare logits in the model's precision
+            self.layout = KVLayout.of(model)
+            self._backbone, self._head = self._split_head()
+        except AgentKVError:
+            raise
+        except Exception as exc:  # its layers do not run as a step of rows: say which and why
+            raise UnsupportedModelError(
+                f"{type(model).__module__}: its layers fail as a step of agentkv's batch "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "agentkv batches models whose attention reads its cache only through mlx-lm's "
+                "scaled_dot_product_attention (not yet multi-head latent attention, as in "
+                "DeepSeek V3, nor layers that read another layer's KV, as in Gemma 4's "
+                "shared-KV layers)"
+            ) from exc
         if kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 

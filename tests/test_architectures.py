@@ -1,0 +1,181 @@
+"""Every mlx-lm architecture agentkv is asked to drive: it runs fully, or it is refused by name.
+
+Each architecture is a tiny random-weight model built from mlx-lm's own classes
+(``tests/architectures.py``) and loaded through ``mlx_lm.load``. One that runs: three agents
+of different lengths take turns together in the batch, the runtime restarts, and each agent's
+next turn resumes from its cache on disk; every reply equals the same agent's run alone and
+uninterrupted (greedy tokens: the batch and a lone agent multiply matrices of other shapes, and
+these tokens are where the margins allow it on every kernel family tried). Then the batch holds
+its KV at 8 bits, or falls back to the model's precision with its warning. One that cannot run
+is refused at open with an ``UnsupportedModelError`` that names its module and why: never
+another exception. ``docs/models.md`` lists the same families.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from agentkv.config import RuntimeConfig
+from agentkv.engine.errors import UnsupportedModelError
+from agentkv.runtime import AgentRuntime
+from tests.architectures import ARCHITECTURES, build_architecture
+
+RUN = [
+    "llama",
+    "mistral",
+    "mistral3",
+    "ministral3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "glm4_moe",
+    "olmo2",
+    "phi3",
+    "cohere2",
+    "exaone4",
+    "seed_oss",
+    "minimax",
+    "gemma3_text",
+    "gpt_oss",
+    "gemma4_text",
+    "gemma4_text-moe",
+    "mixtral",
+    "qwen2_moe",
+    "olmoe",
+    "olmo3",
+    "smollm3",
+    "granite",
+    "granitemoe",
+    "hunyuan",
+    "hunyuan_v1_dense",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "glm4",
+    "gemma",
+    "phimoe",
+    "starcoder2",
+    "cohere",
+    "exaone_moe",
+    "deepseek_v2",
+    "apertus",
+    "nemotron",
+    "helium",
+    "internlm3",
+    "bailing_moe",
+    "afmoe",
+]
+# What each refused architecture is refused for (its message names its mlx-lm module).
+RECURRENT = "this one uses ArraysCache"  # conv / SSM / gated-delta state beside attention
+BOTH = "this one uses CacheList"  # a layer holding two caches (attention and state, or an index)
+OWN_ATTENTION = "has its own attention function"
+OUTSIDE_SDPA = "its layers fail as a step of agentkv's batch"  # the cache read outside it
+REFUSED = {
+    "deepseek_v3": OUTSIDE_SDPA,  # multi-head latent attention: keys read for rotary scores
+    "kimi_k2": OUTSIDE_SDPA,
+    "glm4_moe_lite": OUTSIDE_SDPA,
+    "mistral4": OUTSIDE_SDPA,
+    "phi": OUTSIDE_SDPA,  # keys cast to float32 before attention
+    "stablelm": OUTSIDE_SDPA,
+    "gemma4_text-shared_kv": OUTSIDE_SDPA,  # layers that read another layer's KV
+    "deepseek_v32": BOTH,
+    "glm_moe_dsa": BOTH,
+    "falcon_h1": BOTH,
+    "qwen3_5": RECURRENT,
+    "qwen3_5_moe": RECURRENT,
+    "qwen3_next": RECURRENT,
+    "granitemoehybrid": RECURRENT,
+    "granitemoehybrid-dense": RECURRENT,
+    "nemotron_h": RECURRENT,
+    "nemotron_h-dense": RECURRENT,
+    "lfm2": RECURRENT,
+    "lfm2_moe": RECURRENT,
+    "kimi_linear": RECURRENT,
+    "jamba": RECURRENT,
+    "recurrent_gemma": RECURRENT,
+    "gemma2": OWN_ATTENTION,  # soft-capped attention written out
+    "mamba": OWN_ATTENTION,  # no attention at all
+    "mamba2": OWN_ATTENTION,
+}
+SYSTEMS = {"a": "You are a guide.", "b": None, "c": "You keep a long log. " * 6}
+TURNS = ["Hello there", "Tell me more about it", "And then?"]
+
+
+def test_every_architecture_is_either_run_or_refused():
+    assert set(RUN) | set(REFUSED) == set(ARCHITECTURES)
+    assert not set(RUN) & set(REFUSED)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """name → model directory, built once per module on first use."""
+    root, built = tmp_path_factory.mktemp("architectures"), {}
+
+    class Dirs(dict):
+        def __missing__(self, name: str) -> Path:
+            built[name] = build_architecture(name, root / name)
+            return built[name]
+
+    return Dirs()
+
+
+def config(model: Path, data: Path, **kw) -> RuntimeConfig:
+    return RuntimeConfig(model=str(model), data_dir=data, kv_bits=None, **kw)
+
+
+async def agents(rt: AgentRuntime) -> None:
+    for agent_id, system in SYSTEMS.items():
+        await rt.create_agent(agent_id, system_prompt=system)
+
+
+async def turn(rt: AgentRuntime, agent_id: str, i: int):
+    return await rt.chat(agent_id, f"{TURNS[i]} ({agent_id})", max_tokens=6 + 2 * i)
+
+
+@pytest.mark.parametrize("name", RUN)
+async def test_an_architecture_runs_in_the_batch_and_resumes_from_disk(name, models, tmp_path):
+    model = models[name]
+    async with await AgentRuntime.open(config(model, tmp_path / "alone")) as rt:
+        await agents(rt)
+        alone = {a: [await turn(rt, a, i) for i in range(3)] for a in SYSTEMS}
+
+    data = tmp_path / "batch"
+    async with await AgentRuntime.open(config(model, data)) as rt:
+        await agents(rt)
+        together = [await asyncio.gather(*(turn(rt, a, i) for a in SYSTEMS)) for i in range(2)]
+    async with await AgentRuntime.open(config(model, data)) as rt:  # a restart
+        together.append(await asyncio.gather(*(turn(rt, a, 2) for a in SYSTEMS)))
+
+    for j, agent_id in enumerate(SYSTEMS):
+        replies = [together[i][j] for i in range(3)]
+        assert [r.token_ids for r in replies] == [r.token_ids for r in alone[agent_id]], agent_id
+        assert [r.cache_source for r in replies] == ["none", "hot", "disk"], agent_id
+        assert replies[2].usage.cached_tokens == alone[agent_id][2].usage.cached_tokens > 0
+
+
+@pytest.mark.parametrize("name", RUN)
+async def test_an_architecture_holds_its_batch_at_8_bits_or_says_why_not(
+    name, models, tmp_path, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="agentkv"):
+        async with await AgentRuntime.open(
+            config(models[name], tmp_path, engine={"batch_kv_bits": 8})
+        ) as rt:
+            await agents(rt)
+            replies = await asyncio.gather(*(turn(rt, a, 0) for a in SYSTEMS))
+            bits = rt.engine.stats().batch_kv_bits
+    assert all(r.finish_reason in ("stop", "length") and r.token_ids for r in replies)
+    fell_back = [r for r in caplog.records if "batch_kv_bits=8" in r.getMessage()]
+    assert (bits == 0) == bool(fell_back), (bits, [r.getMessage() for r in fell_back])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers on Kimi K2's rope_scaling
+@pytest.mark.parametrize("name", sorted(REFUSED))
+async def test_an_architecture_agentkv_cannot_drive_is_refused_by_name(name, models, tmp_path):
+    with pytest.raises(UnsupportedModelError, match=REFUSED[name]) as refused:
+        await AgentRuntime.open(config(models[name], tmp_path))
+    assert "mlx_lm.models." in str(refused.value), str(refused.value)
+    assert not list(tmp_path.glob("caches/*")), "a refused model wrote no cache"
