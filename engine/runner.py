@@ -61,8 +61,7 @@ class ModelRunner:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 "agentkv batches models whose attention reads its cache only through mlx-lm's "
                 "scaled_dot_product_attention (not yet multi-head latent attention, as in "
-                "DeepSeek V3, nor layers that read another layer's KV, as in Gemma 4's "
-                "shared-KV layers)"
+                "DeepSeek V3, nor keys cast or scored outside it)"
             ) from exc
         if kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))

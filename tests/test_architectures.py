@@ -43,6 +43,9 @@ RUN = [
     "gpt_oss",
     "gemma4_text",
     "gemma4_text-moe",
+    "gemma4_text-shared_kv",  # layers that attend to an earlier layer's KV (E2B / E4B)
+    "phi",  # keys cast to float32 for attention
+    "stablelm",
     "mixtral",
     "qwen2_moe",
     "olmoe",
@@ -78,9 +81,6 @@ REFUSED = {
     "kimi_k2": OUTSIDE_SDPA,
     "glm4_moe_lite": OUTSIDE_SDPA,
     "mistral4": OUTSIDE_SDPA,
-    "phi": OUTSIDE_SDPA,  # keys cast to float32 before attention
-    "stablelm": OUTSIDE_SDPA,
-    "gemma4_text-shared_kv": OUTSIDE_SDPA,  # layers that read another layer's KV
     "deepseek_v32": BOTH,
     "glm_moe_dsa": BOTH,
     "falcon_h1": BOTH,

@@ -78,6 +78,28 @@ class SpanMasks(tuple):
     """One attention mask per span, as :meth:`StepCache.make_mask` makes them."""
 
 
+class Fetched(tuple):
+    """A layer's keys (or values) for one step, a piece per span, and the :class:`StepCache`
+    that holds them: a layer that reads another layer's KV (Gemma 4's shared-KV layers) gets
+    these with no cache of its own, and attends through that layer's spans."""
+
+    step: StepCache
+
+    def __new__(cls, pieces: list[Any], step: StepCache) -> Fetched:
+        fetched = super().__new__(cls, pieces)
+        fetched.step = step
+        return fetched
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The pieces' type (models that cast their attention's output back to it)."""
+        return self[0].dtype
+
+    def astype(self, dtype: mx.Dtype) -> Fetched:
+        """Every piece cast (models that attend in float32: Phi-2, StableLM)."""
+        return Fetched([piece.astype(dtype) for piece in self], self.step)
+
+
 class StepCache:
     """What one layer of the model sees as its cache during one step."""
 
@@ -94,14 +116,14 @@ class StepCache:
             raise ValueError(f"a step feeds one token per row, got {N}")
         return SpanMasks(s.mask(window_size) for s in self.spans)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Fetched, Fetched]:
         fetched = [
             s.cache.write(s.as_block(keys), s.as_block(values), s.fences)
             if isinstance(s.cache, QuantizedLayer)
             else s.cache.update_and_fetch(s.as_block(keys), s.as_block(values))
             for s in self.spans
         ]
-        return tuple(k for k, _ in fetched), tuple(v for _, v in fetched)
+        return Fetched([k for k, _ in fetched], self), Fetched([v for _, v in fetched], self)
 
     def attend(
         self,
@@ -134,9 +156,12 @@ def ragged_attention(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache`."""
+    """mlx-lm's ``scaled_dot_product_attention``, span by span for a :class:`StepCache` (the
+    layer's own, or the one whose keys a shared-KV layer reads)."""
     if isinstance(cache, StepCache):
         return cache.attend(queries, keys, values, scale, mask, sinks)
+    if cache is None and isinstance(keys, Fetched):
+        return keys.step.attend(queries, keys, values, scale, mask, sinks)
     if isinstance(keys, HeldQuantized):
         return quantized_attention(queries, keys, scale, mask, sinks)
     return MLX_LM_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
