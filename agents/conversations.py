@@ -125,6 +125,7 @@ class DocumentTurn:
                     lambda parsed: conversations.stored_text(parsed.as_message()),
                     cache.tokens,
                     [(str(m.role), m.content, m.token_count) for m in transcript],
+                    first=1 if self.messages[0]["role"] == "system" else 0,
                 )
             document = render_document(renderer, self.messages, tools, replies)
             shared = common_prefix(document.tokens, cache.tokens) if cache else 0
@@ -164,6 +165,7 @@ class DocumentTurn:
             len(document.tokens),
             tuple(result.token_ids),
             conversations.parse(result.text, self.tools),
+            len(messages),  # the conversation's next message
         )
         self.cached = reply
         system, first = None, 0

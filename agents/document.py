@@ -7,8 +7,11 @@ message thus re-prefills from the first changed token on.
 
 Rendering and re-tokenizing does not reproduce the tokens a reply was generated as (see
 :mod:`agents.prompt`), so replies the model generated are spliced in as their generated
-tokens: each assistant message the client sends back that says what a cached reply said is
-rendered as a placeholder, and the placeholder is replaced by that reply's tokens.
+tokens: each assistant message the client sends back that says what a cached reply said, at
+the reply's own place in the conversation, is rendered as a placeholder, and the placeholder is
+replaced by that reply's tokens. A reply is matched to its place, not to the first message equal
+to it: agents repeat identical tool calls, and a conversation imported before the agent's first
+reply holds messages equal to later replies.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from agentkv.tool_calls import ParsedReply, ToolCall
 
 @dataclass(slots=True, frozen=True)
 class CachedReply:
-    """A generated reply: where its tokens start in the agent's cache, and what it said."""
+    """A generated reply: where its tokens start in the agent's cache, what it said, and which
+    message of the conversation it is (its index, the system prompt counted; None: unknown)."""
 
     start: int
     tokens: tuple[int, ...]
     parsed: ParsedReply
+    message: int | None = None
 
     @property
     def end(self) -> int:
@@ -75,6 +80,11 @@ def render_document(
         if message["role"] == "assistant":
             calls = tool_calls_of(message)
             for k in range(j, len(replies)):
+                place = replies[k].message
+                if place is not None and place > i:
+                    break  # the next reply is a later message's
+                if place not in (None, i):
+                    continue  # its own message was dropped or rewritten
                 if replies[k].parsed.same_as(message.get("content") or "", calls):
                     message = {"role": "assistant", "content": ""}  # its calls are in the tokens
                     spliced.append(replies[k])
@@ -94,7 +104,7 @@ def render_document(
         tokens += renderer.encode(rendered[start:end])
         if reply is None:
             break
-        placed.append(CachedReply(len(tokens), reply.tokens, reply.parsed))
+        placed.append(CachedReply(len(tokens), reply.tokens, reply.parsed, at[len(placed)]))
         tokens += reply.tokens
         start = end + PLACEHOLDER_CHARS
         # A reply that ended on an end-of-turn token already holds what the template closes with.
@@ -121,6 +131,7 @@ def recover_replies(
     stored: Callable[[ParsedReply], str],
     cache_tokens: Sequence[int],
     transcript: Sequence[tuple[str, str, int | None]],
+    first: int = 0,
 ) -> list[CachedReply]:
     """Find a transcript's generated replies in its cache's tokens (after a restart, when the
     spans kept in memory are gone).
@@ -134,6 +145,8 @@ def recover_replies(
         stored: a parsed reply as transcripts store it.
         cache_tokens: the tokens the agent's cache holds.
         transcript: (role, stored content, token count) of each message.
+        first: the conversation's index of the transcript's first message (1 after a system
+            prompt, which transcripts keep apart).
     """
     probe = [{"role": "user", "content": "x"}]
     opened = renderer.render(probe, add_generation_prompt=True)
@@ -148,7 +161,7 @@ def recover_replies(
     ]
     replies: list[CachedReply] = []
     at = 0
-    for role, content, count in transcript:
+    for t, (role, content, count) in enumerate(transcript):
         if role != "assistant" or not count:
             continue
         for k in range(at, len(starts)):
@@ -158,7 +171,7 @@ def recover_replies(
             body = tokens[:-1] if tokens[-1] in renderer.eos_token_ids else tokens
             parsed = parse(renderer.tokenizer.decode(list(body)))
             if stored(parsed).strip() == content.strip():
-                replies.append(CachedReply(starts[k], tokens, parsed))
+                replies.append(CachedReply(starts[k], tokens, parsed, first + t))
                 at = k + 1
                 break
     return replies

@@ -22,6 +22,7 @@ from benchmarks import (
     bench_peer,
     bench_policies,
     bench_prefill,
+    bench_ready,
     bench_resume,
     bench_roundtrip,
     bench_soak,
@@ -47,6 +48,7 @@ SUITE = {
     "soak": bench_soak,
     "stateless": bench_stateless,
     "fidelity": bench_fidelity,
+    "ready": bench_ready,
 }
 
 

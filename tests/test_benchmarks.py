@@ -408,3 +408,23 @@ def test_scaleout_quick(tmp_path):
         assert sum(row["turns_by_worker"].values()) == 8
     assert list(report["rows"][0]["turns_by_worker"]) == ["w1"]
     assert report["two_vs_one"] > 0
+
+
+def test_ready_quick(tmp_path):
+    report = run_quick("bench_ready", tmp_path)
+
+    assert report["model"] == "tiny:llama"
+    assert report["ready_s"] > 0 and report["load_s"] > 0
+    assert report["ratio"] == report["ready_s"] / report["load_s"]
+    assert list(report["steps_s"]) == [
+        "imports",
+        "resolve",
+        "fingerprint",
+        "mlx_lm weights",
+        "mlx_lm tokenizer",
+        "batch probes",
+        "grammar index",
+        "registry",
+    ]
+    assert all(v >= 0 for v in report["steps_s"].values())
+    assert (tmp_path / "x.png").stat().st_size > 0

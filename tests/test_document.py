@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv import AgentRuntime, Reply, RuntimeConfig, SamplingParams
 from agentkv.document import common_prefix
 from agentkv.engine.models.tiny import tiny_model_dir
 
@@ -35,6 +35,10 @@ def system(text: str) -> dict:
 
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
 
 
 async def test_edited_system_prompt_reprefills_only_what_changed(tmp_path):
@@ -138,3 +142,27 @@ async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_pa
         assert again.token_ids == alone.token_ids
         # The reply to the rewrite is the turn now: its own boundary is kept in turn.
         assert (await respond(rt, "rewritten", [*rewritten, user("And?")])).cache_source == "hot"
+
+
+async def test_a_reply_is_spliced_at_its_own_place_not_at_an_earlier_equal_message(tmp_path):
+    # Agents repeat identical tool calls, and a conversation imported before the agent's first
+    # reply holds messages equal to its later replies: each reply goes back to its own place.
+    model = "tiny:llama"
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    forced = SamplingParams(logit_bias={tokenizer.encode("a", add_special_tokens=False)[0]: 100})
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("doc")
+        probe = await respond(rt, "doc", [user("Say it")], sampling=forced)
+        await rt.create_agent("mid")
+        imported = [system("Be brief."), user("Say it"), assistant(probe.text), user("Again")]
+        one = await respond(rt, "mid", imported, sampling=forced)
+        assert one.text == probe.text  # the reply equals the imported message before it
+        conversation = [*imported, assistant(one.text), user("Once more")]
+        two = await respond(rt, "mid", conversation, sampling=forced)
+    assert two.cache_source == "hot"
+    assert two.usage.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:  # found again on disk
+        conversation += [assistant(two.text), user("And again")]
+        three = await respond(rt, "mid", conversation, sampling=forced)
+    assert three.cache_source == "disk"
+    assert three.usage.cached_tokens == two.usage.prompt_tokens + two.usage.completion_tokens
