@@ -133,11 +133,14 @@ class AgentRuntime:
         name: str | None = None,
         sampling: SamplingParams | None = None,
         idle_ttl_s: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AgentRecord:
         """Register a new agent. ``agent_id`` defaults to a fresh ``agent-<hex>`` id.
 
         ``idle_ttl_s``: after that many seconds without a turn, :meth:`expire_agents` deletes
-        it (None: never).
+        it (None: never). ``tools``: the tool definitions its conversation carries, kept with
+        it (the HTTP server matches stateless clients' requests on system prompt and tools);
+        turns still take their tools from each call.
         """
         self._check_open()
         if system_prompt is not None:
@@ -151,6 +154,7 @@ class AgentRuntime:
             model_fingerprint=self._engine.model.fingerprint,
             sampling=(sampling or SamplingParams()).model_dump(mode="json", exclude_defaults=True),
             idle_ttl_s=idle_ttl_s,
+            tools=tools or None,
         )
 
     async def get_agent(self, agent_id: str) -> AgentRecord:

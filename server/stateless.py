@@ -70,6 +70,11 @@ def _system_key(system: str, tools: list[dict[str, Any]] | None) -> str:
     return f"{system}\0tools\0{json.dumps(tools, sort_keys=True)}"
 
 
+def _key_of(agent: AgentRecord) -> str:
+    """The system key a stateless agent was created under (its prompt and tools, stored)."""
+    return _system_key(agent.system_prompt or "", agent.tools)
+
+
 def _states(system: str, chat: list[ChatMessage]) -> tuple[bytes, bytes | None]:
     """An agent's index entry: the digest of its conversation and, when that ends with a
     reply, the digest of the conversation before it."""
@@ -113,7 +118,7 @@ class StatelessAgents:
         agents = [a for a in await self._runtime.list_agents() if a.id.startswith(STATELESS_PREFIX)]
         for agent in sorted(agents, key=lambda a: a.updated_at):
             chat = [ChatMessage(str(role), text) for role, text in transcripts.get(agent.id, [])]
-            self._index.put(agent.id, *_states(agent.system_prompt or "", chat))
+            self._index.put(agent.id, *_states(_key_of(agent), chat))
         await self._delete(await self._beyond_cap())
 
     def forget(self, agent_id: str) -> None:
@@ -151,6 +156,7 @@ class StatelessAgents:
                     agent = await self._runtime.create_agent(
                         f"{STATELESS_PREFIX}{uuid.uuid4().hex[:24]}",
                         system_prompt=request.system or None,
+                        tools=request.tools or None,
                         idle_ttl_s=self._stateless_ttl_s,
                     )
                     self._index.put(agent.id, digests[0])
@@ -268,8 +274,7 @@ class StatelessAgents:
             self._index.drop(agent_id)
             return False
         transcript = await self._runtime.transcript(agent_id)
-        system = _system_key(agent.system_prompt or "", request.tools)
-        digest, asked = await asyncio.to_thread(_states, system, as_chat(transcript))
+        digest, asked = await asyncio.to_thread(_states, _key_of(agent), as_chat(transcript))
         state, expected = (asked, digests[-1]) if found.resent else (digest, digests[found.matched])
         if state == expected:
             return True
@@ -282,5 +287,5 @@ class StatelessAgents:
     ) -> None:
         if transcript is None:
             transcript = await self._runtime.transcript(agent.id)
-        states = await asyncio.to_thread(_states, agent.system_prompt or "", as_chat(transcript))
+        states = await asyncio.to_thread(_states, _key_of(agent), as_chat(transcript))
         self._index.put(agent.id, *states)

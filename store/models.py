@@ -146,6 +146,9 @@ class Agent(Base):
     # Bumped by every change of the transcript or the system prompt (added by 0007): a turn
     # stores itself only if the agent is still at the version it read.
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # The tool definitions its conversation carries (added by 0008; NULL: none): the HTTP
+    # server matches a stateless client's requests to an agent by system prompt and tools.
+    tools: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
     # passive_deletes: the database's ON DELETE CASCADE removes children, no ORM loads needed.
 

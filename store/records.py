@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -46,6 +47,8 @@ class AgentRecord:
     """Seconds without a turn after which the agent expires; None: it never does."""
     version: int = 0
     """Changes of its transcript and system prompt so far (see ``Registry.append_messages``)."""
+    tools: list[dict[str, Any]] | None = field(default=None, hash=False)
+    """The tool definitions its conversation carries (None: none; a fresh list per record)."""
 
     @classmethod
     def from_row(cls, row: Agent) -> AgentRecord:
@@ -59,6 +62,7 @@ class AgentRecord:
             updated_at=row.updated_at,
             idle_ttl_s=row.idle_ttl_s,
             version=row.version or 0,
+            tools=None if row.tools is None else json.loads(json.dumps(row.tools)),
         )
 
 

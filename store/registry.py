@@ -111,10 +111,12 @@ class Registry:
         model_fingerprint: str | None = None,
         sampling: dict[str, Any] | None = None,
         idle_ttl_s: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AgentRecord:
         """Create an agent: ``agent_id`` (see ``store.ids``; None: a new one), ``name`` (the
-        id by default), JSON ``sampling`` settings, and ``idle_ttl_s``, the seconds without a
-        turn after which :meth:`expired_agents` lists it (None: never).
+        id by default), JSON ``sampling`` settings, ``idle_ttl_s``, the seconds without a
+        turn after which :meth:`expired_agents` lists it (None: never), and the JSON ``tools``
+        its conversation carries (None: none).
 
         Raises:
             InvalidAgentIdError, InvalidRecordError: an argument is invalid.
@@ -127,6 +129,7 @@ class Registry:
             model_fingerprint=model_fingerprint,
             sampling={} if sampling is None else sampling,
             idle_ttl_s=idle_ttl_s,
+            tools=tools,
         )
         now = utcnow()
         row = Agent(id=agent_id, created_at=now, updated_at=now, **columns)

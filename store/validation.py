@@ -35,6 +35,14 @@ def agent_fields(**fields: Any) -> dict[str, Any]:
     ttl = fields.get("idle_ttl_s")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
         raise InvalidRecordError(f"idle_ttl_s={ttl!r}: expected None or an int >= 1 (seconds)")
+    if fields.get("tools") is not None:
+        tools = fields["tools"]
+        try:
+            fields["tools"] = json.loads(json.dumps(tools, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRecordError(f"tools: not JSON-serialisable ({exc})") from exc
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidRecordError("tools: expected None or a list of JSON objects")
     if "sampling" in fields:
         sampling = fields["sampling"]
         try:

@@ -9,7 +9,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import openai
+
 from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv.server.background import serve_in_thread
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.identity import Identity
 from agentkv.server.metrics import ServerMetrics
@@ -96,3 +99,48 @@ async def test_a_restart_with_a_lower_cap_keeps_the_agents_used_last(tmp_path):
     async with serving(tmp_path / "data", max_stateless_agents=2) as state:
         assert sorted(await agent_ids(state.runtime, 2)) == sorted([ids[0], ids[2]])
     assert DEFAULT_MAX_STATELESS_AGENTS == 256
+
+
+def test_a_stateless_conversation_with_tools_resumes_from_disk_after_a_restart(tmp_path):
+    # Frameworks send tools with every request of an agent and no agent id: the conversation
+    # is matched on system prompt and tools, the same key stored, rebuilt at open and asked.
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    config = RuntimeConfig(model="tiny:tools", data_dir=tmp_path)
+    messages = [
+        {"role": "system", "content": "You answer questions about the weather."},
+        {"role": "user", "content": "Will it rain in Oslo?"},
+    ]
+
+    def turn(url: str, follow_up: str) -> tuple[str, int, int]:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="none") as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", max_tokens=6, messages=messages, tools=[weather]
+            )
+        completion = raw.parse()
+        message = completion.choices[0].message
+        assert not message.tool_calls
+        messages.extend(
+            [
+                {"role": "assistant", "content": message.content},
+                {"role": "user", "content": follow_up},
+            ]
+        )
+        usage = completion.usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        return raw.headers["x-agent-id"], cached, usage.prompt_tokens + usage.completion_tokens
+
+    with serve_in_thread(config) as url:
+        first, cached, _ = turn(url, "And in Bergen?")
+        assert cached == 0
+        second, _, held = turn(url, "And tomorrow?")
+    with serve_in_thread(config) as url:  # a restart
+        third, cached, _ = turn(url, "Thanks.")
+    assert first == second == third
+    assert cached == held  # everything the agent held, from its cache on disk

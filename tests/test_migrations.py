@@ -51,6 +51,7 @@ SCHEMA = {
         "updated_at",
         "idle_ttl_s",  # added by 0003
         "version",  # added by 0007
+        "tools",  # added by 0008
     ],
     # added by 0007
     "agent_leases": ["agent_id", "holder", "worker_id", "token", "acquired_at", "expires_at"],
@@ -186,7 +187,7 @@ async def schema_of(target: str) -> dict[str, dict[str, Any]]:
         await engine.dispose()
 
 
-HEAD = "0007"
+HEAD = "0008"
 NEXT = "9000"
 
 
