@@ -55,6 +55,10 @@ class ConversationIndex:
         conversation)."""
         return digest in self._agents_at
 
+    def known(self, digest: bytes) -> bool:
+        """Whether some agent is in that state, or was before its last reply (as cheap)."""
+        return digest in self._agents_at or digest in self._agents_asked
+
     def put(self, agent_id: str, digest: bytes, asked: bytes | None = None) -> None:
         """Record the agent's state (``asked``: its state before its last message, when that
         is a reply) as its latest use."""

@@ -9,9 +9,13 @@ used). The history the agent lacks is imported with the turn (a whole conversati
 answered as it is). A request that resends a conversation an idle stateless agent answered
 last (its transcript is the request's messages plus one reply) goes to that agent before any
 other, and is answered as a whole conversation: the reply replaces the agent's last one and
-the cache is reused up to it, so identical requests keep resuming one agent. When no agent
-matches, a new stateless agent is created (with the server's idle TTL) and the whole history
-imported with the turn.
+the cache is reused up to it, so identical requests keep resuming one agent. A client that
+drops or rewrites the last reply it got (a retry, an empty reply left out, a system message in
+its place) resumes the agent too: one whose transcript before its last reply is the longest
+prefix of the history (at equal length, an agent whose whole transcript is goes first) answers
+the request as a whole conversation, its last reply replaced, the cache reused up to where the
+two differ. When no agent matches, a new stateless agent is created (with the server's idle TTL)
+and the whole history imported with the turn.
 
 Stateless agents are bounded: they expire after the server's idle TTL (an hour by default),
 and when creating one makes more than ``max_stateless_agents`` (256 by default), the idle
@@ -86,11 +90,14 @@ def _states(system: str, chat: list[ChatMessage]) -> tuple[bytes, bytes | None]:
 @dataclass(slots=True, frozen=True)
 class _Found:
     """A matched agent: it holds ``conversation[:matched]``; ``resent``: and a reply after
-    the whole conversation, which the turn replaces."""
+    the whole conversation, which the turn replaces; ``rewrites``: and a reply after
+    ``conversation[:matched]`` that the request dropped or rewrote, which the turn replaces
+    with the rest of the conversation and its answer."""
 
     agent_id: str
     matched: int
     resent: bool = False
+    rewrites: bool = False
 
 
 class StatelessAgents:
@@ -188,7 +195,7 @@ class StatelessAgents:
         a resent one too, replacing the agent's last reply)."""
         pending = conversation[found.matched :]
         document = request.document
-        if found.resent and document is None:
+        if (found.resent or found.rewrites) and document is None:
             document = self._document(request)
         claim = Claim(found.agent_id, digests[found.matched], pending, self._index)
         if document is not None:
@@ -214,14 +221,19 @@ class StatelessAgents:
 
     def _longest_idle(self, digests: list[bytes]) -> _Found | None:
         """The idle agent whose transcript is the longest prefix of the history (``digests``
-        of its prefixes)."""
+        of its prefixes), or whose transcript before its last reply is (a client that dropped
+        or rewrote that reply: a retry, a system message in its place); at equal length, one
+        that holds nothing more first."""
         # At least one message: an agent with an empty transcript is nobody's conversation yet.
         for matched in range(len(digests) - 1, 0, -1):
-            if digests[matched] not in self._index:
+            if not self._index.known(digests[matched]):
                 continue
             for agent_id in self._index.agents_at(digests[matched]):
                 if self._holds.idle(agent_id):
                     return _Found(agent_id, matched)
+            for agent_id in self._index.agents_asked(digests[matched]):
+                if self._holds.idle(agent_id):
+                    return _Found(agent_id, matched, rewrites=True)
         return None
 
     async def _beyond_cap(self) -> list[str]:
@@ -275,7 +287,10 @@ class StatelessAgents:
             return False
         transcript = await self._runtime.transcript(agent_id)
         digest, asked = await asyncio.to_thread(_states, _key_of(agent), as_chat(transcript))
-        state, expected = (asked, digests[-1]) if found.resent else (digest, digests[found.matched])
+        if found.resent or found.rewrites:  # it holds a reply the turn replaces
+            state, expected = asked, digests[-1] if found.resent else digests[found.matched]
+        else:
+            state, expected = digest, digests[found.matched]
         if state == expected:
             return True
         log.info("agent %r changed outside this server; re-indexed it", agent_id)

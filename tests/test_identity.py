@@ -10,8 +10,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import openai
+from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig
+from agentkv.document import common_prefix
+from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.server.background import serve_in_thread
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.identity import Identity
@@ -144,3 +147,43 @@ def test_a_stateless_conversation_with_tools_resumes_from_disk_after_a_restart(t
         third, cached, _ = turn(url, "Thanks.")
     assert first == second == third
     assert cached == held  # everything the agent held, from its cache on disk
+
+
+def test_a_client_that_drops_or_rewrites_its_last_reply_resumes_the_same_agent(tmp_path):
+    # pydantic-ai drops a reply it cannot use and asks again with a system message; the OpenAI
+    # Agents SDK leaves an empty final reply out. Either way the next request no longer extends
+    # the agent's transcript, only its transcript before that reply: the agent answers it, its
+    # last reply replaced, the cache reused up to where the conversations differ.
+    tokenizer = load_tokenizer(tiny_model_dir("tiny:llama"))
+
+    def tokens(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def turn(url: str, messages: list[dict]) -> tuple[str, str, int, int]:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="none") as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", max_tokens=6, messages=messages
+            )
+        completion, agent = raw.parse(), raw.headers["x-agent-id"]
+        usage = completion.usage
+        text = completion.choices[0].message.content
+        return agent, text, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+    retry = {"role": "system", "content": "Please return text or call a tool."}
+    config = RuntimeConfig(model="tiny:llama", data_dir=tmp_path)
+    with serve_in_thread(config) as url:
+        for system, rewritten in ((LONG_SYSTEM, retry), ("Be brief. " + LONG_SYSTEM, None)):
+            asked = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            agent, text, _, _ = turn(url, asked)
+            extended = [*asked, {"role": "assistant", "content": text}]
+            extended.append({"role": "user", "content": "Go on"})
+            again, _, _, held = turn(url, extended)  # the agent holds its prompt and a reply
+            assert again == agent
+            dropped = [*extended, rewritten or {"role": "user", "content": "Well?"}]
+            again, _, cached, prompt = turn(url, dropped)  # that reply left out
+            assert again == agent
+            # Reused up to where the two prompts differ: the reply's place (its header).
+            differs = common_prefix(tokens(extended), tokens(dropped))
+            assert cached == held - (len(tokens(extended)) - differs)
+            assert cached / prompt > 0.9
