@@ -1,0 +1,106 @@
+"""Agent frameworks nobody here wrote, pointed at a real ``agentkv serve`` on 127.0.0.1.
+
+The OpenAI Agents SDK (``openai-agents``, installed beside agentkv: both in one environment)
+runs an agent with a function tool over Chat Completions and over the Responses API, in a
+process of its own started in another directory (where ``import agents`` is the SDK's): two
+runs of a question each (a forced tool call, the tool's result, a forced answer), the server
+restarted, then one more run. The SDK sends no agent id, so every request is a stateless
+conversation matched by its transcript. Each request that extends the one before it must
+reuse everything the agent held (the earlier prompt and its reply), before and after the
+restart, and the first request after the restart resumes from ``disk``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+
+from agentkv import RuntimeConfig
+from agentkv.server.background import serve_in_thread
+
+MODEL = "tiny:tools"
+RUN = '''
+import json, sys
+from pathlib import Path
+from openai import AsyncOpenAI
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
+from agentkv import AgentRuntime  # installed beside the SDK: both import in one process
+
+set_tracing_disabled(True)
+url, api, state, question = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+client = AsyncOpenAI(base_url=url + "/v1", api_key="none")
+Model = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+
+@function_tool
+def weather(city: str) -> str:
+    """The weather in a city."""
+    return f"Sunny in {city}, 21 degrees."
+
+agent = Agent(
+    name="Forecaster",
+    instructions="You answer questions about the weather with the weather tool.",
+    model=Model(model="tiny", openai_client=client),
+    tools=[weather],
+    model_settings=ModelSettings(max_tokens=64),
+)
+history = json.loads(state.read_text()) if state.exists() else []
+result = Runner.run_sync(agent, [*history, {"role": "user", "content": question}])
+state.write_text(json.dumps(result.to_input_list()))
+print(json.dumps(result.final_output))
+'''
+TURN_LINE = re.compile(
+    r"agent '(?P<agent>[^']+)': cache (?P<source>\w+), prompt (?P<prompt>\d+) tokens "
+    r"\((?P<cached>\d+) cached, \d+ prefilled\), (?P<generated>\d+) generated"
+)
+
+
+def turns(caplog) -> list[dict]:
+    """The server's per-turn lines so far: agent, cache source, and prompt, cached and
+    generated tokens."""
+    found = [TURN_LINE.search(r.getMessage()) for r in caplog.records]
+    counts = ("prompt", "cached", "generated")
+    return [m.groupdict() | {k: int(m[k]) for k in counts} for m in found if m is not None]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_openai_agents_sdk_agent_reuses_its_cache_across_runs_and_a_restart(
+    api, tmp_path, force_tool_call, caplog
+):
+    script, state = tmp_path / "run.py", tmp_path / "state.json"
+    script.write_text(RUN)
+    config = RuntimeConfig(model=MODEL, data_dir=tmp_path / "data")
+    caplog.set_level(logging.INFO, logger="agentkv")
+
+    def run(url: str, question: str, city: str) -> str:
+        force_tool_call("weather", {"city": city})
+        force_tool_call.say(f"It is sunny in {city}.")
+        done = subprocess.run(
+            [sys.executable, str(script), url, api, str(state), question],
+            cwd=tmp_path,  # the SDK's `agents`, not this repository's folder
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    with serve_in_thread(config) as url:
+        assert run(url, "Weather in Oslo?", "Oslo") == '"It is sunny in Oslo."'
+        run(url, "And in Bergen?", "Bergen")
+    before = len(turns(caplog))
+    with serve_in_thread(config) as url:  # a restart
+        run(url, "And in Paris?", "Paris")
+    seen = turns(caplog)
+    assert len(seen) == 6 and before == 4, seen
+    assert len({t["agent"] for t in seen}) == 1, seen  # one conversation, one agent
+    assert seen[0]["cached"] == 0 and seen[4]["source"] == "disk", seen
+    for earlier, later in itertools.pairwise(seen):
+        # Every request extends the one before: all the agent held (that request's prompt and
+        # the reply) is reused, only the new messages are prefilled.
+        assert later["cached"] == earlier["prompt"] + earlier["generated"], (earlier, later)
