@@ -1,13 +1,15 @@
 """Agent frameworks nobody here wrote, pointed at a real ``agentkv serve`` on 127.0.0.1.
 
-The OpenAI Agents SDK (``openai-agents``, installed beside agentkv: both in one environment)
-runs an agent with a function tool over Chat Completions and over the Responses API, in a
-process of its own started in another directory (where ``import agents`` is the SDK's): two
-runs of a question each (a forced tool call, the tool's result, a forced answer), the server
-restarted, then one more run. The SDK sends no agent id, so every request is a stateless
-conversation matched by its transcript. Each request that extends the one before it must
-reuse everything the agent held (the earlier prompt and its reply), before and after the
-restart, and the first request after the restart resumes from ``disk``.
+The OpenAI Agents SDK (``openai-agents``, installed beside agentkv: both in one environment),
+over Chat Completions and over the Responses API, and pydantic-ai over Chat Completions run an
+agent with a function tool, each in a process of its own started in another directory (where
+``import agents`` is the SDK's): two runs of a question each (a forced tool call, the tool's
+result, a forced answer), the server restarted, then one more run. Neither sends an agent id,
+so every request is a stateless conversation matched by its transcript. Each request that
+extends the one before it must reuse everything the agent held (the earlier prompt and its
+reply), before and after the restart, and the first request after the restart resumes from
+``disk``. Each framework also runs with the one setting it offers that names its agent (a
+``prompt_cache_key``): the agent is then that session's, not a match.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from agentkv import AgentRuntime  # installed beside the SDK: both import in one
 
 set_tracing_disabled(True)
 url, api, state, question = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+key = sys.argv[5] if len(sys.argv) > 5 else None
 client = AsyncOpenAI(base_url=url + "/v1", api_key="none")
 Model = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
 
@@ -47,13 +50,51 @@ agent = Agent(
     instructions="You answer questions about the weather with the weather tool.",
     model=Model(model="tiny", openai_client=client),
     tools=[weather],
-    model_settings=ModelSettings(max_tokens=64),
+    model_settings=ModelSettings(
+        max_tokens=64, extra_args={"prompt_cache_key": key} if key else None
+    ),
 )
 history = json.loads(state.read_text()) if state.exists() else []
 result = Runner.run_sync(agent, [*history, {"role": "user", "content": question}])
 state.write_text(json.dumps(result.to_input_list()))
 print(json.dumps(result.final_output))
 '''
+PYDANTIC_AI_RUN = '''
+import json, sys
+from pathlib import Path
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessagesTypeAdapter
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+from agentkv import AgentRuntime  # installed beside the framework: both import in one process
+
+url, _, state, question = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+key = sys.argv[5] if len(sys.argv) > 5 else None
+provider = OpenAIProvider(base_url=url + "/v1", api_key="none")
+agent = Agent(
+    OpenAIChatModel("tiny", provider=provider),
+    instructions="You answer questions about the weather with the weather tool.",
+    model_settings={"max_tokens": 64, **({"openai_prompt_cache_key": key} if key else {})},
+)
+
+@agent.tool_plain
+def weather(city: str) -> str:
+    """The weather in a city."""
+    return f"Sunny in {city}, 21 degrees."
+
+history = ModelMessagesTypeAdapter.validate_json(state.read_bytes()) if state.exists() else None
+result = agent.run_sync(question, message_history=history)
+state.write_bytes(ModelMessagesTypeAdapter.dump_json(result.all_messages()))
+print(json.dumps(result.output))
+'''
+# name -> (script, API, the key that names its agent: the one setting each offers, or None)
+RUNS = {
+    "openai-agents chat": (RUN, "chat", None),
+    "openai-agents responses": (RUN, "responses", None),
+    "openai-agents keyed": (RUN, "chat", "forecaster"),  # ModelSettings(extra_args=...)
+    "pydantic-ai": (PYDANTIC_AI_RUN, "chat", None),
+    "pydantic-ai keyed": (PYDANTIC_AI_RUN, "chat", "forecaster"),  # openai_prompt_cache_key
+}
 TURN_LINE = re.compile(
     r"agent '(?P<agent>[^']+)': cache (?P<source>\w+), prompt (?P<prompt>\d+) tokens "
     r"\((?P<cached>\d+) cached, \d+ prefilled\), (?P<generated>\d+) generated"
@@ -68,12 +109,13 @@ def turns(caplog) -> list[dict]:
     return [m.groupdict() | {k: int(m[k]) for k in counts} for m in found if m is not None]
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
-def test_an_openai_agents_sdk_agent_reuses_its_cache_across_runs_and_a_restart(
-    api, tmp_path, force_tool_call, caplog
+@pytest.mark.parametrize("framework", sorted(RUNS))
+def test_a_framework_agent_reuses_its_cache_across_runs_and_a_restart(
+    framework, tmp_path, force_tool_call, caplog
 ):
+    code, api, key = RUNS[framework]
     script, state = tmp_path / "run.py", tmp_path / "state.json"
-    script.write_text(RUN)
+    script.write_text(code)
     config = RuntimeConfig(model=MODEL, data_dir=tmp_path / "data")
     caplog.set_level(logging.INFO, logger="agentkv")
 
@@ -81,7 +123,7 @@ def test_an_openai_agents_sdk_agent_reuses_its_cache_across_runs_and_a_restart(
         force_tool_call("weather", {"city": city})
         force_tool_call.say(f"It is sunny in {city}.")
         done = subprocess.run(
-            [sys.executable, str(script), url, api, str(state), question],
+            [sys.executable, str(script), url, api, str(state), question, *([key] if key else [])],
             cwd=tmp_path,  # the SDK's `agents`, not this repository's folder
             capture_output=True,
             text=True,
@@ -99,6 +141,8 @@ def test_an_openai_agents_sdk_agent_reuses_its_cache_across_runs_and_a_restart(
     seen = turns(caplog)
     assert len(seen) == 6 and before == 4, seen
     assert len({t["agent"] for t in seen}) == 1, seen  # one conversation, one agent
+    if key is not None:  # named by the key it sent, not matched by its transcript
+        assert key in seen[0]["agent"] and not seen[0]["agent"].startswith("stateless-"), seen
     assert seen[0]["cached"] == 0 and seen[4]["source"] == "disk", seen
     for earlier, later in itertools.pairwise(seen):
         # Every request extends the one before: all the agent held (that request's prompt and
