@@ -418,6 +418,43 @@ async def test_another_system_prompt_with_the_same_tools_resumes_the_tools(tmp_p
     assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
 
 
+async def test_a_short_system_prompt_after_the_tools_is_found_again_after_a_restart(tmp_path):
+    # The tools end a head of their own and the system prompt after them is shorter than a
+    # block: the head's whole blocks are stored (with the sliding layers' window) before the
+    # way goes on to the tools' end, so a new conversation after a restart resumes them.
+    model = "tiny:tools"
+    tools = [tool(name, what) for name, what in (("track", "track"), ("hold", "hold back"))]
+    asks = [[{"role": "system", "content": "Be brief."}, user_turn(q)] for q in ("Hi", "Yo")]
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+
+    def rendered(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    probes = [rendered([{"role": "system", "content": t}, user_turn("0")]) for t in "01"]
+    tools_end = common_prefix(*probes)
+    others = (asks[1], [asks[0][0], user_turn("0")])
+    head = min(common_prefix(rendered(asks[0]), rendered(other)) for other in others)
+    assert tools_end // BLOCK == head // BLOCK and tools_end > 10 * BLOCK  # one block apart
+
+    async def answer(settings: RuntimeConfig, messages: list[dict]) -> Reply:
+        async with await AgentRuntime.open(settings) as rt:
+            agent = await rt.create_agent()
+            async for event in rt.respond(agent.id, messages, tools=tools, max_tokens=8):
+                reply = event
+            return reply
+
+    alone = await answer(config(tmp_path / "alone", model, share_prefixes=False), asks[1])
+    shared = config(tmp_path / "shared", model, kv_bits=None)
+    first = await answer(shared, asks[0])
+    again = await answer(shared, asks[1])  # a restart between the two
+    assert first.cache_source == "none" and again.cache_source == "prefix"
+    assert again.usage.cached_tokens == head // BLOCK * BLOCK  # the head's whole blocks
+    assert again.token_ids == alone.token_ids
+
+
 async def test_global_attention_conversations_share_up_to_where_they_differ(tmp_path):
     # Every layer global (tiny:llama): any cache in memory can be cut at any token, so a new
     # conversation resumes another's up to the first token they differ in, past the head.

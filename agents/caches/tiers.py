@@ -167,12 +167,17 @@ class CacheTiers:
         at = start.cache.num_tokens if start.cache else 0
         block = self.disk.block_tokens
         cuts = [end for end in ends if at < end < len(tokens) and end >= block]
+        # The last head's whole blocks are stored before the way goes past their end (an
+        # inner head beyond it first would leave them nothing to store: no window, and after
+        # a restart no head to resume from).
+        blocks_end = cuts[-1] // block * block if store and cuts else 0
         try:
             for i, end in enumerate(cuts):
                 last = i == len(cuts) - 1
-                if last and store:
+                if store and (last or end > blocks_end):
+                    store = False
                     cache, added, release = await self.disk.store_head(
-                        tokens, end, priority, start.cache, points
+                        tokens, cuts[-1], priority, start.cache, points
                     )
                     if cache is not start.cache:
                         start = start.grown(cache, added, release)
