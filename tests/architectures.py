@@ -82,6 +82,44 @@ _YARN = {
 _SLIDING_FULL = ["sliding_attention", "full_attention"] * 2
 
 
+# What the two Granite 4.0-H variants share: Mamba-2 layers around one attention layer.
+_GRANITE_HYBRID = {
+    "rms_norm_eps": 1e-5,
+    "layer_types": ["mamba", "mamba", "attention", "mamba"],
+    "position_embedding_type": "nope",
+    "rope_theta": 10_000.0,
+    "attention_bias": False,
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 1 / 32,
+    "logits_scaling": 6.0,
+    "residual_multiplier": 0.22,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 32,
+    "mamba_expand": 2,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_n_groups": 1,
+    "mamba_proj_bias": False,
+    "mamba_conv_bias": True,
+    "tie_word_embeddings": True,
+}
+# What the two Nemotron-H variants share: their Mamba-2 blocks.
+_NEMOTRON_H = {
+    "layer_norm_epsilon": 1e-5,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "mamba_proj_bias": False,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "n_groups": 1,
+    "tie_word_embeddings": False,  # mlx-lm's nemotron_h always has an output head
+}
+
+
 def _config(model_type: str, *bases: dict, **fields) -> dict:
     config = {"model_type": model_type, **_COMMON}
     for base in bases:
@@ -448,69 +486,22 @@ ARCHITECTURES: dict[str, dict] = {
     "granitemoehybrid": _config(
         "granitemoehybrid",
         _ATTENTION_NO_HEAD_DIM,
+        _GRANITE_HYBRID,
         intermediate_size=32,
-        rms_norm_eps=1e-5,
-        layer_types=["mamba", "mamba", "attention", "mamba"],
-        position_embedding_type="nope",
-        rope_theta=10_000.0,
-        attention_bias=False,
-        embedding_multiplier=12.0,
-        attention_multiplier=1 / 32,
-        logits_scaling=6.0,
-        residual_multiplier=0.22,
         num_local_experts=4,
         num_experts_per_tok=2,
         shared_intermediate_size=64,
-        mamba_n_heads=8,
-        mamba_d_head=32,
-        mamba_expand=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=1,
-        mamba_proj_bias=False,
-        mamba_conv_bias=True,
-        tie_word_embeddings=True,
     ),
     # Granite 4.0-H Micro style: the same, with dense MLPs.
     "granitemoehybrid-dense": _config(
-        "granitemoehybrid",
-        _ATTENTION_NO_HEAD_DIM,
-        rms_norm_eps=1e-5,
-        layer_types=["mamba", "mamba", "attention", "mamba"],
-        position_embedding_type="nope",
-        rope_theta=10_000.0,
-        attention_bias=False,
-        embedding_multiplier=12.0,
-        attention_multiplier=1 / 32,
-        logits_scaling=6.0,
-        residual_multiplier=0.22,
-        num_local_experts=0,
-        mamba_n_heads=8,
-        mamba_d_head=32,
-        mamba_expand=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=1,
-        mamba_proj_bias=False,
-        mamba_conv_bias=True,
-        tie_word_embeddings=True,
+        "granitemoehybrid", _ATTENTION_NO_HEAD_DIM, _GRANITE_HYBRID, num_local_experts=0
     ),
     # Nemotron 3 Nano style: Mamba-2 (M), attention (*) and mixture-of-experts (E) blocks.
     "nemotron_h": _config(
         "nemotron_h",
         _ATTENTION,
+        _NEMOTRON_H,
         hybrid_override_pattern="M*ME",
-        layer_norm_epsilon=1e-5,
-        attention_bias=False,
-        mlp_bias=False,
-        use_bias=False,
-        use_conv_bias=True,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        mamba_proj_bias=False,
-        ssm_state_size=16,
-        conv_kernel=4,
-        n_groups=1,
         moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=64,
         n_routed_experts=4,
@@ -520,25 +511,10 @@ ARCHITECTURES: dict[str, dict] = {
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        tie_word_embeddings=False,  # mlx-lm's nemotron_h always has an output head
     ),
     # Nemotron-H / Nemotron Nano 2 style: Mamba-2, attention and dense MLP (-) blocks.
     "nemotron_h-dense": _config(
-        "nemotron_h",
-        _ATTENTION,
-        hybrid_override_pattern="M-*-",
-        layer_norm_epsilon=1e-5,
-        attention_bias=False,
-        mlp_bias=False,
-        use_bias=False,
-        use_conv_bias=True,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        mamba_proj_bias=False,
-        ssm_state_size=16,
-        conv_kernel=4,
-        n_groups=1,
-        tie_word_embeddings=False,  # mlx-lm's nemotron_h always has an output head
+        "nemotron_h", _ATTENTION, _NEMOTRON_H, hybrid_override_pattern="M-*-"
     ),
     "lfm2": _config(
         "lfm2",

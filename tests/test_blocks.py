@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 from pathlib import Path
@@ -235,10 +236,13 @@ async def test_a_turn_whose_lookup_missed_a_head_takes_it_when_it_is_prefilled(t
         assert rt.stats()["disk"]["heads_in_flight"] == 0  # given up once stored
 
 
-def prompt_tokens(model: str, messages: list[dict]) -> list[int]:
-    """The tokens the model's chat template makes of ``messages``, ready for the answer."""
+def prompt_tokens(model: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The tokens the model's chat template makes of ``messages`` (and ``tools``), ready for
+    the answer."""
     tokenizer = load_tokenizer(tiny_model_dir(model))
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -389,13 +393,7 @@ async def test_another_system_prompt_with_the_same_tools_resumes_the_tools(tmp_p
         [{"role": "system", "content": f"Project {p}. {SYSTEM}"}, user_turn("List them.")]
         for p in ("alpha", "beta")
     ]
-    tokenizer = load_tokenizer(tiny_model_dir(model))
-
-    def rendered(messages: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+    rendered = functools.partial(prompt_tokens, model, tools=tools)
 
     probes = [rendered([{"role": "system", "content": t}, user_turn("0")]) for t in "01"]
     tools_end = common_prefix(*probes)
@@ -425,13 +423,7 @@ async def test_a_short_system_prompt_after_the_tools_is_found_again_after_a_rest
     model = "tiny:tools"
     tools = [tool(name, what) for name, what in (("track", "track"), ("hold", "hold back"))]
     asks = [[{"role": "system", "content": "Be brief."}, user_turn(q)] for q in ("Hi", "Yo")]
-    tokenizer = load_tokenizer(tiny_model_dir(model))
-
-    def rendered(messages: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+    rendered = functools.partial(prompt_tokens, model, tools=tools)
 
     probes = [rendered([{"role": "system", "content": t}, user_turn("0")]) for t in "01"]
     tools_end = common_prefix(*probes)
