@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,29 @@ class Conversations:
                 "tool-call format mlx-lm knows (no tool_call_start/tool_parser); send no tools"
             )
 
+    def borrowed(self, messages: Sequence[Message], agent_id: str) -> list[CachedReply]:
+        """Another agent's generated replies that ``messages`` repeat, each at its own place:
+        the longest run of them from the first (that agent's conversation is most likely the
+        one whose cache this one can resume). Spliced in as generated, they keep a new
+        conversation's tokens equal to that cache's past its first reply (retokenized text
+        may split otherwise), so siblings and branches share all they have in common."""
+        best: list[CachedReply] = []
+        for other, replies in self.replies.items():
+            if other == agent_id or len(replies) <= len(best):
+                continue
+            run = []
+            for reply in replies:
+                at = reply.message
+                if at is None or at >= len(messages) or messages[at]["role"] != "assistant":
+                    break
+                message = messages[at]
+                if not reply.parsed.same_as(message.get("content") or "", tool_calls_of(message)):
+                    break
+                run.append(reply)
+            if len(run) > len(best):
+                best = run
+        return best
+
     def fork(self, source_id: str, agent_id: str) -> None:
         if source_id in self.replies:
             self.replies[agent_id] = list(self.replies[source_id])
@@ -115,9 +139,11 @@ class DocumentTurn:
         cache = resumed.cache if resumed else None
         source: CacheSource = resumed.source if resumed else "none"
         known = conversations.replies.get(agent.id)
+        # No cache of its own: other conversations' replies, for a prefix of theirs.
+        others = [] if cache else conversations.borrowed(self.messages, agent.id)
 
         def render() -> tuple[DocumentPrompt, int]:
-            replies = [r for r in known or [] if cache and r.is_in(cache.tokens)]
+            replies = [r for r in known or [] if cache and r.is_in(cache.tokens)] or others
             if known is None and cache is not None:  # first turn since a restart
                 replies = recover_replies(
                     renderer,

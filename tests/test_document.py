@@ -166,3 +166,29 @@ async def test_a_reply_is_spliced_at_its_own_place_not_at_an_earlier_equal_messa
         three = await respond(rt, "mid", conversation, sampling=forced)
     assert three.cache_source == "disk"
     assert three.usage.cached_tokens == two.usage.prompt_tokens + two.usage.completion_tokens
+
+
+async def test_a_sibling_conversation_shares_past_the_replies_it_repeats(tmp_path):
+    # Two conversations with one history that differ only in their last message (a retry, a
+    # delegation): the second agent has no cache, and resumes the first's past the reply
+    # they both repeat, spliced in as it was generated (retokenized, its text splits apart).
+    model = "tiny:llama"
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    forced = SamplingParams(logit_bias={tokenizer.encode("a", add_special_tokens=False)[0]: 100})
+    rules = " ".join(f"Rule {i}: answer politely and briefly." for i in range(40))
+    head = [system(rules), user("Say it")]  # past a block: other conversations share it
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("first")
+        one = await respond(rt, "first", head, sampling=forced)
+        asked = [*head, assistant(one.text)]
+        two = await respond(rt, "first", [*asked, user("Question one?")])
+        await rt.create_agent("sibling")
+        sibling = await respond(rt, "sibling", [*asked, user("Question two?")])
+    assert len(tokens(model, asked[:2])) < one.usage.prompt_tokens + one.usage.completion_tokens
+    apart = common_prefix(
+        tokens(model, [*asked, user("Question one?")]),
+        tokens(model, [*asked, user("Question two?")]),
+    )
+    tail = len(tokens(model, [*asked, user("Question one?")])) - apart
+    assert sibling.cache_source == "prefix"
+    assert sibling.usage.cached_tokens == two.usage.prompt_tokens - tail
