@@ -1,7 +1,9 @@
 """A chat turn: a new user message (and the history stored with it) after the agent's stored
 transcript. It resumes the agent's cache (hot, then disk) and prefills only the messages the
 cache does not cover, rendered as a delta (``agentkv.prompt``); without a usable cache it
-prefills the whole conversation, from a stored prefix where there is one."""
+prefills the whole conversation, from a stored prefix where there is one, with the replies
+another agent generated at the same places spliced in as generated (``Conversations.borrowed``):
+its cache is then that prefix past them. Each reply is recorded for the conversations after it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agentkv.caches.tiers import Resumed
+from agentkv.conversations import Conversations
+from agentkv.document import CachedReply, render_document
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, check_text
 from agentkv.prompt import Message, checked_history, conversation_digest
@@ -31,16 +35,23 @@ class ChatTurn:
     runner: TurnRunner
     message: str
     history: list[Message]
+    conversations: Conversations | None = None
+    """Generated replies by agent: borrowed from, and this turn's recorded (None: neither)."""
     message_id: int | None = field(default=None, init=False)
+    _replies: list[CachedReply] = field(default_factory=list, init=False)  # in its cache
 
     @classmethod
     async def checked(
-        cls, runner: TurnRunner, message: str, history: Sequence[Message]
+        cls,
+        runner: TurnRunner,
+        message: str,
+        history: Sequence[Message],
+        conversations: Conversations | None = None,
     ) -> ChatTurn:
         """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
         if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
-        return cls(runner, message, await off_loop(checked_history, history))
+        return cls(runner, message, await off_loop(checked_history, history), conversations)
 
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
@@ -57,14 +68,22 @@ class ChatTurn:
         start = time.perf_counter()
         offset = len(messages) - n_history - 1  # the system message, if any
         resumed = await runner.caches.resume(agent.id, agent.version)
+        conversations = self.conversations
         if resumed is not None:
             # Hashing, rendering and tokenizing grow with the history: off the event loop.
             delta = await asyncio.to_thread(
                 self._extend, agent.id, messages, offset, n_history, resumed
             )
             if delta is not None:
+                if conversations is not None:
+                    self._replies = list(conversations.replies.get(agent.id, []))
                 return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
-        tokens = await asyncio.to_thread(renderer.full_prompt, messages)
+        others = conversations.borrowed(messages, agent.id) if conversations else []
+        if others:
+            document = await asyncio.to_thread(render_document, renderer, messages, None, others)
+            tokens, self._replies = document.tokens, document.replies
+        else:
+            tokens = await asyncio.to_thread(renderer.full_prompt, messages)
         source = "rebuilt" if transcript else "none"
         heads = functools.partial(renderer.shared_heads, messages, tokens)
         return await runner.plan_from_prefix(tokens, heads, source, start, priority)
@@ -128,6 +147,11 @@ class ChatTurn:
         ]
         await self.runner.keep(agent, result, plan, messages, stored[-1].position + 1)
         self.message_id = stored[-1].id
+        if self.conversations is not None:
+            held = (plan.cache.num_tokens if plan.cache else 0) + len(plan.prompt_tokens)
+            parsed = self.conversations.parse(result.text, None)
+            reply = CachedReply(held, tuple(result.token_ids), parsed, len(messages) - 1)
+            self.conversations.replies[agent.id] = [*self._replies, reply]
 
     def reply(self, reply: Reply) -> Reply:
         return dataclasses.replace(reply, message_id=self.message_id)

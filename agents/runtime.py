@@ -326,7 +326,7 @@ class AgentRuntime:
         nothing of it, the history included, is stored and the agent's cache stays as it was.
         """
         self._check_open()
-        turn = await ChatTurn.checked(self._turns, message, history)
+        turn = await ChatTurn.checked(self._turns, message, history, self._conversations)
         grammar = await self._grammar(response_format)
         options = TurnOptions(max_tokens, sampling, stop, priority, grammar, logprobs)
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):

@@ -192,3 +192,27 @@ async def test_a_sibling_conversation_shares_past_the_replies_it_repeats(tmp_pat
     tail = len(tokens(model, [*asked, user("Question one?")])) - apart
     assert sibling.cache_source == "prefix"
     assert sibling.usage.cached_tokens == two.usage.prompt_tokens - tail
+
+
+async def test_a_chat_importing_another_agents_history_shares_past_its_replies(tmp_path):
+    # The same through AgentRuntime.chat: a new agent whose imported history repeats another
+    # agent's conversation (a stateless client's sibling request) resumes that agent's cache
+    # past the replies it repeats.
+    model = "tiny:llama"
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    forced = SamplingParams(logit_bias={tokenizer.encode("a", add_special_tokens=False)[0]: 100})
+    rules = " ".join(f"Rule {i}: answer politely and briefly." for i in range(40))
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        await rt.create_agent("first", system_prompt=rules)
+        one = await rt.chat("first", "Say it", sampling=forced, max_tokens=8)
+        two = await rt.chat("first", "Question one?", max_tokens=8)
+        await rt.create_agent("sibling", system_prompt=rules)
+        history = [user("Say it"), assistant(one.text)]
+        sibling = await rt.chat("sibling", "Question two?", history=history, max_tokens=8)
+    asked = [system(rules), *history]
+    first, second = (tokens(model, [*asked, user(f"Question {n}?")]) for n in ("one", "two"))
+    assert sibling.cache_source == "prefix"
+    assert sibling.usage.cached_tokens == two.usage.prompt_tokens - (
+        len(first) - common_prefix(first, second)
+    )
+    assert sibling.usage.cached_tokens > one.usage.prompt_tokens + one.usage.completion_tokens
