@@ -53,7 +53,7 @@ class ModelRunner:
         try:  # the probes compare logits in the model's precision
             self.layout = KVLayout.of(model)
             self._backbone, self._head = self._split_head()
-        except AgentKVError:
+        except (AgentKVError, MemoryError):
             raise
         except Exception as exc:  # its layers do not run as a step of rows: say which and why
             raise UnsupportedModelError(

@@ -86,6 +86,8 @@ def hub_model_dir(repo_id: str, revision: str | None = None) -> Path:
             return local
     except (LocalEntryNotFoundError, FileNotFoundError):
         local = None
+    except ValueError as exc:  # a revision huggingface_hub refuses
+        raise ModelNotFoundError(f"model {name!r}: {_reason(exc)}") from exc
     if constants.HF_HUB_OFFLINE:
         missing = "is not in" if local is None else f"is incomplete in ({_missing(local)})"
         raise ModelNotFoundError(
