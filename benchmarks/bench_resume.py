@@ -138,6 +138,7 @@ class Bench:
         self.count_tokens = chat_token_counter(args.model)
         self.reopens: dict[str, int] = defaultdict(int)
         self.prefilled: dict[int, int] = {}
+        self.bytes_per_agent: dict[str, int] = {}  # the batch's layout (model precision)
 
     def config(
         self, name: str, data_dir: str | None = None, engine: EngineConfig | None = None
@@ -190,6 +191,11 @@ class Bench:
     async def build(self, name: str) -> None:
         """Fresh agents with imported histories: re-prefill turn, then hot turn."""
         async with await AgentRuntime.open(self.config(name)) as rt:
+            layout = rt.engine._thread.runner.layout
+            self.bytes_per_agent = {  # a recurrent state's do not grow with the history
+                "kv_per_token": sum(layout.token_bytes),
+                "recurrent_state": sum(layout.states),
+            }
             await self.warm_up(rt, name)
             for h in self.args.histories:
                 agent_id = (await rt.create_agent()).id
@@ -343,6 +349,8 @@ def summarize(bench: Bench, concurrent: dict) -> dict:
         "histories": bench.args.histories,
         "repeats": bench.args.repeats,
         "ttft_tokens": TTFT_TOKENS,
+        "bytes_per_agent": bench.bytes_per_agent
+        | {f"kv_at_{h}": bench.bytes_per_agent["kv_per_token"] * h for h in bench.args.histories},
         "machine": f"{platform.machine()} {platform.system()}, {mx.default_device()}",
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
@@ -370,6 +378,11 @@ def print_table(report: dict) -> None:
                 f"{d['ttft_s'] * 1e3:>10.1f}{d['speedup_vs_reprefill']:>6.0f}{d['vs_raw']:>6.2f}"
             )
         print(line)
+    sizes = report["bytes_per_agent"]
+    print(
+        f"bytes per agent: KV {sizes['kv_per_token']} a token, recurrent state "
+        f"{sizes['recurrent_state']} whatever the history"
+    )
     print(f"targets met: {report['targets_met']}", flush=True)
 
 

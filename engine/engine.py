@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
@@ -60,7 +61,7 @@ def _expanded(cache: PromptCache) -> PromptCache:
     import mlx.core as mx
 
     layers = cache.packing.expand(cache.layers)
-    mx.eval(*(x for layer in layers if layer.keys is not None for x in (layer.keys, layer.values)))
+    mx.eval(*(x for layer in layers for x in held_arrays(layer) if x is not None))
     return PromptCache(layers, list(cache.tokens))
 
 

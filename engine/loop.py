@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
 from agentkv.engine.batch.budget import default_budget_bytes
+from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import EngineConfig
 from agentkv.engine.errors import EngineClosedError, KVBudgetError
@@ -198,7 +199,12 @@ class GenerationLoop(threading.Thread):
         try:
             sampled = self.runner.run(plan)
             marker = [] if sampled is None else [sampled]
-            marker += [layer.keys for seq, _ in plan.prefill for layer in seq.group.layers]
+            marker += [
+                x
+                for seq, _ in plan.prefill
+                for layer in seq.group.layers
+                for x in held_arrays(layer)[:1]
+            ]
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])

@@ -201,9 +201,11 @@ def layer_nbytes(layer: Any) -> int:
 
 
 def _is_window(layer: Any) -> bool:
-    from mlx_lm.models.cache import RotatingKVCache
+    """Whether a layer holds a window of the history rather than all of it: a sliding-window
+    layer, or recurrent state (``engine.batch.state``: a window of no positions)."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-    return type(layer) is RotatingKVCache
+    return type(layer) is RotatingKVCache or isinstance(layer, ArraysCache)
 
 
 class FinishReason(StrEnum):
@@ -284,11 +286,11 @@ class GenerationRequest:
             raise ValueError("stop must be a list of strings")
         if self.cache is not None and not self.cache.layers:
             raise ValueError("cache has no layers")
-        if self.cache is not None and len(self.cache.tokens) != self.cache.layers[0].offset:
-            raise ValueError(
-                f"cache holds {self.cache.layers[0].offset} positions but lists "
-                f"{len(self.cache.tokens)} tokens"
-            )
+        if self.cache is not None:
+            listed = len(self.cache.tokens)  # (recurrent state has no offset)
+            held = next((x.offset for x in self.cache.layers if hasattr(x, "offset")), listed)
+            if held != listed:
+                raise ValueError(f"cache holds {held} positions but lists {listed} tokens")
 
 
 @dataclass(slots=True, frozen=True)

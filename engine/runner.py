@@ -20,9 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
+from agentkv.engine.attention.spans import StepState, install_spans
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
+from agentkv.engine.batch.state import is_state
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
@@ -45,24 +47,42 @@ class ModelRunner:
         self.model = model
         self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
         self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
-        if not install(model):
+        name = type(model).__module__
+        installed = install(model)
+        if all(is_state(c) for c in make_prompt_cache(model)):
             raise UnsupportedModelError(
-                f"{type(model).__module__} has its own attention function; agentkv batches "
-                "models that use mlx-lm's scaled_dot_product_attention"
+                f"{name}: every layer of this model is recurrent (no attention); agentkv "
+                "batches models with attention layers"
             )
-        try:  # the probes compare logits in the model's precision
+        try:
             self.layout = KVLayout.of(model)
-            self._backbone, self._head = self._split_head()
         except (AgentKVError, MemoryError):
             raise
-        except Exception as exc:  # its layers do not run as a step of rows: say which and why
+        except Exception as exc:
+            raise UnsupportedModelError(f"{name}: its layers fail a forward pass: {exc}") from exc
+        # The probes compare logits in the model's precision. Attention that reads its cache
+        # outside mlx-lm's scaled_dot_product_attention (multi-head latent attention, attention
+        # written out) fails them as a ragged step: its layers then run span by span.
+        self.spans_attention, failure = False, None
+        for attention in (False, True) if installed else (True,):
+            install_spans(model, attention)
+            try:
+                self._backbone, self._head = self._split_head()
+            except MemoryError:
+                raise
+            except Exception as exc:
+                failure = exc
+                continue
+            self.spans_attention, failure = attention, None
+            break
+        if failure is not None:  # its layers do not run as a step of rows: say which and why
+            first = str(failure).splitlines()[0] if str(failure) else ""
             raise UnsupportedModelError(
-                f"{type(model).__module__}: its layers fail as a step of agentkv's batch "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                "agentkv batches models whose attention reads its cache only through mlx-lm's "
-                "scaled_dot_product_attention (not yet multi-head latent attention, as in "
-                "DeepSeek V3, nor keys cast or scored outside it)"
-            ) from exc
+                f"{name}: its layers fail as a step of agentkv's batch, even span by span "
+                f"({type(failure).__name__}: {first})"
+            ) from failure
+        if self.spans_attention:
+            log.info("%s: attention reads its cache itself; its layers run span by span", name)
         if kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
@@ -137,7 +157,7 @@ class ModelRunner:
             if n == len(seq.prompt):
                 sampling.append((row - 1, seq))
         inputs = _join_inputs([p for _, p in plan.fed], chunks)
-        caches = [StepCache(s, mx.concatenate(positions)) for s in spans]
+        caches = self._step_caches(spans, mx.concatenate(positions))
         sampled, reported = None, ()
         if any(s.logits_processors for s, _, _ in feeds):
             _extend_contexts(feeds, inputs)
@@ -164,6 +184,15 @@ class ModelRunner:
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING
         return sampled
+
+    def _step_caches(self, spans: list[list[Span]], positions: mx.array) -> list[Any]:
+        """Each layer's view of the step: its spans with their rows' positions (a recurrent
+        layer's: its spans, ``engine.batch.state``)."""
+        windows = self.layout.windows
+        return [
+            StepState(s) if windows[i] == 0 else StepCache(s, positions)
+            for i, s in enumerate(spans)
+        ]
 
     def _fences(self, rows: list[tuple[Sequence, int, int]]) -> tuple[tuple[int, ...], ...] | None:
         """Per row ``(sequence, first position, positions)`` of a span, each position's fence
@@ -245,13 +274,10 @@ class ModelRunner:
             parts.append((probe[last:], last))
         for part, start in parts:
             prefill = not (decode and start == last)
-            spans = [
-                StepCache(
-                    [Span(layer, 0, part.size, prefill=prefill)],
-                    mx.arange(start, start + part.size),
-                )
-                for layer in group
-            ]
+            spans = self._step_caches(
+                [[Span(layer, 0, part.size, prefill=prefill)] for layer in group],
+                mx.arange(start, start + part.size),
+            )
             out = forward(part[:, None], spans)[:, -1, :]
         mx.eval(out)
         return out

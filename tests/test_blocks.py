@@ -158,14 +158,18 @@ async def test_resume_from_blocks_equals_uninterrupted_after_restart(tmp_path):
     assert first + rest == straight
 
 
-async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path):
-    async with await AgentRuntime.open(config(tmp_path / "alone", share_prefixes=False)) as rt:
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path, model):
+    # tiny:hybrid holds recurrent state: the head is resumed from its checkpoint (the stored
+    # window: the state where the blocks end), never cut back from a longer cache.
+    opened = functools.partial(config, model=model)
+    async with await AgentRuntime.open(opened(tmp_path / "alone", share_prefixes=False)) as rt:
         alone = []
         for i in range(4):
             agent = await rt.create_agent(system_prompt=SYSTEM)
             alone.append(await rt.chat(agent.id, f"Parcel {i} is late.", max_tokens=12))
 
-    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+    async with await AgentRuntime.open(opened(tmp_path / "shared", kv_bits=None)) as rt:
         agents_ = [await rt.create_agent(system_prompt=SYSTEM) for _ in range(4)]
         replies = await asyncio.gather(
             *(rt.chat(a.id, f"Parcel {i} is late.", max_tokens=12) for i, a in enumerate(agents_))
@@ -193,7 +197,7 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path)
         assert rt.stats()["disk"]["prefix_lookups"] == 4  # the first one stored the head
 
     # After a restart a new agent starts from the stored head, read from disk.
-    async with await AgentRuntime.open(config(tmp_path / "shared", kv_bits=None)) as rt:
+    async with await AgentRuntime.open(opened(tmp_path / "shared", kv_bits=None)) as rt:
         agent = await rt.create_agent(system_prompt=SYSTEM)
         reply = await rt.chat(agent.id, "Parcel 0 is late.", max_tokens=12)
         assert reply.cache_source == "prefix"
@@ -261,28 +265,30 @@ def asked(system: str, text: str) -> list[dict]:
     return [{"role": "system", "content": system}, user_turn(text)]
 
 
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
 @pytest.mark.parametrize(
     "bits", [(None, None), (8, 8), (4, 8)], ids=["exact", "q8-batch-q8-files", "q8-batch-q4-files"]
 )
-async def test_new_conversations_resume_all_of_a_shared_head_exactly(tmp_path, bits):
+async def test_new_conversations_resume_all_of_a_shared_head_exactly(tmp_path, bits, model):
     # Sliding windows of 32 tokens: a cache cannot be cut back where a window moved on, so the
     # head's end is kept as a checkpoint. Stored blocks end at a block boundary short of it.
     # With batch_kv_bits the caches in memory are packed (the head's checkpoint too) and, with
     # files of the batch's bits, the stored blocks are read packed as stored; q4 files in a q8
     # batch are quantized again as they join, so their tokens are not compared.
     kv_bits, batch_kv_bits = bits
+    opened = functools.partial(config, model=model)
     questions = [f"Parcel {i} is late." for i in range(4)]
-    alone_config = config(tmp_path / "alone", share_prefixes=False, batch_kv_bits=batch_kv_bits)
+    alone_config = opened(tmp_path / "alone", share_prefixes=False, batch_kv_bits=batch_kv_bits)
     async with await AgentRuntime.open(alone_config) as rt:
         alone = []
         for question in questions:
             agent = await rt.create_agent(system_prompt=SYSTEM)
             alone.append((await rt.chat(agent.id, question, max_tokens=12)).token_ids)
-    head = head_length("tiny:gemma3", SYSTEM, questions[0])
+    head = head_length(model, SYSTEM, questions[0])
     whole_blocks = head // BLOCK * BLOCK
     assert head % BLOCK and whole_blocks >= 6 * BLOCK
 
-    shared = config(tmp_path / "shared", kv_bits=kv_bits, batch_kv_bits=batch_kv_bits)
+    shared = opened(tmp_path / "shared", kv_bits=kv_bits, batch_kv_bits=batch_kv_bits)
     async with await AgentRuntime.open(shared) as rt:
         replies = []
         for question in questions[:2]:

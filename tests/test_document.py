@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig, SamplingParams
@@ -103,8 +104,9 @@ async def test_after_a_restart_replies_are_found_in_the_cache_on_disk(tmp_path):
     assert three.usage.cached_tokens == two.usage.prompt_tokens + two.usage.completion_tokens
 
 
-async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path):
-    model = "tiny:gemma3"  # sliding-window layers (window 32): an old prefix is gone
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path, model):
+    # Sliding-window layers (window 32) or recurrent state: an old prefix is gone
     long = "You are a careful assistant who checks every answer twice and thrice. " * 3
     async with await AgentRuntime.open(config(tmp_path, model)) as rt:
         await rt.create_agent("doc")
@@ -113,10 +115,11 @@ async def test_a_slid_window_cannot_be_cut_so_the_prompt_is_rebuilt(tmp_path):
     assert edited.cache_source == "rebuilt" and edited.usage.cached_tokens == 0
 
 
-async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_path):
-    # Sliding windows of 32 tokens: once the last turn moved them on, the cache cannot be cut
-    # back inside it; the checkpoint kept where the turn began can.
-    cfg = RuntimeConfig(model="tiny:gemma3", data_dir=tmp_path, kv_bits=None)
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_path, model):
+    # Sliding windows of 32 tokens (or recurrent state): once the last turn moved them on,
+    # the cache cannot be cut back inside it; the checkpoint kept where the turn began can.
+    cfg = RuntimeConfig(model=model, data_dir=tmp_path, kv_bits=None)
     head = [system("Answer briefly."), user("Tell me about the sea and the sky.")]
     question = " ".join(f"Then say what colour the water is on day {i}." for i in range(8))
     async with await AgentRuntime.open(cfg) as rt:

@@ -264,6 +264,9 @@ async def test_cache_from_another_model_fails_only_that_request(gemma):
         ("tiny:gemma3", "tiny:llama", None),
         ("tiny:gemma3", "tiny:llama", 4),
         ("tiny:llama", "tiny:gemma3", 4),
+        ("tiny:hybrid", "tiny:llama", None),  # recurrent state where the model holds KV
+        ("tiny:llama", "tiny:hybrid", None),
+        ("tiny:gemma3", "tiny:hybrid", 8),
     ],
 )
 async def test_a_cache_of_another_model_is_refused_as_invalid_at_any_precision(

@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
+    ArraysCache,
     BatchRotatingKVCache,
     KVCache,
     RotatingKVCache,
@@ -19,6 +20,7 @@ from agentkv.engine.attention.step import install
 from agentkv.engine.batch.buffers import MIN_GROWTH, growth
 from agentkv.engine.batch.groups import KVGroup, best_group
 from agentkv.engine.batch.layout import PADDING_TOLERANCE, KVLayout
+from agentkv.engine.batch.state import GroupStateCache, state_row
 from agentkv.engine.models.loading import load_model
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -931,3 +933,31 @@ def test_four_bit_attention_reads_the_quantized_keys_as_attention_over_them_expa
         assert 0 < sum(steps) < len(steps)
     elif window != 40 and query_heads // H * chunk <= K:
         assert all(steps)
+
+
+def rows(n: int, seed: int) -> list[ArraysCache]:
+    mx.random.seed(seed)
+    return [
+        state_row([mx.random.normal((1, 3, 8)), mx.random.normal((1, 2, 4, 4))]) for _ in range(n)
+    ]
+
+
+def test_state_rows_move_between_groups_bit_for_bit():
+    a, b = rows(3, 0), rows(2, 1)
+    group = GroupStateCache.merge(a)
+    other = GroupStateCache.merge(b)
+    group.extend(other)
+    assert group.batch_size == 5 and group[0].shape == (5, 3, 8)
+    everyone = a + b
+    for i, row in enumerate(everyone):
+        got = group.extract(i)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(got.cache, row.cache, strict=True))
+    group.filter([4, 1])
+    assert group.batch_size == 2
+    for i, row in zip(range(2), (everyone[4], everyone[1]), strict=True):
+        assert mx.array_equal(group.extract(i)[1], row[1]).item()
+    # A row that has no state yet (before its first chunk) joins as zeros, as mlx-lm starts it.
+    empty = GroupStateCache.empty(2)
+    assert empty[0] is None and empty.batch_size == 1
+    group.extend(empty)
+    assert group.batch_size == 3 and not mx.any(group[0][2]).item()

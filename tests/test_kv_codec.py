@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import (
+    ArraysCache,
     BatchRotatingKVCache,
     KVCache,
     QuantizedKVCache,
@@ -20,10 +21,11 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from agentkv.engine.batch.state import is_state, state_row
 from agentkv.engine.codes import codes_of
 from agentkv.engine.config import GROUP_SIZE_BY_BITS
 from agentkv.engine.engine import Engine
-from agentkv.engine.errors import CacheFormatError
+from agentkv.engine.errors import CacheFormatError, InvalidCacheError
 from agentkv.engine.kv.assemble import assemble_paged
 from agentkv.engine.kv.encoded import (
     FORMAT_VERSION,
@@ -40,8 +42,9 @@ from agentkv.engine.kv.quant import (
     hadamard,
     hadamard_on_host,
 )
+from agentkv.engine.kv.state import decode_state, encode_state
 from agentkv.engine.kv.whole import decode_cache, encode_cache
-from agentkv.engine.request import GenerationRequest, PromptCache
+from agentkv.engine.request import FinishReason, GenerationRequest, PromptCache
 from agentkv.store.cache_files import load_into_mlx
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -1228,3 +1231,128 @@ async def test_a_first_position_that_cannot_be_had_leaves_the_words_and_is_logge
         for (a, b), (c, d) in await temporal_pairs(gemma, plain, loaded):
             np.testing.assert_array_equal(a, c)
             np.testing.assert_array_equal(b, d)
+
+
+# ---- recurrent state (a hybrid model's ArraysCache layers: engine/kv/state.py) --------------
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    eng = asyncio.run(Engine.open("tiny:hybrid"))
+    yield eng
+    asyncio.run(eng.close())
+
+
+def host(layer) -> list:
+    """A layer's arrays as numpy (float32), or its keys and values up to its offset."""
+    if is_state(layer):
+        return [None if x is None else np.array(x.astype(mx.float32)) for x in layer.cache]
+    n = layer.offset
+    return [np.array(layer.keys[..., :n, :]), np.array(layer.values[..., :n, :])]
+
+
+def same(a: PromptCache, b: PromptCache) -> bool:
+    assert a.tokens == b.tokens
+    for x, y in zip(a.layers, b.layers, strict=True):
+        assert type(x) is type(y) or (is_state(x) and is_state(y))
+        for p, q in zip(host(x), host(y), strict=True):
+            assert (p is None and q is None) or np.array_equal(p, q)
+    return True
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_state_layer_is_stored_in_its_own_precision(dtype):
+    row = state_row([mx.random.normal((1, 3, 8)).astype(dtype), None, mx.ones((1, 2, 2))])
+    tensors, layout = encode_state(row, 2, 7)
+    assert layout["type"] == "ArraysCache" and layout["offset"] == 7
+    assert layout["states"][1] is None and layout["states"][0][1] == [1, 3, 8]
+    assert sorted(tensors) == ["layers.2.state.0", "layers.2.state.2"]
+    stored = {n: np.array(x) for n, x in tensors.items()}  # bfloat16 as its uint16 bits
+    back = decode_state(stored.__getitem__, 2, json.loads(json.dumps(layout)))
+    assert back[0].dtype == dtype and back[1] is None
+    assert mx.array_equal(back[0], row[0]).item() and mx.array_equal(back[2], row[2]).item()
+
+
+def test_a_layer_with_no_state_is_not_stored():
+    with pytest.raises(ValueError, match="holds no recurrent state"):
+        encode_state(ArraysCache(2), 0, 5)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+async def test_a_hybrid_cache_roundtrips_whole_with_its_state_exact(hybrid, kv_bits):
+    original = await history(hybrid, 40)
+    assert [is_state(x) for x in original.layers] == [True, True, True, False]
+    encoded = await hybrid.run(encode_cache, original, kv_bits)
+    for i in range(3):  # the state in the model's precision whatever kv_bits says
+        assert encoded.tensors[f"layers.{i}.state.1"].dtype == np.float32
+    decoded = await hybrid.run(decode_cache, encoded)
+    states = [await hybrid.run(host, x) for x in decoded.layers[:3]]
+    expected = [await hybrid.run(host, x) for x in original.layers[:3]]
+    for got, want in zip(states, expected, strict=True):
+        assert all(np.array_equal(p, q) for p, q in zip(got, want, strict=True))
+    if kv_bits is None:
+        assert await hybrid.run(same, original, decoded)
+        assert await resume(hybrid, decoded) == await resume(hybrid, original)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+async def test_a_hybrid_cache_roundtrips_paged_with_its_state_in_the_tail(
+    hybrid, tmp_path, kv_bits
+):
+    original = await history(hybrid, 3 * BLOCK + 5)
+    paged = await hybrid.run(encode_paged, original, kv_bits, 64, BLOCK)
+    assert sorted(paged.segments) == [0]
+    segment = paged.segments[0]
+    assert not any(".state." in name for name in segment.tensors)  # blocks: KV only
+    assert {f"layers.{i}.state.{e}" for i in range(3) for e in (0, 1)} <= set(paged.tail.tensors)
+    tail, blocks = write_paged(tmp_path, paged)
+    decoded = await hybrid.run(decode_paged, load_into_mlx, tail, blocks, False)
+    if kv_bits is None:
+        assert await hybrid.run(same, original, decoded)
+        assert await resume(hybrid, decoded) == await resume(hybrid, original)
+    else:
+        got = await hybrid.run(lambda: [host(x) for x in decoded.layers[:3]])
+        want = await hybrid.run(lambda: [host(x) for x in original.layers[:3]])
+        for a, b in zip(got, want, strict=True):  # the state exact, the KV at 8 bits
+            assert all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def _changed(encoded: EncodedCache, layer: int, **fields) -> EncodedCache:
+    layouts = json.loads(encoded.metadata["layers"])
+    layouts[layer] |= fields
+    return EncodedCache(encoded.tensors, encoded.metadata | {"layers": json.dumps(layouts)})
+
+
+async def test_a_damaged_state_is_refused_with_what_is_wrong(hybrid):
+    encoded = await hybrid.run(encode_cache, await history(hybrid, 20), None)
+    dropped = dict(encoded.tensors)
+    del dropped["layers.1.state.1"]
+    cases = {
+        "is missing": EncodedCache(dropped, encoded.metadata),
+        "layers.0.state.0 is": EncodedCache(
+            encoded.tensors | {"layers.0.state.0": encoded.tensors["layers.0.state.0"][:, :1]},
+            encoded.metadata,
+        ),
+        "needs 'states'": _changed(encoded, 0, states=[]),
+        "not \\[dtype, shape of one row\\]": _changed(encoded, 0, states=[["float32", [2, 3]]]),
+        "has no max_size": _changed(encoded, 0, max_size=4),
+        "unexpected tensors": EncodedCache(
+            encoded.tensors | {"layers.0.state.9": np.zeros(1, np.float32)}, encoded.metadata
+        ),
+        "layer 2 holds 19 positions": _changed(encoded, 2, offset=19),
+    }
+    for match, damaged in cases.items():
+        with pytest.raises(CacheFormatError, match=match):
+            await hybrid.run(decode_cache, damaged)
+
+
+async def test_a_state_of_another_shape_cannot_join_the_batch(hybrid):
+    cache = await history(hybrid, 12)
+    layers = list(cache.layers)
+    layers[0] = state_row([mx.zeros((1, 3, 8)), mx.zeros((1, 2, 4, 4))])
+    req = GenerationRequest([20, 21], max_tokens=2, cache=PromptCache(layers, cache.tokens))
+    result = await hybrid.generate(req)
+    assert result.finish_reason is FinishReason.ERROR
+    assert isinstance(result.error, InvalidCacheError)
+    assert "cache layer 0 holds recurrent state [(1, 3, 8), (1, 2, 4, 4)]" in str(result.error)
+    assert (await hybrid.generate(GenerationRequest([20, 21], max_tokens=2))).token_ids

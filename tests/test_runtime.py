@@ -72,7 +72,7 @@ async def run_turns(rt, agent_id, turns, others=(), max_tokens=24):
     return replies
 
 
-@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama"])
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:llama", "tiny:hybrid"])
 async def test_resume_after_restart_equals_uninterrupted(tmp_path, model):
     async with await AgentRuntime.open(config(tmp_path / "one", model, kv_bits=None)) as rt:
         await rt.create_agent("a", system_prompt="You are a guide.")
@@ -772,8 +772,9 @@ async def test_agents_with_an_idle_ttl_expire_and_others_stay(tmp_path):
         RuntimeConfig(model="tiny:gemma3", disk_budget_bytes=-1)
 
 
-async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path):
-    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path, model):
+    async with await AgentRuntime.open(config(tmp_path, model, kv_bits=None)) as rt:
         await rt.create_agent("src", system_prompt="You are a guide.")
         await run_turns(rt, "src", TURNS[:2])
         forked = await rt.fork("src", "copy", name="Copy")
@@ -795,7 +796,7 @@ async def test_fork_continues_the_conversation_from_the_same_cache(tmp_path):
     files = {p.parent.name: p for p in (tmp_path / "caches").glob("*/*.safetensors")}
     assert files["late"].stat().st_ino == files["src"].stat().st_ino
     assert files["copy"].stat().st_ino != files["src"].stat().st_ino  # each turn wrote its own
-    async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
+    async with await AgentRuntime.open(config(tmp_path, model, kv_bits=None)) as rt:
         y = await rt.chat("src", TURNS[3])  # replaces (unlinks) its old file
         await rt.delete_agent("src")
         assert not (tmp_path / "caches" / "src").exists()

@@ -120,13 +120,14 @@ async def test_a_turn_that_can_never_fit_is_refused_with_the_numbers():
         await eng.close()
 
 
-async def test_the_budget_admits_only_what_fits_and_every_turn_completes():
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_the_budget_admits_only_what_fits_and_every_turn_completes(model):
     requests = [
         GenerationRequest(list(range(20 + i, 60 + i)), max_tokens=24, ignore_eos=True)
         for i in range(8)
     ]
-    budget = await budget_for("tiny:gemma3", requests[:2])  # room for two at a time
-    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    budget = await budget_for(model, requests[:2])  # room for two at a time
+    eng = await Engine.open(model, EngineConfig(kv_budget_bytes=budget))
     steps: list[StepRecord] = []
     eng.add_step_listener(steps.append)
     try:
@@ -145,11 +146,12 @@ async def test_the_budget_admits_only_what_fits_and_every_turn_completes():
     assert max(waiting) > 0  # turns waited for memory, not for a slot
 
 
-async def test_a_higher_priority_turn_preempts_and_the_paused_turn_resumes_exactly():
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_a_higher_priority_turn_preempts_and_the_paused_turn_resumes_exactly(model):
     low = GenerationRequest(prompt_of(60), max_tokens=80, ignore_eos=True)
     high = GenerationRequest(prompt_of(30, salt=4), max_tokens=10, ignore_eos=True, priority=10)
-    budget = await budget_for("tiny:gemma3", [low])  # only one of them fits
-    eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
+    budget = await budget_for(model, [low])  # only one of them fits
+    eng = await Engine.open(model, EngineConfig(kv_budget_bytes=budget))
     try:
         low_handle = eng.submit(low)
         for _ in range(20):  # well past the minimum run before it can be preempted

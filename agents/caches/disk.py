@@ -100,8 +100,14 @@ class DiskCaches:
 
     @property
     def windowed(self) -> bool:
-        """Whether the model has sliding-window layers (a cache cannot be cut back anywhere)."""
-        return bool(self._engine.model.sliding_window)
+        """Whether the model has sliding-window layers or recurrent state (a cache cannot be
+        cut back anywhere)."""
+        return self.recurrent or bool(self._engine.model.sliding_window)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent state (a cache is cut back only at checkpoints)."""
+        return self._engine.model.recurrent
 
     async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
         """Stored blocks for the start of ``tokens`` longer than ``at_least`` tokens, or a head

@@ -67,7 +67,9 @@ def merge_global(parts: list[Any]) -> GroupKVCache:
 
 def held_arrays(layer: Any) -> list[mx.array]:
     """The arrays a batch layer's buffer holds (a :class:`QuantizedLayer`'s halves too): what
-    a step evaluates after writing it."""
+    a step evaluates after writing it (a recurrent layer's: its state)."""
+    if not hasattr(layer, "keys"):
+        return [x for x in layer.cache if x is not None]
     arrays = [layer.keys, layer.values]
     halves = getattr(layer, "halves", None)
     return arrays if halves is None else [*arrays, halves.keys, halves.values]

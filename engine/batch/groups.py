@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from agentkv.engine.batch.buffers import MIN_GROWTH, GroupRotatingKVCache
 from agentkv.engine.batch.layout import KVLayout
+from agentkv.engine.batch.state import is_state
 
 
 class Row(Protocol):
@@ -67,8 +68,8 @@ class KVGroup:
 
     @property
     def positions(self) -> mx.array:
-        """Each row's next position (its rotary offset)."""
-        return self.layers[0].offset
+        """Each row's next position (its rotary offset, read off an attention layer)."""
+        return next(layer for layer in self.layers if not is_state(layer)).offset
 
     def absorb(self, other: KVGroup) -> None:
         """Append ``other``'s sequences as rows of this group (both buffers are copied)."""
@@ -109,6 +110,8 @@ class KVGroup:
             return False
         self.layers = [
             layout._buffer(j, [layer.extract(i) for i in range(len(lengths))])
+            if not is_state(layer)
+            else layer  # a row of state each: nothing padded
             for j, layer in enumerate(self.layers)
         ]
         return True

@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    ArraysCache,
     KVCache,
     RotatingKVCache,
     make_prompt_cache,
@@ -20,6 +21,7 @@ from agentkv.engine.batch.held import FLOAT_WINDOW, float_window
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.quantized import quantized_buffer
 from agentkv.engine.batch.rows import is_packed
+from agentkv.engine.batch.state import GroupStateCache, is_state
 from agentkv.engine.codes import quantized_token_bytes
 from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import InvalidCacheError, UnsupportedModelError
@@ -31,16 +33,23 @@ PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences ow
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Per layer: the sliding window (None: global attention) and K+V bytes per token in the
-    batch; ``packing``: how the layers are held quantized (None: in the model's precision)."""
+    """Per layer: the sliding window (None: global attention; 0: recurrent state, which holds
+    no positions, ``engine.batch.state``) and K+V bytes per token in the batch; ``packing``: how
+    the layers are held quantized (None: in the model's precision); ``states``: per layer, the
+    bytes of one sequence's recurrent state (0 for attention layers), whatever its length."""
 
     windows: tuple[int | None, ...]
     token_bytes: tuple[int, ...]
     heads: tuple[tuple[int, int, int], ...] = ()  # (KV heads, key dim, value dim) per layer
     by_window: tuple[tuple[int | None, int], ...] = ()  # summed over layers of each window
     packing: Packing | None = None
+    states: tuple[int, ...] = ()  # state entries' bytes per sequence, per layer
+    state_sizes: tuple[int, ...] = ()  # entries of each layer's ArraysCache (0: attention)
 
     def __post_init__(self) -> None:
+        if not self.states:
+            object.__setattr__(self, "states", (0,) * len(self.windows))
+            object.__setattr__(self, "state_sizes", (0,) * len(self.windows))
         sums: dict[int | None, int] = {}
         for w, b in zip(self.windows, self.token_bytes, strict=True):
             sums[w] = sums.get(w, 0) + b
@@ -55,29 +64,42 @@ class KVLayout:
         group_size = group_size_for(bits, group_size)
         caches = make_prompt_cache(model)
         for c in caches:
-            if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
+            if type(c) not in (KVCache, RotatingKVCache, ArraysCache) or getattr(c, "keep", 0):
                 raise UnsupportedModelError(
                     f"{type(model).__module__}: agentkv batches models whose layers all use "
-                    f"mlx-lm's KVCache or RotatingKVCache (without keep); this one uses "
-                    f"{type(c).__name__}"
+                    f"mlx-lm's KVCache, RotatingKVCache (without keep) or ArraysCache; this one "
+                    f"uses {type(c).__name__}"
                 )
+        if not any(type(c) is not ArraysCache for c in caches):
+            raise UnsupportedModelError(
+                f"{type(model).__module__}: agentkv batches models with attention layers; every "
+                "layer of this one is recurrent"
+            )
         model(mx.array([[1]]), cache=caches)
         mx.eval([c.state for c in caches])
-        windows = tuple(c.max_size if type(c) is RotatingKVCache else None for c in caches)
-        heads = tuple(_heads(c) for c in caches)
-        token_bytes = [(c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches]
+        windows = tuple(_window(c) for c in caches)
+        heads = tuple((0, 0, 0) if is_state(c) else _heads(c) for c in caches)
+        token_bytes = [
+            0 if is_state(c) else (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+            for c in caches
+        ]
+        states = tuple(c.nbytes if is_state(c) else 0 for c in caches)
+        sizes = tuple(len(c.cache) if is_state(c) else 0 for c in caches)
         if bits is None:
-            return cls(windows, tuple(token_bytes), heads)
-        schemes = [layer_scheme(bits, group_size, (dk, dv)) for _, dk, dv in heads]
+            return cls(windows, tuple(token_bytes), heads, (), None, states, sizes)
+        schemes = [
+            None if s else layer_scheme(bits, group_size, (dk, dv))
+            for s, (_, dk, dv) in zip(sizes, heads, strict=True)
+        ]
         for i, ((n, dk, dv), scheme) in enumerate(zip(heads, schemes, strict=True)):
             if scheme is not None:
                 token_bytes[i] = quantized_token_bytes(
                     n, dk, dv, bits, scheme.group_size, scheme.key_group, scheme.key_bits
                 )
         dims = tuple((dk, dv) for _, dk, dv in heads)
-        dtype = caches[0].keys.dtype
+        dtype = next(c.keys.dtype for c in caches if not is_state(c))
         packing = Packing(bits, tuple(schemes), dims, dtype)
-        return cls(windows, tuple(token_bytes), heads, (), packing)
+        return cls(windows, tuple(token_bytes), heads, (), packing, states, sizes)
 
     @property
     def bits(self) -> int | None:
@@ -90,7 +112,15 @@ class KVLayout:
 
     @property
     def layer_types(self) -> list[type]:
-        return [KVCache if w is None else RotatingKVCache for w in self.windows]
+        return [
+            KVCache if w is None else ArraysCache if w == 0 else RotatingKVCache
+            for w in self.windows
+        ]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers hold recurrent state (``engine.batch.state``)."""
+        return any(self.states)
 
     def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
         """Bytes a sequence of ``tokens`` holds on its own (``window_extra``: positions a
@@ -100,6 +130,7 @@ class KVLayout:
         held = sum(
             b * (tokens if w is None else min(tokens, w + window_extra)) for w, b in self.by_window
         )
+        held += sum(self.states)
         return held + sum(self._float_extra(i, tokens) for i in range(len(self.windows)))
 
     def _float_extra(self, i: int, tokens: int) -> int:
@@ -179,6 +210,10 @@ class KVLayout:
         """Layer ``i``'s group buffer of ``layers`` (one row each; none: one empty row). A
         layer held quantized packs float rows first (a paused row is packed already)."""
         w = self.windows[i]
+        if w == 0:
+            if not layers:
+                return GroupStateCache.empty(self.state_sizes[i])
+            return GroupStateCache.merge(layers)
         if self.quantized(i):
             rows = [self.packing.pack(i, x) for x in layers]
             if self.packing.channel_keys(i):
@@ -193,13 +228,16 @@ class KVLayout:
     def check(self, layers: list[Any]) -> None:
         """Raise InvalidCacheError unless ``layers`` are caches this model's layers can use
         (a layer held quantized also takes a row packed by the batch: a paused sequence's)."""
-        types = [type(x) for x in layers]
+        types = [ArraysCache if is_state(x) else type(x) for x in layers]
         if types != self.layer_types:
             raise InvalidCacheError(
                 f"cache layers {[t.__name__ for t in types]} do not match the model's "
                 f"{[t.__name__ for t in self.layer_types]}"
             )
         for i, (layer, window) in enumerate(zip(layers, self.windows, strict=True)):
+            if window == 0:
+                self._check_state(i, layer)
+                continue
             if window is not None and layer.max_size != window:
                 raise InvalidCacheError(
                     f"a sliding-window layer holds {layer.max_size} positions; the model's "
@@ -218,6 +256,23 @@ class KVLayout:
                     f"the model's are {want}"
                 )
 
+    def _check_state(self, i: int, layer: Any) -> None:
+        if len(layer.cache) != self.state_sizes[i] or (
+            any(x is not None for x in layer.cache)
+            and sum(x.nbytes for x in layer.cache if x is not None) != self.states[i]
+        ):
+            shapes = [None if x is None else tuple(x.shape) for x in layer.cache]
+            raise InvalidCacheError(
+                f"cache layer {i} holds recurrent state {shapes}; the model's layer holds "
+                f"{self.state_sizes[i]} arrays of {self.states[i]} bytes"
+            )
+
+
+def _window(cache: Any) -> int | None:
+    if is_state(cache):
+        return 0
+    return cache.max_size if type(cache) is RotatingKVCache else None
+
 
 def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
     """Per layer, the keys and values every sequence starting with ``token`` holds at its
@@ -227,8 +282,13 @@ def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
     file takes them in place of its first position's words (``engine.kv.load``)."""
     caches = make_prompt_cache(model)
     model(mx.array([[token]]), cache=caches)
-    got = [(mx.contiguous(c.keys[..., :1, :]), mx.contiguous(c.values[..., :1, :])) for c in caches]
-    mx.eval(got)
+    got = [
+        None
+        if is_state(c)
+        else (mx.contiguous(c.keys[..., :1, :]), mx.contiguous(c.values[..., :1, :]))
+        for c in caches
+    ]
+    mx.eval([x for x in got if x is not None])
     return got
 
 

@@ -135,7 +135,8 @@ def expanded_channel_row(row: Any, value_group: int, dims: tuple[int, int], dtyp
 
 def is_packed(row: Any) -> bool:
     """Whether a single-row cache holds :func:`packed` keys and values."""
-    return row.keys is not None and row.keys.dtype == mx.uint32
+    keys = getattr(row, "keys", None)  # (recurrent state has none)
+    return keys is not None and keys.dtype == mx.uint32
 
 
 def with_kv(row: Any, fn: Any, *kinds: str) -> Any:

@@ -18,6 +18,7 @@ from agentkv.engine.kv.encoded import (
 )
 from agentkv.engine.kv.layouts import STORED, parse_paged_layouts, part_bits, part_group, part_names
 from agentkv.engine.kv.quant import quantized_parts
+from agentkv.engine.kv.state import STATE_TYPE
 
 
 def assemble_paged(
@@ -73,6 +74,9 @@ def assemble_paged(
         else:
             for name in names:
                 tensors[name] = tail.tensors[name]
+        if layout["type"] == STATE_TYPE:
+            whole.append({k: v for k, v in layout.items() if k != "start"})
+            continue
         shapes = {kv: layout[kv] for kv in ("keys_shape", "values_shape")}
         if layout["type"] == "KVCache":
             shapes = {kv: (s[0], s[1], total, s[3]) for kv, s in shapes.items()}

@@ -15,6 +15,7 @@ from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache
+from agentkv.engine.kv.state import STATE_TYPE, state_layout_problem
 
 KEY_GROUP_SIZES = (16, *GROUP_SIZES)  # of keys per channel: positions a scale covers
 FILE_KEY_BITS = (4, 5)  # of keys per channel (5 bits: a key head size that packs into words)
@@ -106,6 +107,8 @@ def parse_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
     for i, layout in enumerate(layouts):
         if problem := layout_problem(layout):
             raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+        if layout["type"] == STATE_TYPE:
+            continue
         layout["keys_shape"], layout["values_shape"] = map(
             tuple, (layout["keys_shape"], layout["values_shape"])
         )
@@ -118,6 +121,11 @@ def parse_paged_layouts(metadata: dict[str, str]) -> list[dict[str, Any]]:
     for i, layout in enumerate(layouts):
         if not isinstance(layout, dict) or type(layout.get("start")) is not int:
             raise CacheFormatError(f"layer {i} layout needs an integer 'start'")
+        if layout.get("type") == STATE_TYPE:
+            if (problem := layout_problem(layout)) or layout["start"] != layout["offset"]:
+                problem = problem or "a state layer's tail starts where it ends (its offset)"
+                raise CacheFormatError(f"layer {i} layout {str(layout)[:200]}: {problem}")
+            continue
         # Validate as the whole layer it stands for (global: all positions).
         probe = dict(layout)
         if probe.get("type") == "KVCache" and isinstance(probe.get("keys_shape"), list):
@@ -136,11 +144,15 @@ def layout_problem(layout: Any) -> str | None:
     def ints(*values: Any, low: int) -> bool:
         return all(type(v) is int and v >= low for v in values)
 
+    if isinstance(layout, dict) and layout.get("type") == STATE_TYPE:
+        return state_layout_problem(layout)
     fields = ("type", "offset", "max_size", "keep", "dtype", "keys_shape", "values_shape")
     if not isinstance(layout, dict) or not set(fields) <= layout.keys():
         return f"needs the fields {list(fields)}"
     if layout["type"] not in LAYER_TYPES:
-        return f"unknown layer type {layout['type']!r}; expected one of {list(LAYER_TYPES)}"
+        return (
+            f"unknown layer type {layout['type']!r}; expected one of {[*LAYER_TYPES, STATE_TYPE]}"
+        )
     if layout["dtype"] not in DTYPES:
         return f"unknown dtype {layout['dtype']!r}; expected one of {list(DTYPES)}"
     if layout.get("group_size") not in (None, *GROUP_SIZES):

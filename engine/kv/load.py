@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import channel_row, is_packed
 from agentkv.engine.codes import join_packed
@@ -24,6 +25,7 @@ from agentkv.engine.kv.encoded import (
 )
 from agentkv.engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
 from agentkv.engine.kv.quant import expand_layer_part
+from agentkv.engine.kv.state import STATE_TYPE, decode_state
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import FLAGS
 
@@ -188,6 +190,9 @@ def decode_paged(
                     stacked_words[kv] = join_packed(got[".q"], got[".scales"], got[".biases"])
         layers = []
         for i, layout in enumerate(layouts):
+            if layout["type"] == STATE_TYPE:  # whole, in the tail
+                layers.append(decode_state(tail.__getitem__, i, layout))
+                continue
             group = layout.get("group_size") if kv_bits else None
             parts = [""] if group is None else [".q", ".scales", ".biases"]
             arrays, words = [], []
@@ -228,7 +233,7 @@ def decode_paged(
         raise CacheFormatError(f"{tail_path} and its blocks do not fit together: {exc!r}") from exc
     # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
     # hashes the files' memory here; nothing is returned unless it passes.
-    arrays = [x for layer in layers for x in (layer.keys, layer.values, *layer_recent(layer))]
+    arrays = [x for layer in layers for x in (*held_arrays(layer), *layer_recent(layer))]
     mx.async_eval(*arrays)
     if check is not None:
         check(files)

@@ -39,10 +39,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from agentkv.engine.batch.state import is_state
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
 from agentkv.engine.kv.layouts import temporal_layer
 from agentkv.engine.kv.quant import quant_scheme, stored_kv
+from agentkv.engine.kv.state import encode_state
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import layer_scheme
 
@@ -101,6 +103,11 @@ def encode_paged(
     pending: dict[str, mx.array] = {}
     layouts, block_layers = [], []
     for i, layer in enumerate(cache.layers):
+        if is_state(layer):  # whole, in the tail
+            state, layout = encode_state(layer, i, total)
+            layouts.append(layout | {"start": total})
+            pending |= state
+            continue
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         decided = layer_scheme(kv_bits, group_size, dims, block_tokens, layout["keep"])

@@ -37,6 +37,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from agentkv.engine.batch.buffers import held_arrays
+from agentkv.engine.batch.state import is_state
 from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
@@ -55,6 +57,7 @@ from agentkv.engine.kv.quant import (
     quantized_parts,
     stored_kv,
 )
+from agentkv.engine.kv.state import STATE_TYPE, decode_state, encode_state, state_names
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import FLAGS, layer_scheme
 
@@ -89,6 +92,11 @@ def encode_cache(
     pending: dict[str, mx.array] = {}
     layouts = []
     for i, layer in enumerate(cache.layers):
+        if is_state(layer):
+            state, layout = encode_state(layer, i, cache.num_tokens)
+            pending |= state
+            layouts.append(layout)
+            continue
         keys, values, layout = temporal_layer(layer, i, cache.num_tokens, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         decided = layer_scheme(kv_bits, group_size, dims, keep=layout["keep"])
@@ -136,6 +144,9 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
     layouts = parse_layouts(meta)
     expected = {"tokens"}
     for i, layout in enumerate(layouts):
+        if layout["type"] == STATE_TYPE:
+            expected |= set(state_names(i, layout))
+            continue
         parts = [""] if group_of(encoded, layout) is None else [".q", ".scales", ".biases"]
         expected |= {f"layers.{i}.{kv}{part}" for kv in ("keys", "values") for part in parts}
     if extra := sorted(set(encoded.tensors) - expected):
@@ -147,6 +158,14 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
                 f"layer {i} holds {layout['offset']} positions but tensor 'tokens' has "
                 f"{tokens.shape[0]}"
             )
+        if layout["type"] == STATE_TYPE:
+            try:
+                layers.append(decode_state(encoded.tensors.__getitem__, i, layout))
+            except KeyError as exc:
+                raise CacheFormatError(f"tensor {exc} is missing") from exc
+            except ValueError as exc:
+                raise CacheFormatError(str(exc)) from exc
+            continue
         if layout["type"] == "KVCache":
             layer = KVCache()
         else:
@@ -158,7 +177,7 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
         )
         layer.offset = layout["offset"]
         layers.append(layer)
-    mx.eval(*(x for layer in layers for x in (layer.keys, layer.values)))
+    mx.eval(*(x for layer in layers for x in held_arrays(layer)))
     return PromptCache(layers, tokens.tolist())
 
 

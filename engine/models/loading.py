@@ -188,6 +188,13 @@ class LoadedModel:
         sizes = {c.max_size for c in make_prompt_cache(self.model) if type(c) is RotatingKVCache}
         return max(sizes) if sizes else None
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers hold recurrent state (a hybrid's conv / SSM / linear attention)."""
+        from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+        return any(isinstance(c, ArraysCache) for c in make_prompt_cache(self.model))
+
     def _config_value(self, key: str) -> Any:
         # Multimodal configs keep the language model's fields under text_config.
         return self.config.get("text_config", {}).get(key, self.config.get(key))

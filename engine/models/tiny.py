@@ -76,6 +76,9 @@ class TinySpec:
     weight_bits: int | None = None
     """Quantize the linear and embedding weights to this many bits (groups of 64), as
     ``mlx_lm.convert -q`` writes them; None keeps them in ``dtype``."""
+    fields: tuple[tuple[str, object], ...] = ()
+    """``config.json`` fields of the architecture beyond :class:`Shape` (a hybrid's recurrent
+    layers)."""
 
     @property
     def vocab_size(self) -> int:
@@ -85,7 +88,7 @@ class TinySpec:
     def definition_hash(self) -> str:
         """Short hash of everything that shapes the files, including the building libraries."""
         definition = asdict(self)
-        defaults = {"eos_scale": 1.0, "dtype": "float32", "weight_bits": None}
+        defaults = {"eos_scale": 1.0, "dtype": "float32", "weight_bits": None, "fields": ()}
         for field, default in defaults.items():  # leave older models' hashes as they were
             if definition[field] == default:
                 del definition[field]
@@ -130,10 +133,34 @@ class TinySpec:
                 "rope_local_base_freq": 10_000.0,
                 "hidden_activation": "gelu_pytorch_tanh",
             }
+        elif self.model_type == "qwen3_next":
+            config |= {"architectures": ["Qwen3NextForCausalLM"], "rms_norm_eps": 1e-6}
+            config |= {"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
         else:
             config |= {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5}
             config |= {"rope_theta": 500_000.0, "attention_bias": False, "mlp_bias": False}
-        return config
+        return config | dict(self.fields)
+
+
+def _qwen3_next(layers: int, key_heads: int, head_dim: int, moe: int) -> tuple:
+    """Qwen3-Next's fields beyond :class:`Shape`: gated-delta layers with twice as many value
+    heads as key heads, a global attention layer every 4th, and dense MLPs in every layer (the
+    expert fields are required but unused)."""
+    return (
+        ("linear_num_value_heads", 2 * key_heads),
+        ("linear_num_key_heads", key_heads),
+        ("linear_key_head_dim", head_dim),
+        ("linear_value_head_dim", head_dim),
+        ("linear_conv_kernel_dim", 4),
+        ("full_attention_interval", 4),
+        ("num_experts", 4),
+        ("num_experts_per_tok", 2),
+        ("moe_intermediate_size", moe),
+        ("shared_expert_intermediate_size", moe),
+        ("decoder_sparse_step", 1),
+        ("mlp_only_layers", tuple(range(layers))),
+        ("norm_topk_prob", True),
+    )
 
 
 # head_dim is 64 or more so KV caches quantize with mx.quantize at group size 64.
@@ -173,6 +200,21 @@ TINY_SPECS: dict[str, TinySpec] = {
             eos_scale=4.0,
         ),
         TinySpec(
+            name="tiny:hybrid",
+            description=(
+                "qwen3_next (Qwen3-Next / Qwen 3.5's hybrid), 4 layers: 3 gated-delta linear "
+                "attention layers (a convolution and a recurrent state each), 1 global attention "
+                "layer; ChatML with tool calling"
+            ),
+            model_type="qwen3_next",
+            chat=CHATML_TOOLS,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            fields=_qwen3_next(layers=4, key_heads=2, head_dim=32, moe=64),
+        ),
+        TinySpec(
             name="tiny:gemma3-bench",
             description="gemma3_text benchmark model: 12 layers, 10 sliding (window 512), 2 global",
             model_type="gemma3_text",
@@ -180,6 +222,19 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
             corpus_words=300_000,
             lexicon_size=40_000,
+        ),
+        TinySpec(
+            name="tiny:hybrid-bench",
+            description=(
+                "qwen3_next benchmark model: 12 layers, 9 gated-delta linear attention, 3 global "
+                "(1 KV head x 128)"
+            ),
+            model_type="qwen3_next",
+            chat=CHATML_TOOLS,
+            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+            fields=_qwen3_next(layers=12, key_heads=4, head_dim=64, moe=256),
         ),
         TinySpec(
             name="tiny:gemma3-12b",
@@ -331,6 +386,20 @@ def _write_model(definition: TinySpec, out: Path) -> None:
     _write_json(out / MARKER_FILE, _marker(definition))
 
 
+def _initial(key: str, value):
+    """A recurrent layer's time steps as trained models have them (softplus of the bias
+    between 0.001 and 0.1), where mlx-lm's class starts them at one: a state that forgets
+    everything within a few tokens would not show whether it was carried."""
+    import math
+
+    import mlx.core as mx
+
+    if not key.endswith("dt_bias"):
+        return value
+    steps = mx.exp(mx.random.uniform(math.log(0.001), math.log(0.1), value.shape))
+    return steps + mx.log(-mx.expm1(-steps))
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -345,7 +414,7 @@ def _write_weights(definition: TinySpec, path: Path) -> None:
     mx.random.seed(definition.seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     dtype = getattr(mx, definition.dtype)
-    params = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
+    params = {k: _initial(k, v).astype(dtype) for k, v in tree_flatten(model.parameters())}
     if definition.eos_scale != 1.0:
         embed = "model.embed_tokens.weight"
         eos = definition.chat.id_of(definition.chat.eos)

@@ -1,0 +1,105 @@
+"""Layers run span by span: the model's own code once per span of a step's rows, each span
+with the group cache that holds it.
+
+A step feeds ``T`` rows of one token (``engine.attention.step``). Attention reads each span's
+keys through mlx-lm's ``scaled_dot_product_attention``; two kinds of layer cannot work that
+way, and run span by span instead, a prefill chunk as a ``(1, c, D)`` block of consecutive
+tokens and a decode group as ``(B, 1, D)``:
+
+- recurrent layers (``engine.batch.state``), which must see a chunk's tokens in order. Their
+  step view is a :class:`StepState`;
+- attention that reads its cache outside ``scaled_dot_product_attention`` (multi-head latent
+  attention scores its cached rotary keys itself; some models write attention out). When the
+  ragged step does not reproduce such a model's logits, the runner runs its layers span by
+  span (:func:`install_spans` with ``attention``), each against its group's mlx-lm batch cache
+  (``BatchKVCache`` / ``BatchRotatingKVCache``) with that span's mask.
+
+Every decoder layer gets :class:`SpanLayer`'s call (its class swapped for a subclass); a call
+whose cache is not a step view goes straight through. Layers mix no tokens across sequences
+outside attention, so span by span is the model's own computation; it costs one call of the
+layer (its MLP included) per span instead of one per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from agentkv.engine.attention.step import SpanMasks, StepCache
+
+
+class StepState:
+    """What a recurrent layer sees as its cache during one step: the spans
+    (:class:`~engine.attention.step.Span`) whose rows it holds, each with its group's
+    ``GroupStateCache``."""
+
+    __slots__ = ("spans",)
+
+    def __init__(self, spans: list[Any]):
+        self.spans = spans
+
+    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> None:
+        """No mask: a span's rows are one sequence's consecutive tokens or one token of each
+        of its group's sequences, none of them padding."""
+        return None
+
+
+def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> mx.array:
+    """``call`` (a layer's own) on ``x``'s rows span by span: ``step`` (a :class:`StepState`
+    or :class:`~engine.attention.step.StepCache`) replaced by the span's cache, and a
+    :class:`~engine.attention.step.SpanMasks` by the span's mask."""
+    outputs = []
+    for j, span in enumerate(step.spans):
+        rows = x[span.start : span.stop] if span.start or x.shape[0] != span.rows else x
+        if span.prefill:
+            rows = rows.transpose(1, 0, 2)  # (1, c, D): the chunk's tokens in order
+
+        def given(v: Any, span: Any = span, j: int = j) -> Any:
+            if v is step:
+                return span.cache
+            return v[j] if isinstance(v, SpanMasks) else v
+
+        out = call(rows, *map(given, args), **{k: given(v) for k, v in kwargs.items()})
+        if not isinstance(out, mx.array) or out.shape[:2] != rows.shape[:2]:
+            raise TypeError(
+                f"a layer run span by span returned {type(out).__name__} "
+                f"{getattr(out, 'shape', '')}, not its rows' hidden states"
+            )
+        outputs.append(out.transpose(1, 0, 2) if span.prefill else out)
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+class SpanLayer:
+    """A decoder layer that runs span by span when its cache is a :class:`StepState` (or, with
+    ``attention``, a :class:`~engine.attention.step.StepCache`)."""
+
+    # (A name no model's module uses: a class attribute would hide a submodule of that name.)
+    agentkv_spans_attention = False
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
+        kinds = (StepState, StepCache) if self.agentkv_spans_attention else StepState
+        step = next((v for v in (*args, *kwargs.values()) if isinstance(v, kinds)), None)
+        call = super().__call__  # type: ignore[misc]
+        if step is None:
+            return call(x, *args, **kwargs)
+        return run_spans(call, x, step, args, kwargs)
+
+
+_WRAPPED: dict[tuple[type, bool], type] = {}
+
+
+def install_spans(model: nn.Module, attention: bool = False) -> None:
+    """Give each of ``model``'s decoder layers :class:`SpanLayer`'s call; ``attention``: its
+    attention layers too run span by span."""
+    for layer in getattr(model, "layers", None) or ():
+        if not isinstance(layer, nn.Module):
+            continue
+        cls = type(layer)
+        base = cls.__mro__[2] if issubclass(cls, SpanLayer) else cls  # (Wrapped, SpanLayer, base)
+        key = (base, attention)
+        if key not in _WRAPPED:
+            fields = {"__module__": base.__module__, "agentkv_spans_attention": attention}
+            _WRAPPED[key] = type(base.__name__, (SpanLayer, base), fields)
+        layer.__class__ = _WRAPPED[key]
