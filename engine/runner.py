@@ -20,11 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from agentkv.engine.attention.spans import StepState, install_spans
+from agentkv.engine.attention.spans import StepList, StepState, install_spans
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
-from agentkv.engine.batch.state import is_state
+from agentkv.engine.batch.state import is_state, model_caches
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
@@ -49,7 +49,7 @@ class ModelRunner:
         self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
         name = type(model).__module__
         installed = install(model)
-        if all(is_state(c) for c in make_prompt_cache(model)):
+        if all(is_state(c) for c in model_caches(model)):
             raise UnsupportedModelError(
                 f"{name}: every layer of this model is recurrent (no attention); agentkv "
                 "batches models with attention layers"
@@ -189,10 +189,17 @@ class ModelRunner:
         """Each layer's view of the step: its spans with their rows' positions (a recurrent
         layer's: its spans, ``engine.batch.state``)."""
         windows = self.layout.windows
-        return [
+        views = [
             StepState(s) if windows[i] == 0 else StepCache(s, positions)
             for i, s in enumerate(spans)
         ]
+        if not any(self.layout.nested):
+            return views
+        nested, at = [], 0  # a CacheList layer's caches' views together
+        for n in self.layout.nested:
+            nested.append(views[at] if n == 0 else StepList(views[at : at + n]))
+            at += max(n, 1)
+        return nested
 
     def _fences(self, rows: list[tuple[Sequence, int, int]]) -> tuple[tuple[int, ...], ...] | None:
         """Per row ``(sequence, first position, positions)`` of a span, each position's fence

@@ -88,16 +88,16 @@ RUN = [
     "glm4_moe_lite",
     "kimi_linear",
     "gemma2",
+    # two caches a layer (CacheList): attention and state, MLA and a sparse-attention index
+    "falcon_h1",
+    "deepseek_v32",
+    "glm_moe_dsa",
 ]
 # What each refused architecture is refused for (its message names its mlx-lm module).
-BOTH = "this one uses CacheList"  # a layer holding two caches (attention and state, or an index)
 ALL_RECURRENT = "every layer of this model is recurrent"
 OUTSIDE_SDPA = "its layers fail as a step of agentkv's batch"  # the cache read outside it
 REFUSED = {
     "mistral4": OUTSIDE_SDPA,  # MLA with a scale per position computed before the layers
-    "deepseek_v32": BOTH,
-    "glm_moe_dsa": BOTH,
-    "falcon_h1": BOTH,
     "mamba": ALL_RECURRENT,  # no attention at all
     "mamba2": ALL_RECURRENT,
 }

@@ -22,10 +22,12 @@ layer (its MLP included) per span instead of one per step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import CacheList
 
 from agentkv.engine.attention.step import SpanMasks, StepCache
 
@@ -44,6 +46,28 @@ class StepState:
         """No mask: a span's rows are one sequence's consecutive tokens or one token of each
         of its group's sequences, none of them padding."""
         return None
+
+
+class StepList:
+    """What a layer holding a ``CacheList`` (attention and state, or MLA beside a sparse
+    attention index) sees during a step: its caches' views, indexed as the ``CacheList``."""
+
+    __slots__ = ("views",)
+
+    def __init__(self, views: list[Any]):
+        self.views = views
+
+    def __getitem__(self, i: int) -> Any:
+        return self.views[i]
+
+    @property
+    def spans(self) -> list[Any]:
+        """Its caches' spans together: each a span of the same rows whose cache is a
+        ``CacheList`` of theirs."""
+        return [
+            dataclasses.replace(span, cache=CacheList(*(v.spans[j].cache for v in self.views)))
+            for j, span in enumerate(self.views[0].spans)
+        ]
 
 
 def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> mx.array:
@@ -79,7 +103,9 @@ class SpanLayer:
     agentkv_spans_attention = False
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
-        kinds = (StepState, StepCache) if self.agentkv_spans_attention else StepState
+        kinds = (StepState, StepList)  # (a layer holding state always runs span by span)
+        if self.agentkv_spans_attention:
+            kinds = (*kinds, StepCache)
         step = next((v for v in (*args, *kwargs.values()) if isinstance(v, kinds)), None)
         call = super().__call__  # type: ignore[misc]
         if step is None:

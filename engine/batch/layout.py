@@ -21,7 +21,7 @@ from agentkv.engine.batch.held import FLOAT_WINDOW, float_window
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.quantized import quantized_buffer
 from agentkv.engine.batch.rows import is_packed
-from agentkv.engine.batch.state import GroupStateCache, is_state
+from agentkv.engine.batch.state import GroupStateCache, flat_caches, is_state
 from agentkv.engine.codes import quantized_token_bytes
 from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import InvalidCacheError, UnsupportedModelError
@@ -45,6 +45,7 @@ class KVLayout:
     packing: Packing | None = None
     states: tuple[int, ...] = ()  # state entries' bytes per sequence, per layer
     state_sizes: tuple[int, ...] = ()  # entries of each layer's ArraysCache (0: attention)
+    nested: tuple[int, ...] = ()  # per model layer, the caches its CacheList holds (0: none)
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -62,7 +63,8 @@ class KVLayout:
         another size that divides their heads: a layer none divides stays unquantized,
         logged once)."""
         group_size = group_size_for(bits, group_size)
-        caches = make_prompt_cache(model)
+        nested_caches = make_prompt_cache(model)
+        caches, nested = flat_caches(nested_caches)
         for c in caches:
             if type(c) not in (KVCache, RotatingKVCache, ArraysCache) or getattr(c, "keep", 0):
                 raise UnsupportedModelError(
@@ -75,7 +77,7 @@ class KVLayout:
                 f"{type(model).__module__}: agentkv batches models with attention layers; every "
                 "layer of this one is recurrent"
             )
-        model(mx.array([[1]]), cache=caches)
+        model(mx.array([[1]]), cache=nested_caches)
         mx.eval([c.state for c in caches])
         windows = tuple(_window(c) for c in caches)
         heads = tuple((0, 0, 0) if is_state(c) else _heads(c) for c in caches)
@@ -86,7 +88,7 @@ class KVLayout:
         states = tuple(c.nbytes if is_state(c) else 0 for c in caches)
         sizes = tuple(len(c.cache) if is_state(c) else 0 for c in caches)
         if bits is None:
-            return cls(windows, tuple(token_bytes), heads, (), None, states, sizes)
+            return cls(windows, tuple(token_bytes), heads, (), None, states, sizes, nested)
         schemes = [
             None if s else layer_scheme(bits, group_size, (dk, dv))
             for s, (_, dk, dv) in zip(sizes, heads, strict=True)
@@ -99,7 +101,7 @@ class KVLayout:
         dims = tuple((dk, dv) for _, dk, dv in heads)
         dtype = next(c.keys.dtype for c in caches if not is_state(c))
         packing = Packing(bits, tuple(schemes), dims, dtype)
-        return cls(windows, tuple(token_bytes), heads, (), packing, states, sizes)
+        return cls(windows, tuple(token_bytes), heads, (), packing, states, sizes, nested)
 
     @property
     def bits(self) -> int | None:
@@ -280,8 +282,9 @@ def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
     token alone: one forward pass of it through ``model`` (on the generation thread). A q4
     batch reads its global layers' (:meth:`KVLayout.buffers`); a cache dequantized from a
     file takes them in place of its first position's words (``engine.kv.load``)."""
-    caches = make_prompt_cache(model)
-    model(mx.array([[token]]), cache=caches)
+    nested = make_prompt_cache(model)
+    model(mx.array([[token]]), cache=nested)
+    caches = flat_caches(nested)[0]
     got = [
         None
         if is_state(c)

@@ -182,18 +182,20 @@ class LoadedModel:
     @property
     def sliding_window(self) -> int | None:
         """The window of the model's sliding-window layers, or None if every layer is global."""
-        from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import RotatingKVCache
+
+        from agentkv.engine.batch.state import model_caches
 
         # Creating caches allocates no arrays; it is the model's own answer to "which layers slide".
-        sizes = {c.max_size for c in make_prompt_cache(self.model) if type(c) is RotatingKVCache}
+        sizes = {c.max_size for c in model_caches(self.model) if type(c) is RotatingKVCache}
         return max(sizes) if sizes else None
 
     @property
     def recurrent(self) -> bool:
         """Whether some layers hold recurrent state (a hybrid's conv / SSM / linear attention)."""
-        from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+        from agentkv.engine.batch.state import is_state, model_caches
 
-        return any(isinstance(c, ArraysCache) for c in make_prompt_cache(self.model))
+        return any(is_state(c) for c in model_caches(self.model))
 
     def _config_value(self, key: str) -> Any:
         # Multimodal configs keep the language model's fields under text_config.
