@@ -24,7 +24,6 @@ from agentkv.engine.attention.spans import StepList, StepState, install_spans
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
-from agentkv.engine.batch.state import is_state, model_caches
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
@@ -49,11 +48,6 @@ class ModelRunner:
         self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
         name = type(model).__module__
         installed = install(model)
-        if all(is_state(c) for c in model_caches(model)):
-            raise UnsupportedModelError(
-                f"{name}: every layer of this model is recurrent (no attention); agentkv "
-                "batches models with attention layers"
-            )
         try:
             self.layout = KVLayout.of(model)
         except (AgentKVError, MemoryError):
@@ -83,7 +77,14 @@ class ModelRunner:
             ) from failure
         if self.spans_attention:
             log.info("%s: attention reads its cache itself; its layers run span by span", name)
-        if kv_bits is not None:
+        if kv_bits is not None and not any(w != 0 for w in self.layout.windows):
+            log.warning(
+                "batch_kv_bits=%d: %s has no attention layers, no KV to hold quantized; the "
+                "batch holds its recurrent state in the model's precision",
+                kv_bits,
+                name,
+            )
+        elif kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
     def first_positions(self, token: int) -> list[tuple[mx.array, mx.array]]:

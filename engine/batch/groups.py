@@ -68,8 +68,10 @@ class KVGroup:
 
     @property
     def positions(self) -> mx.array:
-        """Each row's next position (its rotary offset, read off an attention layer)."""
-        return next(layer for layer in self.layers if not is_state(layer)).offset
+        """Each row's next position (its rotary offset, read off an attention layer; a model
+        without attention reads none)."""
+        layer = next((x for x in self.layers if not is_state(x)), None)
+        return mx.array(self.lengths) if layer is None else layer.offset
 
     def absorb(self, other: KVGroup) -> None:
         """Append ``other``'s sequences as rows of this group (both buffers are copied)."""

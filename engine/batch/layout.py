@@ -72,11 +72,6 @@ class KVLayout:
                     f"mlx-lm's KVCache, RotatingKVCache (without keep) or ArraysCache; this one "
                     f"uses {type(c).__name__}"
                 )
-        if not any(type(c) is not ArraysCache for c in caches):
-            raise UnsupportedModelError(
-                f"{type(model).__module__}: agentkv batches models with attention layers; every "
-                "layer of this one is recurrent"
-            )
         model(mx.array([[1]]), cache=nested_caches)
         mx.eval([c.state for c in caches])
         windows = tuple(_window(c) for c in caches)
