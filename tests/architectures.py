@@ -995,6 +995,27 @@ ARCHITECTURES: dict[str, dict] = {
         mup_enabled=True,
         tie_word_embeddings=True,
     ),
+    # Llama 4 (text of the multimodal checkpoint): chunked local attention (ChunkedKVCache) in
+    # three layers of four, global attention without rotary positions in the fourth.
+    "llama4": _multimodal(
+        "llama4",
+        _config(
+            "llama4_text",
+            _ATTENTION,
+            attention_bias=False,
+            attention_chunk_size=WINDOW,
+            interleave_moe_layer_step=1,
+            intermediate_size=32,
+            intermediate_size_mlp=128,
+            num_experts_per_tok=1,
+            num_local_experts=4,
+            rms_norm_eps=1e-5,
+            rope_scaling=None,
+            rope_theta=500_000.0,
+            use_qk_norm=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -71,10 +71,12 @@ class StepList:
 
 
 def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> mx.array:
-    """``call`` (a layer's own) on ``x``'s rows span by span: ``step`` (a :class:`StepState`
-    or :class:`~engine.attention.step.StepCache`) replaced by the span's cache, and a
-    :class:`~engine.attention.step.SpanMasks` by the span's mask."""
-    outputs = []
+    """``call`` (a layer's own) on ``x``'s rows span by span: ``step`` (a :class:`StepState`,
+    :class:`StepList` or :class:`~engine.attention.step.StepCache`) replaced by the span's
+    cache, a :class:`~engine.attention.step.SpanMasks` by the span's mask, and an array of one
+    value per row that the model computed for the step's ``(T, ., 1, .)`` layout (Mistral 4's
+    attention scale per position) by the span's rows, laid out as its queries are."""
+    outputs, total = [], x.shape[0]
     for j, span in enumerate(step.spans):
         rows = x[span.start : span.stop] if span.start or x.shape[0] != span.rows else x
         if span.prefill:
@@ -83,7 +85,11 @@ def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> m
         def given(v: Any, span: Any = span, j: int = j) -> Any:
             if v is step:
                 return span.cache
-            return v[j] if isinstance(v, SpanMasks) else v
+            if isinstance(v, SpanMasks):
+                return v[j]
+            if isinstance(v, mx.array) and v.ndim == 4 and v.shape[0] == total and v.shape[2] == 1:
+                return span.as_block(v)  # per row, laid out as the step's (T, ., 1, .) rows
+            return v
 
         out = call(rows, *map(given, args), **{k: given(v) for k, v in kwargs.items()})
         if not isinstance(out, mx.array) or out.shape[:2] != rows.shape[:2]:
