@@ -168,16 +168,21 @@ class DocumentTurn:
         if n < max(shared, runner.caches.disk.block_tokens):
             # Its own cache falls short of where the conversation differs from it (or holds
             # less than a block): other conversations' caches may hold more.
-            return await runner.plan_from_prefix(
+            plan = await runner.plan_from_prefix(
                 document.tokens, heads, source, start, priority, own=kept
             )
-        return TurnPlan(
-            document.tokens[n:],
-            kept,
-            source,
-            time.perf_counter() - start,
-            cache_points=await runner.cache_points(heads, n),
-        )
+        else:
+            plan = TurnPlan(
+                document.tokens[n:],
+                kept,
+                source,
+                time.perf_counter() - start,
+                cache_points=await runner.cache_points(heads, n),
+            )
+        # Clients that resend whole conversations may send this reply back otherwise than it
+        # is generated (a framework's own text for its tool calls, a template that drops the
+        # reasoning): where the prompt ends is kept, to resume all of it then.
+        return dataclasses.replace(plan, checkpoint_prompt=True)
 
     async def commit(
         self,

@@ -254,6 +254,7 @@ class TurnRunner:
             grammar=options.grammar,
             logprobs=options.logprobs,
             cache_points=plan.cache_points,
+            checkpoint_prompt=plan.checkpoint_prompt,
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending

@@ -95,7 +95,8 @@ class PromptCache:
     def checkpointed(self, earlier: PromptCache, recent: bool = True) -> PromptCache:
         """This cache, able to be cut back to where ``earlier`` ends (and to ``earlier``'s own
         checkpoints, :data:`CHECKPOINTS_KEPT` in all), although its sliding windows moved on;
-        ``earlier``'s shared heads are kept whatever ``recent`` says.
+        ``earlier``'s shared heads, and this cache's own checkpoints past ``earlier`` (where its
+        prompt ended), are kept whatever ``recent`` says.
 
         ``earlier`` is the cache this one was resumed from: its first tokens are this one's,
         and this one's global layers hold the same keys and values for them, so only
@@ -106,12 +107,14 @@ class PromptCache:
         if not windows or not 0 < earlier.num_tokens < self.num_tokens or self._channel_packed:
             return self  # (a cache packed with keys per channel is only had whole)
         heads = [c for c in earlier.checkpoints if c.head]
+        # Its own, past where it resumed: where this turn's prompt ended (``checkpoint_prompt``).
+        own = [c for c in self.checkpoints if c.num_tokens > earlier.num_tokens]
         points: list[Checkpoint] = []
         if recent:
             turns = [c for c in earlier.checkpoints if not c.head]
             points = [Checkpoint(earlier.num_tokens, windows, earlier.window_nbytes or 0), *turns]
             points = points[:CHECKPOINTS_KEPT]
-        at = {c.num_tokens: c for c in points} | {c.num_tokens: c for c in heads}
+        at = {c.num_tokens: c for c in [*points, *own]} | {c.num_tokens: c for c in heads}
         kept = tuple(at[n] for n in sorted(at, reverse=True))
         return dataclasses.replace(self, checkpoints=kept)
 
@@ -239,6 +242,11 @@ class GenerationRequest:
             joined and the stored blocks' boundaries: shared heads' ends. A q8 batch reads no
             float copy across them, so the positions after them compute the same from such a
             cache (``engine.batch.quantized.QuantizedLayer``).
+        checkpoint_prompt: keep a checkpoint where the prompt ends and the reply begins (on a
+            model with sliding-window layers or recurrent state, whose cache cannot be cut back
+            there otherwise): a client that sends the reply back otherwise than it was
+            generated (rewritten tool calls, reasoning dropped by the template) resumes all of
+            the prompt. Also a fence, as ``cache_points`` are.
     """
 
     prompt_tokens: list[int]
@@ -254,6 +262,7 @@ class GenerationRequest:
     grammar: Grammar | None = None
     logprobs: int | None = None
     cache_points: tuple[int, ...] = ()
+    checkpoint_prompt: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

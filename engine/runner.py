@@ -25,6 +25,7 @@ from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
+from agentkv.engine.request import Checkpoint, layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
 
@@ -177,14 +178,38 @@ class ModelRunner:
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
         updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
+        ends = [
+            (seq, self._windows(seq))
+            for seq, n in plan.prefill
+            if n == len(seq.prompt) and seq.request.checkpoint_prompt
+        ]
+        updated += [held_arrays(x) for _, windows in ends if windows for x in windows.values()]
         mx.async_eval(*([] if sampled is None else [sampled]), *reported, updated)
         for seq, n in plan.prefill:
             seq.tokens += seq.prompt[:n]
             seq.prompt = seq.prompt[n:]
+        for seq, windows in ends:
+            if windows:
+                nbytes = sum(layer_nbytes(x) for x in windows.values())
+                seq.prompt_end = Checkpoint(len(seq.tokens), windows, nbytes)
         for j, (_, seq) in enumerate(sampling):
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING
         return sampled
+
+    def _windows(self, seq: Sequence) -> dict[int, Any] | None:
+        """``seq``'s sliding-window and recurrent layers as they are after this step (copied
+        out of its group), for a checkpoint; None when it has none or its layers hold keys per
+        channel (such a cache is only had whole)."""
+        layout = self.layout
+        if layout.packing is not None and layout.packing.any_channel:
+            return None
+        row = seq.group.seqs.index(seq)
+        return {
+            i: seq.group.layers[i].extract(row)
+            for i, w in enumerate(layout.windows)
+            if w is not None
+        } or None
 
     def _step_caches(self, spans: list[list[Span]], positions: mx.array) -> list[Any]:
         """Each layer's view of the step: its spans with their rows' positions (a recurrent

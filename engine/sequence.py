@@ -60,6 +60,7 @@ class Sequence:
     steps: int = 0  # steps run since it (re)joined the batch
     queued_step: int = 0  # the scheduler's step count when it last went into the queue
     preemptions: int = 0
+    prompt_end: Any = None  # engine.request.Checkpoint where the prompt ended (checkpoint_prompt)
 
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start
@@ -71,6 +72,8 @@ class Sequence:
         for point in self.request.cache_points:
             if fence < point <= position:
                 fence = point
+        if self.prompt_end is not None and fence < self.prompt_end.num_tokens <= position:
+            fence = self.prompt_end.num_tokens
         return fence
 
     @property

@@ -66,7 +66,8 @@ def force_tool_call(monkeypatch):
         scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
     def force(name: str, arguments: dict, text: str = "") -> None:
-        call = json.dumps({"name": name, "arguments": arguments})
+        # Compact, as the grammar of a forced tool_choice writes it (no blank between tokens).
+        call = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
         say(f"{text}<tool_call>\n{call}\n</tool_call>")
 
     force.say = say  # ``force_tool_call.say(text)``: the next such request answers ``text``
