@@ -151,7 +151,7 @@ class ChatTurn:
             held = (plan.cache.num_tokens if plan.cache else 0) + len(plan.prompt_tokens)
             parsed = self.conversations.parse(result.text, None)
             reply = CachedReply(held, tuple(result.token_ids), parsed, len(messages) - 1)
-            self.conversations.replies[agent.id] = [*self._replies, reply]
+            self.conversations.remember(agent.id, [*self._replies, reply])
 
     def reply(self, reply: Reply) -> Reply:
         return dataclasses.replace(reply, message_id=self.message_id)

@@ -94,9 +94,19 @@ class Conversations:
                 best = run
         return best
 
+    def remember(self, agent_id: str, replies: list[CachedReply]) -> None:
+        """``agent_id``'s replies now in its cache. Only agents the hot tier holds keep them:
+        an agent resumed from disk finds its replies again in its cache's tokens
+        (``recover_replies``), so a long-running server holds no more of them than of caches."""
+        self.replies[agent_id] = replies
+        hot = self.runner.caches.hot
+        if len(self.replies) > len(hot):
+            for other in [a for a in self.replies if a not in hot]:
+                del self.replies[other]
+
     def fork(self, source_id: str, agent_id: str) -> None:
         if source_id in self.replies:
-            self.replies[agent_id] = list(self.replies[source_id])
+            self.remember(agent_id, list(self.replies[source_id]))
 
     def drop(self, agent_id: str) -> None:
         self.replies.pop(agent_id, None)
@@ -236,7 +246,7 @@ class DocumentTurn:
         await conversations.runner.keep(
             agent, result, plan, covered, len(stored), self.tools, checkpoint=True
         )
-        conversations.replies[agent.id] = [*document.replies, reply]
+        conversations.remember(agent.id, [*document.replies, reply])
 
     def reply(self, reply: Reply) -> Reply:
         return dataclasses.replace(reply, parsed=self.cached.parsed, message_id=self.message_id)

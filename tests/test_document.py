@@ -219,3 +219,26 @@ async def test_a_chat_importing_another_agents_history_shares_past_its_replies(t
         len(first) - common_prefix(first, second)
     )
     assert sibling.usage.cached_tokens > one.usage.prompt_tokens + one.usage.completion_tokens
+
+
+@pytest.mark.parametrize("hot_cache_bytes", [0, "auto"])
+async def test_replies_are_remembered_only_while_the_hot_tier_holds_their_cache(
+    tmp_path, hot_cache_bytes
+):
+    """The replies generated into a cache are kept in memory only while the hot tier holds
+    that cache: one resumed from disk finds them again in its tokens, reusing as much."""
+    cfg = RuntimeConfig(
+        model="tiny:llama", data_dir=tmp_path, kv_bits=None, hot_cache_bytes=hot_cache_bytes
+    )
+    async with await AgentRuntime.open(cfg) as rt:
+        for agent_id in ("a", "b"):
+            await rt.create_agent(agent_id)
+        asked = {a: [system("Answer briefly."), user(f"Tell me about {a}.")] for a in "ab"}
+        first = {a: await respond(rt, a, asked[a]) for a in "ab"}
+        held = set(rt._conversations.replies)
+        assert held == ({"a", "b"} if hot_cache_bytes else set())
+        again = await respond(rt, "a", [*asked["a"], assistant(first["a"].text), user("And then?")])
+        assert again.cache_source == ("hot" if hot_cache_bytes else "disk")
+        assert again.usage.cached_tokens == (
+            first["a"].usage.prompt_tokens + first["a"].usage.completion_tokens
+        )

@@ -51,6 +51,9 @@ class HotTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, agent_id: object) -> bool:
+        return agent_id in self._entries
+
     def get(self, agent_id: str) -> HotEntry | None:
         entry = self._entries.get(agent_id)
         if entry is not None:
