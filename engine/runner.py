@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from agentkv.engine.attention.spans import StepList, StepState, install_spans
+from agentkv.engine.attention.spans import install_spans, step_views
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
@@ -179,7 +179,7 @@ class ModelRunner:
             self._hidden(inputs, caches)
         updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
         ends = [
-            (seq, self._windows(seq))
+            (seq, seq.group.windows(seq, self.layout))
             for seq, n in plan.prefill
             if n == len(seq.prompt) and seq.request.checkpoint_prompt
         ]
@@ -197,35 +197,8 @@ class ModelRunner:
             seq.status = SeqStatus.DECODING
         return sampled
 
-    def _windows(self, seq: Sequence) -> dict[int, Any] | None:
-        """``seq``'s sliding-window and recurrent layers as they are after this step (copied
-        out of its group), for a checkpoint; None when it has none or its layers hold keys per
-        channel (such a cache is only had whole)."""
-        layout = self.layout
-        if layout.packing is not None and layout.packing.any_channel:
-            return None
-        row = seq.group.seqs.index(seq)
-        return {
-            i: seq.group.layers[i].extract(row)
-            for i, w in enumerate(layout.windows)
-            if w is not None
-        } or None
-
     def _step_caches(self, spans: list[list[Span]], positions: mx.array) -> list[Any]:
-        """Each layer's view of the step: its spans with their rows' positions (a recurrent
-        layer's: its spans, ``engine.batch.state``)."""
-        windows = self.layout.windows
-        views = [
-            StepState(s) if windows[i] == 0 else StepCache(s, positions)
-            for i, s in enumerate(spans)
-        ]
-        if not any(self.layout.nested):
-            return views
-        nested, at = [], 0  # a CacheList layer's caches' views together
-        for n in self.layout.nested:
-            nested.append(views[at] if n == 0 else StepList(views[at : at + n]))
-            at += max(n, 1)
-        return nested
+        return step_views(self.layout.windows, self.layout.nested, spans, positions)
 
     def _fences(self, rows: list[tuple[Sequence, int, int]]) -> tuple[tuple[int, ...], ...] | None:
         """Per row ``(sequence, first position, positions)`` of a span, each position's fence

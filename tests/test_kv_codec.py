@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from agentkv.engine.batch.state import is_state, state_row
+from agentkv.engine.batch.state import state_row
 from agentkv.engine.codes import codes_of
 from agentkv.engine.config import GROUP_SIZE_BY_BITS
 from agentkv.engine.engine import Engine
@@ -44,6 +44,7 @@ from agentkv.engine.kv.quant import (
 )
 from agentkv.engine.kv.state import decode_state, encode_state
 from agentkv.engine.kv.whole import decode_cache, encode_cache
+from agentkv.engine.models.caches import is_state
 from agentkv.engine.request import FinishReason, GenerationRequest, PromptCache
 from agentkv.store.cache_files import load_into_mlx
 

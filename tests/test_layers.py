@@ -39,6 +39,8 @@ LONGER = {  # module -> why it stays longer than MAX_LINES
     "store/registry.py": "Registry is the store's API: one class, one transaction a method; rows "
     "and records convert in records.py, the cache index and leases are classes of their own",
     "demo_full_stack.py": "the demo is one script, read top to bottom beside its output",
+    "engine/models/tiny.py": "the tiny models' table of definitions (each architecture's fields) "
+    "beside the builder that writes them; the tokenizer and chat formats are modules of their own",
 }
 
 

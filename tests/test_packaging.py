@@ -12,6 +12,7 @@ agentkv whole.
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import subprocess
 import sys
 import venv
@@ -31,9 +32,11 @@ def run(*args: str | Path, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("wheels")
+    out, source = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("source") / "src"
+    skip = shutil.ignore_patterns(".*", "build", "data", "__pycache__", "*.egg-info", "site")
+    shutil.copytree(ROOT, source, ignore=skip)  # (a build writes into its source tree)
     pip = [sys.executable, "-m", "pip"]
-    run(*pip, "wheel", "--no-deps", "-q", "-w", out, ROOT, timeout=300)
+    run(*pip, "wheel", "--no-deps", "-q", "-w", out, source, timeout=300)
     version = importlib.metadata.version(SDK)
     run(*pip, "download", "--no-deps", "-q", "-d", out, f"{SDK}=={version}", timeout=300)
     found = {w.name.split("-")[0]: w for w in out.glob("*.whl")}

@@ -70,6 +70,27 @@ class StepList:
         ]
 
 
+def step_views(
+    windows: tuple[int | None, ...],
+    nested: tuple[int, ...],
+    spans: list[list[Any]],
+    positions: mx.array,
+) -> list[Any]:
+    """Each model layer's view of a step: per cache (``windows``: a layout's, 0 for recurrent
+    state) its spans, with the rows' ``positions`` for attention; a ``CacheList`` layer's caches
+    (``nested``: how many each model layer holds, 0 for a cache of its own) together."""
+    views = [
+        StepState(s) if windows[i] == 0 else StepCache(s, positions) for i, s in enumerate(spans)
+    ]
+    if not any(nested):
+        return views
+    together, at = [], 0
+    for n in nested:
+        together.append(views[at] if n == 0 else StepList(views[at : at + n]))
+        at += max(n, 1)
+    return together
+
+
 def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> mx.array:
     """``call`` (a layer's own) on ``x``'s rows span by span: ``step`` (a :class:`StepState`,
     :class:`StepList` or :class:`~engine.attention.step.StepCache`) replaced by the span's

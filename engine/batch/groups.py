@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from agentkv.engine.batch.buffers import MIN_GROWTH, GroupRotatingKVCache
 from agentkv.engine.batch.layout import KVLayout
-from agentkv.engine.batch.state import is_state
+from agentkv.engine.models.caches import is_state
 
 
 class Row(Protocol):
@@ -88,6 +88,18 @@ class KVGroup:
         the layers held quantized (``Packing.expand`` expands them)."""
         row = self.seqs.index(seq)
         return [layer.extract(row) for layer in self.layers]
+
+    def windows(self, seq: Row, layout: KVLayout) -> dict[int, Any] | None:
+        """``seq``'s sliding-window and recurrent layers as they are now (copied out), for a
+        checkpoint (``engine.request.Checkpoint``); None when it has none, or when its layers
+        hold keys per channel (such a cache is only had whole)."""
+        if layout.packing is not None and layout.packing.any_channel:
+            return None
+        row = self.seqs.index(seq)
+        got = {
+            i: self.layers[i].extract(row) for i, w in enumerate(layout.windows) if w is not None
+        }
+        return got or None
 
     def remove(self, seqs: list[Row]) -> None:
         gone = {id(s) for s in seqs}

@@ -21,10 +21,11 @@ from agentkv.engine.batch.held import FLOAT_WINDOW, float_window
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.quantized import quantized_buffer
 from agentkv.engine.batch.rows import is_packed
-from agentkv.engine.batch.state import GroupStateCache, flat_caches, is_state
+from agentkv.engine.batch.state import GroupStateCache
 from agentkv.engine.codes import quantized_token_bytes
 from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import InvalidCacheError, UnsupportedModelError
+from agentkv.engine.models.caches import flat_caches, is_state
 from agentkv.engine.scheme import layer_scheme
 
 log = logging.getLogger(__name__)

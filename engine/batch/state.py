@@ -18,31 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache
+
+from agentkv.engine.models.caches import is_state
 
 
-def flat_caches(caches: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
-    """A model's caches (``make_prompt_cache``) with each ``CacheList`` (a layer holding two
-    caches: attention and state, or a sparse-attention index beside MLA) replaced by the caches
-    it holds, and per model layer how many it held (0: a cache of its own). The batch, its
-    budget and cache files work on the flat list; a step gives a ``CacheList`` layer its
-    caches' views together (``engine.attention.spans.StepList``)."""
-    flat, nested = [], []
-    for cache in caches:
-        inner = cache.caches if isinstance(cache, CacheList) else None
-        flat.extend(inner if inner is not None else (cache,))
-        nested.append(0 if inner is None else len(inner))
-    return flat, tuple(nested)
-
-
-def model_caches(model: Any) -> list[Any]:
-    """The model's fresh caches, flat (:func:`flat_caches`)."""
-    return flat_caches(make_prompt_cache(model))[0]
-
-
-def is_state(layer: Any) -> bool:
-    """Whether a cache layer is recurrent state (an ``ArraysCache`` or a group of them)."""
-    return isinstance(layer, ArraysCache)
+def row_arrays(row: Any) -> list[mx.array]:
+    """A single row's arrays: its state's, or its keys and values."""
+    if is_state(row):
+        return [x for x in row.cache if x is not None]
+    return [row.keys, row.values]
 
 
 def state_row(entries: list[mx.array | None]) -> ArraysCache:

@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import channel_row, is_packed
+from agentkv.engine.batch.state import row_arrays
 from agentkv.engine.codes import join_packed
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import (
@@ -233,7 +233,7 @@ def decode_paged(
         raise CacheFormatError(f"{tail_path} and its blocks do not fit together: {exc!r}") from exc
     # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
     # hashes the files' memory here; nothing is returned unless it passes.
-    arrays = [x for layer in layers for x in (*held_arrays(layer), *layer_recent(layer))]
+    arrays = [x for layer in layers for x in (*row_arrays(layer), *layer_recent(layer))]
     mx.async_eval(*arrays)
     if check is not None:
         check(files)

@@ -39,12 +39,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from agentkv.engine.batch.state import is_state
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import EncodedCache, consecutive_runs, paged_format_of, tensor
 from agentkv.engine.kv.layouts import temporal_layer
 from agentkv.engine.kv.quant import quant_scheme, stored_kv
 from agentkv.engine.kv.state import encode_state
+from agentkv.engine.models.caches import is_state
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import layer_scheme
 

@@ -37,8 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agentkv.engine.batch.buffers import held_arrays
-from agentkv.engine.batch.state import is_state
+from agentkv.engine.batch.state import row_arrays
 from agentkv.engine.config import group_size_for
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import FORMAT_VERSION, GROUP_SIZES, EncodedCache, tensor
@@ -58,6 +57,7 @@ from agentkv.engine.kv.quant import (
     stored_kv,
 )
 from agentkv.engine.kv.state import STATE_TYPE, decode_state, encode_state, state_names
+from agentkv.engine.models.caches import is_state
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import FLAGS, layer_scheme
 
@@ -177,7 +177,7 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
         )
         layer.offset = layout["offset"]
         layers.append(layer)
-    mx.eval(*(x for layer in layers for x in held_arrays(layer)))
+    mx.eval(*(x for layer in layers for x in row_arrays(layer)))
     return PromptCache(layers, tokens.tolist())
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import ModelNotFoundError, UnsupportedModelError
+from agentkv.engine.models.caches import is_state, model_caches
 from agentkv.engine.models.hub import commit_of, hub_model_dir, parse_hub_spec
 from agentkv.engine.models.packaged import PACKAGED_MODELS, is_packaged, packaged_model_dir
 from agentkv.engine.models.tiny import TINY_SPECS, tiny_model_dir
@@ -184,17 +185,12 @@ class LoadedModel:
         """The window of the model's sliding-window layers, or None if every layer is global."""
         from mlx_lm.models.cache import RotatingKVCache
 
-        from agentkv.engine.batch.state import model_caches
-
-        # Creating caches allocates no arrays; it is the model's own answer to "which layers slide".
         sizes = {c.max_size for c in model_caches(self.model) if type(c) is RotatingKVCache}
         return max(sizes) if sizes else None
 
     @property
     def recurrent(self) -> bool:
         """Whether some layers hold recurrent state (a hybrid's conv / SSM / linear attention)."""
-        from agentkv.engine.batch.state import is_state, model_caches
-
         return any(is_state(c) for c in model_caches(self.model))
 
     def _config_value(self, key: str) -> Any:
