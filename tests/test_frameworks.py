@@ -3,7 +3,8 @@
 The OpenAI Agents SDK (``openai-agents``, installed beside agentkv: both in one environment),
 over Chat Completions and over the Responses API, pydantic-ai, LangGraph, AutoGen and
 smolagents over Chat Completions run an agent with a function tool, each in a process of its
-own started in another directory (where ``import agents`` is the SDK's): two runs of a
+own started in another directory (where ``import agents`` is the SDK's; AutoGen's from a
+virtual environment of its own, see ``autogen_python``): two runs of a
 question each (a forced tool call, the tool's result, a forced answer), the server restarted,
 then one more run. Neither sends an agent id,
 so every request is a stateless conversation matched by its transcript. Each request that
@@ -20,6 +21,8 @@ import logging
 import re
 import subprocess
 import sys
+import venv
+from pathlib import Path
 
 import pytest
 
@@ -99,13 +102,17 @@ from langgraph.prebuilt import create_react_agent
 from agentkv import AgentRuntime  # installed beside the framework: both import in one process
 
 url, _, state, question = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+key = sys.argv[5] if len(sys.argv) > 5 else None
 
 @tool
 def weather(city: str) -> str:
     """The weather in a city."""
     return f"Sunny in {city}, 21 degrees."
 
-model = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", max_tokens=64)
+model = ChatOpenAI(
+    model="tiny", base_url=url + "/v1", api_key="none", max_tokens=64,
+    model_kwargs={"prompt_cache_key": key} if key else {},
+)
 agent = create_react_agent(
     model, [weather], prompt="You answer questions about the weather with the weather tool."
 )
@@ -119,9 +126,9 @@ import asyncio, json, sys
 from pathlib import Path
 from autogen_agentchat.agents import AssistantAgent
 from autogen_ext.models.openai import OpenAIChatCompletionClient
-from agentkv import AgentRuntime  # installed beside the framework: both import in one process
 
 url, _, state, question = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+key = sys.argv[5] if len(sys.argv) > 5 else None
 
 def weather(city: str) -> str:
     """The weather in a city."""
@@ -130,6 +137,7 @@ def weather(city: str) -> str:
 async def main() -> str:
     client = OpenAIChatCompletionClient(
         model="tiny", base_url=url + "/v1", api_key="none", max_tokens=64,
+        **({"user": key} if key else {}),
         model_info={"vision": False, "function_calling": True, "json_output": False,
                     "family": "unknown", "structured_output": False},
     )
@@ -183,13 +191,36 @@ RUNS = {
     "pydantic-ai": (PYDANTIC_AI_RUN, "chat", None),
     "pydantic-ai keyed": (PYDANTIC_AI_RUN, "chat", "forecaster"),  # openai_prompt_cache_key
     "langgraph": (LANGGRAPH_RUN, "chat", None),
+    "langgraph keyed": (LANGGRAPH_RUN, "chat", "forecaster"),  # model_kwargs prompt_cache_key
     "autogen": (AUTOGEN_RUN, "chat", None),
+    "autogen keyed": (AUTOGEN_RUN, "chat", "forecaster"),  # the client's user: an agent id
     "smolagents": (SMOLAGENTS_RUN, "chat", None),  # its answer is a final_answer tool call
 }
 TURN_LINE = re.compile(
     r"agent '(?P<agent>[^']+)': cache (?P<source>\w+), prompt (?P<prompt>\d+) tokens "
     r"\((?P<cached>\d+) cached, \d+ prefilled\), (?P<generated>\d+) generated"
 )
+
+
+AUTOGEN = ("autogen-agentchat>=0.7,<0.8", "autogen-ext[openai]>=0.7,<0.8")
+
+
+@pytest.fixture(scope="module")
+def autogen_python(tmp_path_factory) -> Path:
+    """A Python with AutoGen, in a virtual environment of its own: autogen-core pins protobuf
+    to 5.29, older than the runtime the sentencepiece this project's tests use needs to read
+    its model files, so the two cannot share one environment."""
+    env = tmp_path_factory.mktemp("autogen") / "env"
+    venv.create(env, with_pip=True)
+    python = env / "bin" / "python"
+    done = subprocess.run(
+        [python, "-m", "pip", "install", "-q", *AUTOGEN],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return python
 
 
 def turns(caplog) -> list[dict]:
@@ -202,24 +233,27 @@ def turns(caplog) -> list[dict]:
 
 @pytest.mark.parametrize("framework", sorted(RUNS))
 def test_a_framework_agent_reuses_its_cache_across_runs_and_a_restart(
-    framework, tmp_path, force_tool_call, caplog
+    framework, tmp_path, force_tool_call, caplog, request
 ):
     code, api, key = RUNS[framework]
+    python = sys.executable
+    if framework.startswith("autogen"):
+        python = request.getfixturevalue("autogen_python")
     script, state = tmp_path / "run.py", tmp_path / "state.json"
     script.write_text(code)
     config = RuntimeConfig(model=MODEL, data_dir=tmp_path / "data")
     caplog.set_level(logging.INFO, logger="agentkv")
 
-    requests = 1 if framework == "autogen" else 2  # a run's
+    requests = 1 if framework.startswith("autogen") else 2  # a run's
 
     def run(url: str, question: str, city: str) -> str:
         force_tool_call("weather", {"city": city})
         if framework == "smolagents":
             force_tool_call("final_answer", {"answer": f"It is sunny in {city}."})
-        elif framework != "autogen":
+        elif not framework.startswith("autogen"):
             force_tool_call.say(f"It is sunny in {city}.")
         done = subprocess.run(
-            [sys.executable, str(script), url, api, str(state), question, *([key] if key else [])],
+            [python, str(script), url, api, str(state), question, *([key] if key else [])],
             cwd=tmp_path,  # the SDK's `agents`, not this repository's folder
             capture_output=True,
             text=True,
@@ -228,7 +262,9 @@ def test_a_framework_agent_reuses_its_cache_across_runs_and_a_restart(
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip()
 
-    answer = "Sunny in Oslo, 21 degrees." if framework == "autogen" else "It is sunny in Oslo."
+    answer = "It is sunny in Oslo."
+    if framework.startswith("autogen"):
+        answer = "Sunny in Oslo, 21 degrees."
     with serve_in_thread(config) as url:
         assert run(url, "Weather in Oslo?", "Oslo") == f'"{answer}"'
         run(url, "And in Bergen?", "Bergen")
