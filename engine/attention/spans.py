@@ -123,8 +123,9 @@ def run_spans(call: Any, x: mx.array, step: Any, args: tuple, kwargs: dict) -> m
 
 
 class SpanLayer:
-    """A decoder layer that runs span by span when its cache is a :class:`StepState` (or, with
-    ``attention``, a :class:`~engine.attention.step.StepCache`)."""
+    """A decoder layer that runs span by span when its cache is a :class:`StepState` or a
+    :class:`StepList` (and, with ``agentkv_spans_attention``, a
+    :class:`~engine.attention.step.StepCache`)."""
 
     # (A name no model's module uses: a class attribute would hide a submodule of that name.)
     agentkv_spans_attention = False
