@@ -27,12 +27,15 @@ class Checkpoint:
 
     ``head``: the end of a shared head (a system prompt and tools other conversations start
     with, see ``agents.caches.tiers``): carried on through every later turn, where turn
-    boundaries are kept only while recent."""
+    boundaries are kept only while recent. ``prompt_end``: where a prompt ended and its reply
+    began (``GenerationRequest.checkpoint_prompt``); a saved cache keeps the latest such one
+    (``engine.kv.paged``)."""
 
     num_tokens: int
     windows: dict[int, Any]  # layer index -> the RotatingKVCache as it was then (never changed)
     nbytes: int
     head: bool = False
+    prompt_end: bool = False
 
 
 @dataclass(slots=True)

@@ -191,7 +191,7 @@ class ModelRunner:
         for seq, windows in ends:
             if windows:
                 nbytes = sum(layer_nbytes(x) for x in windows.values())
-                seq.prompt_end = Checkpoint(len(seq.tokens), windows, nbytes)
+                seq.prompt_end = Checkpoint(len(seq.tokens), windows, nbytes, prompt_end=True)
         for j, (_, seq) in enumerate(sampling):
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING

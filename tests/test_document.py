@@ -18,7 +18,7 @@ def config(data_dir: Path, model: str) -> RuntimeConfig:
 
 async def respond(rt: AgentRuntime, agent_id: str, messages: list[dict], **kw) -> Reply:
     reply = None
-    async for event in rt.respond(agent_id, messages, max_tokens=8, **kw):
+    async for event in rt.respond(agent_id, messages, **({"max_tokens": 8} | kw)):
         reply = event
     assert isinstance(reply, Reply)
     return reply
@@ -145,6 +145,30 @@ async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_pa
         assert again.token_ids == alone.token_ids
         # The reply to the rewrite is the turn now: its own boundary is kept in turn.
         assert (await respond(rt, "rewritten", [*rewritten, user("And?")])).cache_source == "hot"
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_a_reply_sent_back_rewritten_resumes_where_it_began_after_a_restart(
+    tmp_path, model
+):
+    # A framework that sends its reply back as its own text (smolagents' "Calling tools: …"):
+    # the window (32 tokens) or recurrent state moved on over the reply, so only the
+    # checkpoint kept where it began gives the prompt back; the saved cache keeps it.
+    cfg = RuntimeConfig(model=model, data_dir=tmp_path, kv_bits=None)
+    asked = [system("Answer briefly."), user("Tell me about the sea and the sky, please.")]
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("doc")
+        await rt.create_agent("fresh")
+        on = SamplingParams(logit_bias={t: -100 for t in rt.engine.model.eos_token_ids})
+        first = await respond(rt, "doc", asked, max_tokens=40, sampling=on)
+        assert first.usage.completion_tokens == 40  # past the window
+    rewritten = [*asked, assistant("Calling tools: [{'name': 'sea'}]"), user("Go on.")]
+    async with await AgentRuntime.open(cfg) as rt:  # a restart: nothing in memory
+        again = await respond(rt, "doc", rewritten)
+        alone = await respond(rt, "fresh", rewritten)
+    assert again.cache_source == "disk"
+    assert again.usage.cached_tokens == first.usage.prompt_tokens
+    assert alone.usage.cached_tokens == 0 and again.token_ids == alone.token_ids
 
 
 async def test_a_reply_is_spliced_at_its_own_place_not_at_an_earlier_equal_message(tmp_path):

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from agentkv.engine.batch.state import state_row
+from agentkv.engine.batch.state import row_arrays, state_row
 from agentkv.engine.codes import codes_of
 from agentkv.engine.config import GROUP_SIZE_BY_BITS
 from agentkv.engine.engine import Engine
@@ -1357,3 +1357,62 @@ async def test_a_state_of_another_shape_cannot_join_the_batch(hybrid):
     assert isinstance(result.error, InvalidCacheError)
     assert "cache layer 0 holds recurrent state [(1, 3, 8), (1, 2, 4, 4)]" in str(result.error)
     assert (await hybrid.generate(GenerationRequest([20, 21], max_tokens=2))).token_ids
+
+
+@pytest.mark.parametrize("spec", ["tiny:gemma3", "tiny:hybrid"])
+@pytest.mark.parametrize("kv_bits", [None, 8])
+async def test_a_tail_keeps_the_checkpoint_where_the_prompt_ended(tmp_path, spec, kv_bits):
+    """A cache whose windows moved on past where its prompt ended keeps that checkpoint in its
+    tail: read back, it is cut back there, and (exact files) resumes a rewritten reply as the
+    prompt and the new text fed at once."""
+    eng = await Engine.open(spec)
+    try:
+        asked = tokens(eng, 60)
+        request = GenerationRequest(asked, max_tokens=40, ignore_eos=True, checkpoint_prompt=True)
+        cache = (await eng.generate(request)).cache
+        (point,) = cache.checkpoints
+        assert point.prompt_end and point.num_tokens == 60 and cache.prefix(60) is None
+        plain = await eng.run(encode_paged, cache, kv_bits, 32, BLOCK)
+        assert "point" not in plain.tail.metadata
+        assert not [n for n in plain.tail.tensors if n.startswith("point.")]
+        paged = await eng.run(encode_paged, cache, kv_bits, 32, BLOCK, None, True)
+        kept = json.loads(paged.tail.metadata["point"])
+        assert kept["num_tokens"] == 60
+        assert [x["index"] for x in kept["layers"]] == sorted(point.windows)
+        tail, block_paths = write_paged(tmp_path, paged)
+        got = await eng.run(decode_paged, load_into_mlx, tail, block_paths, False)
+        assert got.tokens == cache.tokens
+        (again,) = got.checkpoints
+        assert (
+            again.prompt_end
+            and again.num_tokens == 60
+            and sorted(again.windows) == sorted(point.windows)
+        )
+        if kv_bits is None:  # bit for bit the windows it kept
+            for i, window in point.windows.items():
+                want = await eng.run(lambda w=window: [np.array(x) for x in row_arrays(w)])
+                have = await eng.run(
+                    lambda w=again.windows[i]: [np.array(x) for x in row_arrays(w)]
+                )
+                assert len(want) == len(have)
+                for a, b in zip(want, have, strict=True):
+                    np.testing.assert_array_equal(a, b)
+        cut = got.longest_prefix(70)
+        assert cut is not None and cut.tokens == asked
+        rewritten = tokens(eng, 12, salt=5)
+        resumed = await eng.generate(GenerationRequest(rewritten, max_tokens=8, cache=cut))
+        assert resumed.stats.cached_tokens == 60
+        if kv_bits is None:
+            whole = await eng.generate(GenerationRequest(asked + rewritten, max_tokens=8))
+            assert resumed.token_ids == whole.token_ids
+        # A point the tail's layers do not hold as windows is refused, not resumed wrongly.
+        bad = json.loads(paged.tail.metadata["point"])
+        bad["num_tokens"] = 200
+        broken = EncodedCache(paged.tail.tensors, paged.tail.metadata | {"point": json.dumps(bad)})
+        path = tmp_path / "bad"
+        path.mkdir()
+        bad_tail, _ = write_paged(path, PagedCache(paged.segments, broken, BLOCK))
+        with pytest.raises(CacheFormatError, match="metadata 'point'"):
+            await eng.run(decode_paged, load_into_mlx, bad_tail, block_paths, False)
+    finally:
+        await eng.close()

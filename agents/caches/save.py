@@ -58,7 +58,7 @@ class Saver(Part):
         try:
             keys = self._layout.keys(cache.tokens)
             for attempt in range(SAVE_ATTEMPTS):
-                paged = await self.encode(cache, keys)
+                paged = await self.encode(cache, keys, points=True)
                 name = f"{int(meta['message_count']):06d}-{uuid.uuid4().hex[:8]}.safetensors"
                 keep = self._janitor.pinned()
                 job = self._writes.submit(
@@ -76,15 +76,24 @@ class Saver(Part):
         except Exception:
             log.exception("saving the cache of agent %r failed; its transcript is intact", agent_id)
 
-    async def encode(self, cache: PromptCache, keys: Sequence[str]) -> PagedCache:
-        """On the generation thread: the blocks of ``keys`` that are not stored, and the tail."""
+    async def encode(
+        self, cache: PromptCache, keys: Sequence[str], points: bool = False
+    ) -> PagedCache:
+        """On the generation thread: the blocks of ``keys`` that are not stored, and the tail
+        (with ``points``, keeping the checkpoint where the cache's last prompt ended)."""
         known = await self._registry.caches.known_blocks(keys)
         layout = self._layout
         missing = await asyncio.to_thread(
             lambda: {j for j, key in enumerate(keys) if not layout.is_stored(key, known)}
         )
         return await self._engine.run(
-            encode_paged, cache, layout.kv_bits, layout.group_size, layout.block_tokens, missing
+            encode_paged,
+            cache,
+            layout.kv_bits,
+            layout.group_size,
+            layout.block_tokens,
+            missing,
+            points,
         )
 
     def _write(

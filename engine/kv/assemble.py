@@ -17,6 +17,7 @@ from agentkv.engine.kv.encoded import (
     tensor,
 )
 from agentkv.engine.kv.layouts import STORED, parse_paged_layouts, part_bits, part_group, part_names
+from agentkv.engine.kv.paged import POINT
 from agentkv.engine.kv.quant import quantized_parts
 from agentkv.engine.kv.state import STATE_TYPE
 
@@ -101,7 +102,7 @@ def _unstack(encoded: EncodedCache, globals_: list[int], prefix: str) -> Encoded
         return encoded
     tensors = {}
     for name, x in encoded.tensors.items():
-        if name == "tokens" or name.startswith("layers."):
+        if name == "tokens" or name.startswith(("layers.", POINT)):  # (a checkpoint's: windows)
             tensors[name] = x
             continue
         if not name.startswith(prefix) or x.ndim != 4 or x.shape[0] != len(globals_):

@@ -4,6 +4,7 @@ MLX computes."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -23,10 +24,17 @@ from agentkv.engine.kv.encoded import (
     is_paged_format,
     parse_int,
 )
-from agentkv.engine.kv.layouts import DTYPES, parse_paged_layouts, part_bits, part_group
+from agentkv.engine.kv.layouts import (
+    DTYPES,
+    layout_problem,
+    parse_paged_layouts,
+    part_bits,
+    part_group,
+)
+from agentkv.engine.kv.paged import POINT
 from agentkv.engine.kv.quant import expand_layer_part
 from agentkv.engine.kv.state import STATE_TYPE, decode_state
-from agentkv.engine.request import PromptCache
+from agentkv.engine.request import Checkpoint, PromptCache, layer_nbytes
 from agentkv.engine.scheme import FLAGS
 
 log = logging.getLogger(__name__)
@@ -151,11 +159,13 @@ def decode_paged(
             x = expand_layer_part(got, layout, kind, kv_bits, group, on_gpu)
             return x.astype(DTYPES[dtype])
 
-        def takes_exact(i: int, group: int | None, packed: bool) -> bool:
+        def takes_exact(
+            i: int, group: int | None, packed: bool, layout: dict | None = None
+        ) -> bool:
             """Whether layer ``i``, expanded from its words, holds its first position at index
             0 (a global layer, or a sliding one whose window has not wrapped), to be written
             there exactly (written lazily: the dequantized buffer is written in place)."""
-            layout = layouts[i]
+            layout = layouts[i] if layout is None else layout
             return (
                 first_positions is not None
                 and group is not None
@@ -188,11 +198,12 @@ def decode_paged(
                     )
                 if any(keeps_channels(i, group) for i in globals_):
                     stacked_words[kv] = join_packed(got[".q"], got[".scales"], got[".biases"])
-        layers = []
-        for i, layout in enumerate(layouts):
+
+        def layer_of(i: int, layout: dict, prefix: str = "") -> Any:
+            """Layer ``i`` as ``layout`` says, from the tail's tensors named ``prefix`` +
+            ``layers.{i}.*`` (a global layer: joined with its blocks')."""
             if layout["type"] == STATE_TYPE:  # whole, in the tail
-                layers.append(decode_state(tail.__getitem__, i, layout))
-                continue
+                return decode_state(lambda name: tail[prefix + name], i, layout)
             group = layout.get("group_size") if kv_bits else None
             parts = [""] if group is None else [".q", ".scales", ".biases"]
             arrays, words = [], []
@@ -206,9 +217,12 @@ def decode_paged(
                 got = {}
                 for part in parts:
                     name = f"layers.{i}.{kv}{part}"
-                    got[part] = joined(name, name) if layout["type"] == "KVCache" else tail[name]
+                    if layout["type"] == "KVCache":
+                        got[part] = joined(name, name)
+                    else:
+                        got[part] = tail[prefix + name]
                 x = materialize(got, layout, kv, group, packs(i, group))
-                if takes_exact(i, group, packs(i, group)):
+                if takes_exact(i, group, packs(i, group), layout):
                     x[..., :1, :] = exact(i)[k].astype(x.dtype)
                 arrays.append(x)
                 if keeps_channels(i, group):
@@ -222,7 +236,16 @@ def decode_paged(
             layer.offset = layout["offset"]
             if words:  # held as the file holds it; only the newest positions from the floats
                 layer = channel_row(layer, group, stored=tuple(words))
-            layers.append(layer)
+            return layer
+
+        layers = [layer_of(i, layout) for i, layout in enumerate(layouts)]
+        # The checkpoint the tail keeps (``engine.kv.paged``): its windows, as they were then.
+        point = read_point(meta, layouts)
+        windows = {}
+        if point is not None:
+            for layout in point["layers"]:
+                i = layout["index"]
+                windows[i] = layer_of(i, {k: v for k, v in layout.items() if k != "index"}, POINT)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         # A missing or misshapen tensor: a damaged file says which here, else the files do
         # not fit together.
@@ -233,14 +256,47 @@ def decode_paged(
         raise CacheFormatError(f"{tail_path} and its blocks do not fit together: {exc!r}") from exc
     # The joins and dequantization run (on the device, or MLX's CPU thread) while ``check``
     # hashes the files' memory here; nothing is returned unless it passes.
-    arrays = [x for layer in layers for x in (*row_arrays(layer), *layer_recent(layer))]
+    every = [*layers, *windows.values()]
+    arrays = [x for layer in every for x in (*row_arrays(layer), *layer_recent(layer))]
     mx.async_eval(*arrays)
     if check is not None:
         check(files)
     token_list = (mx.concatenate(tokens) if len(tokens) > 1 else tokens[0]).tolist()
     mx.eval(*arrays)
     packed = packing is not None and any(is_packed(layer) for layer in layers)
-    return PromptCache(layers, token_list, packing=packing if packed else None)
+    points = ()
+    if point is not None:
+        nbytes = sum(layer_nbytes(x) for x in windows.values())
+        points = (Checkpoint(point["num_tokens"], windows, nbytes, prompt_end=True),)
+    return PromptCache(layers, token_list, packing=packing if packed else None, checkpoints=points)
+
+
+def read_point(meta: dict[str, str], layouts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The checkpoint a tail's metadata ``point`` describes (``engine.kv.paged``), checked
+    against the tail's own layers; None when it keeps none.
+
+    Raises:
+        CacheFormatError: it is malformed, or names layers the tail does not hold as windows.
+    """
+    if "point" not in meta:
+        return None
+    try:
+        point = json.loads(meta["point"])
+        n, entries = point["num_tokens"], point["layers"]
+        if type(n) is not int or not 0 < n < layouts[0]["offset"] or not entries:
+            raise ValueError(f"num_tokens {n!r} is not within the cache")
+        for layout in entries:
+            i = layout["index"]
+            if type(i) is not int or not 0 <= i < len(layouts):
+                raise ValueError(f"layer {i!r} is not one of the tail's")
+            own = layouts[i]
+            if own["type"] == "KVCache" or layout["type"] != own["type"]:
+                raise ValueError(f"layer {i} is a {own['type']}, not a window of its own")
+            if layout["offset"] != n or (problem := layout_problem(layout)):
+                raise ValueError(f"layer {i}: {problem or 'offset is not num_tokens'}")
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CacheFormatError(f"metadata 'point': {exc}") from exc
+    return point
 
 
 def _first_positions_of(

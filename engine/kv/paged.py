@@ -27,6 +27,12 @@ their positions); its ``layers`` layout adds
 ``start``, the first position the tail holds of that layer. A *window* is the tail of a cache
 that ends exactly at a block boundary: what a new cache needs, with the blocks before it, to
 start there.
+A tail may also keep one *checkpoint* (``encode_paged(points=True)``): the sliding-window and
+state layers as they were where the cache's last prompt ended, as tensors ``point.layers.{i}.*``
+and metadata ``point`` (JSON: ``num_tokens`` and the ``layers`` layouts, each with its
+``index``). With the global layers cut there, that is the cache of its first ``num_tokens``
+tokens, exactly: a client that resends the reply otherwise than it was generated resumes
+from there after a restart too.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ from agentkv.engine.kv.layouts import temporal_layer
 from agentkv.engine.kv.quant import quant_scheme, stored_kv
 from agentkv.engine.kv.state import encode_state
 from agentkv.engine.models.caches import is_state
-from agentkv.engine.request import PromptCache
+from agentkv.engine.request import Checkpoint, PromptCache
 from agentkv.engine.scheme import layer_scheme
+
+POINT = "point."
+"""Prefix of a tail's tensors for the checkpoint it keeps (metadata ``point``)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,9 +87,11 @@ def encode_paged(
     group_size: int,
     block_tokens: int,
     blocks: set[int] | None = None,
+    points: bool = False,
 ) -> PagedCache:
     """Encode the blocks ``blocks`` (indexes of full blocks; None: all), one segment per run of
-    consecutive ones, and the tail.
+    consecutive ones, and the tail; with ``points``, the tail also keeps the cache's
+    checkpoint where its last prompt ended (:func:`kept_point`).
 
     Runs on the generation thread; only the positions of the requested blocks and of the tail
     are quantized and copied to host memory.
@@ -103,26 +114,32 @@ def encode_paged(
     pending: dict[str, mx.array] = {}
     layouts, block_layers = [], []
     for i, layer in enumerate(cache.layers):
-        if is_state(layer):  # whole, in the tail
-            state, layout = encode_state(layer, i, total)
-            layouts.append(layout | {"start": total})
-            pending |= state
+        if not is_global(layer):  # whole, in the tail
+            tensors, layout = _window(layer, i, total, kv_bits, group_size, block_tokens, cache)
+            layouts.append(layout)
+            pending |= tensors
             continue
         keys, values, layout = temporal_layer(layer, i, total, cache.packing)
         dims = layout["keys_shape"][3], layout["values_shape"][3]
         decided = layer_scheme(kv_bits, group_size, dims, block_tokens, layout["keep"])
         layer_group = None if decided is None else decided.group_size
         scheme = quant_scheme(decided)
-        if is_global(layer):
-            keys, values = keys[..., low:, :], values[..., low:, :]
-            entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}
-            block_layers.append(entry | scheme)
-            start, first = full * block_tokens, low
-        else:
-            start = first = total - keys.shape[2]
-        layouts.append(layout | {"group_size": layer_group, "start": start} | scheme)
-        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, first, scheme)
-    mx.eval(*pending.values())
+        keys, values = keys[..., low:, :], values[..., low:, :]
+        entry = {"index": i, "dtype": layout["dtype"], "group_size": layer_group}
+        block_layers.append(entry | scheme)
+        layouts.append(layout | {"group_size": layer_group, "start": full * block_tokens} | scheme)
+        pending |= stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, low, scheme)
+    # The checkpoint kept where the last prompt ended: its windows (see the module docstring).
+    point = kept_point(cache) if points else None
+    point_layouts, point_pending = [], {}
+    if point is not None:
+        for i, layer in sorted(point.windows.items()):
+            tensors, layout = _window(
+                layer, i, point.num_tokens, kv_bits, group_size, block_tokens, cache
+            )
+            point_layouts.append(layout | {"index": i})
+            point_pending |= {f"{POINT}{name}": x for name, x in tensors.items()}
+    mx.eval(*pending.values(), *point_pending.values())
     # Views of MLX memory, read here on the generation thread only: every array handed out
     # below is a numpy copy that owns its memory.
     host = {name: np.asarray(x) for name, x in pending.items()}
@@ -186,7 +203,42 @@ def encode_paged(
         "block_tokens": str(block_tokens),
         "layers": json.dumps(layouts, separators=(",", ":")),
     }
+    if point is not None:
+        tail_tensors |= {name: np.array(x, order="C") for name, x in point_pending.items()}
+        entry = {"num_tokens": point.num_tokens, "layers": point_layouts}
+        tail_meta["point"] = json.dumps(entry, separators=(",", ":"))
     return PagedCache(segments, EncodedCache(tail_tensors, tail_meta), block_tokens)
+
+
+def kept_point(cache: PromptCache) -> Checkpoint | None:
+    """The checkpoint a saved cache keeps: the latest where a prompt ended and the reply
+    began (``GenerationRequest.checkpoint_prompt``), before its end; None when it has none."""
+    points = [c for c in cache.checkpoints if c.prompt_end and 0 < c.num_tokens < cache.num_tokens]
+    return max(points, key=lambda c: c.num_tokens, default=None)
+
+
+def _window(
+    layer: Any,
+    i: int,
+    total: int,
+    kv_bits: int | None,
+    group_size: int,
+    block_tokens: int,
+    cache: PromptCache,
+) -> tuple[dict[str, mx.array], dict]:
+    """A sliding-window or state layer's tensors (lazy) and layout: all it holds, after
+    ``total`` tokens."""
+    if is_state(layer):
+        state, layout = encode_state(layer, i, total)
+        return state, layout | {"start": total}
+    keys, values, layout = temporal_layer(layer, i, total, cache.packing)
+    dims = layout["keys_shape"][3], layout["values_shape"][3]
+    decided = layer_scheme(kv_bits, group_size, dims, block_tokens, layout["keep"])
+    layer_group = None if decided is None else decided.group_size
+    scheme = quant_scheme(decided)
+    start = total - keys.shape[2]
+    layout |= {"group_size": layer_group, "start": start} | scheme
+    return stored_kv(i, keys, values, kv_bits, layer_group, cache.packing, start, scheme), layout
 
 
 def _signature(host: dict[str, np.ndarray], i: int) -> tuple:
