@@ -41,7 +41,7 @@ if TYPE_CHECKING:
         RegistryStorageError,
         StoreError,
     )
-    from agentkv.types import Reply, TextDelta, Timings, Usage
+    from agentkv.types import ReasoningDelta, Reply, TextDelta, Timings, Usage
 
 # Every name is imported when first used: ``import agentkv.store`` (which runs this file first)
 # loads only the store, and ``from agentkv import RuntimeConfig`` no MLX.
@@ -49,6 +49,7 @@ _LAZY = {
     "AgentRuntime": "agentkv.runtime",
     "CacheInfo": "agentkv.caches.tiers",
     "Reply": "agentkv.types",
+    "ReasoningDelta": "agentkv.types",
     "TextDelta": "agentkv.types",
     "Timings": "agentkv.types",
     "Usage": "agentkv.types",
@@ -124,6 +125,7 @@ __all__ = [
     "KVBudgetError",
     "MessageRecord",
     "Policy",
+    "ReasoningDelta",
     "RegistryStorageError",
     "Reply",
     "RuntimeClosedError",

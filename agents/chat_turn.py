@@ -14,13 +14,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentkv.caches.tiers import Resumed
 from agentkv.conversations import Conversations
 from agentkv.document import CachedReply, render_document
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, check_text
-from agentkv.prompt import Message, checked_history, conversation_digest
+from agentkv.prompt import ChatRenderer, Message, checked_history, conversation_digest
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
 from agentkv.turns import TurnRunner, off_loop, transcript_messages
 from agentkv.types import Reply, TurnPlan
@@ -37,6 +38,8 @@ class ChatTurn:
     history: list[Message]
     conversations: Conversations | None = None
     """Generated replies by agent: borrowed from, and this turn's recorded (None: neither)."""
+    renderer: ChatRenderer | None = None
+    """The runner's renderer with the turn's template variables (None: the runner's)."""
     message_id: int | None = field(default=None, init=False)
     _replies: list[CachedReply] = field(default_factory=list, init=False)  # in its cache
 
@@ -47,18 +50,22 @@ class ChatTurn:
         message: str,
         history: Sequence[Message],
         conversations: Conversations | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> ChatTurn:
-        """A turn of ``message`` (some text) after ``history`` (user/assistant messages)."""
+        """A turn of ``message`` (some text) after ``history`` (user/assistant messages);
+        ``template_kwargs``: variables for the chat template (``ChatRenderer.using``)."""
         if check_text(message, "message").strip() == "":
             raise EmptyMessageError("message is empty: a turn needs some text")
-        return cls(runner, message, await off_loop(checked_history, history), conversations)
+        renderer = runner.renderer.using(template_kwargs)
+        history = await off_loop(checked_history, history)
+        return cls(runner, message, history, conversations, renderer)
 
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
     ) -> TurnPlan:
         """Resume the agent's cache (hot, then disk) and prefill the messages it does not
         cover; without one, prefill everything, from a stored prefix when there is one."""
-        runner, renderer = self.runner, self.runner.renderer
+        runner, renderer = self.runner, self.renderer or self.runner.renderer
         messages = [
             *transcript_messages(agent, transcript),
             *self.history,
@@ -118,7 +125,8 @@ class ChatTurn:
                 digest,
             )
             return None
-        delta = self.runner.renderer.delta(messages, offset + count, resumed.cache.tokens[-1])
+        renderer = self.renderer or self.runner.renderer
+        delta = renderer.delta(messages, offset + count, resumed.cache.tokens[-1])
         if delta is None:
             log.warning("agent %r: template did not extend its cache; re-prefilling", agent_id)
         return delta
@@ -149,7 +157,8 @@ class ChatTurn:
         self.message_id = stored[-1].id
         if self.conversations is not None:
             held = (plan.cache.num_tokens if plan.cache else 0) + len(plan.prompt_tokens)
-            parsed = self.conversations.parse(result.text, None)
+            opened = self.conversations.runner.opened(plan)
+            parsed = self.conversations.parse(result.text, None, opened)
             reply = CachedReply(held, tuple(result.token_ids), parsed, len(messages) - 1)
             self.conversations.remember(agent.id, [*self._replies, reply])
 

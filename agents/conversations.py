@@ -27,7 +27,7 @@ from agentkv.document import (
 )
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, ToolsUnsupportedError, check_text
-from agentkv.prompt import Message, checked_texts
+from agentkv.prompt import ChatRenderer, Message, checked_texts
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
 from agentkv.tool_calls import ParsedReply, ToolFormat
 from agentkv.turns import TurnRunner, off_loop
@@ -44,15 +44,20 @@ class Conversations:
         self.replies: dict[str, list[CachedReply]] = {}
 
     async def turn(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> DocumentTurn:
         """The turn answering ``messages`` (checked: usable text, not ending with an assistant
-        message, tools only for a model that can call them)."""
+        message, tools only for a model that can call them); ``template_kwargs``: variables
+        for the chat template (``ChatRenderer.using``)."""
         self.check_tools(tools)
+        renderer = self.runner.renderer.using(template_kwargs)
         messages = await off_loop(checked_texts, messages)
         if not messages or messages[-1]["role"] == "assistant":
             raise EmptyMessageError("the conversation must end with a non-assistant message")
-        return DocumentTurn(self, messages, tools)
+        return DocumentTurn(self, messages, tools, renderer)
 
     async def count_tokens(
         self, messages: list[Message], system: str | None, tools: list[dict[str, Any]] | None
@@ -111,7 +116,13 @@ class Conversations:
     def drop(self, agent_id: str) -> None:
         self.replies.pop(agent_id, None)
 
-    def parse(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
+    def parse(
+        self, text: str, tools: list[dict[str, Any]] | None, opened: bool = False
+    ) -> ParsedReply:
+        """A reply's answer (its reasoning left out; ``opened``: the reply started inside
+        it), split into text and tool calls."""
+        if (reasoning := self.runner.reasoning) is not None:
+            _, text = reasoning.split(text, opened)
         return self.tool_format.parse(text, tools) if self.tool_format else ParsedReply(text)
 
     def stored_text(self, message: Message) -> str:
@@ -130,6 +141,7 @@ class DocumentTurn:
     conversations: Conversations
     messages: list[Message]
     tools: list[dict[str, Any]] | None
+    renderer: ChatRenderer
     document: DocumentPrompt | None = field(default=None, init=False)
     cached: CachedReply | None = field(default=None, init=False)
     message_id: int | None = field(default=None, init=False)
@@ -142,7 +154,7 @@ class DocumentTurn:
         and tools)."""
         conversations, tools = self.conversations, self.tools
         runner = conversations.runner
-        renderer = runner.renderer
+        renderer = self.renderer
         start = time.perf_counter()
         # The cache's own tokens are compared with the document's: no digest check is needed.
         resumed = await runner.caches.resume(agent.id, agent.version)
@@ -205,7 +217,7 @@ class DocumentTurn:
         reply = CachedReply(
             len(document.tokens),
             tuple(result.token_ids),
-            conversations.parse(result.text, self.tools),
+            conversations.parse(result.text, self.tools, conversations.runner.opened(plan)),
             len(messages),  # the conversation's next message
         )
         self.cached = reply

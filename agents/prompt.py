@@ -9,15 +9,17 @@ Message text stays text. A control string (one of the tokenizer's special tokens
 ``<end_of_turn>``) inside a message's content, a tool call's arguments or a tool definition is
 tokenized as the characters it is made of, never as the control token, so text from a user, a
 tool or a web page cannot open or close turns. Only the chat template's own markers become
-control tokens, and, in assistant messages, the model's tool-call markers (transcripts store an
-assistant's tool calls as that markup). Rendering swaps each control string in message text for
-an escape of two private-use characters; :meth:`ChatRenderer.encode` turns the escapes back
-into the string's text tokens.
+control tokens, and, in assistant messages, the model's tool-call and thinking markers
+(transcripts store an assistant's tool calls as that markup, and a reasoning model's reply
+with its thinking, which templates such as Qwen3's take apart). Rendering swaps each control
+string in message text for an escape of two private-use characters; :meth:`ChatRenderer.encode`
+turns the escapes back into the string's text tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import re
@@ -42,6 +44,10 @@ _ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
 _LAST = 0x10FFFF
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation"}
+)
+"""Template variables the renderer sets itself: a request's ``chat_template_kwargs`` may not."""
 HEADS_REMEMBERED = 64
 """System messages and tool sets whose shared heads a renderer remembers (see shared_heads)."""
 
@@ -55,6 +61,8 @@ class ChatRenderer:
     max_context: int | None = None
     """The model's context in tokens: a conversation whose text cannot fit is refused before
     it is escaped or tokenized (None: no check)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template (``enable_thinking``, …; see :meth:`using`)."""
     controls: tuple[str, ...] = field(init=False)
     """The tokenizer's special tokens: what message text may not produce."""
     _control_ids: frozenset[int] = field(init=False)
@@ -86,7 +94,7 @@ class ChatRenderer:
         self._control_ids = frozenset(controls)
         self._index = {s: i for i, s in enumerate(self.controls)}
         self._in_text = _pattern(self.controls)
-        self._in_replies = _pattern([s for s in self.controls if s not in markers])
+        self._in_replies = _pattern([s for s in self.controls if s not in named])
         self._as_text = {}
         self._heads = {}
 
@@ -114,6 +122,32 @@ class ChatRenderer:
             self._escaped(tools, self._in_text) if tools else None,
         )
 
+    def using(self, template_kwargs: dict[str, Any] | None) -> ChatRenderer:
+        """This renderer, its template also given ``template_kwargs`` (a request's
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``); it shares this one's
+        tables. Raises ChatTemplateError for a name the renderer sets itself or a value that
+        is not JSON."""
+        if not template_kwargs:
+            return self
+        if not isinstance(template_kwargs, dict):
+            raise ChatTemplateError(
+                f"chat_template_kwargs must be an object, got {type(template_kwargs).__name__}"
+            )
+        for name, value in template_kwargs.items():
+            if name in RESERVED_TEMPLATE_KWARGS:
+                raise ChatTemplateError(
+                    f"chat_template_kwargs: {name!r} is set by the server, not the request"
+                )
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise ChatTemplateError(
+                    f"chat_template_kwargs: {name!r} is not a JSON value"
+                ) from None
+        other = copy.copy(self)
+        other.template_kwargs = {**self.template_kwargs, **template_kwargs}
+        return other
+
     def check(self, messages: Sequence[Message]) -> None:
         """Raise ChatTemplateError if the template refuses the conversation (of any length:
         a transcript may be stored longer than the context)."""
@@ -126,6 +160,7 @@ class ChatRenderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
+                **self.template_kwargs,
             )
         except Exception as exc:  # jinja's TemplateError, or the template's raise_exception
             raise ChatTemplateError(
@@ -240,7 +275,9 @@ class ChatRenderer:
         if not first and not tools:
             return []
         key = hashlib.blake2b(
-            json.dumps([messages[:first], tools], sort_keys=True, default=str).encode(),
+            json.dumps(
+                [messages[:first], tools, self.template_kwargs], sort_keys=True, default=str
+            ).encode(),
             digest_size=16,
         ).digest()
         if (known := self._heads.get(key)) is not None:
@@ -274,15 +311,19 @@ class ChatRenderer:
         The cache ends inside the rendering of ``messages[covered - 1]``, an assistant reply:
         after its generated content and, if generation stopped on it, an end-of-turn token.
         Returns None when the template does not render that reply where the cache expects it
-        (then the caller re-prefills).
+        (then the caller re-prefills). A template may render less of the generation prompt
+        in front of a reply in history than it gave the model (an empty reasoning block,
+        ``enable_thinking=False``): the cache holds what the model saw.
         """
         if not 0 < covered < len(messages) or messages[covered - 1]["role"] != "assistant":
             return None
         rendered = self.render(messages, add_generation_prompt=True, placeholders=[covered - 1])
         head = self.render(messages[: covered - 1], add_generation_prompt=True)
         cuts = placeholder_at(rendered, 1)
-        if not rendered.startswith(head) or cuts is None:
+        if cuts is None or not head.startswith(before := rendered[: cuts[0]]):
             return None
+        if len(before) < len(self.render(messages[: covered - 1], add_generation_prompt=False)):
+            return None  # the reply is not where the generation prompt was
         tail = rendered[cuts[0] + PLACEHOLDER_CHARS :]
         if last_cached_token in self.eos_token_ids:
             eos_text = self.tokenizer.decode([last_cached_token])

@@ -18,10 +18,16 @@ from agentkv.engine.engine import Engine
 from agentkv.engine.grammar import Grammar, GrammarError
 from agentkv.engine.request import PromptCache
 from agentkv.engine.sampling import SamplingParams
-from agentkv.errors import InvalidResponseFormatError, RuntimeClosedError, check_text
+from agentkv.errors import (
+    InvalidMessageError,
+    InvalidResponseFormatError,
+    RuntimeClosedError,
+    check_text,
+)
 from agentkv.formats import FREE, schema_of
 from agentkv.leases import Leases, WorkerClaim
 from agentkv.prompt import ChatRenderer, Message, checked_history
+from agentkv.reasoning import ReasoningFormat
 from agentkv.store import (
     AgentNotFoundError,
     AgentRecord,
@@ -33,7 +39,7 @@ from agentkv.store import (
 from agentkv.store.models import utcnow
 from agentkv.tool_calls import ToolFormat
 from agentkv.turns import TurnRunner, off_loop
-from agentkv.types import Reply, TextDelta, TurnOptions
+from agentkv.types import ReasoningDelta, Reply, TextDelta, TurnOptions
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +299,12 @@ class AgentRuntime:
                 (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
                 {"schema": ...}}``: the reply is held to it, see ``agents.formats``),
                 ``logprobs`` (None, or 0 to 20: ``Reply.logprobs`` gives each token's log
-                probability and that many of the likeliest tokens at its step).
+                probability and that many of the likeliest tokens at its step),
+                ``template_kwargs`` (variables for the chat template, such as
+                ``{"enable_thinking": False}``), ``reasoning_budget`` (on a reasoning model,
+                the most tokens the reply thinks for before it answers). A reasoning model's
+                thinking comes apart from the answer: ``Reply.reasoning`` (streamed as
+                ``ReasoningDelta`` pieces), ``Reply.text`` the answer.
 
         Returns:
             The Reply. Turns of one agent run one after another in call order.
@@ -317,8 +328,11 @@ class AgentRuntime:
         priority: float = 0.0,
         response_format: dict[str, Any] | None = None,
         logprobs: int | None = None,
-    ) -> AsyncIterator[TextDelta | Reply]:
-        """Like :meth:`chat`, yielding TextDelta pieces as they are generated, then the Reply.
+        template_kwargs: dict[str, Any] | None = None,
+        reasoning_budget: int | None = None,
+    ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
+        """Like :meth:`chat`, yielding TextDelta (and ReasoningDelta) pieces as they are
+        generated, then the Reply.
 
         ``history`` (user/assistant message dicts) is added to the transcript before the new
         message, in the same transaction as the turn. A turn that fails, is refused (e.g. too
@@ -326,9 +340,13 @@ class AgentRuntime:
         nothing of it, the history included, is stored and the agent's cache stays as it was.
         """
         self._check_open()
-        turn = await ChatTurn.checked(self._turns, message, history, self._conversations)
+        turn = await ChatTurn.checked(
+            self._turns, message, history, self._conversations, template_kwargs
+        )
         grammar = await self._grammar(response_format)
-        options = TurnOptions(max_tokens, sampling, stop, priority, grammar, logprobs)
+        options = TurnOptions(
+            max_tokens, sampling, stop, priority, grammar, logprobs, self._budget(reasoning_budget)
+        )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
 
@@ -345,9 +363,12 @@ class AgentRuntime:
         response_format: dict[str, Any] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         logprobs: int | None = None,
-    ) -> AsyncIterator[TextDelta | Reply]:
+        template_kwargs: dict[str, Any] | None = None,
+        reasoning_budget: int | None = None,
+    ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
-        document; see :mod:`agents.conversations`). Yields TextDelta pieces, then the Reply.
+        document; see :mod:`agents.conversations`). Yields TextDelta (and ReasoningDelta)
+        pieces, then the Reply.
 
         The agent's cache is reused up to the longest common token prefix with the rendered
         conversation; afterwards the agent's transcript is the conversation plus the reply and
@@ -359,15 +380,15 @@ class AgentRuntime:
                 ``tool_calls``; roles system, user, assistant, tool); a leading system message
                 is the system prompt. The last message is not an assistant message.
             tools: tool definitions in the OpenAI shape, rendered by the chat template.
-            max_tokens, sampling, stop, priority, response_format, logprobs: as for
-                :meth:`chat`.
+            max_tokens, sampling, stop, priority, response_format, logprobs, template_kwargs,
+                reasoning_budget: as for :meth:`chat`.
             tool_choice: None or ``"auto"`` (the model decides), ``"required"`` (the reply is
                 one call of one of ``tools``) or ``{"name": NAME}`` (one call of that tool),
                 held to the tool's parameters schema by constrained decoding; only for models
                 whose tool-call format is JSON between markers (``ToolFormat.forcible``).
         """
         self._check_open()
-        turn = await self._conversations.turn(messages, tools)
+        turn = await self._conversations.turn(messages, tools, template_kwargs)
         grammar = await self._grammar(response_format)
         if tool_choice not in (None, "auto"):
             if grammar is not None:
@@ -375,9 +396,27 @@ class AgentRuntime:
                     "tool_choice: a forced tool call and a response_format cannot both apply"
                 )
             grammar = await self._tool_grammar(tools, tool_choice)
-        options = TurnOptions(max_tokens, sampling, stop, priority, grammar, logprobs)
+        options = TurnOptions(
+            max_tokens, sampling, stop, priority, grammar, logprobs, self._budget(reasoning_budget)
+        )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
+
+    def _budget(self, reasoning_budget: int | None) -> int | None:
+        """A turn's cap on thinking, checked. Raises InvalidMessageError for one that is not
+        a count of tokens, or for a model that does not think between one-token markers."""
+        if reasoning_budget is None:
+            return None
+        if type(reasoning_budget) is not int or reasoning_budget < 0:
+            raise InvalidMessageError(
+                f"reasoning_budget must be a count of tokens, got {reasoning_budget!r}"
+            )
+        if self._engine.thinking is None:
+            raise InvalidMessageError(
+                f"reasoning_budget: model {self.config.model!r} has no thinking markers "
+                "(think_start / think_end, one token each) to cap its reasoning by"
+            )
+        return reasoning_budget
 
     async def _grammar(self, response_format: dict[str, Any] | None) -> Grammar | None:
         """The grammar a ``response_format`` asks for (None: free text), compiled in a worker
@@ -415,6 +454,12 @@ class AgentRuntime:
             )
         except GrammarError as exc:
             raise InvalidResponseFormatError(f"tool_choice: {exc}") from None
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The model's thinking markers (``agentkv.reasoning``), or None for a model that does
+        not reason apart from its answer."""
+        return self._turns.reasoning
 
     @property
     def responses(self) -> ResponseIndex:

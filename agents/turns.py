@@ -34,8 +34,18 @@ from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import ContextLengthError, TurnFailedError
 from agentkv.leases import Leases
 from agentkv.prompt import ChatRenderer, Message, conversation_digest
+from agentkv.reasoning import PROMPT_TAIL, ReasoningFormat, ReasoningSplitter
 from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
-from agentkv.types import CacheSource, Reply, TextDelta, Timings, TurnOptions, TurnPlan, Usage
+from agentkv.types import (
+    CacheSource,
+    ReasoningDelta,
+    Reply,
+    TextDelta,
+    Timings,
+    TurnOptions,
+    TurnPlan,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +93,7 @@ class TurnRunner:
         self.caches = caches
         self.renderer = renderer
         self.leases = leases
+        self.reasoning = ReasoningFormat.of(engine.tokenizer)
         self.sources: Counter[str] = Counter()
         # An agent's lock lives while a turn holds or awaits it: ids of deleted or idle agents
         # (thousands of stateless ones) leave nothing behind.
@@ -149,7 +160,7 @@ class TurnRunner:
             plan = await turn.plan(agent, transcript, options.priority)
             try:
                 async for event in self._generate(agent, plan, options):
-                    if isinstance(event, TextDelta):
+                    if isinstance(event, (TextDelta, ReasoningDelta)):
                         yield event
                     else:
                         result = event
@@ -238,12 +249,28 @@ class TurnRunner:
 
     # ---- generating and storing --------------------------------------------------------------
 
+    def opened(self, plan: TurnPlan) -> bool:
+        """Whether the plan's prompt leaves reasoning open (the reply starts inside it)."""
+        if self.reasoning is None:
+            return False
+        tail = plan.prompt_tokens[-PROMPT_TAIL:]
+        if len(tail) < PROMPT_TAIL and plan.cache is not None:
+            tail = plan.cache.tokens[len(tail) - PROMPT_TAIL :] + tail
+        return self.reasoning.opened(tail)
+
+    def split(self, plan: TurnPlan, text: str) -> tuple[str, str]:
+        """A finished reply's (reasoning, answer)."""
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.split(text, self.opened(plan))
+
     async def _generate(
         self, agent: AgentRecord, plan: TurnPlan, options: TurnOptions
-    ) -> AsyncIterator[TextDelta | GenerationResult]:
+    ) -> AsyncIterator[TextDelta | ReasoningDelta | GenerationResult]:
         """Run the plan's prompt on its cache (max_tokens clamped to the context; the agent's
-        sampling by default): TextDelta pieces, then the GenerationResult. Raises
-        ContextLengthError, or TurnFailedError when generation fails."""
+        sampling by default): TextDelta (and a reasoning model's ReasoningDelta) pieces, then
+        the GenerationResult. Raises ContextLengthError, or TurnFailedError when generation
+        fails."""
         request = GenerationRequest(
             plan.prompt_tokens,
             max_tokens=options.max_tokens or self.config.default_max_tokens,
@@ -255,17 +282,30 @@ class TurnRunner:
             logprobs=options.logprobs,
             cache_points=plan.cache_points,
             checkpoint_prompt=plan.checkpoint_prompt,
+            reasoning_budget=options.reasoning_budget,
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending
+        splitter = None
+        if self.reasoning is not None:
+            splitter = ReasoningSplitter(self.reasoning, self.opened(plan))
         async with self.engine.submit(request) as handle:
             async for event in handle:
                 if event.logprob is not None:
                     held.append(event.logprob)
-                if event.text:
+                if not event.text:
+                    continue
+                if splitter is None:
                     yield TextDelta(event.text, tuple(held))
                     held.clear()
+                    continue
+                for inside, piece in splitter.feed(event.text):
+                    yield (ReasoningDelta if inside else TextDelta)(piece, tuple(held))
+                    held.clear()
             result = await handle.result()
+            for inside, piece in splitter.flush() if splitter else ():
+                yield (ReasoningDelta if inside else TextDelta)(piece, tuple(held))
+                held.clear()
         if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
             raise TurnFailedError(
                 f"turn of agent {agent.id!r} failed: {result.error}"
@@ -338,12 +378,17 @@ class TurnRunner:
         s = result.stats
         resumed = plan.cache.num_tokens if plan.cache else 0
         cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
+        reasoning, text = self.split(plan, result.text)
+        thought = 0
+        if self.reasoning is not None:
+            thought = self.reasoning.tokens_of(result.token_ids, self.opened(plan))
         return Reply(
             agent_id=agent_id,
-            text=result.text,
+            text=text,
+            reasoning=reasoning,
             token_ids=list(result.token_ids),
             finish_reason=str(result.finish_reason),
-            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids)),
+            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids), thought),
             cache_source=plan.source,
             timings=Timings(
                 cache_load_s=plan.load_s,

@@ -24,11 +24,13 @@ class Usage:
         prompt_tokens: every token the model attended to before answering.
         cached_tokens: of those, the ones resumed from a cache instead of prefilled.
         completion_tokens: generated tokens, end-of-turn token included.
+        reasoning_tokens: of those, a reasoning model's thinking (its markers included).
     """
 
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -75,6 +77,9 @@ class Reply:
     parsed: ParsedReply | None = None
     message_id: int | None = None
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    """What a reasoning model thought before answering (between its thinking markers, see
+    ``agentkv.reasoning``); ``text`` is the answer without it."""
 
     @property
     def content(self) -> ParsedReply:
@@ -86,6 +91,15 @@ class Reply:
 class TextDelta:
     """A piece of the reply's text, streamed as it is generated; with ``logprobs`` asked
     for, those of the tokens generated since the previous piece (this piece's tokens)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningDelta:
+    """A piece of the reply's reasoning (a reasoning model's thinking, streamed apart from the
+    answer's TextDelta pieces); with ``logprobs`` asked for, those of this piece's tokens."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -115,3 +129,4 @@ class TurnOptions:
     priority: float = 0.0
     grammar: Grammar | None = None  # the reply is held to it (see agentkv.formats)
     logprobs: int | None = None  # report tokens' logprobs, with this many alternatives
+    reasoning_budget: int | None = None  # the most tokens a reasoning model thinks for

@@ -23,6 +23,7 @@ from benchmarks import (
     bench_policies,
     bench_prefill,
     bench_ready,
+    bench_reasoning,
     bench_resume,
     bench_roundtrip,
     bench_soak,
@@ -49,6 +50,7 @@ SUITE = {
     "stateless": bench_stateless,
     "fidelity": bench_fidelity,
     "ready": bench_ready,
+    "reasoning": bench_reasoning,
 }
 
 

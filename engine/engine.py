@@ -32,6 +32,7 @@ from agentkv.engine.request import (
 )
 from agentkv.engine.sequence import Sequence
 from agentkv.engine.stopping import StopStrings
+from agentkv.engine.thinking import ThinkingBudget, ThinkingMarkers
 
 T = TypeVar("T")
 
@@ -147,6 +148,8 @@ class Engine:
         self.model = model
         self._closed = False
         self.grammars = Grammars(model.tokenizer, model.vocab_size)
+        self.thinking = ThinkingMarkers.of(model.tokenizer)
+        """A reasoning model's thinking markers (one token each), else None."""
         """Compiles the grammars requests are held to (``GenerationRequest.grammar``)."""
         threading.Thread(target=self.grammars.warm, name="grammar-warm", daemon=True).start()
 
@@ -267,9 +270,11 @@ class Engine:
         """The request's logits processors; a grammar's mask last (nothing it forbids comes
         back, whatever a bias says)."""
         processors = request.sampling.make_logits_processors(vocab_size)
+        if request.reasoning_budget is not None and self.thinking is not None:
+            processors.append(ThinkingBudget(self.thinking, request.reasoning_budget))
         if request.grammar is not None:
             eos = self.model.eos_token_ids
-            processors.append(self.grammars.processor(request.grammar, eos))
+            processors.append(self.grammars.processor(request.grammar, eos, self.thinking))
         return processors
 
     def _check_budget(self, request: GenerationRequest) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
+
 log = logging.getLogger(__name__)
 
 
@@ -144,8 +146,16 @@ class Grammars:
             return f"<[{token}]>"
         return json.dumps(marker)
 
-    def processor(self, grammar: Grammar, eos_token_ids: frozenset[int]) -> GrammarProcessor:
-        return GrammarProcessor(self, grammar, eos_token_ids, self._vocab_size)
+    def processor(
+        self,
+        grammar: Grammar,
+        eos_token_ids: frozenset[int],
+        thinking: ThinkingMarkers | None = None,
+    ) -> GrammarProcessor:
+        """The processor holding one reply to ``grammar``; with a reasoning model's
+        ``thinking`` markers, the answer after its thinking (see :class:`GrammarProcessor`)."""
+        state = None if thinking is None else ThinkingState(thinking)
+        return GrammarProcessor(self, grammar, eos_token_ids, self._vocab_size, state)
 
 
 class GrammarProcessor:
@@ -153,12 +163,30 @@ class GrammarProcessor:
 
     Its first call sees the prompt (everything the cache holds); each later call, the token
     sampled since, which it feeds to the matcher before masking the next step's logits.
+
+    With a reasoning model's ``thinking`` state, the grammar holds the answer only: while the
+    model thinks (the prompt left its thinking open, or the reply's first token opened it)
+    any token but an end of the reply may come, and the grammar starts after the end marker.
     """
 
-    __slots__ = ("_eos", "_grammar", "_grammars", "_ll_vocab", "_matcher", "_seen", "_vocab_size")
+    __slots__ = (
+        "_eos",
+        "_grammar",
+        "_grammars",
+        "_ll_vocab",
+        "_matcher",
+        "_seen",
+        "_thinking",
+        "_vocab_size",
+    )
 
     def __init__(
-        self, grammars: Grammars, grammar: Grammar, eos_token_ids: frozenset[int], vocab: int
+        self,
+        grammars: Grammars,
+        grammar: Grammar,
+        eos_token_ids: frozenset[int],
+        vocab: int,
+        thinking: ThinkingState | None = None,
     ):
         self._grammars = grammars
         self._grammar = grammar
@@ -167,6 +195,7 @@ class GrammarProcessor:
         self._matcher: Any = None
         self._ll_vocab = 0
         self._seen = 0
+        self._thinking = thinking
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         """The logits with what the grammar forbids next at -inf. Never raises: an error in
@@ -189,6 +218,18 @@ class GrammarProcessor:
         import llguidance
         import llguidance.numpy
 
+        thinking, opening = self._thinking, None
+        if thinking is not None:
+            new = thinking.update(tokens)
+            if thinking.inside:  # the answer, and its grammar, come after the thinking
+                self._matcher = None
+                allowed = np.ones(self._vocab_size, dtype=bool)
+                allowed[self._eos] = False
+                return allowed
+            if thinking.markers.end in new:
+                self._matcher = None  # the thinking ended: the grammar starts here
+            elif thinking.replied == 0:
+                opening = thinking.markers.start  # the reply may open its thinking first
         if self._matcher is None:
             ll = self._grammars._ll_tokenizer()
             self._matcher = llguidance.LLMatcher(ll, self._grammar.source)
@@ -209,4 +250,6 @@ class GrammarProcessor:
         allowed[:n] = bits[:n].astype(bool)
         if matcher.is_accepting() or matcher.is_stopped():
             allowed[self._eos] = True
+        if opening is not None and opening < self._vocab_size:
+            allowed[opening] = True
         return allowed

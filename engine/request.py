@@ -250,6 +250,8 @@ class GenerationRequest:
             there otherwise): a client that sends the reply back otherwise than it was
             generated (rewritten tool calls, reasoning dropped by the template) resumes all of
             the prompt. Also a fence, as ``cache_points`` are.
+        reasoning_budget: on a reasoning model (``Engine.thinking``), the most tokens the reply
+            may think for: then its thinking's end marker is forced, and the answer follows.
     """
 
     prompt_tokens: list[int]
@@ -266,6 +268,7 @@ class GenerationRequest:
     logprobs: int | None = None
     cache_points: tuple[int, ...] = ()
     checkpoint_prompt: bool = False
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -287,6 +290,12 @@ class GenerationRequest:
         ):
             raise ValueError(
                 f"logprobs must be None or 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
+        if self.reasoning_budget is not None and (
+            type(self.reasoning_budget) is not int or self.reasoning_budget < 0
+        ):
+            raise ValueError(
+                f"reasoning_budget must be None or a count of tokens, got {self.reasoning_budget!r}"
             )
         if any(type(p) is not int or p < 0 for p in self.cache_points):
             raise ValueError(

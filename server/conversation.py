@@ -76,6 +76,11 @@ class TurnRequest:
     format_field: str = "response_format"
     """What the API calls ``response_format`` (its ``json_schema`` object is flattened into it
     on the APIs that call it otherwise)."""
+    template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template (``chat_template_kwargs``, ``enable_thinking`` from the
+    API's reasoning switch)."""
+    reasoning_budget: int | None = None
+    """The most tokens a reasoning model thinks for (Anthropic's ``thinking.budget_tokens``)."""
 
     def format_error(self, exc: InvalidResponseFormatError) -> APIError:
         """``exc`` as a 400 naming the field as this request's API calls it."""
@@ -94,6 +99,8 @@ class TurnRequest:
             "stop": self.stop,
             "response_format": self.response_format,
             "logprobs": self.logprobs,
+            "template_kwargs": self.template_kwargs,
+            "reasoning_budget": self.reasoning_budget,
         }
 
 
@@ -184,6 +191,31 @@ def split_turn(messages: list[ChatMessage]) -> tuple[list[ChatMessage], str]:
             param="messages",
         )
     return messages[:-1], last.content
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's ``reasoning_effort`` values: the first two switch a reasoning model's thinking off
+(``enable_thinking=False``), the others leave it on (its length is the model's own)."""
+
+
+def thinking_of(effort: object, where: str) -> bool | None:
+    """Whether an OpenAI ``reasoning_effort`` asks for thinking (None: not set)."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise APIError.invalid(
+            f"{where}: {effort!r} is not one of {', '.join(REASONING_EFFORTS)}", where
+        )
+    return effort not in ("none", "minimal")
+
+
+def template_kwargs(given: dict[str, Any] | None, thinking: bool | None) -> dict[str, Any] | None:
+    """A request's chat template variables: its ``chat_template_kwargs``, with
+    ``enable_thinking`` from the API's reasoning switch unless they set it themselves."""
+    kwargs = dict(given or {})
+    if thinking is not None:
+        kwargs.setdefault("enable_thinking", thinking)
+    return kwargs or None
 
 
 def sampling_from(**given: Any) -> SamplingParams | None:

@@ -20,7 +20,14 @@ from pydantic import AfterValidator
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agentkv import AgentNotFoundError, InvalidResponseFormatError, Reply, TextDelta, TokenLogprob
+from agentkv import (
+    AgentNotFoundError,
+    InvalidResponseFormatError,
+    ReasoningDelta,
+    Reply,
+    TextDelta,
+    TokenLogprob,
+)
 from agentkv.server.claims import Claim
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.errors import ClientDisconnectedError
@@ -180,13 +187,19 @@ class TurnStream:
         self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
         return events
 
-    async def visible_text(self, tool_format: ToolFormat | None) -> AsyncIterator[str | Reply]:
-        """The reply's text in pieces as it is generated, then the Reply. With a
-        ``tool_format`` (a request with tools), text from a tool call's start marker on is
-        held back: it is the call, sent as such once the Reply has parsed it."""
+    async def visible_text(
+        self, tool_format: ToolFormat | None
+    ) -> AsyncIterator[str | ReasoningDelta | Reply]:
+        """The reply's text in pieces as it is generated (a reasoning model's thinking as
+        ReasoningDelta pieces, before), then the Reply. With a ``tool_format`` (a request
+        with tools), text from a tool call's start marker on is held back: it is the call,
+        sent as such once the Reply has parsed it."""
         text, shown = "", 0
         async for event in self.events():
-            if isinstance(event, TextDelta):
+            if isinstance(event, ReasoningDelta):
+                self._logprobs += event.logprobs
+                yield event
+            elif isinstance(event, TextDelta):
                 self._logprobs += event.logprobs
                 text += event.text
                 upto = tool_format.streaming_split(text) if tool_format else len(text)

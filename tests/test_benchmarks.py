@@ -4,6 +4,7 @@ Sizes and ratios here are sanity bounds, not performance targets: those live in 
 """
 
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -321,6 +322,18 @@ def test_grammar_quick(tmp_path):
     assert report["held_tokens"] == [report["tokens"]]  # the schema makes it run to the end
     assert report["compile_ms"] > 0 and report["held_vs_single"] > 0
     assert report["neighbours_vs_free"] > 0 and report["half_vs_free"] > 0
+
+
+def test_reasoning_quick(tmp_path):
+    report = run_quick("bench_reasoning", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    kept, mixed = report["runs"]["kept"]["turns"], report["runs"]["mixed"]["turns"]
+    assert len(kept) == len(mixed) == 3 and kept[0]["cached"] == mixed[0]["cached"] == 0
+    for earlier, later in itertools.pairwise(kept):  # the whole reply resumed
+        assert later["cached"] == earlier["prompt"] + earlier["generated"]
+    for earlier, later in itertools.pairwise(mixed):  # from where the reply began
+        assert later["cached"] == earlier["prompt"]
 
 
 def test_batch_kv_quick(tmp_path):

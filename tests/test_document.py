@@ -148,9 +148,7 @@ async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_pa
 
 
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
-async def test_a_reply_sent_back_rewritten_resumes_where_it_began_after_a_restart(
-    tmp_path, model
-):
+async def test_a_reply_sent_back_rewritten_resumes_where_it_began_after_a_restart(tmp_path, model):
     # A framework that sends its reply back as its own text (smolagents' "Calling tools: …"):
     # the window (32 tokens) or recurrent state moved on over the reply, so only the
     # checkpoint kept where it began gives the prompt back; the saved cache keeps it.

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
-from agentkv.engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, ChatFormat
+from agentkv.engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, QWEN3, ChatFormat
 from agentkv.engine.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
@@ -195,6 +195,19 @@ TINY_SPECS: dict[str, TinySpec] = {
             model_type="gemma3_text",
             chat=CHATML_TOOLS,
             shape=Shape(64, 2, 1, 1, 64, 128, vocab=512, max_pos=131_072, window=128, pattern=2),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+        ),
+        TinySpec(
+            name="tiny:thinking",
+            description=(
+                "llama, 4 full-attention layers, with Qwen3's chat template: reasoning between "
+                "<think> and </think> (enable_thinking), <tool_call> JSON tool calls"
+            ),
+            model_type="llama",
+            chat=QWEN3,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=32_768),
             corpus_words=20_000,
             lexicon_size=2_000,
             eos_scale=4.0,

@@ -13,6 +13,13 @@ system messages among its messages, or from a Claude Code session, is a whole co
 ``stop_reason: "tool_use"``; streamed, each is a block with one ``input_json_delta``, after the
 text block (text from a tool call's start marker on is held back while streaming).
 
+A reasoning model's thinking comes back as a ``thinking`` block before the text (streamed as
+``thinking_delta`` events, closed by an empty ``signature_delta``). ``thinking``: ``enabled``
+turns the template's thinking on (``enable_thinking``) and caps it at ``budget_tokens``
+(the end marker is forced then), ``adaptive`` turns it on uncapped, ``disabled`` off.
+``thinking`` blocks sent back in history are accepted and dropped: the agent's cache holds the
+thinking the model wrote.
+
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0
 (Anthropic's default) for an unset temperature.
@@ -33,7 +40,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from agentkv import Reply
+from agentkv import ReasoningDelta, Reply
 from agentkv.prompt import Message
 from agentkv.server.api.anthropic_content import (
     is_plain,
@@ -49,6 +56,7 @@ from agentkv.server.conversation import (
     TurnRequest,
     sampling_from,
     split_turn,
+    template_kwargs,
     text_of,
 )
 from agentkv.server.errors import APIError, Dialect, api_error
@@ -84,7 +92,6 @@ class Metadata(BaseModel):
 
 
 _NO_EFFECT = {
-    "thinking": "the reply has no thinking blocks",
     "context_management": "Claude Code's context editing: the conversation is answered as sent",
     "cache_control": "caching is automatic here",
     "service_tier": "there is one tier here",
@@ -95,7 +102,11 @@ _NO_EFFECT = {
 COUNT_FIELDS = FieldPolicy(
     "Anthropic count_tokens",
     honoured=frozenset({"model", "messages", "system", "tools", "tool_choice"}),
-    accepted={**_NO_EFFECT, "output_config": "a reply's format does not change its prompt"},
+    accepted={
+        **_NO_EFFECT,
+        "output_config": "a reply's format does not change its prompt",
+        "thinking": "the prompt is counted as the template renders it by default",
+    },
 )
 MESSAGES_FIELDS = FieldPolicy(
     "Anthropic Messages",
@@ -103,7 +114,7 @@ MESSAGES_FIELDS = FieldPolicy(
         {
             *("model", "messages", "system", "tools", "tool_choice", "max_tokens"),
             *("temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"),
-            *("output_config", "output_format"),
+            *("output_config", "output_format", "thinking"),
         }
     ),
     accepted={
@@ -213,10 +224,37 @@ class MessagesRequest(CountTokensRequest):
             return fmt
         return {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
 
+    def reasoning(self, thinks: bool) -> tuple[bool | None, int | None]:
+        """``thinking`` as (``enable_thinking`` for the template, or None: the template's
+        default; a cap on reasoning tokens, or None): ``enabled`` (with ``budget_tokens``, the
+        cap, on a model whose markers are one token each: ``thinks``), ``adaptive`` (the
+        model's own length) or ``disabled``."""
+        thinking = self.thinking
+        if thinking is None:
+            return None, None
+        kind = thinking.get("type")
+        if kind == "disabled":
+            return False, None
+        if kind == "adaptive":
+            return True, None
+        budget = thinking.get("budget_tokens")
+        if kind != "enabled" or type(budget) is not int or budget < 1:
+            raise APIError.invalid(
+                "thinking: expected {'type': 'enabled', 'budget_tokens': <positive integer>}, "
+                "{'type': 'adaptive'} or {'type': 'disabled'}",
+                "thinking",
+            )
+        return True, budget if thinks else None
+
     def turn(
-        self, agent_header: str | None, session_header: str | None, keep_volatile: bool = False
+        self,
+        agent_header: str | None,
+        session_header: str | None,
+        keep_volatile: bool = False,
+        thinks: bool = False,
     ) -> TurnRequest:
         system, messages, tools = self.conversation(keep_volatile)
+        enable_thinking, budget = self.reasoning(thinks)
         user_id = self.metadata.user_id if self.metadata else None
         session = session_header or session_of(user_id)
         request = TurnRequest(
@@ -236,6 +274,8 @@ class MessagesRequest(CountTokensRequest):
             format_field="output_config.format"
             if (self.output_config or {}).get("format") is not None
             else "output_format",
+            template_kwargs=template_kwargs(None, enable_thinking),
+            reasoning_budget=budget,
         )
         if session is None and tools is None and is_plain(messages):
             chat = [ChatMessage(m["role"], m["content"]) for m in messages]
@@ -262,11 +302,19 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name}
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    """A reasoning model's thinking as a ``thinking`` block (no signature: nothing here
+    verifies thinking blocks sent back, which are dropped from the prompt)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def content_blocks(reply: Reply) -> list[dict[str, Any]]:
-    """The reply's text block (left out when empty beside tool calls) and tool_use blocks."""
+    """The reply's thinking block (a reasoning model's), its text block (left out when empty
+    beside tool calls) and tool_use blocks."""
     parsed = reply.content
+    thinking = [thinking_block(reply.reasoning)] if reply.reasoning else []
     text = [{"type": "text", "text": parsed.text}] if parsed.text or not parsed.tool_calls else []
-    return text + [tool_use_block(c) | {"input": c.arguments} for c in parsed.tool_calls]
+    return thinking + text + [tool_use_block(c) | {"input": c.arguments} for c in parsed.tool_calls]
 
 
 def message(model: str, msg_id: str, reply: Reply | None, state: ServerState) -> dict[str, Any]:
@@ -288,24 +336,60 @@ def _sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
 
 
+class Blocks:
+    """A streamed message's thinking and text blocks, each opened by its first delta and
+    closed when the next one opens (``kind``: the open one's; ``index``: its index)."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.index = -1
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        events = []
+        if kind != self.kind:
+            events += self.close()
+            self.kind, self.index = kind, self.index + 1
+            block = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+            events.append(
+                _sse("content_block_start", {"index": self.index, "content_block": block})
+            )
+        if text:
+            delta = {"type": f"{kind}_delta", kind: text}
+            events.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":
+            delta = {"type": "signature_delta", "signature": ""}
+            events.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
+        events.append(_sse("content_block_stop", {"index": self.index}))
+        self.kind = None
+        return events
+
+
 async def _events(
     model: str, turn: TurnStream, state: ServerState, tools: bool
 ) -> AsyncIterator[str]:
     msg_id = f"msg_{uuid.uuid4().hex}"
     yield _sse("message_start", {"message": message(model, msg_id, None, state)})
-    yield _sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    blocks = Blocks()
+    if state.runtime.reasoning is None:  # the text block at once (else its first piece says)
+        for event in blocks.delta("text", ""):
+            yield event
     yield _sse("ping", {})
-
-    def text_delta(text: str) -> str:
-        delta = {"type": "text_delta", "text": text}
-        return _sse("content_block_delta", {"index": 0, "delta": delta})
-
     reply, shown = None, 0
     try:
         async for piece in turn.visible_text(state.runtime.tool_format if tools else None):
             if isinstance(piece, str):
-                yield text_delta(piece)
+                for event in blocks.delta("text", piece):
+                    yield event
                 shown += len(piece)
+            elif isinstance(piece, ReasoningDelta):
+                for event in blocks.delta("thinking", piece.text):
+                    yield event
             else:
                 reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
@@ -313,10 +397,13 @@ async def _events(
         return
     assert reply is not None
     parsed = reply.content
-    if len(parsed.text) > shown:
-        yield text_delta(parsed.text[shown:])
-    yield _sse("content_block_stop", {"index": 0})
-    for index, call in enumerate(parsed.tool_calls, start=1):
+    # A text block, empty or not (after thinking, only where no tool call follows).
+    if len(parsed.text) > shown or blocks.kind is None or not parsed.tool_calls:
+        for event in blocks.delta("text", parsed.text[shown:]):
+            yield event
+    for event in blocks.close():
+        yield event
+    for index, call in enumerate(parsed.tool_calls, start=blocks.index + 1):
         block = tool_use_block(call) | {"input": {}}
         yield _sse("content_block_start", {"index": index, "content_block": block})
         delta = {"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}
@@ -340,7 +427,12 @@ async def create_message(
         http,
         MessagesRequest,
         state.max_messages,
-        lambda body: body.turn(x_agent_id, x_claude_code_session_id, state.keep_volatile),
+        lambda body: body.turn(
+            x_agent_id,
+            x_claude_code_session_id,
+            state.keep_volatile,
+            state.runtime.engine.thinking is not None,
+        ),
     )
     model = echoed_model(body.model, anthropic_beta)
     if body.stream:

@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentkv import AgentRuntime, Reply
+from agentkv import AgentRuntime, ReasoningDelta, Reply
 from agentkv.server.api.openai_request import (
     ChatCompletionRequest,
 )
@@ -58,6 +58,7 @@ def usage(reply: Reply) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 
@@ -91,6 +92,8 @@ def completion(
     """The completion object (``logprobs``: its tokens' entries, when asked for)."""
     parsed = reply.content
     message: dict[str, Any] = {"role": "assistant", "content": parsed.text, "refusal": None}
+    if reply.reasoning:  # as local servers name it (vLLM, llama.cpp), and as mlx_lm.server does
+        message |= {"reasoning_content": reply.reasoning, "reasoning": reply.reasoning}
     if parsed.tool_calls:
         message |= {"content": parsed.text or None, "tool_calls": tool_calls(body, reply)}
     return {
@@ -145,6 +148,8 @@ async def _chunks(
             if isinstance(piece, str):
                 yield await chunk({"content": piece})
                 shown += len(piece)
+            elif isinstance(piece, ReasoningDelta):
+                yield await chunk({"reasoning_content": piece.text, "reasoning": piece.text})
             else:
                 reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream

@@ -26,7 +26,9 @@ from agentkv.server.conversation import (
     refuse_empty,
     sampling_from,
     split_turn,
+    template_kwargs,
     text_of,
+    thinking_of,
 )
 from agentkv.server.errors import APIError
 from agentkv.server.limits import MAX_STOP_SEQUENCES
@@ -99,14 +101,13 @@ CHAT_FIELDS = FieldPolicy(
             *("top_p", "seed", "stop", "user", "n", "stream", "stream_options", "tools"),
             *("tool_choice", "response_format", "parallel_tool_calls", "presence_penalty"),
             *("frequency_penalty", "logit_bias", "logprobs", "top_logprobs"),
-            *("prompt_cache_key", "modalities"),
+            *("prompt_cache_key", "modalities", "reasoning_effort", "chat_template_kwargs"),
         }
     ),
     accepted={
         "metadata": "OpenAI's dashboards read it; nothing here does",
         "store": "the conversation is the agent's transcript either way",
         "service_tier": "there is one tier here",
-        "reasoning_effort": "the reply has no hidden reasoning to bound",
         "safety_identifier": "OpenAI's abuse monitoring",
         "prediction": "a speed hint: the reply is the same without it",
         "prompt_cache_options": "caches are kept by agentkv's own tiers",
@@ -157,6 +158,7 @@ class ChatCompletionRequest(BaseModel):
     store: StrictBool | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -235,6 +237,9 @@ class ChatCompletionRequest(BaseModel):
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
             logprobs=top_logprobs(self.logprobs, self.top_logprobs),
+            template_kwargs=template_kwargs(
+                self.chat_template_kwargs, thinking_of(self.reasoning_effort, "reasoning_effort")
+            ),
         )
         plain = request.tool_choice is None and request.session is None
         if tools is None and is_plain(messages) and plain:

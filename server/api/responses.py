@@ -30,7 +30,12 @@ Fields are read, honoured, or refused, never dropped unread:
   ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
   ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
   ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
-- accepted, without effect: ``reasoning`` (the reply has no reasoning items),
+- ``reasoning.effort``: ``none`` and ``minimal`` switch a reasoning model's thinking off
+  (``enable_thinking=False`` for its template), the others leave it on; its thinking comes
+  back whole as a ``reasoning`` item (``reasoning_text`` content) before the message,
+  streamed as ``response.reasoning_text.delta`` events (``reasoning.summary``: no summaries
+  are written);
+- accepted, without effect:
   ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``user``,
   ``safety_identifier``, ``service_tier``, ``client_metadata``, ``stream_options``;
 - refused with a 400 naming the field: ``conversation`` (the Conversations API: use
@@ -54,7 +59,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentkv import AgentRuntime, Reply
+from agentkv import AgentRuntime, ReasoningDelta, Reply
 from agentkv.server.api.responses_input import conversation
 from agentkv.server.api.responses_request import (
     ResponsesRequest,
@@ -86,6 +91,7 @@ class _Ids:
     def __init__(self) -> None:
         self.response = f"resp_{uuid.uuid4().hex}"
         self.message = f"msg_{uuid.uuid4().hex}"
+        self.reasoning = f"rs_{uuid.uuid4().hex}"
 
 
 def _calls(body: ResponsesRequest, reply: Reply) -> list[ToolCall]:
@@ -106,6 +112,18 @@ def _message_item(
         "id": ids.message,
         "status": status,
         "role": "assistant",
+        "content": content,
+    }
+
+
+def _reasoning_item(ids: _Ids, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking, whole (no summary is written)."""
+    content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+    return {
+        "type": "reasoning",
+        "id": ids.reasoning,
+        "status": status,
+        "summary": [],
         "content": content,
     }
 
@@ -135,7 +153,7 @@ def _output(
     body: ResponsesRequest, ids: _Ids, reply: Reply, logprobs: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
     calls = _calls(body, reply)
-    items = []
+    items = [_reasoning_item(ids, reply.reasoning, "completed")] if reply.reasoning else []
     if reply.content.text or not calls:
         items.append(_message_item(ids, reply.content.text, _item_status(reply), logprobs))
     items += [_call_item(body, call, "completed") for call in calls]
@@ -153,7 +171,7 @@ def _usage(reply: Reply) -> dict[str, Any]:
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -190,7 +208,7 @@ def _response(
         "top_p": body.top_p,
         "top_logprobs": body.top_logprobs,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.store is not False,
         "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled",
@@ -223,12 +241,32 @@ async def _events(
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
     text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
+    thought_at = {"item_id": ids.reasoning, "output_index": 0, "content_index": 0}
+    thought = ""
 
     def open_message() -> list[str]:
         item = _message_item(ids, "", "in_progress")
+        lines = close_reasoning()
+        if thought:  # the message follows the reasoning item
+            text_at["output_index"] = 1
+        index = text_at["output_index"]
         return [
-            event("response.output_item.added", output_index=0, item=item),
+            *lines,
+            event("response.output_item.added", output_index=index, item=item),
             event("response.content_part.added", **text_at, part=_text_part("")),
+        ]
+
+    reasoning_open = False
+
+    def close_reasoning() -> list[str]:
+        nonlocal reasoning_open
+        if not reasoning_open:
+            return []
+        reasoning_open = False
+        done = _reasoning_item(ids, thought, "completed")
+        return [
+            event("response.reasoning_text.done", **thought_at, text=thought),
+            event("response.output_item.done", output_index=0, item=done),
         ]
 
     def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
@@ -241,6 +279,14 @@ async def _events(
         async for piece in turn.visible_text(tool_format):
             if isinstance(piece, Reply):
                 reply = piece
+                continue
+            if isinstance(piece, ReasoningDelta):
+                if not reasoning_open and not thought:
+                    item = _reasoning_item(ids, "", "in_progress")
+                    yield event("response.output_item.added", output_index=0, item=item)
+                    reasoning_open = True
+                thought += piece.text
+                yield event("response.reasoning_text.delta", **thought_at, delta=piece.text)
                 continue
             if not opened:
                 for line in open_message():
@@ -256,7 +302,10 @@ async def _events(
         yield event("response.failed", response=failed)
         return
     assert reply is not None
-    calls, final, index = _calls(body, reply), reply.content.text, 0
+    for line in close_reasoning():
+        yield line
+    calls, final = _calls(body, reply), reply.content.text
+    index = 1 if thought else 0
     every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
     if opened or final or not calls:
         if not opened:
@@ -269,8 +318,8 @@ async def _events(
         part = _text_part(final, every)
         yield event("response.content_part.done", **text_at, part=part)
         done = _message_item(ids, final, _item_status(reply), every)
-        yield event("response.output_item.done", output_index=0, item=done)
-        index = 1
+        yield event("response.output_item.done", output_index=index, item=done)
+        index += 1
     for call in calls:
         item, arguments = _call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
         at = {"item_id": item["id"], "output_index": index}

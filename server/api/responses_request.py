@@ -19,7 +19,7 @@ from agentkv.server.api.openai_request import forced_choice
 from agentkv.server.api.responses_input import Conversation, conversation
 from agentkv.server.api.stored_responses import items_of
 from agentkv.server.bodies import FieldPolicy
-from agentkv.server.conversation import TurnRequest, sampling_from
+from agentkv.server.conversation import TurnRequest, sampling_from, template_kwargs, thinking_of
 from agentkv.server.errors import APIError
 from agentkv.server.logprobs import top_logprobs
 from agentkv.server.sessions import RESPONSES_SESSION_PREFIX, STATELESS_PREFIX
@@ -38,11 +38,10 @@ RESPONSES_FIELDS = FieldPolicy(
             *("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls"),
             *("max_output_tokens", "max_tool_calls", "temperature", "top_p", "stream", "store"),
             *("prompt_cache_key", "metadata", "text", "truncation", "include", "top_logprobs"),
-            *("previous_response_id",),
+            *("previous_response_id", "reasoning"),
         }
     ),
     accepted={
-        "reasoning": "the reply has no reasoning items",
         "user": "OpenAI's abuse monitoring",
         "safety_identifier": "OpenAI's abuse monitoring",
         "service_tier": "there is one tier here",
@@ -148,6 +147,9 @@ class ResponsesRequest(BaseModel):
             tool_choice=forced_choice(self.tool_choice, "tool_choice"),
             logprobs=top_logprobs(self.wants_logprobs, self.top_logprobs),
             format_field="text.format",
+            template_kwargs=template_kwargs(
+                None, thinking_of((self.reasoning or {}).get("effort"), "reasoning.effort")
+            ),
         )
 
     @property

@@ -1,0 +1,95 @@
+"""A reasoning model's thinking in the logits: a cap on how long it reasons, and where a
+grammar begins.
+
+A reasoning model writes its thinking between two marker tokens (mlx-lm's ``think_start_id``
+/ ``think_end_id``: ``<think>`` … ``</think>``) before its answer; a chat template may open the
+thinking at the end of the prompt. :class:`ThinkingState` follows a sequence's tokens to know
+whether it is reasoning now. :class:`ThinkingBudget` forces the end marker once a reply has
+reasoned for its budget of tokens (Anthropic's ``thinking.budget_tokens``); a grammar (a
+forced tool call, a JSON reply) holds only the answer after the thinking
+(``engine.grammar.GrammarProcessor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROMPT_TAIL = 16
+"""Tokens at a prompt's end read for thinking the template opened (or closed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingMarkers:
+    """The token ids that open and close a model's thinking."""
+
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ThinkingMarkers | None:
+        """An mlx-lm TokenizerWrapper's markers when each is one token; else None."""
+        if not getattr(tokenizer, "has_thinking", False):
+            return None
+        start, end = tokenizer.think_start_tokens, tokenizer.think_end_tokens
+        if not start or not end or len(start) != 1 or len(end) != 1:
+            return None
+        return cls(start[0], end[0])
+
+
+class ThinkingState:
+    """Whether a sequence is reasoning now, fed its context as logits processors see it (the
+    first call: the prompt; then each token sampled since)."""
+
+    __slots__ = ("_seen", "inside", "markers", "reasoned", "replied")
+
+    def __init__(self, markers: ThinkingMarkers):
+        self.markers = markers
+        self.inside = False
+        self.reasoned = 0  # tokens of thinking generated so far
+        self.replied = 0  # tokens generated so far
+        self._seen: int | None = None
+
+    def update(self, tokens: Any) -> list[int]:
+        """Follow the context up to now (an MLX or numpy array of token ids); returns the
+        tokens generated since the previous call."""
+        if self._seen is None:  # the prompt: thinking the template left open
+            tail = tokens[-PROMPT_TAIL:].tolist()
+            start, end = self.markers.start, self.markers.end
+            last_start = max((i for i, t in enumerate(tail) if t == start), default=-1)
+            last_end = max((i for i, t in enumerate(tail) if t == end), default=-1)
+            self.inside = last_start > last_end
+            self._seen = int(tokens.size)
+            return []
+        new = tokens[self._seen :].tolist()
+        self._seen = int(tokens.size)
+        for token in new:
+            self.replied += 1
+            if token == self.markers.start:
+                self.inside = True
+            elif token == self.markers.end:
+                self.inside = False
+            elif self.inside:
+                self.reasoned += 1
+        return new
+
+
+class ThinkingBudget:
+    """A logits processor: once a reply has reasoned for ``budget`` tokens, its next token is
+    the end marker (the answer follows)."""
+
+    __slots__ = ("budget", "state")
+
+    def __init__(self, markers: ThinkingMarkers, budget: int):
+        self.state = ThinkingState(markers)
+        self.budget = budget
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        state = self.state
+        state.update(tokens)
+        if not state.inside or state.reasoned < self.budget:
+            return logits
+        end = mx.arange(logits.shape[-1]) == state.markers.end
+        return mx.where(end, logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -1,0 +1,397 @@
+"""A reasoning model's thinking, kept apart from its answer (tiny:thinking: Qwen3's chat
+template, <think> … </think>), across turns and in the engine's logits (a budget, a grammar
+after the thinking)."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from agentkv import AgentRuntime, ReasoningDelta, Reply, RuntimeConfig, TextDelta
+from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.engine.sampling import SamplingParams
+from agentkv.errors import ChatTemplateError, InvalidMessageError
+from agentkv.reasoning import ReasoningFormat, ReasoningSplitter
+from tests.conftest import ForcedTokens
+
+MODEL = "tiny:thinking"
+THOUGHT = "The user greets me. I greet back."
+ANSWER = "Hello there, friend."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_model_dir(MODEL))
+
+
+@pytest.fixture
+def say(monkeypatch, tokenizer):
+    """``say(text)``: the next request answers ``text`` (forced token by token), then ends."""
+    scripts: list[list[int]] = []
+    make = SamplingParams.make_logits_processors
+
+    def processors(self: SamplingParams, vocab_size: int) -> list:
+        forced = [ForcedTokens(scripts.pop(0))] if scripts else []
+        return forced + make(self, vocab_size)
+
+    monkeypatch.setattr(SamplingParams, "make_logits_processors", processors)
+
+    def script(text: str, end: bool = True) -> None:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        scripts.append([*tokens, *([tokenizer.convert_tokens_to_ids("<|im_end|>")] * end)])
+
+    return script
+
+
+def thought(thinking: str, answer: str) -> str:
+    return f"<think>\n{thinking}\n</think>\n\n{answer}"
+
+
+def config(tmp_path) -> RuntimeConfig:
+    return RuntimeConfig(model=MODEL, data_dir=tmp_path)
+
+
+def test_the_reasoning_format_comes_from_the_tokenizer(tokenizer):
+    form = ReasoningFormat.of(tokenizer)
+    assert form is not None and (form.start, form.end) == ("<think>", "</think>")
+    assert ReasoningFormat.of(load_tokenizer(tiny_model_dir("tiny:tools"))) is None
+    assert form.split(thought(THOUGHT, ANSWER)) == (THOUGHT, ANSWER)
+    assert form.split(f"{THOUGHT}\n</think>\n\n{ANSWER}", opened=True) == (THOUGHT, ANSWER)
+    assert form.split(ANSWER) == ("", ANSWER)
+    assert form.split("<think>\ncut off mid-thought") == ("cut off mid-thought", "")
+    # Streamed in pieces of any size (a marker split across them), the same parts.
+    text = thought("line one\nline two", "An answer\n\nin two paragraphs.")
+    for size in (1, 2, 3, 7):
+        splitter, parts = ReasoningSplitter(form), []
+        for i in range(0, len(text), size):
+            parts += splitter.feed(text[i : i + size])
+        parts += splitter.flush()
+        assert "".join(p for inside, p in parts if inside) == "line one\nline two"
+        assert "".join(p for inside, p in parts if not inside) == "An answer\n\nin two paragraphs."
+    # Where the template opened the thinking (its generation prompt ends with <think>).
+    opened = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    closed = tokenizer.encode(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False
+    )
+    assert form.opened(opened) and not form.opened(closed) and not form.opened([1, 2, 3])
+
+
+def test_thinking_markers_are_markers_only_in_replies(tokenizer):
+    # A user cannot open a thinking block; a reply stored with its thinking (as transcripts
+    # keep it) is taken apart by the template, which drops earlier reasoning.
+    from agentkv.prompt import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, frozenset(tokenizer.eos_token_ids))
+    start = tokenizer.think_start_id
+    as_user = renderer.full_prompt([{"role": "user", "content": thought(THOUGHT, ANSWER)}])
+    assert start not in as_user
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": thought(THOUGHT, ANSWER)},
+        {"role": "user", "content": "And?"},
+    ]
+    text = tokenizer.decode(renderer.full_prompt(history))
+    assert THOUGHT not in text and f"<|im_start|>assistant\n{ANSWER}<|im_end|>" in text
+
+
+async def test_a_reply_keeps_its_reasoning_apart_streamed_and_not(tmp_path, say):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("thinker", system_prompt="Be kind.")
+        say(thought(THOUGHT, ANSWER))
+        reply = await rt.chat("thinker", "Hi!", max_tokens=64)
+        assert (reply.reasoning, reply.text) == (THOUGHT, ANSWER)
+        say(thought(THOUGHT, ANSWER))
+        events = [e async for e in rt.stream("thinker", "Hi again!", max_tokens=64)]
+        streamed = events[-1]
+        assert isinstance(streamed, Reply) and streamed.reasoning == THOUGHT
+        thinking = [e.text for e in events if isinstance(e, ReasoningDelta)]
+        answer = [e.text for e in events if isinstance(e, TextDelta)]
+        assert "".join(thinking) == THOUGHT and "".join(answer) == ANSWER
+        # Each piece is one or the other: no marker or newline of the template's in either.
+        first_answer = next(i for i, e in enumerate(events) if isinstance(e, TextDelta))
+        assert all(isinstance(e, ReasoningDelta) for e in events[:first_answer])
+        # The transcript keeps what the model saw (the template drops earlier reasoning when
+        # it renders the history again); the next turn resumes all of the cache.
+        transcript = await rt.transcript("thinker")
+        assert transcript[-1].content == thought(THOUGHT, ANSWER)
+        say(ANSWER)
+        third = await rt.chat("thinker", "Bye.", max_tokens=64)
+        held = streamed.usage.prompt_tokens + streamed.usage.completion_tokens
+        assert third.cache_source == "hot" and third.usage.cached_tokens == held
+
+
+async def test_turn_n_plus_one_of_a_thinking_conversation_resumes_its_reasoning(
+    tmp_path, say, tokenizer
+):
+    # A client resending the conversation sends the answer back without its reasoning (as
+    # OpenAI-compatible clients do), and Qwen3's template drops earlier reasoning anyway: the
+    # reply the model generated is spliced back in, so the next turn prefills only its own
+    # message, not the whole last reply.
+    conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi!"}]
+    replies = []
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("doc")
+        for question in ("How are you?", "And today?", "Tell me more."):
+            say(thought(THOUGHT * 3, ANSWER))
+            reply = None
+            async for event in rt.respond("doc", conversation, max_tokens=200):
+                reply = event
+            assert (reply.reasoning, reply.text) == (THOUGHT * 3, ANSWER)
+            replies.append(reply)
+            conversation += [
+                {"role": "assistant", "content": reply.text},
+                {"role": "user", "content": question},
+            ]
+    questions = ("How are you?", "And today?")
+    for earlier, later, question in zip(replies, replies[1:], questions, strict=False):
+        held = earlier.usage.prompt_tokens + earlier.usage.completion_tokens
+        assert later.cache_source == "hot" and later.usage.cached_tokens == held
+        # Prefilled: the new message and the template's tokens around it, nothing else.
+        new = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        prefilled = later.usage.prompt_tokens - later.usage.cached_tokens
+        assert prefilled == len(tokenizer.encode(new, add_special_tokens=False))
+
+
+async def test_template_kwargs_reach_the_template_and_the_next_turn_resumes(tmp_path, say):
+    off = {"enable_thinking": False}
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        for agent_id in ("plain", "off"):
+            await rt.create_agent(agent_id, system_prompt="Be kind.")
+        say(ANSWER)
+        on = await rt.chat("plain", "Hi!", max_tokens=64)
+        say(ANSWER)
+        without = await rt.chat("off", "Hi!", max_tokens=64, template_kwargs=off)
+        # The generation prompt's empty reasoning block: <think>, "\n\n", </think>, "\n\n".
+        empty = rt.engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+        assert without.usage.prompt_tokens == on.usage.prompt_tokens + len(empty)
+        assert (without.reasoning, without.text) == ("", ANSWER)
+        # The history renders the reply without that block; the cache holds what the model
+        # saw, and the next turn extends it.
+        say(ANSWER)
+        again = await rt.chat("off", "More?", max_tokens=64, template_kwargs=off)
+        held = without.usage.prompt_tokens + without.usage.completion_tokens
+        assert again.cache_source == "hot" and again.usage.cached_tokens == held
+        with pytest.raises(ChatTemplateError, match="'add_generation_prompt' is set by"):
+            await rt.chat("off", "x", template_kwargs={"add_generation_prompt": False})
+        with pytest.raises(ChatTemplateError, match="not a JSON value"):
+            await rt.chat("off", "x", template_kwargs={"enable_thinking": object()})
+
+
+async def test_a_reasoning_budget_ends_the_thinking_after_that_many_tokens(tmp_path, say):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("brief")
+        tokenizer = rt.engine.tokenizer
+        start, end = tokenizer.think_start_id, tokenizer.think_end_id
+        say(thought("one two three four five six seven eight nine ten " * 3, ANSWER), end=False)
+        reply = await rt.chat("brief", "Think hard.", max_tokens=40, reasoning_budget=5)
+        ids = reply.token_ids
+        assert ids[0] == start and ids[6] == end  # five tokens of thinking, then its end
+        assert end not in ids[1:6] and reply.reasoning and reply.text
+        with pytest.raises(InvalidMessageError, match="reasoning_budget must be"):
+            await rt.chat("brief", "x", reasoning_budget=-1)
+    async with await AgentRuntime.open(
+        RuntimeConfig(model="tiny:tools", data_dir=tmp_path / "t")
+    ) as rt:
+        await rt.create_agent("plain")
+        with pytest.raises(InvalidMessageError, match="has no thinking markers"):
+            await rt.chat("plain", "x", reasoning_budget=10)
+
+
+async def test_a_forced_tool_call_follows_the_thinking(tmp_path, say):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Oslo", "Bergen"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    conversation = [{"role": "user", "content": "Weather in Oslo?"}]
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        await rt.create_agent("caller")
+        # The model opens its thinking, thinks, closes it: then the grammar holds the call.
+        say("<think>\nI need the weather tool.\n</think>", end=False)
+        reply = None
+        async for event in rt.respond(
+            "caller", conversation, tools=[weather], tool_choice="required", max_tokens=120
+        ):
+            reply = event
+        assert reply.reasoning == "I need the weather tool."
+        (call,) = reply.content.tool_calls
+        assert call.name == "weather" and call.arguments["city"] in ("Oslo", "Bergen")
+        assert reply.content.text.strip() == ""
+
+
+# ---- over HTTP, with the official SDKs -----------------------------------------------------
+
+WEATHER = {
+    "name": "weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Bergen"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from agentkv.server.background import serve_in_thread
+
+    data = tmp_path_factory.mktemp("reasoning-server")
+    with serve_in_thread(RuntimeConfig(model=MODEL, data_dir=data)) as url:
+        yield url
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+def test_chat_completions_return_reasoning_content(server, say, stream, tools):
+    import openai
+
+    say(thought(THOUGHT, CALL if tools else ANSWER))
+    extra = {"tools": [{"type": "function", "function": WEATHER}]} if tools else {}
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
+        asked = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "max_tokens": 120,
+            **extra,
+        }
+        if not stream:
+            done = client.chat.completions.create(**asked)
+            message = done.choices[0].message
+            reasoning, content = message.reasoning_content, message.content
+            assert message.model_extra["reasoning"] == THOUGHT
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            details = done.usage.completion_tokens_details
+            assert 0 < details.reasoning_tokens < done.usage.completion_tokens
+        else:
+            reasoning, content, calls, alias = "", "", [], ""
+            for chunk in client.chat.completions.create(**asked, stream=True):
+                delta = chunk.choices[0].delta if chunk.choices else None
+                extra_fields = (delta.model_extra or {}) if delta else {}
+                reasoning += extra_fields.get("reasoning_content") or ""
+                alias += extra_fields.get("reasoning") or ""
+                content += (delta.content or "") if delta else ""
+                for call in (delta.tool_calls or []) if delta else []:
+                    calls.append((call.function.name, call.function.arguments))
+            assert alias == reasoning
+    assert reasoning == THOUGHT
+    if tools:
+        assert calls == [("weather", '{"city": "Oslo"}')] and not content
+    else:
+        assert content == ANSWER and not calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+def test_anthropic_messages_return_thinking_blocks(server, say, stream, tools):
+    import anthropic
+
+    say(thought(THOUGHT, CALL if tools else ANSWER))
+    extra = {}
+    if tools:
+        schema = WEATHER["parameters"]
+        extra["tools"] = [{"name": "weather", "description": "w", "input_schema": schema}]
+    with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0) as client:
+        asked = {
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            **extra,
+        }
+        if stream:
+            with client.messages.stream(**asked) as events:
+                kinds = [e.type for e in events]
+                message = events.get_final_message()
+            assert "thinking" in kinds or "content_block_delta" in kinds
+        else:
+            message = client.messages.create(**asked)
+    blocks = [block.type for block in message.content]
+    assert blocks == (["thinking", "tool_use"] if tools else ["thinking", "text"])
+    assert message.content[0].thinking == THOUGHT
+    if tools:
+        assert message.content[1].input == {"city": "Oslo"} and message.stop_reason == "tool_use"
+    else:
+        assert message.content[1].text == ANSWER
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool-call"])
+def test_responses_return_reasoning_items(server, say, stream, tools):
+    import openai
+
+    say(thought(THOUGHT, CALL if tools else ANSWER))
+    extra = {"tools": [{"type": "function", **WEATHER}]} if tools else {}
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
+        asked = {
+            "model": MODEL,
+            "input": "Weather in Oslo?",
+            "max_output_tokens": 200,
+            "reasoning": {"effort": "medium"},
+            **extra,
+        }
+        if stream:
+            deltas = ""
+            with client.responses.stream(**asked) as events:
+                for event in events:
+                    if event.type == "response.reasoning_text.delta":
+                        deltas += event.delta
+                response = events.get_final_response()
+            assert deltas == THOUGHT
+        else:
+            response = client.responses.create(**asked)
+    kinds = [item.type for item in response.output]
+    assert kinds == (["reasoning", "function_call"] if tools else ["reasoning", "message"])
+    assert response.output[0].content[0].text == THOUGHT
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    if tools:
+        assert response.output[1].name == "weather"
+    else:
+        assert response.output_text == ANSWER
+
+
+def test_the_apis_switch_thinking_off_and_refuse_bad_values(server, say):
+    import anthropic
+    import openai
+
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
+        asked = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+        say(ANSWER)
+        on = client.chat.completions.create(**asked)
+        # reasoning_effort "none" and chat_template_kwargs both reach the template: its
+        # generation prompt closes the thinking at once (4 tokens more).
+        say(ANSWER)
+        off = client.chat.completions.create(**asked, reasoning_effort="none")
+        say(ANSWER)
+        kwargs = client.chat.completions.create(
+            **asked, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+        assert off.usage.prompt_tokens == kwargs.usage.prompt_tokens == on.usage.prompt_tokens + 4
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+            client.chat.completions.create(**asked, reasoning_effort="extreme")
+        with pytest.raises(openai.BadRequestError, match="tokenize"):
+            client.chat.completions.create(
+                **asked, extra_body={"chat_template_kwargs": {"tokenize": True}}
+            )
+        say(ANSWER)
+        quiet = client.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=8, reasoning={"effort": "minimal"}
+        )
+        assert quiet.usage.input_tokens == on.usage.prompt_tokens + 4
+    with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0) as client:
+        asked = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+        say(ANSWER)
+        disabled = client.messages.create(**asked, thinking={"type": "disabled"})
+        usage = disabled.usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == on.usage.prompt_tokens + 4
+        with pytest.raises(anthropic.BadRequestError, match="thinking"):
+            client.messages.create(**asked, thinking={"type": "enabled"})
