@@ -15,7 +15,7 @@ from agentkv.chat_turn import ChatTurn
 from agentkv.config import RuntimeConfig
 from agentkv.conversations import Conversations
 from agentkv.engine.engine import Engine
-from agentkv.engine.grammar import Grammar, GrammarError
+from agentkv.engine.grammar import TOOL_CALL_STYLES, Grammar, GrammarError
 from agentkv.engine.request import PromptCache
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import (
@@ -444,13 +444,14 @@ class AgentRuntime:
         if not tools:
             raise InvalidResponseFormatError("tool_choice: forcing a tool call needs tools")
         if form is None or not form.forcible:
+            style = form.style if form else "none"
             raise InvalidResponseFormatError(
                 f"tool_choice: model {self.config.model!r} writes tool calls in a format this "
-                "server cannot force (only JSON between markers, as Hermes and Qwen do)"
+                f"server cannot force ({style!r}; forcible: {', '.join(TOOL_CALL_STYLES)})"
             )
         try:
             return await asyncio.to_thread(
-                self._engine.grammars.tool_call, form.start, form.end, tools, name
+                self._engine.grammars.tool_call, form.start, form.end, tools, name, form.style
             )
         except GrammarError as exc:
             raise InvalidResponseFormatError(f"tool_choice: {exc}") from None

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+MARKUPS_KEPT = 4096
+"""Tool calls whose rendered markup a format remembers (conversations resend the same ones)."""
+
 
 @dataclass(slots=True, frozen=True)
 class ToolCall:
@@ -52,24 +55,36 @@ class ParsedReply:
 
 @dataclass(slots=True)
 class ToolFormat:
-    """A model's tool-call markers and parser."""
+    """A model's tool-call markers and parser (``tokenizer``: the mlx-lm TokenizerWrapper whose
+    chat template writes calls in formats other than JSON, see :meth:`markup`)."""
 
     start: str
     end: str
     parser: Callable[[str, Any], Any]
+    tokenizer: Any = None
+    _markups: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, tokenizer: Any) -> ToolFormat | None:
         """The format of an mlx-lm TokenizerWrapper, or None when the model has none."""
         if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
             return None
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        return cls(start, end, tokenizer.tool_parser, tokenizer)
+
+    @property
+    def style(self) -> str:
+        """The format's name: the mlx-lm parser that reads it (``json_tools``,
+        ``qwen3_coder``, ``glm47``, …)."""
+        return getattr(self.parser, "__module__", "").rsplit(".", 1)[-1]
 
     @property
     def forcible(self) -> bool:
-        """Whether a call can be forced (``tool_choice``): the JSON format between markers
-        (mlx-lm's ``json_tools`` parser: Hermes, Qwen), which ``engine.grammar`` writes."""
-        return getattr(self.parser, "__module__", "").endswith("json_tools")
+        """Whether a call can be forced (``tool_choice``): a format ``engine.grammar`` writes
+        a grammar for (JSON between markers: Hermes, Qwen3; Qwen3-Coder's XML: Qwen 3.5)."""
+        from agentkv.engine.grammar import TOOL_CALL_STYLES
+
+        return self.style in TOOL_CALL_STYLES
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         """Split generated text into plain text and tool calls.
@@ -113,11 +128,39 @@ class ToolFormat:
         return calls
 
     def markup(self, calls: list[ToolCall]) -> str:
-        """Calls written out as JSON between the markers (how transcripts store them)."""
+        """Calls written out as the model writes them (how transcripts store them): JSON
+        between the markers, or, in another format, as the chat template renders them."""
+        if not calls:
+            return ""
+        if self.style != "json_tools" and self.tokenizer is not None:
+            key = json.dumps([[c.name, c.arguments] for c in calls], sort_keys=True)
+            if (known := self._markups.get(key)) is None:
+                known = self._rendered(calls)
+                if len(self._markups) >= MARKUPS_KEPT:
+                    self._markups.clear()
+                self._markups[key] = known
+            if known:
+                return known
         return "".join(
             f"{self.start}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{self.end}"
             for c in calls
         )
+
+    def _rendered(self, calls: list[ToolCall]) -> str:
+        """The calls as the chat template writes them in an assistant turn ("" when it does
+        not write them between the markers)."""
+        probe = [{"role": "user", "content": "x"}]
+        reply = {"role": "assistant", "content": "", "tool_calls": [c.as_template() for c in calls]}
+        try:
+            whole = self.tokenizer.apply_chat_template(
+                [*probe, reply], tokenize=False, add_generation_prompt=False
+            )
+        except Exception:  # a template that refuses the probe: JSON markup then
+            return ""
+        first, last = whole.find(self.start), whole.rfind(self.end)
+        if first < 0 or last < first:
+            return ""
+        return whole[first : last + len(self.end)]
 
     def streaming_split(self, text: str) -> int:
         """How much of ``text`` (a growing reply) can be shown as plain text now: everything

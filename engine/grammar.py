@@ -27,6 +27,10 @@ import numpy as np
 
 from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
 
+TOOL_CALL_STYLES = ("json_tools", "qwen3_coder")
+"""The tool-call formats a call can be forced in, by the mlx-lm parser that reads them: JSON
+between markers (Hermes, Qwen3) and Qwen3-Coder's XML (Qwen 3.5, Qwen3-Coder, Qwen3-Next)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -104,13 +108,19 @@ class Grammars:
         return self._checked(source)
 
     def tool_call(
-        self, start: str, end: str, tools: list[dict[str, Any]], name: str | None
+        self,
+        start: str,
+        end: str,
+        tools: list[dict[str, Any]],
+        name: str | None,
+        style: str = "json_tools",
     ) -> Grammar:
-        """The grammar of one tool call written as ``start``, a newline, ``{"name": ...,
-        "arguments": {...}}`` (the arguments held to the tool's parameters schema), a newline
-        and ``end`` (the JSON tool-call format of Hermes and Qwen templates): a call of
-        ``name``, or (None) of any of ``tools`` (OpenAI function shape). Raises GrammarError
-        for a name that is not among the tools or a parameters schema that cannot compile."""
+        """The grammar of one tool call between the markers ``start`` and ``end``, in the
+        model's format (``style``, the mlx-lm tool parser that reads it; see
+        :data:`TOOL_CALL_STYLES`): a call of ``name``, or (None) of any of ``tools`` (OpenAI
+        function shape), its arguments held to the tool's parameters schema. Raises
+        GrammarError for a name that is not among the tools, a style without a grammar, or a
+        parameters schema that cannot compile."""
         import llguidance
 
         functions = [t.get("function", t) for t in tools]
@@ -118,6 +128,14 @@ class Grammars:
         if not chosen:
             known = ", ".join(repr(f.get("name")) for f in functions)
             raise GrammarError(f"{name!r} is not among the tools ({known})")
+        if style == "qwen3_coder":
+            return self._checked(
+                llguidance.LLMatcher.grammar_from_lark(self._xml(start, end, chosen))
+            )
+        if style != "json_tools":
+            raise GrammarError(
+                f"no grammar for the {style!r} tool-call format (one of {TOOL_CALL_STYLES})"
+            )
 
         def call(function: dict[str, Any]) -> dict[str, Any]:
             return {
@@ -137,6 +155,40 @@ class Grammars:
             f"call: %json {json.dumps(schema)}\n"
         )
         return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def _xml(self, start: str, end: str, functions: list[dict[str, Any]]) -> str:
+        """Lark for one call in Qwen3-Coder's XML (``<function=NAME>``, then each parameter
+        as ``<parameter=KEY>``, its value on its own lines, ``</parameter>``): the
+        parameters the schema lists, in its order, the required ones always; a string's
+        value any text up to the closing tag, an enum one of its values, any other type
+        JSON held to its schema."""
+        rules, calls = [], []
+        for f, function in enumerate(functions):
+            schema = function.get("parameters") or {}
+            properties = schema.get("properties") or {}
+            required = set(schema.get("required") or ())
+            parts = [json.dumps(f"{function['name']}>\n")]
+            for p, (key, spec) in enumerate(properties.items()):
+                value = f"v{f}_{p}"
+                opening = json.dumps(f"<parameter={key}>\n")
+                spec = spec if isinstance(spec, dict) else {}
+                if isinstance(spec.get("enum"), list) and spec["enum"]:
+                    written = [v if isinstance(v, str) else json.dumps(v) for v in spec["enum"]]
+                    rules.append(f"{value}: " + " | ".join(json.dumps(v) for v in written))
+                    param = f'{opening} {value} "\\n</parameter>\\n"'
+                elif spec.get("type") in (None, "string"):
+                    rules.append(f'{value}[stop="\\n</parameter>"]: /(.|\\n)*/')
+                    param = f'{opening} {value} "\\n"'
+                else:
+                    rules.append(f"{value}: %json {json.dumps(spec)}")
+                    param = f'{opening} {value} "\\n</parameter>\\n"'
+                rules.append(f"p{f}_{p}: {param}")
+                parts.append(f"p{f}_{p}" + ("" if key in required else "?"))
+            rules.append(f"f{f}: " + " ".join(parts))
+            calls.append(f"f{f}")
+        head = f'start: {self._literal(start)} "\\n<function=" ({" | ".join(calls)}) '
+        head += f'"</function>\\n" {self._literal(end)}'
+        return "\n".join([head, *rules]) + "\n"
 
     def _literal(self, marker: str) -> str:
         """A marker in the grammar: its token (``<[id]>``) when it is one, else its text."""

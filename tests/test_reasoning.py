@@ -1,8 +1,10 @@
 """A reasoning model's thinking, kept apart from its answer (tiny:thinking: Qwen3's chat
-template, <think> … </think>), across turns and in the engine's logits (a budget, a grammar
-after the thinking)."""
+template, <think> … </think>, with Qwen 3.5's XML tool calls), across turns and in the
+engine's logits (a budget, a grammar after the thinking)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -238,7 +240,11 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+# Qwen 3.5's XML tool call (mlx-lm's qwen3_coder parser reads it).
+CALL = (
+    "<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +401,78 @@ def test_the_apis_switch_thinking_off_and_refuse_bad_values(server, say):
         assert usage.input_tokens + usage.cache_read_input_tokens == on.usage.prompt_tokens + 4
         with pytest.raises(anthropic.BadRequestError, match="thinking"):
             client.messages.create(**asked, thinking={"type": "enabled"})
+
+
+def test_a_forced_xml_tool_call_on_every_api(server):
+    # No scripted reply: the grammar of Qwen 3.5's XML format writes the call. Thinking off
+    # (reasoning_effort "none"), or capped at 5 tokens (Anthropic's budget_tokens): the
+    # grammar holds the answer after the thinking's forced end.
+    import anthropic
+    import openai
+
+    tool = {"type": "function", "function": WEATHER}
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
+        done = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[tool],
+            tool_choice="required",
+            reasoning_effort="none",
+            max_tokens=200,
+        )
+        (call,) = done.choices[0].message.tool_calls
+        assert call.function.name == "weather"
+        assert json.loads(call.function.arguments)["city"] in ("Oslo", "Bergen")
+        assert done.choices[0].finish_reason == "tool_calls"
+        response = client.responses.create(
+            model=MODEL,
+            input="Weather?",
+            tools=[{"type": "function", **WEATHER}],
+            tool_choice={"type": "function", "name": "weather"},
+            reasoning={"effort": "none"},
+            max_output_tokens=200,
+        )
+        (item,) = [i for i in response.output if i.type == "function_call"]
+        assert json.loads(item.arguments)["city"] in ("Oslo", "Bergen")
+    with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0) as client:
+        message = client.messages.create(
+            model=MODEL,
+            max_tokens=300,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[{"name": "weather", "description": "w", "input_schema": WEATHER["parameters"]}],
+            tool_choice={"type": "tool", "name": "weather"},
+            thinking={"type": "enabled", "budget_tokens": 5},
+        )
+    kinds = [block.type for block in message.content]
+    assert kinds[-1] == "tool_use" and message.content[-1].input["city"] in ("Oslo", "Bergen")
+    if "thinking" in kinds:  # the model opened its thinking: at most 5 tokens of it
+        assert len(message.content[0].thinking) > 0
+
+
+async def test_transcripts_store_xml_tool_calls_as_the_template_writes_them(tmp_path):
+    from agentkv.tool_calls import ToolCall
+
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        form = rt.tool_format
+        assert form.style == "qwen3_coder" and form.forcible
+        call = ToolCall("weather", {"city": "Oslo", "days": 3})
+        message = {"role": "assistant", "content": "Checking.", "tool_calls": [call.as_template()]}
+        stored = rt.stored_text(message)
+        assert stored == (
+            "Checking.<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+        )
+        tools = [
+            {
+                "type": "function",
+                "function": WEATHER
+                | {
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                    }
+                },
+            }
+        ]
+        parsed = form.parse(stored, tools)
+        assert parsed.text == "Checking." and parsed.tool_calls == (call,)

@@ -40,59 +40,65 @@ CHATML_TOOLS_TEMPLATE = (
     "{{ tool_call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Qwen3's chat template, as its checkpoints ship it (tools folded into the system turn, tool
-# results as user turns): reasoning between <think> and </think>; an assistant turn before the
+# The chat template of Qwen3's reasoning checkpoints with Qwen 3.5's (and Qwen3-Coder's) XML tool
+# calls (tools folded into the system turn, tool results as user turns, each call
+# <tool_call><function=NAME><parameter=KEY>VALUE</parameter>…, what mlx-lm's ``qwen3_coder``
+# parser reads): reasoning between <think> and </think>; an assistant turn before the
 # last user message is rendered without its reasoning, one after it (a tool-calling loop within
 # a turn) with it; ``enable_thinking=False`` writes an empty reasoning block after the
 # generation prompt. Unlike the templates above, a later user message changes how earlier
 # replies render: the runtime's cache keeps what the model saw.
 QWEN3_TEMPLATE = (
     "{{ bos_token }}"
-    "{%- if tools %}{{ '<|im_start|>system\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
-    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
-    "{%- for tool in tools %}{{ '\n' }}{{ tool | tojson }}{%- endfor %}"
-    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nIf you choose to call a function, reply in this format:\\n"
+    "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\n"
+    "value_1\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
-    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- set ns = namespace(last_query=-1) %}"
     "{%- for message in messages %}{%- if message['role'] == 'user' %}"
     "{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}" + _CONTENT + "{{ '<|im_end|>\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}" + _CONTENT + "{{ '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'assistant' %}"
     "{%- set content = message['content'] if message['content'] is string else '' %}"
     "{%- set reasoning = '' %}"
     "{%- if message['reasoning_content'] is string %}"
     "{%- set reasoning = message['reasoning_content'] %}"
     "{%- elif '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1]"
-    ".lstrip('\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
     "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
-    "{{ '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n'"
-    " + content.lstrip('\n') }}"
-    "{%- else %}{{ '<|im_start|>assistant\n' + content }}{%- endif %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}"
+    "{%- else %}{{ '<|im_start|>assistant\\n' + content }}{%- endif %}"
     "{%- for tool_call in message['tool_calls'] or [] %}"
-    "{%- set tool_call = tool_call['function'] or tool_call %}"
-    "{%- if loop.first and content %}{{ '\n' }}{%- endif %}"
-    '{{ \'<tool_call>\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
-    "{{ tool_call.arguments | tojson }}{{ '}\n</tool_call>' }}{%- endfor %}"
-    "{{ '<|im_end|>\n' }}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if loop.first and content %}{{ '\\n\\n' }}{%- endif %}"
+    "{{ '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for name, value in (tool_call.arguments or {}) | items %}"
+    "{{ '<parameter=' + name + '>\\n' }}"
+    "{%- if value is mapping or (value is iterable and value is not string) %}"
+    "{{ value | tojson }}{%- else %}{{ value | string }}{%- endif %}"
+    "{{ '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{ '</function>\\n</tool_call>' }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{{ '<|im_start|>user\n<tool_response>\n' }}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' }}"
     + _CONTENT
-    + "{{ '\n</tool_response><|im_end|>\n' }}"
+    + "{{ '\\n</tool_response><|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
