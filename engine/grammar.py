@@ -217,8 +217,9 @@ class GrammarProcessor:
     sampled since, which it feeds to the matcher before masking the next step's logits.
 
     With a reasoning model's ``thinking`` state, the grammar holds the answer only: while the
-    model thinks (the prompt left its thinking open, or the reply's first token opened it)
-    any token but an end of the reply may come, and the grammar starts after the end marker.
+    model thinks (the prompt left its thinking open, or the reply's first token opened it:
+    unless the template closed it, switched off) any token but an end of the reply or another
+    start marker may come, and the grammar starts after the end marker.
     """
 
     __slots__ = (
@@ -277,10 +278,12 @@ class GrammarProcessor:
                 self._matcher = None
                 allowed = np.ones(self._vocab_size, dtype=bool)
                 allowed[self._eos] = False
+                if thinking.markers.start < self._vocab_size:
+                    allowed[thinking.markers.start] = False  # (thinking does not nest)
                 return allowed
             if thinking.markers.end in new:
                 self._matcher = None  # the thinking ended: the grammar starts here
-            elif thinking.replied == 0:
+            elif thinking.replied == 0 and not thinking.closed:
                 opening = thinking.markers.start  # the reply may open its thinking first
         if self._matcher is None:
             ll = self._grammars._ll_tokenizer()

@@ -41,11 +41,12 @@ class ThinkingState:
     """Whether a sequence is reasoning now, fed its context as logits processors see it (the
     first call: the prompt; then each token sampled since)."""
 
-    __slots__ = ("_seen", "inside", "markers", "reasoned", "replied")
+    __slots__ = ("_seen", "closed", "inside", "markers", "reasoned", "replied")
 
     def __init__(self, markers: ThinkingMarkers):
         self.markers = markers
         self.inside = False
+        self.closed = False  # the template closed the thinking (switched off) in the prompt
         self.reasoned = 0  # tokens of thinking generated so far
         self.replied = 0  # tokens generated so far
         self._seen: int | None = None
@@ -59,6 +60,7 @@ class ThinkingState:
             last_start = max((i for i, t in enumerate(tail) if t == start), default=-1)
             last_end = max((i for i, t in enumerate(tail) if t == end), default=-1)
             self.inside = last_start > last_end
+            self.closed = 0 <= last_start < last_end
             self._seen = int(tokens.size)
             return []
         new = tokens[self._seen :].tolist()

@@ -38,13 +38,12 @@ class ForcedTokens:
 _FORCED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("forced", default=None)
 
 
-@pytest.fixture
-def force_tool_call(monkeypatch):
-    """``force_tool_call(name, arguments)``: the next request with tools is answered with that
-    tool call (forced token by token). A context variable carries the tokens from the request's
-    turn to its logits processors, so concurrent requests (Claude Code's title requests) are
-    left alone."""
-    tokenizer = load_tokenizer(tiny_model_dir(TOOLS_MODEL))
+def scripted_tool_replies(monkeypatch, model: str):
+    """``say(text)``: the next request with tools to a server of ``model`` (ChatML) is
+    answered ``text`` (forced token by token). A context variable carries the tokens from the
+    request's turn to its logits processors, so concurrent requests (Claude Code's title
+    requests) are left alone."""
+    tokenizer = load_tokenizer(tiny_model_dir(model))
     scripts: list[list[int]] = []
     make_processors, events = SamplingParams.make_logits_processors, turns._events
 
@@ -64,6 +63,16 @@ def force_tool_call(monkeypatch):
     def say(reply: str) -> None:
         tokens = tokenizer.encode(reply, add_special_tokens=False)
         scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
+
+    say.scripts = scripts  # what is left unsaid
+    return say
+
+
+@pytest.fixture
+def force_tool_call(monkeypatch):
+    """``force_tool_call(name, arguments)``: the next request with tools is answered with that
+    tool call (forced token by token); see :func:`scripted_tool_replies`."""
+    say = scripted_tool_replies(monkeypatch, TOOLS_MODEL)
 
     def force(name: str, arguments: dict, text: str = "") -> None:
         # Compact, as the grammar of a forced tool_choice writes it (no blank between tokens).

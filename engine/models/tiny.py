@@ -202,12 +202,13 @@ TINY_SPECS: dict[str, TinySpec] = {
         TinySpec(
             name="tiny:thinking",
             description=(
-                "llama, 4 full-attention layers, with Qwen3's chat template: reasoning between "
-                "<think> and </think> (enable_thinking), <tool_call> JSON tool calls"
+                "llama, 2 full-attention layers and a 128K context (a Claude Code or Codex "
+                "prompt prefills in seconds on a CPU), with Qwen3's chat template: reasoning "
+                "between <think> and </think> (enable_thinking), Qwen 3.5's XML tool calls"
             ),
             model_type="llama",
             chat=QWEN3,
-            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=32_768),
+            shape=Shape(64, 2, 4, 2, 64, 256, vocab=512, max_pos=131_072),
             corpus_words=20_000,
             lexicon_size=2_000,
             eos_scale=4.0,

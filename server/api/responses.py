@@ -33,8 +33,9 @@ Fields are read, honoured, or refused, never dropped unread:
 - ``reasoning.effort``: ``none`` and ``minimal`` switch a reasoning model's thinking off
   (``enable_thinking=False`` for its template), the others leave it on; its thinking comes
   back whole as a ``reasoning`` item (``reasoning_text`` content) before the message,
-  streamed as ``response.reasoning_text.delta`` events (``reasoning.summary``: no summaries
-  are written);
+  streamed as ``response.reasoning_text.delta`` events; with ``reasoning.summary`` asked for,
+  the reasoning is also its summary, whole (no summarizer runs here; Codex shows summaries),
+  streamed as ``response.reasoning_summary_text.delta`` events;
 - accepted, without effect:
   ``include: ["reasoning.encrypted_content"]`` (there is none to include), ``user``,
   ``safety_identifier``, ``service_tier``, ``client_metadata``, ``stream_options``;
@@ -116,16 +117,22 @@ def _message_item(
     }
 
 
-def _reasoning_item(ids: _Ids, text: str, status: str) -> dict[str, Any]:
-    """A reasoning model's thinking, whole (no summary is written)."""
-    content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+def _reasoning_item(ids: _Ids, text: str, status: str, summary: bool) -> dict[str, Any]:
+    """A reasoning model's thinking, whole; with ``summary`` asked for, also as its summary
+    (no summarizer runs here)."""
+    done = status != "in_progress"
     return {
         "type": "reasoning",
         "id": ids.reasoning,
         "status": status,
-        "summary": [],
-        "content": content,
+        "summary": [{"type": "summary_text", "text": text}] if summary and done else [],
+        "content": [{"type": "reasoning_text", "text": text}] if done else [],
     }
+
+
+def _summarized(body: ResponsesRequest) -> bool:
+    """Whether the request asks for reasoning summaries (``reasoning.summary``)."""
+    return (body.reasoning or {}).get("summary") not in (None, "none")
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -153,7 +160,9 @@ def _output(
     body: ResponsesRequest, ids: _Ids, reply: Reply, logprobs: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
     calls = _calls(body, reply)
-    items = [_reasoning_item(ids, reply.reasoning, "completed")] if reply.reasoning else []
+    items = []
+    if reply.reasoning:
+        items.append(_reasoning_item(ids, reply.reasoning, "completed", _summarized(body)))
     if reply.content.text or not calls:
         items.append(_message_item(ids, reply.content.text, _item_status(reply), logprobs))
     items += [_call_item(body, call, "completed") for call in calls]
@@ -242,6 +251,8 @@ async def _events(
 
     text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
     thought_at = {"item_id": ids.reasoning, "output_index": 0, "content_index": 0}
+    summary_at = {"item_id": ids.reasoning, "output_index": 0, "summary_index": 0}
+    summarized = _summarized(body)
     thought = ""
 
     def open_message() -> list[str]:
@@ -263,11 +274,15 @@ async def _events(
         if not reasoning_open:
             return []
         reasoning_open = False
-        done = _reasoning_item(ids, thought, "completed")
-        return [
-            event("response.reasoning_text.done", **thought_at, text=thought),
-            event("response.output_item.done", output_index=0, item=done),
-        ]
+        done = _reasoning_item(ids, thought, "completed", summarized)
+        lines = [event("response.reasoning_text.done", **thought_at, text=thought)]
+        if summarized:
+            part = {"type": "summary_text", "text": thought}
+            lines += [
+                event("response.reasoning_summary_text.done", **summary_at, text=thought),
+                event("response.reasoning_summary_part.done", **summary_at, part=part),
+            ]
+        return [*lines, event("response.output_item.done", output_index=0, item=done)]
 
     def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
         return event("response.output_text.delta", **text_at, delta=piece, logprobs=logprobs)
@@ -282,11 +297,20 @@ async def _events(
                 continue
             if isinstance(piece, ReasoningDelta):
                 if not reasoning_open and not thought:
-                    item = _reasoning_item(ids, "", "in_progress")
+                    item = _reasoning_item(ids, "", "in_progress", summarized)
                     yield event("response.output_item.added", output_index=0, item=item)
+                    if summarized:
+                        part = {"type": "summary_text", "text": ""}
+                        yield event(
+                            "response.reasoning_summary_part.added", **summary_at, part=part
+                        )
                     reasoning_open = True
                 thought += piece.text
                 yield event("response.reasoning_text.delta", **thought_at, delta=piece.text)
+                if summarized:
+                    yield event(
+                        "response.reasoning_summary_text.delta", **summary_at, delta=piece.text
+                    )
                 continue
             if not opened:
                 for line in open_message():
