@@ -89,11 +89,12 @@ class ToolFormat:
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         """Split generated text into plain text and tool calls.
 
-        A call the parser cannot read (say, cut off by max_tokens) stays in the text.
+        A call the parser cannot read (say, cut off by max_tokens) stays in the text. A format
+        without an end marker (Mistral's ``[TOOL_CALLS]``) runs to the reply's end.
         """
         plain, calls, rest = [], [], text
         while (start := rest.find(self.start)) >= 0:
-            end = rest.find(self.end, start + len(self.start))
+            end = rest.find(self.end, start + len(self.start)) if self.end else len(rest)
             if end < 0:
                 break
             body = rest[start + len(self.start) : end]

@@ -27,9 +27,47 @@ import numpy as np
 
 from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
 
-TOOL_CALL_STYLES = ("json_tools", "qwen3_coder")
-"""The tool-call formats a call can be forced in, by the mlx-lm parser that reads them: JSON
-between markers (Hermes, Qwen3) and Qwen3-Coder's XML (Qwen 3.5, Qwen3-Coder, Qwen3-Next)."""
+TAGGED = {
+    # Qwen3-Coder's XML (Qwen 3.5, Qwen3-Coder, Qwen3-Next).
+    "qwen3_coder": {
+        "name": "\n<function={name}>\n",
+        "key": "<parameter={key}>\n",
+        "value_end": "\n</parameter>\n",
+        "call_end": "</function>\n",
+    },
+    # GLM-4.5 to 4.7 (and Poolside Laguna, which mlx-lm reads with the same parser).
+    "glm47": {
+        "name": "{name}",
+        "key": "<arg_key>{key}</arg_key><arg_value>",
+        "value_end": "</arg_value>",
+        "call_end": "",
+    },
+    "longcat": {
+        "name": "{name}",
+        "key": "<longcat_arg_key>{key}</longcat_arg_key><longcat_arg_value>",
+        "value_end": "</longcat_arg_value>",
+        "call_end": "",
+    },
+    "minimax_m2": {
+        "name": '\n<invoke name="{name}">\n',
+        "key": '<parameter name="{key}">',
+        "value_end": "</parameter>\n",
+        "call_end": "</invoke>\n",
+    },
+}
+"""Formats that write a call's name, then each argument's key and value in tags (the texts
+around the name, a key, after a value, and after the call), as their chat templates do."""
+JSON_ARGUMENTS = {
+    "mistral": {"head": "{name}[ARGS]", "tail": ""},
+    "kimi_k2": {
+        "head": "<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+        "tail": "<|tool_call_end|>",
+    },
+}
+"""Formats that write a call's name in a header, then its arguments as one JSON object."""
+TOOL_CALL_STYLES = ("json_tools", *TAGGED, *JSON_ARGUMENTS)
+"""The tool-call formats a call can be forced in, by the mlx-lm parser that reads them."""
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +166,12 @@ class Grammars:
         if not chosen:
             known = ", ".join(repr(f.get("name")) for f in functions)
             raise GrammarError(f"{name!r} is not among the tools ({known})")
-        if style == "qwen3_coder":
-            return self._checked(
-                llguidance.LLMatcher.grammar_from_lark(self._xml(start, end, chosen))
-            )
+        if style in TAGGED:
+            lark = self._tagged(start, end, chosen, style)
+            return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
+        if style in JSON_ARGUMENTS:
+            lark = self._json_arguments(start, end, chosen, style)
+            return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
         if style != "json_tools":
             raise GrammarError(
                 f"no grammar for the {style!r} tool-call format (one of {TOOL_CALL_STYLES})"
@@ -156,39 +196,85 @@ class Grammars:
         )
         return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
 
-    def _xml(self, start: str, end: str, functions: list[dict[str, Any]]) -> str:
-        """Lark for one call in Qwen3-Coder's XML (``<function=NAME>``, then each parameter
-        as ``<parameter=KEY>``, its value on its own lines, ``</parameter>``): the
-        parameters the schema lists, in its order, the required ones always; a string's
-        value any text up to the closing tag, an enum one of its values, any other type
-        JSON held to its schema."""
+    def _tagged(self, start: str, end: str, functions: list[dict[str, Any]], style: str) -> str:
+        """Lark for one call in a format of ``TAGGED`` (``style``): the function's name, then
+        the parameters the schema lists, in its order (the required ones always), each its
+        key and value in the format's tags; a string's value any text up to the closing tag,
+        an enum one of its values, any other type JSON held to its schema."""
+        form = TAGGED[style]
         rules, calls = [], []
         for f, function in enumerate(functions):
             schema = function.get("parameters") or {}
             properties = schema.get("properties") or {}
             required = set(schema.get("required") or ())
-            parts = [json.dumps(f"{function['name']}>\n")]
+            parts = [self._text(form["name"].format(name=function["name"]))]
             for p, (key, spec) in enumerate(properties.items()):
                 value = f"v{f}_{p}"
-                opening = json.dumps(f"<parameter={key}>\n")
+                opening = self._text(form["key"].format(key=key))
+                closing = form["value_end"]
                 spec = spec if isinstance(spec, dict) else {}
                 if isinstance(spec.get("enum"), list) and spec["enum"]:
                     written = [v if isinstance(v, str) else json.dumps(v) for v in spec["enum"]]
                     rules.append(f"{value}: " + " | ".join(json.dumps(v) for v in written))
-                    param = f'{opening} {value} "\\n</parameter>\\n"'
-                elif spec.get("type") in (None, "string"):
-                    rules.append(f'{value}[stop="\\n</parameter>"]: /(.|\\n)*/')
-                    param = f'{opening} {value} "\\n"'
+                    param = f"{opening} {value} {self._text(closing)}"
+                elif spec.get("type") in (None, "string"):  # up to the closing tag, which
+                    stop = closing.rstrip("\n")  # the rule consumes
+                    rules.append(f"{value}[stop={json.dumps(stop)}]: /(.|\\n)*/")
+                    rest = closing[len(stop) :]
+                    param = f"{opening} {value}" + (f" {self._text(rest)}" if rest else "")
                 else:
                     rules.append(f"{value}: %json {json.dumps(spec)}")
-                    param = f'{opening} {value} "\\n</parameter>\\n"'
+                    param = f"{opening} {value} {self._text(closing)}"
                 rules.append(f"p{f}_{p}: {param}")
                 parts.append(f"p{f}_{p}" + ("" if key in required else "?"))
-            rules.append(f"f{f}: " + " ".join(parts))
+            parts.append(self._text(form["call_end"]))
+            rules.append(f"f{f}: " + " ".join(part for part in parts if part))
             calls.append(f"f{f}")
-        head = f'start: {self._literal(start)} "\\n<function=" ({" | ".join(calls)}) '
-        head += f'"</function>\\n" {self._literal(end)}'
+        head = f"start: {self._literal(start)} ({' | '.join(calls)})"
+        if end:
+            head += f" {self._literal(end)}"
         return "\n".join([head, *rules]) + "\n"
+
+    def _json_arguments(
+        self, start: str, end: str, functions: list[dict[str, Any]], style: str
+    ) -> str:
+        """Lark for one call in a format of ``JSON_ARGUMENTS`` (``style``): the function's
+        name in the format's header, then its arguments as one JSON object held to its
+        schema."""
+        form = JSON_ARGUMENTS[style]
+        rules, calls = [], []
+        for f, function in enumerate(functions):
+            schema = function.get("parameters") or {"type": "object"}
+            head = self._text(form["head"].format(name=function["name"]))
+            rules.append(f"a{f}: %json {json.dumps(schema | _COMPACT)}")
+            rules.append(
+                " ".join(filter(None, (f"f{f}:", head, f"a{f}", self._text(form["tail"]))))
+            )
+            calls.append(f"f{f}")
+        head = f"start: {self._literal(start)} ({' | '.join(calls)})"
+        if end:
+            head += f" {self._literal(end)}"
+        return "\n".join([head, *rules]) + "\n"
+
+    def _text(self, text: str) -> str:
+        """Lark for fixed text: its special tokens as tokens (``<[id]>``), the rest as text
+        ("" when it is empty)."""
+        hf, pieces, at = self._hf, [], 0
+        specials = sorted(
+            (t for t in hf.all_special_tokens + list(hf.get_added_vocab()) if t and t in text),
+            key=len,
+            reverse=True,
+        )
+        while at < len(text):
+            token = next((t for t in specials if text.startswith(t, at)), None)
+            if token is not None:
+                pieces.append(self._literal(token))
+                at += len(token)
+                continue
+            nxt = min((i for t in specials if (i := text.find(t, at)) >= 0), default=len(text))
+            pieces.append(json.dumps(text[at:nxt]))
+            at = nxt
+        return " ".join(pieces)
 
     def _literal(self, marker: str) -> str:
         """A marker in the grammar: its token (``<[id]>``) when it is one, else its text."""

@@ -1,0 +1,151 @@
+"""Every tool-call format mlx-lm parses, split out of a reply by ``ToolFormat``: the text
+around the call stays text, the call comes back with its name and arguments.
+
+Each sample is a call written as that family's model writes it (``mlx_lm.tool_parsers``
+names the markers and reads what is between them). A parser mlx-lm adds without a sample
+here fails the test that lists them, so a new format is looked at, not assumed to work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import mlx_lm.tool_parsers
+import pytest
+
+from agentkv.tool_calls import ToolCall, ToolFormat
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+SAMPLES = {
+    "json_tools": '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "qwen3_coder": (
+        "<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+        "</tool_call>"
+    ),
+    "glm47": (
+        "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
+    ),
+    "laguna": "<tool_call>weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>",
+    "longcat": (
+        "<longcat_tool_call>weather\n<longcat_arg_key>city</longcat_arg_key>\n"
+        "<longcat_arg_value>Oslo</longcat_arg_value>\n</longcat_tool_call>"
+    ),
+    "gemma4": '<|tool_call>call:weather{city:<|"|>Oslo<|"|>}<tool_call|>',
+    "function_gemma": (
+        "<start_function_call>call:weather{city:<escape>Oslo<escape>}<end_function_call>"
+    ),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    ),
+    "kimi_k3": (
+        '<|open|>tools<|sep|><|open|>call tool="weather" index="1"<|sep|>'
+        '<|open|>argument key="city" type="string"<|sep|>Oslo<|close|>argument<|sep|>'
+        "<|close|>call<|sep|><|close|>tools<|sep|>"
+    ),
+    "minimax_m2": (
+        '<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">Oslo</parameter>\n'
+        "</invoke>\n</minimax:tool_call>"
+    ),
+    "minicpm5": '<function name="weather"><param name="city">Oslo</param></function>',
+    "mistral": '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}',
+    "muse_spark": (
+        '<atem:function_calls><atem:invoke name="weather"><atem:parameter name="city">Oslo'
+        "</atem:parameter></atem:invoke></atem:function_calls>"
+    ),
+    "pythonic": '<|tool_call_start|>[weather(city="Oslo")]<|tool_call_end|>',
+}
+
+
+def parsers() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
+
+
+def test_every_parser_mlx_lm_ships_has_a_sample():
+    assert parsers() == sorted(SAMPLES)
+
+
+@pytest.mark.parametrize("style", sorted(SAMPLES))
+def test_a_call_in_each_format_is_parsed_out_of_the_reply(style):
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
+    form = ToolFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    assert form.style == ("glm47" if style == "laguna" else style)  # (laguna: glm47's parser)
+    reply = form.parse("Let me check. " + SAMPLES[style], TOOLS)
+    assert reply.text == "Let me check. "
+    assert reply.tool_calls == (ToolCall("weather", {"city": "Oslo"}),)
+    # Two calls in one reply (a format whose calls run to the reply's end writes them in one
+    # section).
+    if module.tool_call_end:
+        twice = form.parse(SAMPLES[style] + SAMPLES[style], TOOLS)
+        assert twice.tool_calls == (ToolCall("weather", {"city": "Oslo"}),) * 2
+    # A call cut off before its end marker stays text (max_tokens ran out).
+    if module.tool_call_end:
+        cut = SAMPLES[style][: SAMPLES[style].rindex(module.tool_call_end)]
+        assert form.parse(cut, TOOLS) == form.parse(cut, TOOLS).__class__(cut)
+
+
+# Each forcible format's call as its grammar writes it (compact JSON, no blank between tags).
+FORCED = {
+    "json_tools": '<tool_call>\n{"name":"weather","arguments":{"city":"Oslo"}}\n</tool_call>',
+    "qwen3_coder": SAMPLES["qwen3_coder"],
+    "glm47": "<tool_call>weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>",
+    "longcat": (
+        "<longcat_tool_call>weather<longcat_arg_key>city</longcat_arg_key>"
+        "<longcat_arg_value>Oslo</longcat_arg_value></longcat_tool_call>"
+    ),
+    "minimax_m2": SAMPLES["minimax_m2"],
+    "mistral": '[TOOL_CALLS]weather[ARGS]{"city":"Oslo"}',
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0"
+        '<|tool_call_argument_begin|>{"city":"Oslo"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from mlx_lm.utils import load_tokenizer
+
+    from agentkv.engine.grammar import Grammars
+    from agentkv.engine.models.tiny import tiny_model_dir
+
+    tokenizer = load_tokenizer(tiny_model_dir("tiny:thinking"))
+    return tokenizer, Grammars(tokenizer, tokenizer.vocab_size)
+
+
+def test_every_forcible_format_has_a_sample():
+    from agentkv.engine.grammar import TOOL_CALL_STYLES
+
+    assert sorted(TOOL_CALL_STYLES) == sorted(FORCED)
+
+
+@pytest.mark.parametrize("style", sorted(FORCED))
+def test_a_forced_call_in_each_format_is_what_its_parser_reads(grammars, style):
+    import llguidance
+
+    tokenizer, made = grammars
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
+    start, end = module.tool_call_start, module.tool_call_end
+    tools = [*TOOLS, {"type": "function", "function": {"name": "other", "parameters": {}}}]
+    grammar = made.tool_call(start, end, tools, "weather", style)
+    tokens = tokenizer.encode(FORCED[style], add_special_tokens=False)
+    matcher = llguidance.LLMatcher(made._ll_tokenizer(), grammar.source)
+    assert matcher.consume_tokens(tokens), matcher.get_error()
+    assert matcher.is_accepting()
+    # Another function's name is not the forced one's.
+    other = FORCED[style].replace("weather", "other")
+    wrong = llguidance.LLMatcher(made._ll_tokenizer(), grammar.source)
+    assert not wrong.consume_tokens(tokenizer.encode(other, add_special_tokens=False))
+    form = ToolFormat(start, end, module.parse_tool_call)
+    assert form.parse(FORCED[style], TOOLS).tool_calls == (ToolCall("weather", {"city": "Oslo"}),)
