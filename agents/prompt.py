@@ -409,8 +409,9 @@ def checked_texts(messages: Sequence[Message]) -> list[Message]:
     """Chat-template messages whose text content UTF-8 can encode (else InvalidMessageError
     naming the message)."""
     for i, m in enumerate(messages):
-        if isinstance(m.get("content"), str):
-            check_text(m["content"], f"messages[{i}].content")
+        for key in ("content", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                check_text(m[key], f"messages[{i}].{key}")
     return list(messages)
 
 

@@ -476,3 +476,97 @@ async def test_transcripts_store_xml_tool_calls_as_the_template_writes_them(tmp_
         ]
         parsed = form.parse(stored, tools)
         assert parsed.text == "Checking." and parsed.tool_calls == (call,)
+
+
+def test_reasoning_sent_back_reaches_the_template_on_every_api(server, tokenizer):
+    # A tool loop's assistant turn sent back with its thinking (Chat Completions'
+    # reasoning_content, an Anthropic thinking block, a Responses reasoning item): Qwen3's
+    # template keeps reasoning within the turn, so the prompt holds it. Each request names a
+    # new agent: no cache of its own to splice a generated reply from.
+    import uuid
+
+    import anthropic
+    import openai
+
+    question = {"role": "user", "content": "Weather in Oslo?"}
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "Sunny."}
+    tools = [{"type": "function", "function": WEATHER}]
+
+    def rendered(reasoning: str | None) -> int:
+        template_call = {"id": "c1", "type": "function", "function": {"name": "weather"}}
+        template_call["function"]["arguments"] = {}
+        reply = {"role": "assistant", "content": "", "tool_calls": [template_call]}
+        if reasoning:
+            reply["reasoning_content"] = reasoning
+        messages = [question, reply, result]
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def agent() -> dict:
+        return {"x-agent-id": f"r-{uuid.uuid4().hex[:12]}"}
+
+    expected = rendered(THOUGHT) - rendered(None)
+    assert expected > 0
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
+
+        def chat(reasoning: str | None) -> int:
+            reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+            if reasoning:
+                reply["reasoning_content"] = reasoning
+            done = client.chat.completions.create(
+                model=MODEL,
+                messages=[question, reply, result],
+                tools=tools,
+                max_tokens=1,
+                extra_headers=agent(),
+            )
+            return done.usage.prompt_tokens
+
+        assert chat(THOUGHT) - chat(None) == expected
+
+        def responses(reasoning: str | None) -> int:
+            items = [{"role": "user", "content": "Weather in Oslo?"}]
+            if reasoning:
+                text = [{"type": "reasoning_text", "text": reasoning}]
+                items.append({"type": "reasoning", "id": "rs_1", "summary": [], "content": text})
+            items += [
+                {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "Sunny."},
+            ]
+            done = client.responses.create(
+                model=MODEL,
+                input=items,
+                tools=[{"type": "function", **WEATHER}],
+                max_output_tokens=16,
+                extra_headers=agent(),
+            )
+            return done.usage.input_tokens
+
+        assert responses(THOUGHT) - responses(None) == expected
+    with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0) as client:
+
+        def messages(reasoning: str | None) -> int:
+            use = {"type": "tool_use", "id": "c1", "name": "weather", "input": {}}
+            thinking = [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+            done = client.messages.create(
+                model=MODEL,
+                max_tokens=1,
+                tools=[{"name": "weather", "input_schema": WEATHER["parameters"]}],
+                messages=[
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    {"role": "assistant", "content": (thinking if reasoning else []) + [use]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "c1", "content": "Sunny."}
+                        ],
+                    },
+                ],
+                extra_headers=agent(),
+            )
+            return done.usage.input_tokens + done.usage.cache_read_input_tokens
+
+        assert messages(THOUGHT) - messages(None) == expected

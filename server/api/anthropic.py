@@ -17,8 +17,8 @@ A reasoning model's thinking comes back as a ``thinking`` block before the text 
 ``thinking_delta`` events, closed by an empty ``signature_delta``). ``thinking``: ``enabled``
 turns the template's thinking on (``enable_thinking``) and caps it at ``budget_tokens``
 (the end marker is forced then), ``adaptive`` turns it on uncapped, ``disabled`` off.
-``thinking`` blocks sent back in history are accepted and dropped: the agent's cache holds the
-thinking the model wrote.
+``thinking`` blocks sent back in history become the turn's reasoning for the template
+(:mod:`server.api.anthropic_content`).
 
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0

@@ -1,9 +1,11 @@
 """Anthropic request content → chat-template messages and tools.
 
 Blocks: ``text`` is rendered; ``tool_use`` (assistant) becomes a tool call and ``tool_result``
-(user) a ``tool`` message, in the order they come; ``thinking`` / ``redacted_thinking`` are
-dropped (a local model does not read Anthropic's thinking); ``cache_control`` and other block
-fields are ignored. ``image`` and ``document`` blocks are refused: the models served read text.
+(user) a ``tool`` message, in the order they come; an assistant's ``thinking`` blocks become
+its ``reasoning_content`` (the chat template renders it where it keeps earlier reasoning: a
+reasoning model's own thinking, sent back), ``redacted_thinking`` (encrypted) is dropped;
+``cache_control`` and other block fields are ignored. ``image`` and ``document`` blocks are
+refused: the models served read text.
 ``role: "system"`` messages may appear anywhere, the last place included: Anthropic's API has
 no such role, but Claude Code sends one (its list of agent types) after the first user message.
 A user or assistant message with empty content (``""``, ``[]``) is refused, as Anthropic does.
@@ -19,7 +21,7 @@ from agentkv.server.conversation import TEXT_JOINER, checked_text, refuse_empty,
 from agentkv.server.errors import APIError
 
 UNREADABLE_BLOCKS = ("image", "document", "search_result", "container_upload")
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+DROPPED_BLOCKS = ("redacted_thinking",)  # encrypted by Anthropic: nothing to read
 
 
 def _refuse(where: str, block_type: object) -> APIError:
@@ -61,6 +63,7 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
     out: list[Message] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
 
     def flush_text() -> None:
         if texts:
@@ -74,6 +77,8 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
             texts.append(_text(block, at))
         elif kind in DROPPED_BLOCKS:
             continue
+        elif kind == "thinking" and role == "assistant":
+            thoughts.append(text_field(block.get("thinking"), f"{at}.thinking"))
         elif kind == "tool_use" and role == "assistant":
             arguments = block.get("input")
             if not isinstance(block.get("name"), str) or not isinstance(arguments, dict):
@@ -100,6 +105,8 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
         message: Message = {"role": "assistant", "content": TEXT_JOINER.join(texts)}
         if calls:
             message["tool_calls"] = calls
+        if thoughts:  # the template renders it where it keeps it (Qwen3: within a tool loop)
+            message["reasoning_content"] = "\n".join(thoughts)
         return [message]
     flush_text()
     return out

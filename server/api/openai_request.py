@@ -23,6 +23,7 @@ from agentkv.server.conversation import (
     ChatMessage,
     StopString,
     TurnRequest,
+    checked_text,
     refuse_empty,
     sampling_from,
     split_turn,
@@ -43,6 +44,8 @@ class InputMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, sent back
+    reasoning: str | None = None  # (as mlx_lm.server names it)
 
     def template_message(self, where: str) -> Message:
         """This message in chat-template shape (tool call arguments decoded)."""
@@ -66,6 +69,9 @@ class InputMessage(BaseModel):
                 _template_call(call, f"{where}.tool_calls.{i}")
                 for i, call in enumerate(self.tool_calls)
             ]
+        thinking = self.reasoning_content or self.reasoning
+        if thinking and role == "assistant":  # the template renders it where it keeps it
+            message["reasoning_content"] = checked_text(thinking, f"{where}.reasoning_content")
         return message
 
 

@@ -5,9 +5,11 @@
 parts), ``function_call`` (an assistant's call: ``call_id``, ``name``, JSON ``arguments``) and
 ``function_call_output`` (its result, answering a call of the assistant turn before it by
 ``call_id``). ``instructions`` and the system and developer messages before the first other
-item are the system prompt; later ones are rendered where they are. ``reasoning`` items are
-left out: this server produces none, so they only come back from other servers (their content
-is encrypted). Anything else (images, files, item references) is refused, naming the item.
+item are the system prompt; later ones are rendered where they are. A ``reasoning`` item's
+text (its ``reasoning_text`` content, else its summary) becomes the ``reasoning_content`` of the
+assistant turn after it, which the chat template renders where it keeps earlier reasoning; one
+with only encrypted content (another server's) is left out. Anything else (images, files, item
+references) is refused, naming the item.
 
 Function tools (and the functions inside a ``namespace`` tool, whose calls come back with the
 namespace's name) are offered to the model; other tool types (``web_search``, ``file_search``,
@@ -73,6 +75,7 @@ class _Reader:
         self.systems = systems
         self.messages = messages
         self.calls: set[str] = set()  # call ids of the assistant turn before (for outputs)
+        self.thinking: list[str] = []  # reasoning items' text, for the next assistant turn
 
     def read(self, items: Sequence[Any], label: str) -> None:
         for i, item in enumerate(items):
@@ -87,13 +90,31 @@ class _Reader:
             elif kind == "function_call_output":
                 self.function_output(item, where)
             elif kind == "reasoning":
-                continue  # see the module docstring
+                self.reasoning(item, where)
             else:
                 raise APIError.invalid(
                     f"{where}.type: {kind!r} items are not supported (messages, function_call "
                     "and function_call_output are)",
                     f"{where}.type",
                 )
+
+    def reasoning(self, item: dict[str, Any], where: str) -> None:
+        """A reasoning item: its text waits for the assistant turn it preceded."""
+        parts = item.get("content") or item.get("summary") or []
+        if not isinstance(parts, list):
+            raise APIError.invalid(f"{where}.content: must be a list of parts", f"{where}.content")
+        for j, part in enumerate(parts):
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(text, str):
+                raise APIError.invalid(f"{where}.content.{j}.text: required (a string)", where)
+            self.thinking.append(checked_text(text, f"{where}.content.{j}.text"))
+
+    def _assistant(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An assistant turn starting now, with the reasoning items read before it."""
+        if self.thinking:
+            message["reasoning_content"] = "\n".join(self.thinking)
+            self.thinking = []
+        return message
 
     def message(self, item: dict[str, Any], where: str) -> None:
         role = item.get("role")
@@ -110,6 +131,8 @@ class _Reader:
             role = "system"
         if role == "assistant":
             self.calls = set()
+            self.messages.append(self._assistant({"role": role, "content": text}))
+            return
         self.messages.append({"role": role, "content": text})
 
     def function_call(self, item: dict[str, Any], where: str) -> None:
@@ -132,7 +155,8 @@ class _Reader:
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)  # the same assistant turn
         else:
-            self.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+            self.messages.append(self._assistant(message))
             self.calls = set()
         self.calls.add(call_id)
 
