@@ -18,7 +18,7 @@ from typing import Any
 
 from agentkv.caches.tiers import Resumed
 from agentkv.conversations import Conversations
-from agentkv.document import CachedReply, render_document
+from agentkv.document import CachedReply, generated_reply, render_document
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, check_text
 from agentkv.prompt import ChatRenderer, Message, checked_history, conversation_digest
@@ -159,7 +159,10 @@ class ChatTurn:
             held = (plan.cache.num_tokens if plan.cache else 0) + len(plan.prompt_tokens)
             opened = self.conversations.runner.opened(plan)
             parsed = self.conversations.parse(result.text, None, opened)
-            reply = CachedReply(held, tuple(result.token_ids), parsed, len(messages) - 1)
+            renderer = self.renderer or self.runner.renderer
+            reply = generated_reply(
+                renderer, plan.prompt_tokens, held, result.token_ids, parsed, len(messages) - 1
+            )
             self.conversations.remember(agent.id, [*self._replies, reply])
 
     def reply(self, reply: Reply) -> Reply:

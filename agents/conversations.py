@@ -21,6 +21,7 @@ from agentkv.document import (
     CachedReply,
     DocumentPrompt,
     common_prefix,
+    generated_reply,
     recover_replies,
     render_document,
     tool_calls_of,
@@ -214,9 +215,11 @@ class DocumentTurn:
         result: GenerationResult,
     ) -> None:
         conversations, document, messages = self.conversations, self.document, self.messages
-        reply = CachedReply(
+        reply = generated_reply(
+            self.renderer,
+            document.tokens,
             len(document.tokens),
-            tuple(result.token_ids),
+            result.token_ids,
             conversations.parse(result.text, self.tools, conversations.runner.opened(plan)),
             len(messages),  # the conversation's next message
         )

@@ -52,6 +52,25 @@ class DocumentPrompt:
     """Index of each message that was replaced by a reply's tokens -> that reply."""
 
 
+def generated_reply(
+    renderer: ChatRenderer,
+    prompt_tail: Sequence[int],
+    prompt_length: int,
+    token_ids: Sequence[int],
+    parsed: ParsedReply,
+    message: int | None,
+) -> CachedReply:
+    """The reply just generated after a prompt of ``prompt_length`` tokens (ending with
+    ``prompt_tail``), as spliced back into the conversations that resend it: with the end of
+    the generation prompt the template leaves out of the history (``reply_opener``), which
+    the model saw before it."""
+    opener = renderer.reply_opener()
+    n = len(opener)
+    if n and n <= prompt_length and list(prompt_tail[-n:]) == opener:
+        return CachedReply(prompt_length - n, (*opener, *token_ids), parsed, message)
+    return CachedReply(prompt_length, tuple(token_ids), parsed, message)
+
+
 def tool_calls_of(message: Message) -> list[ToolCall]:
     """The tool calls of a template message (``tool_calls`` in the OpenAI shape)."""
     calls = []
@@ -154,8 +173,11 @@ def recover_replies(
     if not opened.startswith(closed) or opened == closed:
         return []
     marker = renderer.encode(opened[len(closed) :])
+    # Replies were recorded with the generation prompt's end the history leaves out.
+    opener = renderer.reply_opener()
+    back = len(opener) if marker[len(marker) - len(opener) :] == opener else 0
     starts = [
-        i + len(marker)
+        i + len(marker) - back
         for i in range(len(cache_tokens) - len(marker) + 1)
         if list(cache_tokens[i : i + len(marker)]) == marker
     ]

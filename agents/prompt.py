@@ -72,6 +72,7 @@ class ChatRenderer:
     _as_text: dict[int, list[int]] = field(init=False)
     _max_token_chars: int | None = field(init=False, default=None)
     _heads: dict[bytes, list[int]] = field(init=False)  # see shared_heads
+    _openers: dict[str, list[int]] = field(init=False)  # see reply_opener
 
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
@@ -97,6 +98,7 @@ class ChatRenderer:
         self._in_replies = _pattern([s for s in self.controls if s not in named])
         self._as_text = {}
         self._heads = {}
+        self._openers = {}
 
     def render(
         self,
@@ -302,6 +304,29 @@ class ChatRenderer:
                 self._heads.pop(next(iter(self._heads)))
         self._heads[key] = points
         return points
+
+    def reply_opener(self) -> list[int]:
+        """The tokens the generation prompt ends with that the template does not write in
+        front of the same reply once it is history: a reasoning block it closes at once
+        (``enable_thinking=False``) or opens for the reply (DeepSeek-R1's, Qwen3-Thinking's
+        ``<think>``). The model saw them before its reply, so a reply spliced back into a
+        resent conversation carries them (``agents.document``). Empty for most templates."""
+        key = json.dumps(self.template_kwargs, sort_keys=True, default=str)
+        if (known := self._openers.get(key)) is not None:
+            return known
+        first, later = {"role": "user", "content": "x"}, {"role": "user", "content": "y"}
+        reply = {"role": "assistant", "content": "z"}
+        opener: list[int] = []
+        try:
+            prompt = self.render([first], add_generation_prompt=True)
+            history = self.render([first, reply, later], False, placeholders=[1])
+        except ChatTemplateError:
+            history = prompt = ""
+        cut = placeholder_at(history, 1)
+        if cut is not None and prompt.startswith(before := history[: cut[0]]):
+            opener = self.encode(prompt[len(before) :])
+        self._openers[key] = opener
+        return opener
 
     def delta(
         self, messages: Sequence[Message], covered: int, last_cached_token: int

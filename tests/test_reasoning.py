@@ -4,6 +4,7 @@ engine's logits (a budget, a grammar after the thinking)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -570,3 +571,61 @@ def test_reasoning_sent_back_reaches_the_template_on_every_api(server, tokenizer
             return done.usage.input_tokens + done.usage.cache_read_input_tokens
 
         assert messages(THOUGHT) - messages(None) == expected
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "opened-by-template"])
+async def test_a_generation_prompt_the_history_leaves_out_is_spliced_back_too(
+    tmp_path, say, tokenizer, thinking, monkeypatch
+):
+    # The generation prompt may hold reasoning markers the template does not render in the
+    # history: an empty block (enable_thinking=False), or an opened one (templates that start
+    # the reply inside its thinking, as DeepSeek-R1's and Qwen3-Thinking-2507's do). The
+    # spliced reply carries them, so turn N+1 still resumes all the agent held.
+    from agentkv.engine.models import chat_formats
+
+    if thinking:  # Qwen3's template, its generation prompt opening the thinking
+        template = chat_formats.QWEN3_TEMPLATE.replace(
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}",
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}",
+        )
+        assert template != chat_formats.QWEN3_TEMPLATE
+        model_dir = tmp_path / "model"
+        import shutil
+
+        from agentkv.engine.models.tiny import tiny_model_dir
+
+        shutil.copytree(tiny_model_dir(MODEL), model_dir)
+        config_file = model_dir / "tokenizer_config.json"
+        spec = json.loads(config_file.read_text())
+        spec["chat_template"] = template
+        config_file.write_text(json.dumps(spec))
+        cfg = RuntimeConfig(model=str(model_dir), data_dir=tmp_path / "data")
+        reply_text, kwargs = f"{THOUGHT}\n</think>\n\n{ANSWER}", {}
+    else:
+        cfg = config(tmp_path)
+        reply_text, kwargs = ANSWER, {"template_kwargs": {"enable_thinking": False}}
+    conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi!"}]
+    replies = []
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("doc")
+        for question in ("How are you?", "And today?"):
+            say(reply_text)
+            reply = None
+            async for event in rt.respond("doc", conversation, max_tokens=100, **kwargs):
+                reply = event
+            assert reply.text == ANSWER
+            assert reply.reasoning == (THOUGHT if thinking else "")
+            replies.append(reply)
+            conversation += [
+                {"role": "assistant", "content": reply.text},
+                {"role": "user", "content": question},
+            ]
+    # After a restart too: the replies are found again in the cache on disk, opener included.
+    async with await AgentRuntime.open(cfg) as rt:
+        say(reply_text)
+        async for event in rt.respond("doc", conversation, max_tokens=100, **kwargs):
+            reply = event
+        replies.append(reply)
+    for (earlier, later), source in zip(itertools.pairwise(replies), ("hot", "disk"), strict=True):
+        held = earlier.usage.prompt_tokens + earlier.usage.completion_tokens
+        assert later.cache_source == source and later.usage.cached_tokens == held
