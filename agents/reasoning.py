@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PROMPT_TAIL = 16
-"""Tokens at a prompt's end read for a reasoning block the template opened or closed."""
+from agentkv.engine.thinking import PROMPT_TAIL
+
+__all__ = ["PROMPT_TAIL", "ReasoningFormat", "ReasoningSplitter"]
 
 
 @dataclass(frozen=True, slots=True)
