@@ -21,9 +21,16 @@ from agentkv.conversations import Conversations
 from agentkv.document import CachedReply, generated_reply, render_document
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, check_text
-from agentkv.prompt import ChatRenderer, Message, checked_history, conversation_digest
+from agentkv.messages import (
+    Message,
+    checked_history,
+    conversation_digest,
+    off_loop,
+    transcript_messages,
+)
+from agentkv.prompt import ChatRenderer
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
-from agentkv.turns import TurnRunner, off_loop, transcript_messages
+from agentkv.turns import TurnRunner
 from agentkv.types import Reply, TurnPlan
 
 log = logging.getLogger(__name__)

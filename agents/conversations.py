@@ -28,10 +28,11 @@ from agentkv.document import (
 )
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, ToolsUnsupportedError, check_text
-from agentkv.prompt import ChatRenderer, Message, checked_texts
+from agentkv.messages import Message, checked_texts, off_loop
+from agentkv.prompt import ChatRenderer
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
 from agentkv.tool_calls import ParsedReply, ToolFormat
-from agentkv.turns import TurnRunner, off_loop
+from agentkv.turns import TurnRunner
 from agentkv.types import CacheSource, Reply, TurnPlan
 
 

@@ -27,11 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
+from agentkv.errors import ChatTemplateError, ContextLengthError
+from agentkv.messages import Message, checked_template_kwargs
 
-Message = dict[str, Any]
-"""A chat message as templates read it: ``role``, ``content`` and, for tool calling,
-``tool_calls`` (assistant) or role ``tool``."""
 # Starts an escape in rendered text: _ESC + _ESC is a literal _ESC, _ESC + chr(_FIRST + i) the
 # i-th control string as text (private-use code points of planes 15 and 16).
 _ESC = "\U000f0000"
@@ -44,10 +42,6 @@ _ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
 _LAST = 0x10FFFF
 
 
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation"}
-)
-"""Template variables the renderer sets itself: a request's ``chat_template_kwargs`` may not."""
 HEADS_REMEMBERED = 64
 """System messages and tool sets whose shared heads a renderer remembers (see shared_heads)."""
 
@@ -131,21 +125,7 @@ class ChatRenderer:
         is not JSON."""
         if not template_kwargs:
             return self
-        if not isinstance(template_kwargs, dict):
-            raise ChatTemplateError(
-                f"chat_template_kwargs must be an object, got {type(template_kwargs).__name__}"
-            )
-        for name, value in template_kwargs.items():
-            if name in RESERVED_TEMPLATE_KWARGS:
-                raise ChatTemplateError(
-                    f"chat_template_kwargs: {name!r} is set by the server, not the request"
-                )
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                raise ChatTemplateError(
-                    f"chat_template_kwargs: {name!r} is not a JSON value"
-                ) from None
+        template_kwargs = checked_template_kwargs(template_kwargs)
         other = copy.copy(self)
         other.template_kwargs = {**self.template_kwargs, **template_kwargs}
         return other
@@ -413,41 +393,3 @@ def _pattern(strings: Sequence[str]) -> re.Pattern[str]:
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def conversation_digest(
-    messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
-) -> str:
-    """A digest of messages' roles and text content (and of the tools they were rendered
-    with): stored with a cache covering them, so that a cache is used only for the
-    conversation it was made from."""
-    digest = hashlib.blake2b(digest_size=16)
-    if tools:
-        digest.update(b"tools\0%s\0" % json.dumps(tools, sort_keys=True, default=str).encode())
-    for m in messages:
-        data = str(m["content"]).encode("utf-8", "surrogatepass")
-        digest.update(b"%s\0%d\0%s" % (str(m["role"]).encode(), len(data), data))
-    return digest.hexdigest()
-
-
-def checked_texts(messages: Sequence[Message]) -> list[Message]:
-    """Chat-template messages whose text content UTF-8 can encode (else InvalidMessageError
-    naming the message)."""
-    for i, m in enumerate(messages):
-        for key in ("content", "reasoning_content"):
-            if isinstance(m.get(key), str):
-                check_text(m[key], f"messages[{i}].{key}")
-    return list(messages)
-
-
-def checked_history(messages: Sequence[Message]) -> list[Message]:
-    """Copies of user/assistant message dicts whose content is usable text."""
-    checked = []
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise InvalidMessageError(
-                f"messages[{i}]: role must be 'user' or 'assistant', got {role!r}"
-            )
-        checked.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
-    return checked

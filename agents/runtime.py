@@ -26,7 +26,8 @@ from agentkv.errors import (
 )
 from agentkv.formats import FREE, schema_of
 from agentkv.leases import Leases, WorkerClaim
-from agentkv.prompt import ChatRenderer, Message, checked_history
+from agentkv.messages import Message, checked_history, off_loop
+from agentkv.prompt import ChatRenderer
 from agentkv.reasoning import ReasoningFormat
 from agentkv.store import (
     AgentNotFoundError,
@@ -38,7 +39,7 @@ from agentkv.store import (
 )
 from agentkv.store.models import utcnow
 from agentkv.tool_calls import ToolFormat
-from agentkv.turns import TurnRunner, off_loop
+from agentkv.turns import TurnRunner
 from agentkv.types import ReasoningDelta, Reply, TextDelta, TurnOptions
 
 log = logging.getLogger(__name__)

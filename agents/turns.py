@@ -17,7 +17,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from agentkv.caches.tiers import CacheTiers, Start
@@ -33,24 +33,21 @@ from agentkv.engine.request import (
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import ContextLengthError, TurnFailedError
 from agentkv.leases import Leases
-from agentkv.prompt import ChatRenderer, Message, conversation_digest
+from agentkv.messages import Message, conversation_digest, transcript_messages
+from agentkv.prompt import ChatRenderer
 from agentkv.reasoning import PROMPT_TAIL, ReasoningFormat, ReasoningSplitter
+from agentkv.replies import finished_reply, log_turn
 from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 from agentkv.types import (
     CacheSource,
     ReasoningDelta,
     Reply,
     TextDelta,
-    Timings,
     TurnOptions,
     TurnPlan,
-    Usage,
 )
 
 log = logging.getLogger(__name__)
-
-OFF_LOOP_MESSAGES = 256
-"""Conversations at least this long are checked in a worker thread (see :func:`off_loop`)."""
 
 
 class Turn(Protocol):
@@ -177,8 +174,10 @@ class TurnRunner:
                     plan.release()
                 raise
             self.sources[plan.source] += 1
-            reply = self._reply(agent_id, plan, result, started)
-            _log_turn(reply)
+            reply = finished_reply(
+                agent_id, plan, result, started, self.reasoning, self.opened(plan)
+            )
+            log_turn(reply)
             yield turn.reply(reply)
         finally:
             if unlock is not None:
@@ -257,12 +256,6 @@ class TurnRunner:
         if len(tail) < PROMPT_TAIL and plan.cache is not None:
             tail = plan.cache.tokens[len(tail) - PROMPT_TAIL :] + tail
         return self.reasoning.opened(tail)
-
-    def split(self, plan: TurnPlan, text: str) -> tuple[str, str]:
-        """A finished reply's (reasoning, answer)."""
-        if self.reasoning is None:
-            return "", text
-        return self.reasoning.split(text, self.opened(plan))
 
     async def _generate(
         self, agent: AgentRecord, plan: TurnPlan, options: TurnOptions
@@ -371,67 +364,3 @@ class TurnRunner:
         except BaseException:
             saved()
             raise
-
-    def _reply(
-        self, agent_id: str, plan: TurnPlan, result: GenerationResult, started: float
-    ) -> Reply:
-        s = result.stats
-        resumed = plan.cache.num_tokens if plan.cache else 0
-        cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
-        reasoning, text = self.split(plan, result.text)
-        thought = 0
-        if self.reasoning is not None:
-            thought = self.reasoning.tokens_of(result.token_ids, self.opened(plan))
-        return Reply(
-            agent_id=agent_id,
-            text=text,
-            reasoning=reasoning,
-            token_ids=list(result.token_ids),
-            finish_reason=str(result.finish_reason),
-            usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids), thought),
-            cache_source=plan.source,
-            timings=Timings(
-                cache_load_s=plan.load_s,
-                queue_s=s.queue_wait_s or 0.0,
-                prefill_s=s.prefill_s or 0.0,
-                ttft_s=(s.first_token_at or s.submitted_at) - started,
-                decode_s=s.decode_s or 0.0,
-                total_s=time.perf_counter() - started,
-                decode_tps=s.decode_tps,
-            ),
-            stop_sequence=result.stop_sequence,
-            logprobs=result.logprobs,
-        )
-
-
-async def off_loop(
-    check: Callable[[Sequence[Message]], list[Message]], messages: Sequence[Message]
-) -> list[Message]:
-    """``check(messages)``, in a worker thread for a long list (thousands of messages): it
-    grows with the list, and other turns' clients wait while the event loop runs it."""
-    if len(messages) < OFF_LOOP_MESSAGES:
-        return check(messages)
-    return await asyncio.to_thread(check, messages)
-
-
-def _log_turn(reply: Reply) -> None:
-    """One line per turn: where its cache came from and what it cost (a miss shows here)."""
-    usage, timings = reply.usage, reply.timings
-    log.info(
-        "agent %r: cache %s, prompt %d tokens (%d cached, %d prefilled), %d generated, "
-        "ttft %.3f s, decode %.1f tok/s",
-        reply.agent_id,
-        reply.cache_source,
-        usage.prompt_tokens,
-        usage.cached_tokens,
-        usage.prompt_tokens - usage.cached_tokens,
-        usage.completion_tokens,
-        timings.ttft_s,
-        timings.decode_tps or 0.0,
-    )
-
-
-def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> list[Message]:
-    """The agent's system prompt and stored messages, as chat-template messages."""
-    system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
-    return system + [{"role": str(m.role), "content": m.content} for m in transcript]

@@ -19,7 +19,7 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import BaseModel, ValidationError
 
 from agentkv import RuntimeConfig
-from agentkv.server.api.anthropic import CountTokensRequest, MessagesRequest
+from agentkv.server.api.anthropic_request import CountTokensRequest, MessagesRequest
 from agentkv.server.api.openai_request import ChatCompletionRequest
 from agentkv.server.api.responses_request import ResponsesRequest
 from agentkv.server.background import serve_in_thread

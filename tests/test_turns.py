@@ -8,8 +8,8 @@ import sqlite3
 from pathlib import Path
 
 from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.messages import transcript_messages
 from agentkv.prompt import ChatRenderer
-from agentkv.turns import transcript_messages
 
 FIRST = {"a0": "My name is Ada and I keep bees.", "a1": "My name is Bob; I sail boats."}
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
@@ -62,6 +61,17 @@ from fastapi.responses import JSONResponse, Response
 
 from agentkv import AgentRuntime, ReasoningDelta, Reply
 from agentkv.server.api.responses_input import conversation
+from agentkv.server.api.responses_output import (
+    Ids,
+    call_item,
+    item_status,
+    message_item,
+    offered_calls,
+    reasoning_item,
+    response_object,
+    text_part,
+    wants_summary,
+)
 from agentkv.server.api.responses_request import (
     ResponsesRequest,
 )
@@ -78,7 +88,7 @@ from agentkv.server.turns import (
     reply_headers,
     run_turn,
 )
-from agentkv.tool_calls import ToolCall, ToolFormat
+from agentkv.tool_calls import ToolFormat
 
 router = APIRouter()
 
@@ -86,151 +96,11 @@ SessionId = Annotated[str | None, Header(alias="session-id"), HeaderText]
 """Route parameter type: Codex's session id header."""
 
 
-class _Ids:
-    """The ids of one response and its output items."""
-
-    def __init__(self) -> None:
-        self.response = f"resp_{uuid.uuid4().hex}"
-        self.message = f"msg_{uuid.uuid4().hex}"
-        self.reasoning = f"rs_{uuid.uuid4().hex}"
-
-
-def _calls(body: ResponsesRequest, reply: Reply) -> list[ToolCall]:
-    calls = list(reply.content.tool_calls)
-    if body.parallel_tool_calls is False:
-        calls = calls[:1]
-    if body.max_tool_calls is not None:
-        calls = calls[: body.max_tool_calls]
-    return calls
-
-
-def _message_item(
-    ids: _Ids, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_text_part(text, logprobs)]
-    return {
-        "type": "message",
-        "id": ids.message,
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
-
-
-def _reasoning_item(ids: _Ids, text: str, status: str, summary: bool) -> dict[str, Any]:
-    """A reasoning model's thinking, whole; with ``summary`` asked for, also as its summary
-    (no summarizer runs here)."""
-    done = status != "in_progress"
-    return {
-        "type": "reasoning",
-        "id": ids.reasoning,
-        "status": status,
-        "summary": [{"type": "summary_text", "text": text}] if summary and done else [],
-        "content": [{"type": "reasoning_text", "text": text}] if done else [],
-    }
-
-
-def _summarized(body: ResponsesRequest) -> bool:
-    """Whether the request asks for reasoning summaries (``reasoning.summary``)."""
-    return (body.reasoning or {}).get("summary") not in (None, "none")
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An ``output_text`` part (``logprobs``: its tokens' entries, when asked for)."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def _call_item(
-    body: ResponsesRequest, call: ToolCall, status: str, arguments: str | None = None
-) -> dict[str, Any]:
-    item = {
-        "type": "function_call",
-        "id": f"fc_{call.id.removeprefix('call_')}",
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": json.dumps(call.arguments) if arguments is None else arguments,
-        "status": status,
-    }
-    if (namespace := body.read.namespaces.get(call.name)) is not None:
-        item["namespace"] = namespace
-    return item
-
-
-def _output(
-    body: ResponsesRequest, ids: _Ids, reply: Reply, logprobs: list[dict[str, Any]] | None
-) -> list[dict[str, Any]]:
-    calls = _calls(body, reply)
-    items = []
-    if reply.reasoning:
-        items.append(_reasoning_item(ids, reply.reasoning, "completed", _summarized(body)))
-    if reply.content.text or not calls:
-        items.append(_message_item(ids, reply.content.text, _item_status(reply), logprobs))
-    items += [_call_item(body, call, "completed") for call in calls]
-    return items
-
-
-def _item_status(reply: Reply) -> str:
-    """A message item's status: ``incomplete`` when max_output_tokens cut it."""
-    return "incomplete" if reply.finish_reason == "length" else "completed"
-
-
-def _usage(reply: Reply) -> dict[str, Any]:
-    u = reply.usage
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    }
-
-
-def _response(
-    body: ResponsesRequest,
-    ids: _Ids,
-    created: int,
-    reply: Reply | None,
-    logprobs: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The response object: in progress (no reply yet), completed or incomplete
-    (``logprobs``: the reply's tokens' entries, when asked for)."""
-    status, incomplete = "in_progress", None
-    if reply is not None:
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
-        if status == "incomplete":
-            incomplete = {"reason": "max_output_tokens"}
-    return {
-        "id": ids.response,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "error": None,
-        "incomplete_details": incomplete,
-        "model": body.model,
-        "instructions": body.instructions,
-        "output": _output(body, ids, reply, logprobs) if reply is not None else [],
-        "tools": body.tools or [],
-        "tool_choice": body.tool_choice or "auto",
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_logprobs": body.top_logprobs,
-        "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
-        "store": body.store is not False,
-        "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
-        "truncation": "disabled",
-        "metadata": body.metadata or {},
-        "usage": _usage(reply) if reply is not None else None,
-    }
-
-
 async def _events(
     body: ResponsesRequest,
     turn: TurnStream,
     tool_format: ToolFormat | None,
-    ids: _Ids,
+    ids: Ids,
     created: int,
     remember: Callable[[dict[str, Any], Reply], Awaitable[None]],
     runtime: AgentRuntime,
@@ -252,11 +122,11 @@ async def _events(
     text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
     thought_at = {"item_id": ids.reasoning, "output_index": 0, "content_index": 0}
     summary_at = {"item_id": ids.reasoning, "output_index": 0, "summary_index": 0}
-    summarized = _summarized(body)
+    summarized = wants_summary(body)
     thought = ""
 
     def open_message() -> list[str]:
-        item = _message_item(ids, "", "in_progress")
+        item = message_item(ids, "", "in_progress")
         lines = close_reasoning()
         if thought:  # the message follows the reasoning item
             text_at["output_index"] = 1
@@ -264,7 +134,7 @@ async def _events(
         return [
             *lines,
             event("response.output_item.added", output_index=index, item=item),
-            event("response.content_part.added", **text_at, part=_text_part("")),
+            event("response.content_part.added", **text_at, part=text_part("")),
         ]
 
     reasoning_open = False
@@ -274,7 +144,7 @@ async def _events(
         if not reasoning_open:
             return []
         reasoning_open = False
-        done = _reasoning_item(ids, thought, "completed", summarized)
+        done = reasoning_item(ids, thought, "completed", summarized)
         lines = [event("response.reasoning_text.done", **thought_at, text=thought)]
         if summarized:
             part = {"type": "summary_text", "text": thought}
@@ -287,8 +157,8 @@ async def _events(
     def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
         return event("response.output_text.delta", **text_at, delta=piece, logprobs=logprobs)
 
-    yield event("response.created", response=_response(body, ids, created, None))
-    yield event("response.in_progress", response=_response(body, ids, created, None))
+    yield event("response.created", response=response_object(body, ids, created, None))
+    yield event("response.in_progress", response=response_object(body, ids, created, None))
     opened, text, reply = False, "", None
     try:
         async for piece in turn.visible_text(tool_format):
@@ -297,7 +167,7 @@ async def _events(
                 continue
             if isinstance(piece, ReasoningDelta):
                 if not reasoning_open and not thought:
-                    item = _reasoning_item(ids, "", "in_progress", summarized)
+                    item = reasoning_item(ids, "", "in_progress", summarized)
                     yield event("response.output_item.added", output_index=0, item=item)
                     if summarized:
                         part = {"type": "summary_text", "text": ""}
@@ -322,13 +192,13 @@ async def _events(
         error = api_error(exc).body(Dialect.OPENAI)["error"]
         code = error.get("code") or error.get("type")
         yield event("error", code=code, message=error["message"], param=error.get("param"))
-        failed = _response(body, ids, created, None) | {"status": "failed", "error": error}
+        failed = response_object(body, ids, created, None) | {"status": "failed", "error": error}
         yield event("response.failed", response=failed)
         return
     assert reply is not None
     for line in close_reasoning():
         yield line
-    calls, final = _calls(body, reply), reply.content.text
+    calls, final = offered_calls(body, reply), reply.content.text
     index = 1 if thought else 0
     every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
     if opened or final or not calls:
@@ -339,21 +209,21 @@ async def _events(
         if len(final) > len(text):
             yield delta(final[len(text) :], rest)
         yield event("response.output_text.done", **text_at, text=final, logprobs=every or [])
-        part = _text_part(final, every)
+        part = text_part(final, every)
         yield event("response.content_part.done", **text_at, part=part)
-        done = _message_item(ids, final, _item_status(reply), every)
+        done = message_item(ids, final, item_status(reply), every)
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
     for call in calls:
-        item, arguments = _call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
+        item, arguments = call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
         at = {"item_id": item["id"], "output_index": index}
         yield event("response.output_item.added", output_index=index, item=item)
         yield event("response.function_call_arguments.delta", **at, delta=arguments)
         yield event("response.function_call_arguments.done", **at, arguments=arguments)
-        done = _call_item(body, call, "completed")
+        done = call_item(body, call, "completed")
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
-    finished = _response(body, ids, created, reply, every)
+    finished = response_object(body, ids, created, reply, every)
     await remember(finished, reply)
     kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
     yield event(kind, response=finished)
@@ -366,7 +236,7 @@ async def create_response(
     body, _ = await parse_off_loop(http, ResponsesRequest, state.max_messages, lambda b: None)
     earlier = await continued(state, body.previous_response_id)
     request = await asyncio.to_thread(body.turn, x_agent_id, session_id, earlier)
-    ids, created = _Ids(), int(time.time())
+    ids, created = Ids(), int(time.time())
 
     async def remember(response: dict[str, Any], reply: Reply) -> None:
         if body.store is not False:
@@ -381,7 +251,7 @@ async def create_response(
     logprobs = None
     if body.wants_logprobs and reply.logprobs is not None:
         logprobs = await logprob_content(state.runtime, reply.logprobs)
-    response = _response(body, ids, created, reply, logprobs)
+    response = response_object(body, ids, created, reply, logprobs)
     await remember(response, reply)
     return JSONResponse(response, headers=reply_headers(reply))
 
