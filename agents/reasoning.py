@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.engine.thinking import PROMPT_TAIL
+from agentkv.engine.thinking import PROMPT_TAIL, prompt_thinking
 
 __all__ = ["PROMPT_TAIL", "ReasoningFormat", "ReasoningSplitter"]
 
@@ -49,8 +49,7 @@ class ReasoningFormat:
     def opened(self, prompt: Sequence[int]) -> bool:
         """Whether a prompt (its last :data:`PROMPT_TAIL` tokens) leaves reasoning open: the
         reply starts inside it."""
-        tail = list(prompt[-PROMPT_TAIL:])
-        return _rfind(tail, self.start_ids) > _rfind(tail, self.end_ids)
+        return prompt_thinking(prompt, self.start_ids, self.end_ids)[0]
 
     def tokens_of(self, reply: Sequence[int], opened: bool = False) -> int:
         """How many of a reply's tokens are its thinking: up to its end marker (all of them
@@ -127,15 +126,6 @@ def _find(tokens: list[int], marker: tuple[int, ...]) -> int:
     """The first index where ``marker`` starts in ``tokens``, or -1."""
     n = len(marker)
     for i in range(len(tokens) - n + 1):
-        if tuple(tokens[i : i + n]) == marker:
-            return i
-    return -1
-
-
-def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
-    """The last index where ``marker`` starts in ``tokens``, or -1."""
-    n = len(marker)
-    for i in range(len(tokens) - n, -1, -1):
         if tuple(tokens[i : i + n]) == marker:
             return i
     return -1

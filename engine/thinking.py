@@ -12,11 +12,32 @@ forced tool call, a JSON reply) holds only the answer after the thinking
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 PROMPT_TAIL = 16
 """Tokens at a prompt's end read for thinking the template opened (or closed)."""
+
+
+def prompt_thinking(
+    prompt: Sequence[int], start: Sequence[int], end: Sequence[int]
+) -> tuple[bool, bool]:
+    """(open, closed): whether a prompt's last :data:`PROMPT_TAIL` tokens leave the thinking
+    open (the reply starts inside it), or closed it (a template that switched it off), by the
+    markers' token sequences ``start`` and ``end``."""
+    tail = list(prompt[-PROMPT_TAIL:])
+    last_start, last_end = _rfind(tail, tuple(start)), _rfind(tail, tuple(end))
+    return last_start > last_end, 0 <= last_start < last_end
+
+
+def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """The last index where ``marker`` starts in ``tokens``, or -1."""
+    n = len(marker)
+    for i in range(len(tokens) - n, -1, -1):
+        if tuple(tokens[i : i + n]) == marker:
+            return i
+    return -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +77,8 @@ class ThinkingState:
         tokens generated since the previous call."""
         if self._seen is None:  # the prompt: thinking the template left open
             tail = tokens[-PROMPT_TAIL:].tolist()
-            start, end = self.markers.start, self.markers.end
-            last_start = max((i for i, t in enumerate(tail) if t == start), default=-1)
-            last_end = max((i for i, t in enumerate(tail) if t == end), default=-1)
-            self.inside = last_start > last_end
-            self.closed = 0 <= last_start < last_end
+            markers = self.markers
+            self.inside, self.closed = prompt_thinking(tail, (markers.start,), (markers.end,))
             self._seen = int(tokens.size)
             return []
         new = tokens[self._seen :].tolist()

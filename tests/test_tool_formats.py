@@ -14,7 +14,7 @@ import pkgutil
 import mlx_lm.tool_parsers
 import pytest
 
-from agentkv.tool_calls import ToolCall, ToolFormat
+from agentkv.tool_calls import ParsedReply, ToolCall, ToolFormat
 
 TOOLS = [
     {
@@ -91,7 +91,7 @@ def test_a_call_in_each_format_is_parsed_out_of_the_reply(style):
     # A call cut off before its end marker stays text (max_tokens ran out).
     if module.tool_call_end:
         cut = SAMPLES[style][: SAMPLES[style].rindex(module.tool_call_end)]
-        assert form.parse(cut, TOOLS) == form.parse(cut, TOOLS).__class__(cut)
+        assert form.parse(cut, TOOLS) == ParsedReply(cut)
 
 
 # Each forcible format's call as its grammar writes it (compact JSON, no blank between tags).
