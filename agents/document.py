@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.prompt import PLACEHOLDER_CHARS, ChatRenderer, Message, placeholder_at
+from agentkv.escapes import PLACEHOLDER_CHARS, placeholder_at
+from agentkv.prompt import ChatRenderer, Message
 from agentkv.tool_calls import ParsedReply, ToolCall
 
 
@@ -105,7 +106,11 @@ def render_document(
                 if place not in (None, i):
                     continue  # its own message was dropped or rewritten
                 if replies[k].parsed.same_as(message.get("content") or "", calls):
-                    message = {"role": "assistant", "content": ""}  # its calls are in the tokens
+                    # Its calls are in the tokens (harmony names the tool results' authors by them).
+                    kept = (
+                        {"tool_calls": message["tool_calls"]} if renderer.harmony and calls else {}
+                    )
+                    message = {"role": "assistant", "content": "", **kept}
                     spliced.append(replies[k])
                     at.append(i)
                     j = k + 1

@@ -28,19 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.errors import ChatTemplateError, ContextLengthError
+from agentkv.escapes import (
+    ESC,
+    ESCAPE,
+    FIRST,
+    LAST,
+    PLACEHOLDER_CHARS,
+    control_pattern,
+    placeholder_at,
+)
 from agentkv.messages import Message, checked_template_kwargs
-
-# Starts an escape in rendered text: _ESC + _ESC is a literal _ESC, _ESC + chr(_FIRST + i) the
-# i-th control string as text (private-use code points of planes 15 and 16).
-_ESC = "\U000f0000"
-_FIRST = 0xF0001
-_ESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
-# Placeholders stand in for a message's content while rendering (where a cache ends, a reply
-# to splice): templates that trim or rewrite content leave them alone. Placeholder n is _ESC +
-# chr(_LAST - n), an escape no message text can produce: text's own _ESC is doubled, and
-# controls' codes count up from _FIRST, placeholders' down from _LAST.
-_LAST = 0x10FFFF
-
 
 HEADS_REMEMBERED = 64
 """System messages and tool sets whose shared heads a renderer remembers (see shared_heads)."""
@@ -57,6 +54,9 @@ class ChatRenderer:
     it is escaped or tokenized (None: no check)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template (``enable_thinking``, …; see :meth:`using`)."""
+    harmony: Any = None
+    """``agentkv.harmony.Harmony`` for a model that speaks OpenAI's harmony (gpt-oss): it
+    writes the prompts in place of the chat template."""
     controls: tuple[str, ...] = field(init=False)
     """The tokenizer's special tokens: what message text may not produce."""
     _control_ids: frozenset[int] = field(init=False)
@@ -76,20 +76,22 @@ class ChatRenderer:
         markers = {getattr(self.tokenizer, a, None) for a in ("tool_call_start", "tool_call_end")}
         thinking = {getattr(self.tokenizer, a, None) for a in ("think_start", "think_end")}
         named = markers | thinking
+        if self.harmony is not None:  # a reply's messages, as transcripts store them
+            named |= set(self.harmony.controls)
         controls = {
             i: t.content
             for i, t in added.items()
             if getattr(t, "special", False) or t.content in named
         }
         self.controls = tuple(sorted(set(controls.values())))
-        if len(self.controls) > _LAST - _FIRST:
+        if len(self.controls) > LAST - FIRST:
             raise ValueError(
                 f"tokenizer: {len(self.controls)} control tokens, too many to escape in text"
             )
         self._control_ids = frozenset(controls)
         self._index = {s: i for i, s in enumerate(self.controls)}
-        self._in_text = _pattern(self.controls)
-        self._in_replies = _pattern([s for s in self.controls if s not in named])
+        self._in_text = control_pattern(self.controls)
+        self._in_replies = control_pattern([s for s in self.controls if s not in named])
         self._as_text = {}
         self._heads = {}
         self._openers = {}
@@ -107,11 +109,11 @@ class ChatRenderer:
         ContextLengthError for text that cannot fit the model's context, ChatTemplateError
         when the template refuses the conversation."""
         self._check_size(messages, tools)
-        if len(placeholders) > _LAST - _FIRST - len(self.controls):
+        if len(placeholders) > LAST - FIRST - len(self.controls):
             raise ValueError(f"{len(placeholders)} placeholders: more than escapes can hold")
         escaped = [self._escaped_message(m) for m in messages]
         for n, i in enumerate(placeholders):  # after escaping: no text spells a placeholder
-            escaped[i] = {**escaped[i], "content": _ESC + chr(_LAST - n)}
+            escaped[i] = {**escaped[i], "content": ESC + chr(LAST - n)}
         return self._apply(
             escaped,
             add_generation_prompt,
@@ -136,6 +138,8 @@ class ChatRenderer:
         self._apply(list(messages), False, None)
 
     def _apply(self, messages: list[Message], add_generation_prompt: bool, tools: Any) -> str:
+        if self.harmony is not None:
+            return self.harmony.render(messages, add_generation_prompt, tools, self.template_kwargs)
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -153,17 +157,17 @@ class ChatRenderer:
         """Tokens of rendered text: control strings the template wrote become control tokens,
         escaped ones (from message text) the tokens of their characters."""
         # The template writes special tokens (BOS included) itself.
-        if _ESC not in text:
+        if ESC not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         tokens: list[int] = []
         start = 0
-        for match in _ESCAPE.finditer(text):
-            code = ord(match.group(1)) - _FIRST
-            if match.group(1) != _ESC and not 0 <= code < len(self.controls):
+        for match in ESCAPE.finditer(text):
+            code = ord(match.group(1)) - FIRST
+            if match.group(1) != ESC and not 0 <= code < len(self.controls):
                 continue  # not an escape of ours (a template cut one up): plain text
             tokens += self._plain(text[start : match.start()])
-            if match.group(1) == _ESC:
-                tokens += self._plain(_ESC)
+            if match.group(1) == ESC:
+                tokens += self._plain(ESC)
             else:
                 tokens += self._text_tokens(self.controls[code])
             start = match.end()
@@ -230,7 +234,7 @@ class ChatRenderer:
 
     def _escape(self, match: re.Match[str]) -> str:
         text = match.group()
-        return _ESC + (_ESC if text == _ESC else chr(_FIRST + self._index[text]))
+        return ESC + (ESC if text == ESC else chr(FIRST + self._index[text]))
 
     def full_prompt(
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
@@ -322,6 +326,8 @@ class ChatRenderer:
         """
         if not 0 < covered < len(messages) or messages[covered - 1]["role"] != "assistant":
             return None
+        if self.harmony is not None:  # the reply follows the generation prompt, not a header
+            return self.harmony.delta(self, messages, covered, last_cached_token)
         rendered = self.render(messages, add_generation_prompt=True, placeholders=[covered - 1])
         head = self.render(messages[: covered - 1], add_generation_prompt=True)
         cuts = placeholder_at(rendered, 1)
@@ -338,24 +344,6 @@ class ChatRenderer:
         return tokens or None
 
 
-PLACEHOLDER_CHARS = 2
-"""The length of a placeholder in rendered text."""
-
-
-def placeholder_at(rendered: str, count: int) -> list[int] | None:
-    """Where placeholders 0 … count-1 stand in rendered text, in order; None unless each
-    stands there once, in order (a template dropped, repeated or moved a message). Escapes
-    are read left to right, so a doubled _ESC from message text is never half of one."""
-    found = [
-        (_LAST - ord(m.group(1)), m.start())
-        for m in _ESCAPE.finditer(rendered)
-        if _LAST - count < ord(m.group(1)) <= _LAST
-    ]
-    if [n for n, _ in found] != list(range(count)):
-        return None
-    return [at for _, at in found]
-
-
 def _text_chars(value: Any) -> int:
     """Characters of the text in ``value`` (text, or lists and dicts of it)."""
     if isinstance(value, str):
@@ -365,29 +353,6 @@ def _text_chars(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(_text_chars(v) for v in value)
     return 0
-
-
-def _pattern(strings: Sequence[str]) -> re.Pattern[str]:
-    """A regex matching _ESC or any of ``strings``: a trie, so a position costs one lookup per
-    character however many strings there are (Gemma 3 has over 6,000 special tokens)."""
-    trie: dict[str, Any] = {}
-    for s in [_ESC, *strings]:
-        node = trie
-        for ch in s:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def regex(node: dict[str, Any]) -> str:
-        ends = "" in node
-        branches = [re.escape(ch) + regex(child) for ch, child in node.items() if ch]
-        if not branches:
-            return ""
-        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-        if ends:  # a string ends here and longer ones go on: prefer the longer
-            return f"(?:{body})?" if len(branches) == 1 else f"{body}?"
-        return body
-
-    return re.compile(regex(trie))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

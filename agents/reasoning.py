@@ -62,6 +62,10 @@ class ReasoningFormat:
             return len(tokens) if end < 0 else 0
         return 0
 
+    def splitter(self, opened: bool = False) -> ReasoningSplitter:
+        """A splitter for a reply streamed in pieces (``opened``: it starts inside reasoning)."""
+        return ReasoningSplitter(self, opened)
+
     def split(self, text: str, opened: bool = False) -> tuple[str, str]:
         """A whole reply's (reasoning, answer); ``opened``: it starts inside reasoning."""
         splitter = ReasoningSplitter(self, opened)

@@ -14,8 +14,9 @@ from agentkv.caches.tiers import CacheInfo, CacheTiers
 from agentkv.chat_turn import ChatTurn
 from agentkv.config import RuntimeConfig
 from agentkv.conversations import Conversations
+from agentkv.engine.call_formats import TOOL_CALL_STYLES
 from agentkv.engine.engine import Engine
-from agentkv.engine.grammar import TOOL_CALL_STYLES, Grammar, GrammarError
+from agentkv.engine.grammar import Grammar, GrammarError
 from agentkv.engine.request import PromptCache
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import (
@@ -25,6 +26,7 @@ from agentkv.errors import (
     check_text,
 )
 from agentkv.formats import FREE, schema_of
+from agentkv.harmony import Harmony
 from agentkv.leases import Leases, WorkerClaim
 from agentkv.messages import Message, checked_history, off_loop
 from agentkv.prompt import ChatRenderer
@@ -55,18 +57,24 @@ class AgentRuntime:
     """
 
     def __init__(
-        self, config: RuntimeConfig, registry: Registry, engine: Engine, claim: WorkerClaim
+        self,
+        config: RuntimeConfig,
+        registry: Registry,
+        engine: Engine,
+        claim: WorkerClaim,
+        harmony: Harmony | None = None,
     ):
-        """Use :meth:`open`. ``claim``: this process's worker id, released at close."""
+        """Use :meth:`open`. ``claim``: this process's worker id, released at close;
+        ``harmony``: the model's format when it speaks OpenAI's harmony (gpt-oss)."""
         config = config.resolved()
         self.config = config
         """The configuration, its "auto" budgets resolved to bytes."""
         self._registry = registry
         self._engine = engine
         self._renderer = ChatRenderer(
-            engine.tokenizer, engine.model.eos_token_ids, engine.model.max_context
+            engine.tokenizer, engine.model.eos_token_ids, engine.model.max_context, harmony=harmony
         )
-        self.tool_format = ToolFormat.of(engine.tokenizer)
+        self.tool_format: ToolFormat | Harmony | None = harmony or ToolFormat.of(engine.tokenizer)
         """The model's tool-call markers and parser; None when it cannot call tools."""
         disk = DiskCaches(
             config.caches_path,
@@ -114,7 +122,16 @@ class AgentRuntime:
             claim.release()
             await registry.close()
             raise
-        runtime = cls(config, registry, engine, claim)
+        try:
+            harmony = await asyncio.to_thread(
+                Harmony.of, engine.tokenizer, config.model, config.data_dir
+            )
+        except BaseException:
+            claim.release()
+            await registry.close()
+            await engine.close()
+            raise
+        runtime = cls(config, registry, engine, claim, harmony)
         try:
             await runtime._caches.disk.sweep()
         except (RegistryStorageError, OSError) as exc:  # a full disk: tidy up another time
@@ -426,7 +443,8 @@ class AgentRuntime:
         if schema is FREE:
             return None
         try:
-            return await asyncio.to_thread(self._engine.grammars.json_schema, schema)
+            style = "harmony" if self._renderer.harmony is not None else None
+            return await asyncio.to_thread(self._engine.grammars.json_schema, schema, style)
         except GrammarError as exc:
             raise InvalidResponseFormatError(
                 f"response_format.json_schema.schema: cannot be compiled: {exc}"
@@ -458,7 +476,7 @@ class AgentRuntime:
             raise InvalidResponseFormatError(f"tool_choice: {exc}") from None
 
     @property
-    def reasoning(self) -> ReasoningFormat | None:
+    def reasoning(self) -> ReasoningFormat | Harmony | None:
         """The model's thinking markers (``agentkv.reasoning``), or None for a model that does
         not reason apart from its answer."""
         return self._turns.reasoning

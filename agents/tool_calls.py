@@ -82,7 +82,7 @@ class ToolFormat:
     def forcible(self) -> bool:
         """Whether a call can be forced (``tool_choice``): a format ``engine.grammar`` writes
         a grammar for (JSON between markers: Hermes, Qwen3; Qwen3-Coder's XML: Qwen 3.5)."""
-        from agentkv.engine.grammar import TOOL_CALL_STYLES
+        from agentkv.engine.call_formats import TOOL_CALL_STYLES
 
         return self.style in TOOL_CALL_STYLES
 

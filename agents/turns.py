@@ -35,7 +35,7 @@ from agentkv.errors import ContextLengthError, TurnFailedError
 from agentkv.leases import Leases
 from agentkv.messages import Message, conversation_digest, transcript_messages
 from agentkv.prompt import ChatRenderer
-from agentkv.reasoning import PROMPT_TAIL, ReasoningFormat, ReasoningSplitter
+from agentkv.reasoning import PROMPT_TAIL, ReasoningFormat
 from agentkv.replies import finished_reply, log_turn
 from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
 from agentkv.types import (
@@ -90,7 +90,7 @@ class TurnRunner:
         self.caches = caches
         self.renderer = renderer
         self.leases = leases
-        self.reasoning = ReasoningFormat.of(engine.tokenizer)
+        self.reasoning = renderer.harmony or ReasoningFormat.of(engine.tokenizer)
         self.sources: Counter[str] = Counter()
         # An agent's lock lives while a turn holds or awaits it: ids of deleted or idle agents
         # (thousands of stateless ones) leave nothing behind.
@@ -281,7 +281,7 @@ class TurnRunner:
         held: list[TokenLogprob] = []  # of tokens whose text is still pending
         splitter = None
         if self.reasoning is not None:
-            splitter = ReasoningSplitter(self.reasoning, self.opened(plan))
+            splitter = self.reasoning.splitter(self.opened(plan))
         async with self.engine.submit(request) as handle:
             async for event in handle:
                 if event.logprob is not None:

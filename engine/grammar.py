@@ -25,48 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from agentkv.engine.call_formats import JSON_ARGUMENTS, TAGGED, TOOL_CALL_STYLES
 from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
 
-TAGGED = {
-    # Qwen3-Coder's XML (Qwen 3.5, Qwen3-Coder, Qwen3-Next).
-    "qwen3_coder": {
-        "name": "\n<function={name}>\n",
-        "key": "<parameter={key}>\n",
-        "value_end": "\n</parameter>\n",
-        "call_end": "</function>\n",
-    },
-    # GLM-4.5 to 4.7 (and Poolside Laguna, which mlx-lm reads with the same parser).
-    "glm47": {
-        "name": "{name}",
-        "key": "<arg_key>{key}</arg_key><arg_value>",
-        "value_end": "</arg_value>",
-        "call_end": "",
-    },
-    "longcat": {
-        "name": "{name}",
-        "key": "<longcat_arg_key>{key}</longcat_arg_key><longcat_arg_value>",
-        "value_end": "</longcat_arg_value>",
-        "call_end": "",
-    },
-    "minimax_m2": {
-        "name": '\n<invoke name="{name}">\n',
-        "key": '<parameter name="{key}">',
-        "value_end": "</parameter>\n",
-        "call_end": "</invoke>\n",
-    },
-}
-"""Formats that write a call's name, then each argument's key and value in tags (the texts
-around the name, a key, after a value, and after the call), as their chat templates do."""
-JSON_ARGUMENTS = {
-    "mistral": {"head": "{name}[ARGS]", "tail": ""},
-    "kimi_k2": {
-        "head": "<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
-        "tail": "<|tool_call_end|>",
-    },
-}
-"""Formats that write a call's name in a header, then its arguments as one JSON object."""
-TOOL_CALL_STYLES = ("json_tools", *TAGGED, *JSON_ARGUMENTS)
-"""The tool-call formats a call can be forced in, by the mlx-lm parser that reads them."""
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 log = logging.getLogger(__name__)
@@ -129,13 +90,20 @@ class Grammars:
             raise GrammarError(error)
         return Grammar(source)
 
-    def json_schema(self, schema: dict[str, Any] | None) -> Grammar:
-        """The grammar of JSON values ``schema`` accepts (None: any JSON object). Raises
-        GrammarError for a schema that cannot be compiled."""
+    def json_schema(self, schema: dict[str, Any] | None, style: str | None = None) -> Grammar:
+        """The grammar of JSON values ``schema`` accepts (None: any JSON object); in
+        ``harmony`` (gpt-oss), the reply's final message holding one, its analysis first if
+        it reasons. Raises GrammarError for a schema that cannot be compiled."""
         import llguidance
 
         if schema is not None and not isinstance(schema, dict):
             raise GrammarError(f"a JSON Schema must be an object, got {type(schema).__name__}")
+        if style == "harmony":
+            form = JSON_ARGUMENTS[style]
+            value = json.dumps((schema or {"type": "object"}) | _COMPACT)
+            final = self._text(form["final"])
+            lark = f"start: t? {final} a\na: %json {value}\n{self._thought(form)}\n"
+            return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
         try:
             source = llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"} if schema is None else json.dumps(schema),
@@ -251,10 +219,17 @@ class Grammars:
                 " ".join(filter(None, (f"f{f}:", head, f"a{f}", self._text(form["tail"]))))
             )
             calls.append(f"f{f}")
+        if "thinking" in form:  # the markers are the format's own: the reply is all grammar
+            rules.append(self._thought(form))
+            return "\n".join([f"start: t? ({' | '.join(calls)})", *rules]) + "\n"
         head = f"start: {self._literal(start)} ({' | '.join(calls)})"
         if end:
             head += f" {self._literal(end)}"
         return "\n".join([head, *rules]) + "\n"
+
+    def _thought(self, form: dict[str, str]) -> str:
+        """Lark rule ``t``: a format's reasoning message (any text between its markers)."""
+        return f"t: {self._text(form['thinking'])} /(.|\\n)*/ {self._text(form['thought'])}"
 
     def _text(self, text: str) -> str:
         """Lark for fixed text: its special tokens as tokens (``<[id]>``), the rest as text

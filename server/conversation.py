@@ -209,12 +209,18 @@ def thinking_of(effort: object, where: str) -> bool | None:
     return effort not in ("none", "minimal")
 
 
-def template_kwargs(given: dict[str, Any] | None, thinking: bool | None) -> dict[str, Any] | None:
+def template_kwargs(
+    given: dict[str, Any] | None, thinking: bool | None, effort: str | None = None
+) -> dict[str, Any] | None:
     """A request's chat template variables: its ``chat_template_kwargs``, with
-    ``enable_thinking`` from the API's reasoning switch unless they set it themselves."""
+    ``enable_thinking`` from the API's reasoning switch and ``reasoning_effort`` from an
+    OpenAI effort that sets a level (``low`` … ``high``, ``xhigh`` as ``high``: gpt-oss's
+    template and harmony read it) unless they set them themselves."""
     kwargs = dict(given or {})
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking)
+    if effort in ("low", "medium", "high", "xhigh"):
+        kwargs.setdefault("reasoning_effort", "high" if effort == "xhigh" else effort)
     return kwargs or None
 
 

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.engine.sampling import SamplingParams
 from agentkv.server import turns
+from tests.harmony_model import build_harmony_model, js_tiktoken
 from tests.postgres import PostgresServer, PostgresUnavailable
 
 TOOLS_MODEL = "tiny:tools"  # the tiny model with a tool-call format (Hermes-style <tool_call>)
@@ -38,12 +39,13 @@ class ForcedTokens:
 _FORCED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("forced", default=None)
 
 
-def scripted_tool_replies(monkeypatch, model: str):
-    """``say(text)``: the next request with tools to a server of ``model`` (ChatML) is
-    answered ``text`` (forced token by token). A context variable carries the tokens from the
-    request's turn to its logits processors, so concurrent requests (Claude Code's title
-    requests) are left alone."""
-    tokenizer = load_tokenizer(tiny_model_dir(model))
+def scripted_tool_replies(monkeypatch, model: str, end: str | None = "<|im_end|>"):
+    """``say(text)``: the next request with tools to a server of ``model`` (a tiny model's
+    name or a model directory) is answered ``text`` (forced token by token), then ``end``
+    (ChatML's by default; None: the text ends itself). A context variable carries the tokens
+    from the request's turn to its logits processors, so concurrent requests (Claude Code's
+    title requests) are left alone."""
+    tokenizer = load_tokenizer(Path(model) if Path(model).is_dir() else tiny_model_dir(model))
     scripts: list[list[int]] = []
     make_processors, events = SamplingParams.make_logits_processors, turns._events
 
@@ -62,7 +64,7 @@ def scripted_tool_replies(monkeypatch, model: str):
 
     def say(reply: str) -> None:
         tokens = tokenizer.encode(reply, add_special_tokens=False)
-        scripts.append([*tokens, tokenizer.convert_tokens_to_ids("<|im_end|>")])
+        scripts.append([*tokens, *([tokenizer.convert_tokens_to_ids(end)] if end else [])])
 
     say.scripts = scripts  # what is left unsaid
     return say
@@ -129,3 +131,23 @@ def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "state" / "agentkv.sqlite")
     return request.getfixturevalue("postgres_url")
+
+
+# ---- models ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight gpt-oss model with the real o200k_harmony tokenizer
+    (tests/harmony_model.py), built once per session. Its directory also holds
+    ``o200k_base.tiktoken``, for openai-harmony's ``TIKTOKEN_ENCODINGS_BASE``.
+
+    Tests using it skip when js-tiktoken, whose ranks the tokenizer is built from, is not
+    installed.
+    """
+    if js_tiktoken() is None:
+        pytest.skip(
+            "js-tiktoken (npm install -g js-tiktoken@1.0.21) is not installed: the harmony "
+            "model's tokenizer is built from its o200k_base ranks"
+        )
+    return build_harmony_model(tmp_path_factory.mktemp("harmony") / "gpt-oss")

@@ -244,7 +244,9 @@ class ChatCompletionRequest(BaseModel):
             tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
             logprobs=top_logprobs(self.logprobs, self.top_logprobs),
             template_kwargs=template_kwargs(
-                self.chat_template_kwargs, thinking_of(self.reasoning_effort, "reasoning_effort")
+                self.chat_template_kwargs,
+                thinking_of(self.reasoning_effort, "reasoning_effort"),
+                self.reasoning_effort,
             ),
         )
         plain = request.tool_choice is None and request.session is None

@@ -148,7 +148,9 @@ class ResponsesRequest(BaseModel):
             logprobs=top_logprobs(self.wants_logprobs, self.top_logprobs),
             format_field="text.format",
             template_kwargs=template_kwargs(
-                None, thinking_of((self.reasoning or {}).get("effort"), "reasoning.effort")
+                None,
+                thinking_of(effort := (self.reasoning or {}).get("effort"), "reasoning.effort"),
+                effort,
             ),
         )
 
