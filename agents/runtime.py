@@ -429,10 +429,11 @@ class AgentRuntime:
             raise InvalidMessageError(
                 f"reasoning_budget must be a count of tokens, got {reasoning_budget!r}"
             )
-        if self._engine.thinking is None:
+        if self._engine.reasoning is None:
             raise InvalidMessageError(
                 f"reasoning_budget: model {self.config.model!r} has no thinking markers "
-                "(think_start / think_end, one token each) to cap its reasoning by"
+                "(think_start / think_end, one token each, or harmony's analysis message) to "
+                "cap its reasoning by"
             )
         return reasoning_budget
 

@@ -32,7 +32,7 @@ from agentkv.engine.request import (
 )
 from agentkv.engine.sequence import Sequence
 from agentkv.engine.stopping import StopStrings
-from agentkv.engine.thinking import ThinkingBudget, ThinkingMarkers
+from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
 
 T = TypeVar("T")
 
@@ -150,6 +150,9 @@ class Engine:
         self.grammars = Grammars(model.tokenizer, model.vocab_size)
         self.thinking = ThinkingMarkers.of(model.tokenizer)
         """A reasoning model's thinking markers (one token each), else None."""
+        self.reasoning = self.thinking or AnalysisMarkers.of(model.tokenizer)
+        """What a reasoning budget follows: the thinking markers, or gpt-oss's analysis
+        message; None for a model whose reasoning cannot be capped."""
         """Compiles the grammars requests are held to (``GenerationRequest.grammar``)."""
         threading.Thread(target=self.grammars.warm, name="grammar-warm", daemon=True).start()
 
@@ -270,8 +273,8 @@ class Engine:
         """The request's logits processors; a grammar's mask last (nothing it forbids comes
         back, whatever a bias says)."""
         processors = request.sampling.make_logits_processors(vocab_size)
-        if request.reasoning_budget is not None and self.thinking is not None:
-            processors.append(ThinkingBudget(self.thinking, request.reasoning_budget))
+        if request.reasoning_budget is not None and self.reasoning is not None:
+            processors.append(ThinkingBudget(self.reasoning, request.reasoning_budget))
         if request.grammar is not None:
             eos = self.model.eos_token_ids
             processors.append(self.grammars.processor(request.grammar, eos, self.thinking))

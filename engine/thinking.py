@@ -47,6 +47,11 @@ class ThinkingMarkers:
     start: int
     end: int
 
+    @property
+    def opening(self) -> tuple[int, ...]:
+        """The tokens that open the thinking."""
+        return (self.start,)
+
     @classmethod
     def of(cls, tokenizer: Any) -> ThinkingMarkers | None:
         """An mlx-lm TokenizerWrapper's markers when each is one token; else None."""
@@ -58,19 +63,40 @@ class ThinkingMarkers:
         return cls(start[0], end[0])
 
 
+@dataclass(frozen=True, slots=True)
+class AnalysisMarkers:
+    """gpt-oss's thinking (OpenAI's harmony): a message on the ``analysis`` channel, opened by
+    its header's tokens (``<|channel|>analysis<|message|>``) and closed by ``<|end|>``; what a
+    reasoning budget follows (a grammar holds the whole reply in this format)."""
+
+    opening: tuple[int, ...]
+    end: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> AnalysisMarkers | None:
+        """The markers of an mlx-lm TokenizerWrapper whose vocabulary is o200k_harmony's."""
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        ids = [vocab.get(t) for t in ("<|channel|>", "<|message|>", "<|end|>")]
+        if ids != [200005, 200008, 200007]:
+            return None
+        channel = list(tokenizer.encode("analysis", add_special_tokens=False))
+        return cls((ids[0], *channel, ids[1]), ids[2])
+
+
 class ThinkingState:
     """Whether a sequence is reasoning now, fed its context as logits processors see it (the
     first call: the prompt; then each token sampled since)."""
 
-    __slots__ = ("_seen", "closed", "inside", "markers", "reasoned", "replied")
+    __slots__ = ("_recent", "_seen", "closed", "inside", "markers", "reasoned", "replied")
 
-    def __init__(self, markers: ThinkingMarkers):
+    def __init__(self, markers: ThinkingMarkers | AnalysisMarkers):
         self.markers = markers
         self.inside = False
         self.closed = False  # the template closed the thinking (switched off) in the prompt
         self.reasoned = 0  # tokens of thinking generated so far
         self.replied = 0  # tokens generated so far
         self._seen: int | None = None
+        self._recent: tuple[int, ...] = ()  # the last tokens, as many as open the thinking
 
     def update(self, tokens: Any) -> list[int]:
         """Follow the context up to now (an MLX or numpy array of token ids); returns the
@@ -78,14 +104,16 @@ class ThinkingState:
         if self._seen is None:  # the prompt: thinking the template left open
             tail = tokens[-PROMPT_TAIL:].tolist()
             markers = self.markers
-            self.inside, self.closed = prompt_thinking(tail, (markers.start,), (markers.end,))
+            self.inside, self.closed = prompt_thinking(tail, markers.opening, (markers.end,))
             self._seen = int(tokens.size)
             return []
         new = tokens[self._seen :].tolist()
         self._seen = int(tokens.size)
+        opening = self.markers.opening
         for token in new:
             self.replied += 1
-            if token == self.markers.start:
+            self._recent = (*self._recent, token)[-len(opening) :]
+            if self._recent == opening:
                 self.inside = True
             elif token == self.markers.end:
                 self.inside = False
@@ -100,7 +128,7 @@ class ThinkingBudget:
 
     __slots__ = ("budget", "state")
 
-    def __init__(self, markers: ThinkingMarkers, budget: int):
+    def __init__(self, markers: ThinkingMarkers | AnalysisMarkers, budget: int):
         self.state = ThinkingState(markers)
         self.budget = budget
 

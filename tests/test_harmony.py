@@ -393,3 +393,17 @@ async def test_a_json_reply_is_the_final_message(harmony_model, tmp_path, say):
             assert reply.reasoning == (THOUGHT if thinks else "")
             assert json.loads(reply.text)["city"] in ("Oslo", "Bergen")
             assert reply.finish_reason == "stop"
+
+
+async def test_a_reasoning_budget_ends_the_analysis_after_that_many_tokens(
+    harmony_model, tmp_path, say, tokenizer
+):
+    header = tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    async with await AgentRuntime.open(config(harmony_model, tmp_path)) as rt:
+        await rt.create_agent("capped")
+        say("<|channel|>analysis<|message|>")  # it starts reasoning; then the budget holds
+        reply = await rt.chat("capped", "Think.", max_tokens=20, reasoning_budget=5)
+        assert reply.token_ids[: len(header)] == header
+        assert reply.token_ids[len(header) + 5] == end
+        assert reply.usage.reasoning_tokens == 5

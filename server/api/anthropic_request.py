@@ -167,7 +167,7 @@ class MessagesRequest(CountTokensRequest):
     def reasoning(self, thinks: bool) -> tuple[bool | None, int | None]:
         """``thinking`` as (``enable_thinking`` for the template, or None: the template's
         default; a cap on reasoning tokens, or None): ``enabled`` (with ``budget_tokens``, the
-        cap, on a model whose markers are one token each: ``thinks``), ``adaptive`` (the
+        cap, on a model whose reasoning can be capped: ``thinks``), ``adaptive`` (the
         model's own length) or ``disabled``."""
         thinking = self.thinking
         if thinking is None:
