@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.engine.errors import UnsupportedModelError
-from agentkv.engine.models.o200k import VOCAB_ENV, VOCAB_FILE, vocab_of, write_vocab
+from agentkv.engine.models.o200k import VOCAB_ENV, VOCAB_FILE, ids_of, write_vocab
 from agentkv.errors import ChatTemplateError
 from agentkv.escapes import is_placeholder
 from agentkv.harmony_stream import HarmonySplitter
@@ -47,13 +47,16 @@ TEMPLATE_KWARGS = ("reasoning_effort", "enable_thinking", "model_identity")
 """Chat template variables a harmony prompt takes (``enable_thinking=False``: low effort; the
 model always reasons)."""
 FUNCTIONS = "functions."
+LAST_CALL = ""  # (in the names of calls by id: the latest call's, ids are never empty)
 JSON_TYPE = "<|constrain|>json"
+
+
+_WRITTEN: set[str] = set()  # the folders this process named in VOCAB_ENV itself
 
 
 def speaks_harmony(tokenizer: Any) -> bool:
     """Whether an mlx-lm TokenizerWrapper's vocabulary is o200k_harmony's (gpt-oss)."""
-    vocab = vocab_of(tokenizer)
-    return all(vocab.get(token) == i for token, i in CONTROLS.items())
+    return ids_of(tokenizer, list(CONTROLS)) == list(CONTROLS.values())
 
 
 class Harmony:
@@ -82,10 +85,12 @@ class Harmony:
                 f"model {model!r} speaks OpenAI's harmony format, which needs the "
                 "openai-harmony package (pip install openai-harmony)"
             ) from exc
-        if not os.environ.get(VOCAB_ENV):
-            folder = data_dir / "tiktoken"
+        given = os.environ.get(VOCAB_ENV)
+        if not given or (given in _WRITTEN and not (Path(given) / VOCAB_FILE).exists()):
+            folder = (data_dir / "tiktoken").resolve()
             if (folder / VOCAB_FILE).exists() or write_vocab(tokenizer, folder):
-                os.environ[VOCAB_ENV] = str(folder.resolve())
+                os.environ[VOCAB_ENV] = str(folder)
+                _WRITTEN.add(str(folder))
         try:
             encoding = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
         except Exception as exc:  # HarmonyError: the vocabulary could not be read or fetched
@@ -154,12 +159,10 @@ class Harmony:
             return [oh.Message.from_role_and_content(oh.Role.USER, text)]
         if role in ("system", "developer"):
             return [oh.Message.from_role_and_content(oh.Role.DEVELOPER, text)]
-        if role == "tool":
+        if role == "tool":  # by its call's id, its name, else the last call's (as stored)
             name = names.get(message.get("tool_call_id") or "") or message.get("name")
-            if not name:
-                raise ChatTemplateError(
-                    "harmony: a tool message must answer a call made before it (tool_call_id)"
-                )
+            if not (name := name or names.get(LAST_CALL)):
+                raise ChatTemplateError("harmony: a tool message must answer a call before it")
             author = oh.Author.new(oh.Role.TOOL, FUNCTIONS + name)
             reply = oh.Message.from_author_and_content(author, text)
             return [reply.with_channel("commentary").with_recipient("assistant")]
@@ -167,7 +170,7 @@ class Harmony:
             raise ChatTemplateError(f"harmony: no role {role!r}")
         calls = message.get("tool_calls") or []
         for call in calls:
-            names[call.get("id") or ""] = (call.get("function") or call)["name"]
+            names[call.get("id") or ""] = names[LAST_CALL] = (call.get("function") or call)["name"]
         if is_placeholder(text):  # a generated reply, its calls included (see render)
             return [_assistant(text, "final")]
         out = []
@@ -180,6 +183,9 @@ class Harmony:
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments)
             out.append(_call(function["name"], arguments))
+        for made in out:  # calls stored as markup in the text too
+            if (made.recipient or "").startswith(FUNCTIONS):
+                names[LAST_CALL] = made.recipient[len(FUNCTIONS) :]
         return out
 
     def delta(
@@ -189,14 +195,16 @@ class Harmony:
         ``ChatRenderer``), whose last token ``last`` ended the reply ``messages[covered - 1]``:
         the later messages and the generation prompt. The reply's own tokens are what the model
         wrote (its reasoning kept; ``<|return|>`` where the history would close with
-        ``<|end|>``). None when the reply did not end on a stop token (cut short)."""
-        if last not in self.stops or not 0 < covered < len(messages):
+        ``<|end|>``); a reply cut short (``max_tokens``) is closed with ``<|end|>``, as the
+        history closes it."""
+        if not 0 < covered < len(messages):
             return None
         head = renderer.render(messages[:covered], add_generation_prompt=False)
         whole = renderer.render(messages, add_generation_prompt=True)
         if not whole.startswith(head):
             return None
-        return renderer.encode(whole[len(head) :]) or None
+        closing = "" if last in self.stops else "<|end|>"
+        return renderer.encode(closing + whole[len(head) :]) or None
 
     # ---- replies -----------------------------------------------------------------------------
 

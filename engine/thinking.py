@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv.engine.models.o200k import ids_of
+
 PROMPT_TAIL = 16
 """Tokens at a prompt's end read for thinking the template opened (or closed)."""
 
@@ -75,8 +77,7 @@ class AnalysisMarkers:
     @classmethod
     def of(cls, tokenizer: Any) -> AnalysisMarkers | None:
         """The markers of an mlx-lm TokenizerWrapper whose vocabulary is o200k_harmony's."""
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        ids = [vocab.get(t) for t in ("<|channel|>", "<|message|>", "<|end|>")]
+        ids = ids_of(tokenizer, ["<|channel|>", "<|message|>", "<|end|>"])
         if ids != [200005, 200008, 200007]:
             return None
         channel = list(tokenizer.encode("analysis", add_special_tokens=False))

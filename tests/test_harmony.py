@@ -407,3 +407,47 @@ async def test_a_reasoning_budget_ends_the_analysis_after_that_many_tokens(
         assert reply.token_ids[: len(header)] == header
         assert reply.token_ids[len(header) + 5] == end
         assert reply.usage.reasoning_tokens == 5
+
+
+async def test_a_stored_tool_round_trip_renders_again_for_the_next_chat_turn(
+    harmony_model, tmp_path, say
+):
+    # Transcripts store a tool result without its call's id: harmony names its author after
+    # the call before it, so a chat turn after a resent conversation renders the transcript.
+    tools = [{"type": "function", "function": WEATHER}]
+    conversation = [{"role": "user", "content": "Weather in Oslo?"}]
+    async with await AgentRuntime.open(config(harmony_model, tmp_path)) as rt:
+        await rt.create_agent("mixed")
+        say(call(THOUGHT, "weather", {"city": "Oslo"}))
+        first = [e async for e in rt.respond("mixed", conversation, tools=tools, max_tokens=80)]
+        (made,) = first[-1].content.tool_calls
+        conversation += [
+            {"role": "assistant", "content": "", "tool_calls": [made.as_template()]},
+            {"role": "tool", "tool_call_id": made.id, "content": "sunny"},
+        ]
+        say(answer(THOUGHT, ANSWER))
+        events = [e async for e in rt.respond("mixed", conversation, tools=tools, max_tokens=80)]
+        assert events[-1].text == ANSWER
+        stored = [(m.role, m.content) for m in await rt.transcript("mixed")]
+        assert stored[2] == ("tool", "sunny")
+        say(answer(THOUGHT, "You are welcome."))
+        third = await rt.chat("mixed", "Thanks!", max_tokens=80)
+        # (without the tools the prompt is another one: rebuilt from the transcript)
+        assert third.text == "You are welcome." and third.cache_source == "rebuilt"
+
+
+async def test_a_reply_cut_short_is_closed_and_the_next_turn_resumes_it(
+    harmony_model, tmp_path, say, tokenizer
+):
+    async with await AgentRuntime.open(config(harmony_model, tmp_path)) as rt:
+        await rt.create_agent("cut")
+        say(answer(THOUGHT * 4, ANSWER))
+        cut = await rt.chat("cut", "Think long.", max_tokens=12)
+        assert cut.finish_reason == "length" and cut.text == "" and cut.reasoning
+        say(answer(THOUGHT, ANSWER))
+        reply = await rt.chat("cut", "Now answer.", max_tokens=64)
+        assert reply.cache_source == "hot" and reply.text == ANSWER
+        assert reply.usage.cached_tokens == cut.usage.prompt_tokens + len(cut.token_ids)
+        new = "<|end|><|start|>user<|message|>Now answer.<|end|><|start|>assistant"
+        prefilled = reply.usage.prompt_tokens - reply.usage.cached_tokens
+        assert prefilled == len(tokenizer.encode(new, add_special_tokens=False))

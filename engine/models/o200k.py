@@ -29,11 +29,12 @@ def _hf(tokenizer: Any) -> Any:
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
-def vocab_of(tokenizer: Any) -> dict[str, int]:
+def ids_of(tokenizer: Any, tokens: list[str]) -> list[Any]:
+    """The ids of ``tokens`` in a tokenizer (None, or its unknown token's, for one it lacks)."""
     try:
-        return _hf(tokenizer).get_vocab()
-    except AttributeError:
-        return {}
+        return list(_hf(tokenizer).convert_tokens_to_ids(tokens))
+    except (AttributeError, TypeError):
+        return [None] * len(tokens)
 
 
 def write_vocab(tokenizer: Any, folder: Path) -> bool:
