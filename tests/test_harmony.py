@@ -214,7 +214,8 @@ async def test_a_resent_conversation_resumes_every_reply_it_sends_back(
     harmony_model, tmp_path, say, tokenizer
 ):
     # Clients resend the answer alone (no analysis, no headers): the reply the model
-    # generated is spliced back, so each turn prefills only its own message.
+    # generated is spliced back, so each turn prefills only its own message, after a restart
+    # too.
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     replies = []
     async with await AgentRuntime.open(config(harmony_model, tmp_path)) as rt:
@@ -230,10 +231,17 @@ async def test_a_resent_conversation_resumes_every_reply_it_sends_back(
                 {"role": "assistant", "content": reply.text},
                 {"role": "user", "content": question},
             ]
-    questions = ("How are you?", "And today?")
+    # After a restart the replies are found again in the cache read from disk.
+    async with await AgentRuntime.open(config(harmony_model, tmp_path)) as rt:
+        say(answer(THOUGHT, ANSWER))
+        async for event in rt.respond("doc", conversation, max_tokens=200):
+            reply = event
+        replies.append(reply)
+    questions = ("How are you?", "And today?", "Tell me more.")
     for earlier, later, question in zip(replies[:-1], replies[1:], questions, strict=True):
         held = earlier.usage.prompt_tokens + earlier.usage.completion_tokens
-        assert later.cache_source == "hot" and later.usage.cached_tokens == held
+        source = "disk" if later is replies[-1] else "hot"
+        assert later.cache_source == source and later.usage.cached_tokens == held
         new = f"<|start|>user<|message|>{question}<|end|><|start|>assistant"
         prefilled = later.usage.prompt_tokens - later.usage.cached_tokens
         assert prefilled == len(tokenizer.encode(new, add_special_tokens=False))
