@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentkv.call_stream import CallStream
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.o200k import VOCAB_ENV, VOCAB_FILE, ids_of, write_vocab
 from agentkv.errors import ChatTemplateError
@@ -263,6 +264,9 @@ class Harmony:
     def splitter(self, opened: bool = False) -> HarmonySplitter:
         return HarmonySplitter(self.encoding, self.controls)
 
+    def call_stream(self) -> CallStream | None:
+        return CallStream.of(self.start, self.end, self.style)
+
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         """An answer (:meth:`split`'s) as plain text and tool calls; a call to something
         other than a function, or whose arguments are not a JSON object, stays text."""
@@ -289,8 +293,7 @@ class Harmony:
         return "".join(self.encoding.decode_utf8(tokens) for tokens in rendered)
 
     def streaming_split(self, text: str) -> int:
-        """How much of a growing answer is plain text: all of it up to a call's markup (which
-        ``agents.harmony_stream`` hands over whole, once the reply is over)."""
+        """How much of a growing answer is plain text: all of it up to a call's markup."""
         found = text.find(self.start)
         return len(text) if found < 0 else found
 

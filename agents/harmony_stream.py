@@ -6,13 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+CALL_END = "<|call|>"
+
 
 class HarmonySplitter:
     """A reply streamed in pieces of text: :meth:`feed` returns ``(is_reasoning, text)``
-    pieces of the analysis and the answer as they come; tool calls are held back and handed
-    over as markup by :meth:`flush`, once the reply is over (its last token, ``<|call|>``, is
-    not in the text). ``encoding``: openai-harmony's; ``controls``: the format's control
-    strings, one of which a piece may end halfway through."""
+    pieces of the analysis and the answer as they come, and of a tool call its markup (its
+    header once complete, its arguments as they come, ``<|call|>`` once it ends: the reply's
+    last token, not in its text, closes it in :meth:`flush`). ``encoding``: openai-harmony's;
+    ``controls``: the format's control strings, one of which a piece may end halfway
+    through."""
 
     def __init__(self, encoding: Any, controls: Sequence[str]):
         import openai_harmony as oh
@@ -20,6 +23,7 @@ class HarmonySplitter:
         self.encoding, self.controls = encoding, tuple(controls)
         self.parser = oh.StreamableParser(encoding, oh.Role.ASSISTANT)
         self.broken = False  # the reply left the format: the rest is answer text
+        self.calling = False  # inside a message addressed to a recipient
         self._held = ""  # what may be the start of a control string cut in two
 
     def feed(self, text: str) -> list[tuple[bool, str]]:
@@ -43,23 +47,34 @@ class HarmonySplitter:
                 self.broken = True
                 out.append((False, encoding.decode_utf8(tokens[i:])))
                 break
-            delta = parser.last_content_delta
-            if delta and not parser.current_recipient:
-                out.append((parser.current_channel == "analysis", delta))
+            delta, recipient = parser.last_content_delta, parser.current_recipient
+            if self.calling and recipient is None:  # the call's message ended
+                out.append((False, CALL_END))
+                self.calling = False
+            if not delta:
+                continue
+            if recipient and not self.calling:
+                out.append((False, self._header()))
+                self.calling = True
+            out.append((parser.current_channel == "analysis" and not recipient, delta))
         return out
+
+    def _header(self) -> str:
+        """The markup that opens the message in progress, as harmony renders it."""
+        import openai_harmony as oh
+
+        parser = self.parser
+        message = oh.Message.from_role_and_content(oh.Role.ASSISTANT, "")
+        message = message.with_channel(parser.current_channel)
+        message = message.with_recipient(parser.current_recipient)
+        if parser.current_content_type:
+            message = message.with_content_type(parser.current_content_type)
+        return self.encoding.decode_utf8(self.encoding.render(message)).removesuffix(CALL_END)
 
     def flush(self) -> list[tuple[bool, str]]:
         out = self._process(self._held) if self._held else []
         self._held = ""
-        if self.broken:
-            return out
-        try:
-            self.parser.process_eos()
-        except Exception:  # HarmonyError: cut inside a header
-            return out
-        encoding = self.encoding
-        return out + [
-            (False, encoding.decode_utf8(encoding.render(message)))
-            for message in self.parser.messages
-            if message.recipient
-        ]
+        if self.calling:
+            out.append((False, CALL_END))
+            self.calling = False
+        return out

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv.call_stream import CallStream
+
 MARKUPS_KEPT = 4096
 """Tool calls whose rendered markup a format remembers (conversations resend the same ones)."""
 
@@ -85,6 +87,10 @@ class ToolFormat:
         from agentkv.engine.call_formats import TOOL_CALL_STYLES
 
         return self.style in TOOL_CALL_STYLES
+
+    def call_stream(self) -> CallStream | None:
+        """A reader of calls' arguments as they are written, where the format allows."""
+        return CallStream.of(self.start, self.end, self.style)
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         """Split generated text into plain text and tool calls.

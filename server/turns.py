@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated, Any
@@ -28,6 +30,8 @@ from agentkv import (
     TextDelta,
     TokenLogprob,
 )
+from agentkv.call_stream import CallDelta, CallStream
+from agentkv.harmony import Harmony
 from agentkv.server.claims import Claim
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.errors import ClientDisconnectedError
@@ -151,6 +155,7 @@ class TurnStream:
         self._first: TextDelta | Reply | None = None
         self._logprobs: list[TokenLogprob] = []  # of the tokens generated so far, if asked
         self._logprobs_sent = 0
+        self.streamed_calls = 0  # the reply's calls streamed as CallDelta pieces
 
     @property
     def agent_id(self) -> str:
@@ -188,13 +193,17 @@ class TurnStream:
         return events
 
     async def visible_text(
-        self, tool_format: ToolFormat | None
-    ) -> AsyncIterator[str | ReasoningDelta | Reply]:
+        self, tool_format: ToolFormat | Harmony | None
+    ) -> AsyncIterator[str | ReasoningDelta | CallDelta | Reply]:
         """The reply's text in pieces as it is generated (a reasoning model's thinking as
         ReasoningDelta pieces, before), then the Reply. With a ``tool_format`` (a request
         with tools), text from a tool call's start marker on is held back: it is the call,
-        sent as such once the Reply has parsed it."""
-        text, shown = "", 0
+        its arguments streamed as CallDelta pieces where the format allows
+        (``agents.call_stream``), else sent whole once the Reply has parsed it. The Reply's
+        calls that were streamed carry the ids their pieces did (``streamed_calls``: how many
+        calls were streamed)."""
+        text, shown, unfed = "", 0, None
+        calls = tool_format.call_stream() if tool_format else None
         async for event in self.events():
             if isinstance(event, ReasoningDelta):
                 self._logprobs += event.logprobs
@@ -206,8 +215,32 @@ class TurnStream:
                 if upto > shown:
                     yield text[shown:upto]
                     shown = upto
+                if calls is not None and unfed is None:  # from the first call's start on
+                    unfed = at if (at := text.find(tool_format.start)) >= 0 else None
+                if calls is not None and unfed is not None:
+                    for piece in calls.feed(text[unfed:]):
+                        yield piece
+                    unfed = len(text)
             else:
+                if calls is not None and calls.calls:
+                    event = self._streamed(event, calls)
                 yield event
+
+    def _streamed(self, reply: Reply, calls: CallStream) -> Reply:
+        """The Reply, its calls that were streamed with their streamed ids (each that is the
+        call its pieces spelled: the same function, the same arguments)."""
+        self.streamed_calls = len(calls.calls)
+        parsed = list(reply.content.tool_calls)
+        for i, streamed in enumerate(calls.calls[: len(parsed)]):
+            try:
+                same = json.loads(streamed.arguments) == parsed[i].arguments
+            except ValueError:
+                same = False
+            if not same or streamed.name != parsed[i].name:
+                break
+            parsed[i] = dataclasses.replace(parsed[i], id=streamed.id)
+        content = dataclasses.replace(reply.content, tool_calls=tuple(parsed))
+        return dataclasses.replace(reply, parsed=content)
 
     def unsent_logprobs(self, reply: Reply | None = None) -> list[TokenLogprob]:
         """The logprobs of the tokens generated since the previous call (with the ``reply``:

@@ -171,9 +171,12 @@ def test_replies_are_taken_apart_whole_and_streamed(harmony):
     assert harmony.parse(harmony.markup(list(parsed.tool_calls))).tool_calls == parsed.tool_calls
     splitter = harmony.splitter()
     pieces = [p for i in range(0, len(reply), 7) for p in splitter.feed(reply[i : i + 7])]
+    pieces += splitter.flush()
     assert "".join(t for inside, t in pieces if inside) == THOUGHT
-    assert [t for inside, t in pieces if not inside] == []
-    assert [harmony.parse(t).tool_calls for _, t in splitter.flush()] == [parsed.tool_calls]
+    # The call's markup comes as it is written: header, arguments, <|call|> once it ends.
+    markup = [t for inside, t in pieces if not inside]
+    assert len(markup) > 3 and "".join(markup) == rest
+    assert markup[-1] == "<|call|>" and markup[0].endswith("<|message|>")
     # Text that is not the format is the answer; a call to no function stays text.
     assert harmony.split("Just words.") == ("", "Just words.")
     browse = "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{}"
@@ -279,14 +282,19 @@ def test_chat_completions(harmony_model, server, say, stream, tools):
             reasoning, content = message.reasoning_content, message.content
             calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
         else:
-            reasoning, content, calls = "", "", []
+            reasoning, content, by_index, pieces = "", "", {}, 0
             for chunk in client.chat.completions.create(**asked, stream=True):
                 delta = chunk.choices[0].delta if chunk.choices else None
                 if delta is None:
                     continue
                 reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
                 content += delta.content or ""
-                calls += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+                for c in delta.tool_calls or []:  # the name first, then the arguments' pieces
+                    name, arguments = by_index.get(c.index, (c.function.name, ""))
+                    by_index[c.index] = (name, arguments + (c.function.arguments or ""))
+                    pieces += 1
+            calls = [by_index[i] for i in sorted(by_index)]
+            assert pieces > 3 or not tools  # argument by argument
     assert reasoning == THOUGHT
     if tools:
         assert calls == [("weather", '{"city": "Oslo"}')] and not content
@@ -313,7 +321,9 @@ def test_anthropic_messages(harmony_model, server, say, stream, tools):
     with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0) as client:
         if stream:
             with client.messages.stream(**asked) as events:
+                kinds = [e.type for e in events]
                 message = events.get_final_message()
+            assert kinds.count("input_json") > 3 or not tools  # argument by argument
         else:
             message = client.messages.create(**asked)
     assert [b.type for b in message.content] == ["thinking", "tool_use" if tools else "text"]
@@ -341,7 +351,10 @@ def test_responses(harmony_model, server, say, stream, tools):
     with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0) as client:
         if stream:
             with client.responses.stream(**asked) as events:
+                kinds = [e.type for e in events]
                 response = events.get_final_response()
+            pieces = kinds.count("response.function_call_arguments.delta")
+            assert pieces > 3 or not tools  # argument by argument
         else:
             response = client.responses.create(**asked)
     kinds = [item.type for item in response.output]

@@ -9,6 +9,7 @@ here fails the test that lists them, so a new format is looked at, not assumed t
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 
 import mlx_lm.tool_parsers
@@ -150,3 +151,29 @@ def test_a_forced_call_in_each_format_is_what_its_parser_reads(grammars, style):
     assert not wrong.consume_tokens(tokenizer.encode(other, add_special_tokens=False))
     form = ToolFormat(start, end, module.parse_tool_call)
     assert form.parse(FORCED[style], TOOLS).tool_calls == (ToolCall("weather", {"city": "Oslo"}),)
+
+
+@pytest.mark.parametrize("style", ["json_tools", "mistral"])
+def test_a_calls_arguments_stream_as_they_are_written(style):
+    from agentkv.call_stream import CallStream
+
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
+    start, end = module.tool_call_start, module.tool_call_end
+    reply = "Let me look. " + SAMPLES[style] + SAMPLES[style].replace("Oslo", "Bergen")
+    stream = CallStream.of(start, end, style)
+    at = reply.find(start)
+    pieces = [d for i in range(at, len(reply), 3) for d in stream.feed(reply[i : i + 3])]
+    firsts = [p for p in pieces if p.first]
+    assert [(p.index, p.name) for p in firsts] == [(0, "weather"), (1, "weather")]
+    for index, city in enumerate(("Oslo", "Bergen")):
+        written = "".join(p.arguments for p in pieces if p.index == index)
+        assert json.loads(written) == {"city": city} and stream.calls[index].complete
+        assert len([p for p in pieces if p.index == index]) > 3  # piece by piece
+        assert {p.id for p in pieces if p.index == index} == {stream.calls[index].id}
+    # A format whose calls are not one JSON object after a header comes whole.
+    assert CallStream.of("<tool_call>", "</tool_call>", "qwen3_coder") is None
+    # Braces and quotes inside strings do not end the arguments early.
+    tricky = '<tool_call>\n{"name": "w", "arguments": {"a": "}\\"{", "b": {"c": 1}}}\n</tool_call>'
+    stream = CallStream.of("<tool_call>", "</tool_call>", "json_tools")
+    pieces = [d for ch in tricky for d in stream.feed(ch)]
+    assert json.loads("".join(p.arguments for p in pieces)) == {"a": '}"{', "b": {"c": 1}}

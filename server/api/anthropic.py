@@ -10,8 +10,9 @@ Consecutive messages of one role are joined into one turn, as Anthropic's API do
 blocks and tools: see :mod:`server.api.anthropic_content`; a request with tools, tool blocks or
 system messages among its messages, or from a Claude Code session, is a whole conversation
 (``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
-``stop_reason: "tool_use"``; streamed, each is a block with one ``input_json_delta``, after the
-text block (text from a tool call's start marker on is held back while streaming).
+``stop_reason: "tool_use"``; streamed, each is a block after the text block (text from a tool
+call's start marker on is held back), its arguments in ``input_json_delta`` pieces as they are
+written where the format allows (``agents.call_stream``), else in one.
 
 A reasoning model's thinking comes back as a ``thinking`` block before the text (streamed as
 ``thinking_delta`` events, closed by an empty ``signature_delta``). ``thinking``: ``enabled``
@@ -40,6 +41,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from agentkv import ReasoningDelta, Reply
+from agentkv.call_stream import CallDelta
 from agentkv.server.api.anthropic_content import tool_input_json
 from agentkv.server.api.anthropic_request import CountTokensRequest, MessagesRequest
 from agentkv.server.bodies import parse_off_loop
@@ -137,6 +139,22 @@ class Blocks:
             events.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
         return events
 
+    def tool_use(self, piece: CallDelta) -> list[str]:
+        """A streamed call's piece: its tool_use block opened at its first, then the
+        arguments' text as ``input_json_delta``."""
+        events = []
+        if piece.first:
+            events += self.close()
+            self.kind, self.index = "tool_use", self.index + 1
+            block = tool_use_block(ToolCall(piece.name, {}, id=piece.id)) | {"input": {}}
+            events.append(
+                _sse("content_block_start", {"index": self.index, "content_block": block})
+            )
+        if piece.arguments:
+            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+            events.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
+        return events
+
     def close(self) -> list[str]:
         if self.kind is None:
             return []
@@ -169,6 +187,9 @@ async def _events(
             elif isinstance(piece, ReasoningDelta):
                 for event in blocks.delta("thinking", piece.text):
                     yield event
+            elif isinstance(piece, CallDelta):
+                for event in blocks.tool_use(piece):
+                    yield event
             else:
                 reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
@@ -182,7 +203,8 @@ async def _events(
             yield event
     for event in blocks.close():
         yield event
-    for index, call in enumerate(parsed.tool_calls, start=blocks.index + 1):
+    unsent = parsed.tool_calls[turn.streamed_calls :]
+    for index, call in enumerate(unsent, start=blocks.index + 1):
         block = tool_use_block(call) | {"input": {}}
         yield _sse("content_block_start", {"index": index, "content_block": block})
         delta = {"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}

@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from agentkv import AgentRuntime, ReasoningDelta, Reply
+from agentkv.call_stream import CallDelta
 from agentkv.server.api.openai_request import (
     ChatCompletionRequest,
 )
@@ -150,6 +151,16 @@ async def _chunks(
                 shown += len(piece)
             elif isinstance(piece, ReasoningDelta):
                 yield await chunk({"reasoning_content": piece.text, "reasoning": piece.text})
+            elif isinstance(piece, CallDelta):
+                if body.parallel_tool_calls is False and piece.index > 0:
+                    continue
+                call: dict[str, Any] = {"index": piece.index}
+                if piece.first:
+                    call |= {"id": piece.id, "type": "function"}
+                    call["function"] = {"name": piece.name, "arguments": piece.arguments}
+                else:
+                    call["function"] = {"arguments": piece.arguments}
+                yield await chunk({"tool_calls": [call]})
             else:
                 reply = piece
     except Exception as exc:  # the turn failed after it started: tell the client in-stream
@@ -158,8 +169,8 @@ async def _chunks(
     assert reply is not None
     if len(reply.content.text) > shown:
         yield await chunk({"content": reply.content.text[shown:]}, reply=reply)
-    if reply.content.tool_calls:
-        yield await chunk({"tool_calls": tool_calls(body, reply, streaming=True)}, reply=reply)
+    if unsent := tool_calls(body, reply, streaming=True)[turn.streamed_calls :]:
+        yield await chunk({"tool_calls": unsent}, reply=reply)
     yield await chunk({}, finish_reason(reply), reply=reply)
     if body.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"

@@ -54,12 +54,14 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from agentkv import AgentRuntime, ReasoningDelta, Reply
+from agentkv.call_stream import CallDelta
 from agentkv.server.api.responses_input import conversation
 from agentkv.server.api.responses_output import (
     Ids,
@@ -88,12 +90,22 @@ from agentkv.server.turns import (
     reply_headers,
     run_turn,
 )
-from agentkv.tool_calls import ToolFormat
+from agentkv.tool_calls import ToolCall, ToolFormat
 
 router = APIRouter()
 
 SessionId = Annotated[str | None, Header(alias="session-id"), HeaderText]
 """Route parameter type: Codex's session id header."""
+
+
+@dataclass(slots=True)
+class StreamedItem:
+    """A function_call item streamed as its call is written."""
+
+    item: dict[str, Any]
+    index: int
+    arguments: str = ""
+    open: bool = True
 
 
 async def _events(
@@ -157,6 +169,55 @@ async def _events(
     def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
         return event("response.output_text.delta", **text_at, delta=piece, logprobs=logprobs)
 
+    def close_message(final: str, every: list[dict[str, Any]] | None) -> list[str]:
+        return [
+            event("response.output_text.done", **text_at, text=final, logprobs=every or []),
+            event("response.content_part.done", **text_at, part=text_part(final, every)),
+            event(
+                "response.output_item.done",
+                output_index=text_at["output_index"],
+                item=message_item(ids, final, "completed", every),
+            ),
+        ]
+
+    streamed: list[StreamedItem] = []  # the calls streamed so far
+    limit = 1 if body.parallel_tool_calls is False else body.max_tool_calls
+
+    def call_piece(piece: CallDelta) -> list[str]:
+        """A streamed call's piece: its item opened at its first (the reasoning and the text
+        before it done), then its arguments' text."""
+        nonlocal opened
+        lines = []
+        if piece.first:
+            lines += [*close_reasoning(), *close_call()]
+            if opened:  # the text before the call is all there is
+                lines += close_message(text, None)
+                opened = False
+            index = (1 if thought else 0) + int(bool(text)) + len(streamed)
+            item = call_item(body, ToolCall(piece.name, {}, id=piece.id), "in_progress", "")
+            streamed.append(StreamedItem(item, index))
+            lines.append(event("response.output_item.added", output_index=index, item=item))
+        call = streamed[-1]
+        call.arguments += piece.arguments
+        if piece.arguments:
+            at = {"item_id": call.item["id"], "output_index": call.index}
+            lines.append(
+                event("response.function_call_arguments.delta", **at, delta=piece.arguments)
+            )
+        return lines
+
+    def close_call() -> list[str]:
+        if not streamed or not streamed[-1].open:
+            return []
+        call = streamed[-1]
+        call.open = False
+        at = {"item_id": call.item["id"], "output_index": call.index}
+        done = call.item | {"arguments": call.arguments, "status": "completed"}
+        return [
+            event("response.function_call_arguments.done", **at, arguments=call.arguments),
+            event("response.output_item.done", output_index=call.index, item=done),
+        ]
+
     yield event("response.created", response=response_object(body, ids, created, None))
     yield event("response.in_progress", response=response_object(body, ids, created, None))
     opened, text, reply = False, "", None
@@ -164,6 +225,11 @@ async def _events(
         async for piece in turn.visible_text(tool_format):
             if isinstance(piece, Reply):
                 reply = piece
+                continue
+            if isinstance(piece, CallDelta):
+                if limit is None or piece.index < limit:
+                    for line in call_piece(piece):
+                        yield line
                 continue
             if isinstance(piece, ReasoningDelta):
                 if not reasoning_open and not thought:
@@ -196,12 +262,12 @@ async def _events(
         yield event("response.failed", response=failed)
         return
     assert reply is not None
-    for line in close_reasoning():
+    for line in [*close_reasoning(), *close_call()]:
         yield line
     calls, final = offered_calls(body, reply), reply.content.text
-    index = 1 if thought else 0
+    index = (1 if thought else 0) + len(streamed)
     every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
-    if opened or final or not calls:
+    if not streamed and (opened or final or not calls):
         if not opened:
             for line in open_message():
                 yield line
@@ -214,7 +280,9 @@ async def _events(
         done = message_item(ids, final, item_status(reply), every)
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
-    for call in calls:
+    elif streamed and text:
+        index += 1  # the message, done before the first call
+    for call in calls[turn.streamed_calls :]:
         item, arguments = call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
         at = {"item_id": item["id"], "output_index": index}
         yield event("response.output_item.added", output_index=index, item=item)
