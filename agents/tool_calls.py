@@ -26,6 +26,13 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}", compare=False)
+    written: str | None = field(default=None, compare=False)
+    """The arguments' JSON text as the model wrote it, when it was streamed so."""
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as JSON text: as streamed, else serialized."""
+        return self.written if self.written is not None else json.dumps(self.arguments)
 
     def as_template(self) -> dict[str, Any]:
         """The OpenAI/Hugging Face shape chat templates read (``message["tool_calls"]``)."""

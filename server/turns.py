@@ -238,7 +238,7 @@ class TurnStream:
                 same = False
             if not same or streamed.name != parsed[i].name:
                 break
-            parsed[i] = dataclasses.replace(parsed[i], id=streamed.id)
+            parsed[i] = dataclasses.replace(parsed[i], id=streamed.id, written=streamed.arguments)
         content = dataclasses.replace(reply.content, tool_calls=tuple(parsed))
         return dataclasses.replace(reply, parsed=content)
 

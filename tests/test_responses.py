@@ -171,6 +171,27 @@ def test_a_function_call_round_trip_resumes_the_cache(client, force_tool_call, c
     )
 
 
+def test_a_streamed_call_follows_the_text_before_it_argument_by_argument(client, force_tool_call):
+    force_tool_call("get_weather", {"city": "Oslo"}, text="Checking. ")
+    asked = {"model": "m", "input": "Weather in Oslo?", "tools": [WEATHER], "store": True}
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+        response = stream.get_final_response()
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
+    # The message is done before the call's item opens; then the arguments come in pieces.
+    message_done = kinds.index(("response.output_item.done", 0))
+    call_added = kinds.index(("response.output_item.added", 1))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert message_done < call_added and len(pieces) > 3
+    assert json.loads("".join(pieces)) == {"city": "Oslo"}
+    message, call = response.output
+    assert message.content[0].text == "Checking. " and call.arguments == "".join(pieces)
+    added = events[call_added].item
+    # The call's id is the same in the stream, the final response and the stored one.
+    stored = client.responses.retrieve(response.id).output[1]
+    assert added.call_id == call.call_id == stored.call_id and call.name == "get_weather"
+
+
 INSTRUCTIONS = "You are a terse assistant. " * 60  # a prompt worth caching
 
 

@@ -81,7 +81,7 @@ def tool_calls(
             **({"index": i} if streaming else {}),
             "id": call.id,
             "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            "function": {"name": call.name, "arguments": call.arguments_json},
         }
         for i, call in enumerate(calls)
     ]

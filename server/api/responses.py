@@ -283,7 +283,7 @@ async def _events(
     elif streamed and text:
         index += 1  # the message, done before the first call
     for call in calls[turn.streamed_calls :]:
-        item, arguments = call_item(body, call, "in_progress", ""), json.dumps(call.arguments)
+        item, arguments = call_item(body, call, "in_progress", ""), call.arguments_json
         at = {"item_id": item["id"], "output_index": index}
         yield event("response.output_item.added", output_index=index, item=item)
         yield event("response.function_call_arguments.delta", **at, delta=arguments)

@@ -3,7 +3,6 @@ function calls), as the API returns them whole and as its stream's events carry 
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -74,7 +73,7 @@ def call_item(
         "id": f"fc_{call.id.removeprefix('call_')}",
         "call_id": call.id,
         "name": call.name,
-        "arguments": json.dumps(call.arguments) if arguments is None else arguments,
+        "arguments": call.arguments_json if arguments is None else arguments,
         "status": status,
     }
     if (namespace := body.read.namespaces.get(call.name)) is not None:
