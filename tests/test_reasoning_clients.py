@@ -1,6 +1,7 @@
-"""Claude Code and Codex against a reasoning model (tiny:thinking: Qwen3's template, thinking
-between <think> and </think>, Qwen 3.5's XML tool calls): the thinking shown as thinking, a
-tool the model calls run by the CLI, and every follow-up resumed from the cache.
+"""Claude Code and Codex against reasoning models in both formats: tiny:thinking (Qwen3's
+template, thinking between <think> and </think>, Qwen 3.5's XML tool calls) and a tiny gpt-oss
+(OpenAI's harmony, ``tests/harmony_model.py``): the thinking shown as thinking, a tool the model
+calls run by the CLI, and every follow-up resumed from the cache.
 
 The model's replies to the requests with tools are scripted (a random tiny model does not
 think or call tools on its own); everything else is real: the CLIs, the server on 127.0.0.1,
@@ -16,7 +17,8 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,18 +34,6 @@ TURN_LINE = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:
-    data = tmp_path_factory.mktemp("thinking-clients")
-    with serve_in_thread(RuntimeConfig(model=MODEL, data_dir=data)) as url:
-        yield url
-
-
-@pytest.fixture
-def say(monkeypatch):
-    return scripted_tool_replies(monkeypatch, MODEL)
-
-
 def thought(thinking: str, answer: str) -> str:
     return f"<think>\n{thinking}\n</think>\n\n{answer}"
 
@@ -51,6 +41,42 @@ def thought(thinking: str, answer: str) -> str:
 def xml_call(name: str, **arguments: str) -> str:
     parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
     return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+def xml_thought(thinking: str, name: str, arguments: dict) -> str:
+    return thought(thinking, xml_call(name, **arguments))
+
+
+@dataclass(frozen=True)
+class Format:
+    """A model and how it writes a reply (``answer(thinking, text)``) and a call after its
+    thinking (``call(thinking, name, arguments)``); ``end``: the token scripts end with."""
+
+    model: str
+    answer: Callable[[str, str], str]
+    call: Callable[[str, str, dict], str]
+    end: str | None
+
+
+@pytest.fixture(scope="module", params=["qwen3", "harmony"])
+def form(request) -> Format:
+    if request.param == "qwen3":
+        return Format(MODEL, thought, xml_thought, "<|im_end|>")
+    from tests.test_harmony import answer, call
+
+    return Format(str(request.getfixturevalue("harmony_model")), answer, call, None)
+
+
+@pytest.fixture(scope="module")
+def server(form, tmp_path_factory) -> Iterator[str]:
+    data = tmp_path_factory.mktemp("thinking-clients")
+    with serve_in_thread(RuntimeConfig(model=form.model, data_dir=data)) as url:
+        yield url
+
+
+@pytest.fixture
+def say(monkeypatch, form):
+    return scripted_tool_replies(monkeypatch, form.model, form.end)
 
 
 def turns(caplog) -> list[dict]:
@@ -70,7 +96,9 @@ def resumed_whole(seen: list[dict]) -> None:
 
 
 @pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
-def test_claude_code_shows_thinking_runs_the_called_tool_and_resumes(server, say, tmp_path, caplog):
+def test_claude_code_shows_thinking_runs_the_called_tool_and_resumes(
+    form, server, say, tmp_path, caplog
+):
     project = tmp_path / "project"
     project.mkdir()
     (project / "notes.txt").write_text("the answer is 42\n")
@@ -83,9 +111,9 @@ def test_claude_code_shows_thinking_runs_the_called_tool_and_resumes(server, say
         "ANTHROPIC_API_KEY": "sk-local",
     }
     caplog.set_level(logging.INFO, logger="agentkv")
-    say(thought("I should read the file.", xml_call("Read", file_path=project / "notes.txt")))
-    say(thought("The file holds the answer.", "The file says the answer is 42."))
-    say(thought("They ask again.", "Still 42."))
+    say(form.call("I should read the file.", "Read", {"file_path": str(project / "notes.txt")}))
+    say(form.answer("The file holds the answer.", "The file says the answer is 42."))
+    say(form.answer("They ask again.", "Still 42."))
 
     def claude(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -137,7 +165,9 @@ def test_claude_code_shows_thinking_runs_the_called_tool_and_resumes(server, say
 
 
 @pytest.mark.skipif(shutil.which("codex") is None, reason="the codex CLI is not installed")
-def test_codex_shows_reasoning_runs_the_called_command_and_resumes(server, say, tmp_path, caplog):
+def test_codex_shows_reasoning_runs_the_called_command_and_resumes(
+    form, server, say, tmp_path, caplog
+):
     project = tmp_path / "project"
     project.mkdir()
     (project / "notes.txt").write_text("the answer is 42\n")
@@ -150,9 +180,9 @@ def test_codex_shows_reasoning_runs_the_called_command_and_resumes(server, say, 
     )
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "AGENTKV_API_KEY": "sk-local"}
     caplog.set_level(logging.INFO, logger="agentkv")
-    say(thought("I should read the file.", xml_call("exec_command", cmd="cat notes.txt")))
-    say(thought("The file holds the answer.", "The file says the answer is 42."))
-    say(thought("They ask again.", "Still 42."))
+    say(form.call("I should read the file.", "exec_command", {"cmd": "cat notes.txt"}))
+    say(form.answer("The file holds the answer.", "The file says the answer is 42."))
+    say(form.answer("They ask again.", "Still 42."))
 
     def codex(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -193,7 +223,7 @@ def test_codex_shows_reasoning_runs_the_called_command_and_resumes(server, say, 
     resumed_whole(main)
 
 
-def test_the_scripted_calls_are_what_the_template_writes(server):
+def test_the_scripted_calls_are_what_the_template_writes():
     # The calls scripted above are written as Qwen 3.5's template writes them.
     from mlx_lm.utils import load_tokenizer
 
