@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 HEADERS = {
     "json_tools": r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:',
     "mistral": r"(?P<name>[^\s\[]+)\[ARGS\]",
+    "kimi_k2": r"\s*functions\.(?P<name>[^:\s<]+):\d+\s*<\|tool_call_argument_begin\|>",
     "harmony": (
         r"assistant to=functions\.(?P<name>[^<\s]+)<\|channel\|>commentary"
         r"(?: <\|constrain\|>json| json)?<\|message\|>"
@@ -25,6 +26,8 @@ HEADERS = {
 }
 """Per format (the mlx-lm parser's name, or harmony), what follows a call's start marker up to
 its arguments."""
+CALL_MARKERS = {"kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}
+"""Formats whose section holds several calls, each between markers of its own."""
 HEADER_CHARS = 1024
 """A header not complete after this many characters is not one: the call comes whole."""
 
@@ -69,6 +72,7 @@ class CallStream:
     def of(cls, start: str, end: str, style: str) -> CallStream | None:
         """The stream for a format, or None when its arguments do not stream."""
         pattern = HEADERS.get(style)
+        start, end = CALL_MARKERS.get(style, (start, end))
         return None if pattern is None else cls(start, end, re.compile(pattern))
 
     def feed(self, more: str) -> list[CallDelta]:

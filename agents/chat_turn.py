@@ -165,7 +165,8 @@ class ChatTurn:
         if self.conversations is not None:
             held = (plan.cache.num_tokens if plan.cache else 0) + len(plan.prompt_tokens)
             opened = self.conversations.runner.opened(plan)
-            parsed = self.conversations.parse(result.text, None, opened)
+            cut = self.conversations.cut_short(result.token_ids)
+            parsed = self.conversations.parse(result.text, None, opened, cut)
             renderer = self.renderer or self.runner.renderer
             reply = generated_reply(
                 renderer, plan.prompt_tokens, held, result.token_ids, parsed, len(messages) - 1

@@ -63,7 +63,9 @@ class RuntimeConfig(BaseModel):
         share_prefixes: a new agent (or one rebuilding) whose prompt starts with stored blocks
             resumes from them; when its system prompt (and tools) span a block and are not
             stored yet, it prefills them first and stores them for the agents that follow.
-        default_max_tokens: max_tokens of a turn when the call does not say.
+        default_max_tokens: max_tokens of a turn when the call does not say; None (the
+            default): a turn runs until the model stops or its context (or the KV budget, for
+            it alone) is full, as OpenAI's API does without ``max_tokens``.
         engine: the batch: its limits, KV memory budget and scheduling policy (EngineConfig).
         worker_id: this process's name among the workers sharing a registry (``agentkv serve
             --worker-id``): leases, logs, ``/ready`` and the ``x-agentkv-worker`` header name
@@ -92,7 +94,7 @@ class RuntimeConfig(BaseModel):
     disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
     kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
     share_prefixes: bool = True
-    default_max_tokens: int = Field(default=512, ge=1)
+    default_max_tokens: int | None = Field(default=None, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     worker_id: str | None = Field(default=None, pattern=WORKER_ID_PATTERN)
     lease_s: float = Field(default=10.0, gt=0.5, le=3600)

@@ -119,13 +119,26 @@ class Conversations:
         self.replies.pop(agent_id, None)
 
     def parse(
-        self, text: str, tools: list[dict[str, Any]] | None, opened: bool = False
+        self,
+        text: str,
+        tools: list[dict[str, Any]] | None,
+        opened: bool = False,
+        cut: bool = False,
     ) -> ParsedReply:
         """A reply's answer (its reasoning left out; ``opened``: the reply started inside
-        it), split into text and tool calls."""
+        it), split into text and tool calls (``cut``: the reply did not end with an
+        end-of-turn token, see :meth:`cut_short`)."""
         if (reasoning := self.runner.reasoning) is not None:
             _, text = reasoning.split(text, opened)
-        return self.tool_format.parse(text, tools) if self.tool_format else ParsedReply(text)
+        if self.tool_format is None:
+            return ParsedReply(text)
+        return self.tool_format.parse(text, tools, cut)
+
+    def cut_short(self, token_ids: Sequence[int]) -> bool:
+        """Whether a reply of these tokens was cut short (max_tokens, the context, a stop
+        string), not ended by the model: a tool call it was writing comes back as far as it
+        was written (``agents.cut_calls``)."""
+        return not token_ids or token_ids[-1] not in self.runner.renderer.eos_token_ids
 
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""
@@ -171,7 +184,7 @@ class DocumentTurn:
             if known is None and cache is not None:  # first turn since a restart
                 replies = recover_replies(
                     renderer,
-                    lambda text: conversations.parse(text, tools),
+                    lambda text, cut: conversations.parse(text, tools, cut=cut),
                     lambda parsed: conversations.stored_text(parsed.as_message()),
                     cache.tokens,
                     [(str(m.role), m.content, m.token_count) for m in transcript],
@@ -205,8 +218,8 @@ class DocumentTurn:
             )
         # Clients that resend whole conversations may send this reply back otherwise than it
         # is generated (a framework's own text for its tool calls, a template that drops the
-        # reasoning): where the prompt ends is kept, to resume all of it then.
-        return dataclasses.replace(plan, checkpoint_prompt=True)
+        # reasoning) or drop it: where the history ends is kept, to resume all of it then.
+        return dataclasses.replace(plan, checkpoint_at=history_end(renderer, document.tokens))
 
     async def commit(
         self,
@@ -221,7 +234,12 @@ class DocumentTurn:
             document.tokens,
             len(document.tokens),
             result.token_ids,
-            conversations.parse(result.text, self.tools, conversations.runner.opened(plan)),
+            conversations.parse(
+                result.text,
+                self.tools,
+                conversations.runner.opened(plan),
+                conversations.cut_short(result.token_ids),
+            ),
             len(messages),  # the conversation's next message
         )
         self.cached = reply
@@ -266,3 +284,11 @@ class DocumentTurn:
 
     def reply(self, reply: Reply) -> Reply:
         return dataclasses.replace(reply, parsed=self.cached.parsed, message_id=self.message_id)
+
+
+def history_end(renderer: ChatRenderer, tokens: list[int]) -> int:
+    """Where a prompt's history ends: before the generation prompt it ends with (all of it
+    when it ends otherwise)."""
+    opener = renderer.generation_prompt()
+    n = len(opener)
+    return len(tokens) - n if n and n < len(tokens) and tokens[-n:] == opener else len(tokens)

@@ -151,7 +151,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def recover_replies(
     renderer: ChatRenderer,
-    parse: Callable[[str], ParsedReply],
+    parse: Callable[[str, bool], ParsedReply],
     stored: Callable[[ParsedReply], str],
     cache_tokens: Sequence[int],
     transcript: Sequence[tuple[str, str, int | None]],
@@ -165,7 +165,8 @@ def recover_replies(
 
     Args:
         renderer: the model's chat template.
-        parse: splits a reply's text into text and tool calls.
+        parse: splits a reply's text into text and tool calls (and whether the reply was
+            cut short: it did not end with an end-of-turn token).
         stored: a parsed reply as transcripts store it.
         cache_tokens: the tokens the agent's cache holds.
         transcript: (role, stored content, token count) of each message.
@@ -195,8 +196,10 @@ def recover_replies(
             tokens = tuple(cache_tokens[starts[k] : starts[k] + count])
             if len(tokens) < count:
                 break
-            body = tokens[:-1] if tokens[-1] in renderer.eos_token_ids else tokens
-            parsed = parse(renderer.tokenizer.decode(list(body)))
+            ended = tokens[-1] in renderer.eos_token_ids
+            parsed = parse(
+                renderer.tokenizer.decode(list(tokens[:-1] if ended else tokens)), not ended
+            )
             if stored(parsed).strip() == content.strip():
                 replies.append(CachedReply(starts[k], tokens, parsed, first + t))
                 at = k + 1

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.call_stream import CallStream
+from agentkv.cut_calls import partial_object
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.o200k import VOCAB_ENV, VOCAB_FILE, ids_of, write_vocab
 from agentkv.errors import ChatTemplateError
@@ -267,25 +268,38 @@ class Harmony:
     def call_stream(self) -> CallStream | None:
         return CallStream.of(self.start, self.end, self.style)
 
-    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
+    def parse(
+        self, text: str, tools: list[dict[str, Any]] | None = None, cut: bool = False
+    ) -> ParsedReply:
         """An answer (:meth:`split`'s) as plain text and tool calls; a call to something
-        other than a function, or whose arguments are not a JSON object, stays text."""
-        plain, calls = [], []
-        for message in self.read(text, plain="final"):
+        other than a function, or whose arguments are not a JSON object, stays text. With
+        ``cut`` (the reply was cut short), a last call is read as far as it was written, and a
+        message whose header was cut is dropped (``agents.cut_calls``)."""
+        plain, calls, cut_call = [], [], False
+        messages = self.read(text, plain="final")
+        for i, message in enumerate(messages):
             body = _text_of(message)
             if message.recipient and message.recipient.startswith(FUNCTIONS):
+                name = message.recipient[len(FUNCTIONS) :]
                 try:
                     arguments = json.loads(body)
                 except ValueError:
                     arguments = None
                 if isinstance(arguments, dict):
-                    calls.append(ToolCall(message.recipient[len(FUNCTIONS) :], arguments))
+                    calls.append(ToolCall(name, arguments))
+                    continue
+                if cut and i == len(messages) - 1:
+                    calls.append(ToolCall(name, partial_object(body), written=body, cut=True))
+                    cut_call = True
                     continue
             if message.recipient:  # kept as written
                 plain.append(self.encoding.decode_utf8(self.encoding.render(message)))
             elif message.channel != "analysis":
                 plain.append(body)
-        return ParsedReply("".join(plain), tuple(calls))
+        answer = "".join(plain)
+        if cut and not cut_call and (at := answer.find(self.start)) >= 0:
+            answer = answer[:at]  # a message whose header was cut
+        return ParsedReply(answer, tuple(calls))
 
     def markup(self, calls: list[ToolCall]) -> str:
         """Calls as harmony writes them (how transcripts store them)."""

@@ -289,6 +289,23 @@ class ChatRenderer:
         self._heads[key] = points
         return points
 
+    def generation_prompt(self) -> list[int]:
+        """The tokens the template ends a prompt with to have the model reply (ChatML's
+        ``<|im_start|>assistant\n``): what follows a conversation's history in its prompt.
+        Empty when the template writes none apart from the history."""
+        key = "generation:" + json.dumps(self.template_kwargs, sort_keys=True, default=str)
+        if (known := self._openers.get(key)) is not None:
+            return known
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            opened = self.render(probe, add_generation_prompt=True)
+            closed = self.render(probe, add_generation_prompt=False)
+        except ChatTemplateError:
+            opened = closed = ""
+        tokens = self.encode(opened[len(closed) :]) if opened.startswith(closed) else []
+        self._openers[key] = tokens
+        return tokens
+
     def reply_opener(self) -> list[int]:
         """The tokens the generation prompt ends with that the template does not write in
         front of the same reply once it is history: a reasoning block it closes at once

@@ -8,58 +8,18 @@ for the text between them (``mlx_lm.tool_parsers``). A model without them cannot
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.call_stream import CallStream
+from agentkv.cut_calls import read_cut
+from agentkv.tool_call import ParsedReply, ToolCall
+
+__all__ = ["MARKUPS_KEPT", "ParsedReply", "ToolCall", "ToolFormat"]
 
 MARKUPS_KEPT = 4096
 """Tool calls whose rendered markup a format remembers (conversations resend the same ones)."""
-
-
-@dataclass(slots=True, frozen=True)
-class ToolCall:
-    """One call: the function's name and its arguments (a JSON object)."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}", compare=False)
-    written: str | None = field(default=None, compare=False)
-    """The arguments' JSON text as the model wrote it, when it was streamed so."""
-
-    @property
-    def arguments_json(self) -> str:
-        """The arguments as JSON text: as streamed, else serialized."""
-        return self.written if self.written is not None else json.dumps(self.arguments)
-
-    def as_template(self) -> dict[str, Any]:
-        """The OpenAI/Hugging Face shape chat templates read (``message["tool_calls"]``)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-@dataclass(slots=True, frozen=True)
-class ParsedReply:
-    """A reply split into its plain text and its tool calls."""
-
-    text: str
-    tool_calls: tuple[ToolCall, ...] = ()
-
-    def as_message(self) -> dict[str, Any]:
-        """The reply as a chat-template assistant message."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.tool_calls:
-            message["tool_calls"] = [call.as_template() for call in self.tool_calls]
-        return message
-
-    def same_as(self, text: str, tool_calls: list[ToolCall]) -> bool:
-        """Whether a client's copy of this reply says the same (ids and outer spaces aside)."""
-        return self.text.strip() == text.strip() and list(self.tool_calls) == tool_calls
 
 
 @dataclass(slots=True)
@@ -99,11 +59,15 @@ class ToolFormat:
         """A reader of calls' arguments as they are written, where the format allows."""
         return CallStream.of(self.start, self.end, self.style)
 
-    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
+    def parse(
+        self, text: str, tools: list[dict[str, Any]] | None = None, cut: bool = False
+    ) -> ParsedReply:
         """Split generated text into plain text and tool calls.
 
-        A call the parser cannot read (say, cut off by max_tokens) stays in the text. A format
-        without an end marker (Mistral's ``[TOOL_CALLS]``) runs to the reply's end.
+        A call the parser cannot read stays in the text. A format without an end marker
+        (Mistral's ``[TOOL_CALLS]``) runs to the reply's end. With ``cut`` (the reply was cut
+        short: max_tokens, the context), a call section left open at the end is read as far
+        as it was written (``agents.cut_calls``), never left as text.
         """
         plain, calls, rest = [], [], text
         while (start := rest.find(self.start)) >= 0:
@@ -111,17 +75,25 @@ class ToolFormat:
             if end < 0:
                 break
             body = rest[start + len(self.start) : end]
-            parsed = self._parse_one(body, tools)
+            parsed = self.read_body(body, tools)
+            if parsed is None and cut and not self.end:
+                break  # the section the reply was cut in
             if parsed is None:
                 plain.append(rest[: end + len(self.end)])
             else:
                 plain.append(rest[:start])
                 calls.extend(parsed)
             rest = rest[end + len(self.end) :]
+        if cut and (start := rest.find(self.start)) >= 0:
+            read = read_cut(self, rest[start + len(self.start) :], tools)
+            plain.append(rest[:start])
+            return ParsedReply("".join(plain), (*calls, *read))
         plain.append(rest)
         return ParsedReply("".join(plain), tuple(calls))
 
-    def _parse_one(self, body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+    def read_body(self, body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+        """The calls of a section's text between its markers, or None when the format's parser
+        cannot read it."""
         try:
             parsed = self.parser(body, tools)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):

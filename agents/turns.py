@@ -266,7 +266,7 @@ class TurnRunner:
         fails."""
         request = GenerationRequest(
             plan.prompt_tokens,
-            max_tokens=options.max_tokens or self.config.default_max_tokens,
+            max_tokens=options.max_tokens or self.config.default_max_tokens,  # None: no cap
             sampling=options.sampling or SamplingParams(**agent.sampling),
             stop=list(options.stop or []),
             priority=options.priority,
@@ -274,7 +274,7 @@ class TurnRunner:
             grammar=options.grammar,
             logprobs=options.logprobs,
             cache_points=plan.cache_points,
-            checkpoint_prompt=plan.checkpoint_prompt,
+            checkpoint_at=plan.checkpoint_at,
             reasoning_budget=options.reasoning_budget,
         )
         self._check_context(request)
@@ -306,7 +306,8 @@ class TurnRunner:
         yield result
 
     def _check_context(self, request: GenerationRequest) -> None:
-        """Clamp max_tokens to the context left; refuse a prompt that leaves none."""
+        """Refuse a prompt that leaves no room in the context (the engine holds max_tokens
+        within what the context and the KV budget leave)."""
         limit = self.engine.model.max_context
         if limit is None:
             return
@@ -316,7 +317,6 @@ class TurnRunner:
                 f"prompt is too long: {prompt} tokens > {limit - 1} maximum (the model's "
                 f"context is {limit} tokens); shorten the conversation or start a new agent"
             )
-        request.max_tokens = min(request.max_tokens, limit - prompt)
 
     def _shielded(self, commit: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Store a finished turn, uninterruptibly: the task to await (shielded).
@@ -351,7 +351,8 @@ class TurnRunner:
         digest = await asyncio.to_thread(conversation_digest, messages, tools)
         cache = result.cache
         if cache is not None and plan.cache is not None:
-            cache = cache.checkpointed(plan.cache, recent=checkpoint)
+            began = plan.checkpoint_at == plan.cache.num_tokens  # resumed where history ends
+            cache = cache.checkpointed(plan.cache, recent=checkpoint, reply_began=began)
         self.leases.hold_more(agent.id)
 
         def saved() -> None:

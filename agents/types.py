@@ -116,7 +116,7 @@ class TurnPlan:
     fresh: int = 0  # tokens of ``cache`` this turn prefilled itself (a shared head it stored)
     release: Callable[[], None] | None = None  # unpins the head's blocks once the turn saved
     cache_points: tuple[int, ...] = ()  # shared heads' ends it prefills past (engine's request)
-    checkpoint_prompt: bool = False  # keep where the prompt ends (engine's request)
+    checkpoint_at: int | None = None  # keep a checkpoint there (engine's request)
 
 
 @dataclass(slots=True)

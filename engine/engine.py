@@ -204,18 +204,36 @@ class Engine:
         return await self.run(_expanded, cache)
 
     def kv_bytes_needed(self, request: GenerationRequest) -> int:
-        """The KV bytes ``request`` sets aside in the budget while it runs."""
+        """The most KV bytes ``request`` sets aside in the budget, at its ``max_tokens``
+        (its reservation grows to it as it decodes; see ``engine.scheduler``)."""
         cached = request.cache.num_tokens if request.cache else 0
-        tokens = cached + len(request.prompt_tokens) + request.max_tokens
+        tokens = cached + len(request.prompt_tokens) + self.max_tokens(request)
         layers = request.cache.layers if request.cache else None
         return self._thread.scheduler.need_for(tokens, layers, len(request.prompt_tokens))
+
+    def max_tokens(self, request: GenerationRequest) -> int:
+        """The tokens ``request`` may generate: its ``max_tokens`` (None: no limit of its own)
+        within the model's context and what the KV budget holds for it alone."""
+        cached = request.cache.num_tokens if request.cache else 0
+        held = cached + len(request.prompt_tokens)
+        layers = request.cache.layers if request.cache else None
+        limit = self._thread.scheduler.capacity(layers, len(request.prompt_tokens)) - held
+        if self.model.max_context is not None:
+            limit = min(limit, self.model.max_context - held)
+        if request.max_tokens is not None:
+            limit = min(limit, request.max_tokens)
+        return max(1, limit)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request.
 
+        Its ``max_tokens`` is held within the model's context and what the KV budget holds for
+        it alone (:meth:`max_tokens`): a reply cut there ends with ``length``.
+
         Raises:
             EngineOverloadedError: the queue is full (retry later).
-            KVBudgetError: its history + prompt + max_tokens can never fit the KV budget.
+            KVBudgetError: its history + prompt and one generated token can never fit the KV
+                budget.
             InvalidCacheError: its cache is packed otherwise than this engine's batch.
             ValueError: token ids outside the vocabulary.
         """
@@ -250,6 +268,7 @@ class Engine:
         if request.forced_token is not None and request.forced_token >= vocab_size:
             raise ValueError(f"forced_token is outside the vocabulary (size {vocab_size})")
         self._check_budget(request)
+        seq.max_tokens = self.max_tokens(request)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 
@@ -281,17 +300,20 @@ class Engine:
         return processors
 
     def _check_budget(self, request: GenerationRequest) -> None:
-        needed, budget = self.kv_bytes_needed(request), self.kv_budget_bytes
+        """Refuse a turn whose history and prompt leave no room for a token in the budget."""
+        cached = request.cache.num_tokens if request.cache else 0
+        tokens = cached + len(request.prompt_tokens) + 1
+        layers = request.cache.layers if request.cache else None
+        scheduler, budget = self._thread.scheduler, self.kv_budget_bytes
+        needed = scheduler.need_for(tokens, layers, len(request.prompt_tokens))
         if needed <= budget:
             return
-        cached = request.cache.num_tokens if request.cache else 0
         mib = 1024 * 1024
         raise KVBudgetError(
             f"this turn needs {needed / mib:.1f} MiB of KV memory ({cached} cached + "
-            f"{len(request.prompt_tokens)} new + {request.max_tokens} max_tokens = "
-            f"{cached + len(request.prompt_tokens) + request.max_tokens} tokens) but the "
+            f"{len(request.prompt_tokens)} new + 1 generated = {tokens} tokens) but the "
             f"engine's whole KV budget is {budget / mib:.1f} MiB (kv_budget_bytes={budget}); "
-            "lower max_tokens, shorten the conversation, or raise kv_budget_bytes",
+            "shorten the conversation or raise kv_budget_bytes",
             needed_bytes=needed,
             budget_bytes=budget,
         )

@@ -254,7 +254,7 @@ class GenerationLoop(threading.Thread):
             seq.tokens.append(token)
             seq.steps += 1
             reason = None
-            if len(seq.token_ids) + 1 >= seq.request.max_tokens:
+            if len(seq.token_ids) + 1 >= seq.max_tokens:
                 reason = FinishReason.LENGTH
             if token in eos and not seq.request.ignore_eos:
                 reason = FinishReason.STOP

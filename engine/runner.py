@@ -178,10 +178,10 @@ class ModelRunner:
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
         updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
-        ends = [
+        ends = [  # where a prompt's history ends (``GenerationRequest.checkpoint_at``)
             (seq, seq.group.windows(seq, self.layout))
             for seq, n in plan.prefill
-            if n == len(seq.prompt) and seq.request.checkpoint_prompt
+            if len(seq.tokens) + n == seq.request.checkpoint_at
         ]
         updated += [held_arrays(x) for _, windows in ends if windows for x in windows.values()]
         mx.async_eval(*([] if sampled is None else [sampled]), *reported, updated)

@@ -12,12 +12,21 @@ Policies (``EngineConfig.policy``):
         paused and goes to the back of the line, where it waits as long before it takes
         anyone's place (round robin).
     latency_first: short and new turns first: a turn's place in line is its arrival plus its
-        expected work (prefill and max_tokens of decode), so a new short turn displaces a long
-        one that has run a few steps; short prompts are prefilled whole (prefill before decode).
+        expected work (prefill, and decode up to its max_tokens or ``EXPECTED_REPLY_TOKENS``),
+        so a new short turn displaces a long one that has run a few steps; short prompts are
+        prefilled whole (prefill before decode).
     throughput_first: fill the batch, a whole ``prefill_step_size`` chunk for every prompt
         every step, turns keep their place once running (the youngest are paused first).
 A request's ``priority`` (with aging) comes first under every policy; the place in line above
 counts as its arrival time, from which its priority ages.
+
+Memory: a turn reserves KV for what it holds after its next step (its prompt whole) and a
+buffer growth beyond (:meth:`Scheduler.reserve_tokens`), never past its ``max_tokens``, and
+its reservation grows as it decodes. When the budget has no room for a turn's next growth, the
+turns last in line (lowest priority, then latest arrival) are paused, the growing one itself
+when it is last: a paused turn rejoins where it was once its reservation fits. A turn is never
+given more ``max_tokens`` than the budget holds for it alone (``Engine.submit``), so every turn
+that fits alone finishes.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import time
 from collections.abc import Callable
 
 from agentkv.engine.admission import AdmissionQueue
+from agentkv.engine.batch.buffers import growth
 from agentkv.engine.batch.groups import KVGroup, best_group
 from agentkv.engine.batch.layout import KVLayout
 from agentkv.engine.config import EngineConfig, Policy
@@ -36,6 +46,7 @@ from agentkv.engine.step import StepPlan
 
 FAIR_SLICE_STEPS = 64  # under `fair`, a turn's steps before it yields to a waiting one
 MIN_RUN_STEPS = 8  # a (re)admitted turn runs this many steps before it can be preempted
+EXPECTED_REPLY_TOKENS = 512  # latency_first: the decode a turn is expected to run at most
 
 
 class Scheduler:
@@ -80,21 +91,35 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------------
 
     def need(self, seq: Sequence) -> int:
-        """KV bytes ``seq`` may hold in the batch (``seq.cache`` while it is outside it)."""
-        return self.need_for(seq.final_tokens, seq.cache, len(seq.prompt))
+        """KV bytes ``seq`` reserves joining the batch now (``seq.cache`` while it is outside
+        it): for :meth:`reserve_tokens`."""
+        return self.need_for(self.reserve_tokens(seq), seq.cache, len(seq.prompt))
+
+    @staticmethod
+    def reserve_tokens(seq: Sequence) -> int:
+        """The tokens a turn's reservation covers from now: what it holds after its whole
+        prompt and next step, and a buffer growth beyond, at most its final length."""
+        after = seq.tokens_after(1)
+        return min(seq.final_tokens, after + growth(after))
 
     def need_for(self, final_tokens: int, layers: list | None, prompt: int) -> int:
-        """KV bytes a turn may hold in the batch: its history + prompt + max_tokens
-        (``final_tokens``), and its sliding windows' overhang (``KVLayout.overhang``) from
-        its cache's ``layers`` and the ``prompt`` tokens it has still to feed."""
+        """KV bytes a turn holding at most ``final_tokens`` (history + prompt + generated)
+        may hold in the batch, with its sliding windows' overhang (``KVLayout.overhang``)
+        from its cache's ``layers`` and the ``prompt`` tokens it has still to feed."""
         overhang = self.layout.overhang(layers, prompt, self.config.prefill_step_size)
         return self.layout.reservation(final_tokens, overhang)
+
+    def capacity(self, layers: list | None, prompt: int) -> int:
+        """The most tokens (history + prompt + generated) a turn can hold in the budget
+        alone (see ``need_for``)."""
+        overhang = self.layout.overhang(layers, prompt, self.config.prefill_step_size)
+        return self.layout.capacity(self.budget_bytes, overhang)
 
     def enqueue(self, seq: Sequence, arrival: float | None = None, force: bool = False) -> None:
         if arrival is None:
             arrival = self._clock()
             if self.policy is Policy.LATENCY_FIRST:  # shortest expected work first
-                new_tokens = seq.request.max_tokens - len(seq.token_ids)
+                new_tokens = min(seq.max_tokens, EXPECTED_REPLY_TOKENS) - len(seq.token_ids)
                 arrival += self.pacer.expected_seconds(len(seq.prompt), new_tokens)
         seq.arrival = arrival
         seq.queued_step = self.steps
@@ -105,6 +130,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit, preempt and regroup; return the next step's plan."""
         self.steps += 1
+        self._grow()
         self._admit()
         if self._regroup:
             self._merge_groups()
@@ -159,6 +185,32 @@ class Scheduler:
             self.pacer.observe(plan.decode_rows, int(tokens), gap)
 
     # ---- admission and preemption ------------------------------------------------------------
+
+    def _grow(self) -> None:
+        """Extend the reservation of each turn whose next step would pass it, pausing the
+        turns last in line where the budget has no room."""
+        for seq in list(self.running):
+            if seq.group is None or seq.tokens_after(1) <= seq.reserved_tokens:
+                continue  # paused meanwhile, or covered
+            tokens = self.reserve_tokens(seq)
+            more = self.need_for(tokens, None, len(seq.prompt)) - seq.reserved
+            if self.reserved_bytes + more > self.budget_bytes and not self._make_room(seq, more):
+                continue  # seq itself was paused
+            seq.reserved += more
+            seq.reserved_tokens = tokens
+            self.reserved_bytes += more
+
+    def _make_room(self, growing: Sequence, more: int) -> bool:
+        """Pause running turns, last in line first, until ``more`` bytes fit; False when
+        ``growing`` itself was paused (it was last in line)."""
+        now, aging = self._clock(), self.config.priority_aging_per_s
+        for seq in sorted(self.running, key=lambda s: s.rank(now, aging)):
+            if self.reserved_bytes + more <= self.budget_bytes:
+                break
+            self._pause(seq, rotate=False)
+            if seq is growing:
+                return False
+        return True
 
     def _admit(self) -> None:
         self.waiting_for_memory = 0
@@ -263,6 +315,7 @@ class Scheduler:
             first = self.first_positions(tokens[0])
         group = KVGroup.start(self.layout, seq, seq.cache, first)
         seq.reserved = self.need(seq)
+        seq.reserved_tokens = self.reserve_tokens(seq)
         seq.cache = None
         self.reserved_bytes += seq.reserved
         seq.status = SeqStatus.PREFILLING if seq.prompt else SeqStatus.DECODING
@@ -303,6 +356,8 @@ class Scheduler:
             chunks = [(s, min(len(s.prompt), step)) for s in prefilling]
         else:  # nobody decoding: one whole chunk a step, shared, so newcomers start soon
             chunks = self._paced_chunks(prefilling, self.pacer.budget() if decoding else step)
+        if self.layout.windowed:
+            chunks = [(s, s.chunk_to_checkpoint(n)) for s, n in chunks]
         if any(n == len(s.prompt) for s, n in chunks):
             self._regroup = True  # decoding next step: it may join a group
         return chunks

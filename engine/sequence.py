@@ -60,7 +60,9 @@ class Sequence:
     steps: int = 0  # steps run since it (re)joined the batch
     queued_step: int = 0  # the scheduler's step count when it last went into the queue
     preemptions: int = 0
-    prompt_end: Any = None  # engine.request.Checkpoint where the prompt ended (checkpoint_prompt)
+    prompt_end: Any = None  # engine.request.Checkpoint where its history ended (checkpoint_at)
+    max_tokens: int = 1  # its request's max_tokens, within the context and the KV budget
+    reserved_tokens: int = 0  # the tokens ``reserved`` covers (it grows as the turn decodes)
 
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start
@@ -87,7 +89,19 @@ class Sequence:
     @property
     def final_tokens(self) -> int:
         """Tokens its KV holds when it ends at max_tokens."""
-        return len(self.tokens) + len(self.prompt) + self.request.max_tokens - len(self.token_ids)
+        return len(self.tokens) + len(self.prompt) + self.max_tokens - len(self.token_ids)
+
+    def chunk_to_checkpoint(self, n: int) -> int:
+        """A prompt chunk of ``n`` tokens, cut to end where the sequence keeps a checkpoint
+        (``GenerationRequest.checkpoint_at``) when it would pass it."""
+        at = self.request.checkpoint_at
+        if at is not None and len(self.tokens) < at < len(self.tokens) + n:
+            return at - len(self.tokens)
+        return n
+
+    def tokens_after(self, steps: int = 1) -> int:
+        """Tokens its KV holds after its whole prompt and ``steps`` more decode steps."""
+        return len(self.tokens) + len(self.prompt) + steps
 
     def priority_at(self, now: float, aging_per_s: float) -> float:
         return self.request.priority + aging_per_s * (now - self.arrival)

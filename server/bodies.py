@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from agentkv.server.errors import TOO_LARGE, APIError
 from agentkv.server.limits import too_many_messages_message
@@ -119,6 +120,24 @@ def json_value(text: str | bytes) -> Any:
     if data is _TOO_DEEP or _deeper_than(data, MAX_DEPTH):
         raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep")
     return data
+
+
+def arguments_value(text: str) -> Any:
+    """A tool call's arguments text: JSON, or an object's JSON cut short (this server returns
+    a call the reply was cut in so, see ``agentkv.cut_calls``), read as the object it holds so
+    far. Raises ValueError saying what is wrong."""
+    try:
+        return json_value(text)
+    except ValueError as exc:
+        if not text.lstrip().startswith("{"):
+            raise
+        try:
+            data = from_json(text, allow_partial=True)
+        except ValueError:
+            raise exc from None
+        if _deeper_than(data, MAX_DEPTH):
+            raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep") from None
+        return data
 
 
 _TOO_DEEP = object()

@@ -301,9 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-budget-bytes",
         type=_byte_size,
         metavar="SIZE",
-        help="KV memory the running batch may hold (e.g. 8G); a turn joins when its history + "
-        "max_tokens fit, one that never can is refused (413). Default: 60%% of the device "
-        "memory left after the weights",
+        help="KV memory the running batch may hold (e.g. 8G); a turn reserves its history and "
+        "prompt, more as it decodes, and the turns last in line wait while it has no room; one "
+        "whose prompt can never fit is refused (413). Default: 60%% of the device memory left "
+        "after the weights",
+    )
+    serve.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="cap the replies of requests that set no max_tokens at N tokens (default: none, "
+        "a reply runs until the model stops or the context is full, as OpenAI's API does)",
     )
     serve.add_argument(
         "--policy",

@@ -148,7 +148,7 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ContextLengthError):
         return APIError(CONTEXT_LENGTH, str(exc), "max_tokens")
     if isinstance(exc, KVBudgetError):
-        return APIError(KV_BUDGET, str(exc), "max_tokens")
+        return APIError(KV_BUDGET, str(exc), "messages")
     if isinstance(exc, ValueError | jinja2.TemplateError):  # bad ids, empty turns, sampling
         return APIError(INVALID_REQUEST, str(exc))
     if isinstance(exc, RuntimeClosedError):

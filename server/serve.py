@@ -48,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         db_url=args.db_url,
         cache_dir=args.cache_dir,
         worker_id=args.worker_id,
+        default_max_tokens=args.default_max_tokens,
         **lease,
     ).resolved()
     print(f"{PROG}: {_budgets(config, given_budget is None)}", file=sys.stderr)

@@ -232,10 +232,13 @@ class TurnStream:
         self.streamed_calls = len(calls.calls)
         parsed = list(reply.content.tool_calls)
         for i, streamed in enumerate(calls.calls[: len(parsed)]):
-            try:
-                same = json.loads(streamed.arguments) == parsed[i].arguments
-            except ValueError:
-                same = False
+            if parsed[i].cut:  # as far as it was written
+                same = streamed.arguments == parsed[i].written
+            else:
+                try:
+                    same = json.loads(streamed.arguments) == parsed[i].arguments
+                except ValueError:
+                    same = False
             if not same or streamed.name != parsed[i].name:
                 break
             parsed[i] = dataclasses.replace(parsed[i], id=streamed.id, written=streamed.arguments)

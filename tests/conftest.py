@@ -39,12 +39,14 @@ class ForcedTokens:
 _FORCED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("forced", default=None)
 
 
-def scripted_tool_replies(monkeypatch, model: str, end: str | None = "<|im_end|>"):
-    """``say(text)``: the next request with tools to a server of ``model`` (a tiny model's
-    name or a model directory) is answered ``text`` (forced token by token), then ``end``
-    (ChatML's by default; None: the text ends itself). A context variable carries the tokens
-    from the request's turn to its logits processors, so concurrent requests (Claude Code's
-    title requests) are left alone."""
+def scripted_tool_replies(
+    monkeypatch, model: str, end: str | None = "<|im_end|>", tools_only: bool = True
+):
+    """``say(text)``: the next request with tools (any request, ``tools_only=False``) to a
+    server of ``model`` (a tiny model's name or a model directory) is answered ``text``
+    (forced token by token), then ``end`` (ChatML's by default; None: the text ends itself). A
+    context variable carries the tokens from the request's turn to its logits processors, so
+    concurrent requests (Claude Code's title requests) are left alone."""
     tokenizer = load_tokenizer(Path(model) if Path(model).is_dir() else tiny_model_dir(model))
     scripts: list[list[int]] = []
     make_processors, events = SamplingParams.make_logits_processors, turns._events
@@ -55,7 +57,7 @@ def scripted_tool_replies(monkeypatch, model: str, end: str | None = "<|im_end|>
         return ([ForcedTokens(forced)] if forced else []) + make_processors(self, vocab_size)
 
     def forcing_events(state, claim, request):
-        if request.tools and scripts:
+        if (request.tools or not tools_only) and scripts:
             _FORCED.set(scripts.pop(0))
         return events(state, claim, request)
 

@@ -267,6 +267,17 @@ def test_budget_quick(tmp_path):
     assert bounded["held_under_budget_every_step"] is True
 
 
+def test_no_max_tokens_quick(tmp_path):
+    row = run_quick("bench_no_max_tokens", tmp_path)["row"]
+
+    # 16 turns run to the end of a 128-token context in a budget that holds 4 there.
+    assert row["completed"] == row["ran_to_the_context"] == row["agents"] == 16
+    assert row["refused"] == row["failed"] == row["waits_with_room"] == 0
+    assert row["max_in_batch"] > row["fits_at_full_context"] == 4
+    assert row["preemptions"] > 0 and row["under_budget_every_step"] is True
+    assert row["in_slots_tokens_per_s"] > 0 and row["vs_slots"] > 0
+
+
 def test_budget_mix_quick(tmp_path):
     out = tmp_path / "x.json"
     report = importlib.import_module("benchmarks.bench_budget").main(

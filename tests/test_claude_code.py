@@ -24,6 +24,7 @@ from test_server import metric
 from agentkv import RuntimeConfig
 from agentkv.server.app import DEFAULT_STATELESS_TTL_S
 from agentkv.server.background import serve_in_thread
+from tests.test_document import generation_prompt
 
 MODEL = "tiny:tools"
 DATA = Path(__file__).parent / "data" / "claude_code"
@@ -169,13 +170,15 @@ def test_a_new_session_resumes_the_instructions_and_tools_despite_the_billing_li
     post_stream(http, first)
     usage = final_message(post_stream(http, second)[0])["usage"]
     assert cached_fraction(usage) >= 0.9, usage
-    # A title side request of another session resumes all of its system prompt, to the token
-    # where the user's turn begins (948 of its 1,065 tokens, not just the 768 of its whole
-    # blocks): the first title's turn prefilled the head's end once and kept it.
+    # A title side request of another session, the same as the first but for its billing
+    # line, resumes all of its prompt but the generation prompt (1,058 of its 1,065 tokens,
+    # not just the 768 of its whole blocks or the 948 of its system prompt): from the first
+    # title's agent, where that one's history ended (its checkpoint there).
     titles = [billed(captured("title"), s, f"5e55i0n-{s}") for s in ("c03", "d04")]
     post_stream(http, titles[0])
     usage = final_message(post_stream(http, titles[1])[0])["usage"]
-    assert usage["cache_read_input_tokens"] == 948, usage
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == 1065, usage
+    assert usage["cache_read_input_tokens"] == 1065 - len(generation_prompt(MODEL)), usage
 
 
 def test_forced_tool_call_then_tool_result_resumes_from_cache(http, force_tool_call):

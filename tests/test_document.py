@@ -138,10 +138,12 @@ async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_pa
         again = await respond(rt, "rewritten", rewritten)
         assert again.cache_source == "hot"
         assert again.usage.cached_tokens == second.usage.cached_tokens
-        # Exactly the tokens of an agent that never had the rewritten turn.
+        # Exactly the tokens of an agent that never had the rewritten turn (it resumes the
+        # rewritten conversation's history from the agent that had it: its own cache ends
+        # sooner).
         alone = await respond(rt, "fresh", rewritten)
-        assert alone.cache_source == "hot"
-        assert alone.usage.cached_tokens == again.usage.cached_tokens
+        history = len(tokens(model, rewritten)) - len(generation_prompt(model))
+        assert (alone.cache_source, alone.usage.cached_tokens) == ("prefix", history)
         assert again.token_ids == alone.token_ids
         # The reply to the rewrite is the turn now: its own boundary is kept in turn.
         assert (await respond(rt, "rewritten", [*rewritten, user("And?")])).cache_source == "hot"
@@ -151,7 +153,7 @@ async def test_a_rewritten_last_turn_resumes_exactly_from_the_turn_before(tmp_pa
 async def test_a_reply_sent_back_rewritten_resumes_where_it_began_after_a_restart(tmp_path, model):
     # A framework that sends its reply back as its own text (smolagents' "Calling tools: …"):
     # the window (32 tokens) or recurrent state moved on over the reply, so only the
-    # checkpoint kept where it began gives the prompt back; the saved cache keeps it.
+    # checkpoint kept where its history ended gives the prompt back; the saved cache keeps it.
     cfg = RuntimeConfig(model=model, data_dir=tmp_path, kv_bits=None)
     asked = [system("Answer briefly."), user("Tell me about the sea and the sky, please.")]
     async with await AgentRuntime.open(cfg) as rt:
@@ -164,8 +166,9 @@ async def test_a_reply_sent_back_rewritten_resumes_where_it_began_after_a_restar
     async with await AgentRuntime.open(cfg) as rt:  # a restart: nothing in memory
         again = await respond(rt, "doc", rewritten)
         alone = await respond(rt, "fresh", rewritten)
-    assert again.cache_source == "disk"
-    assert again.usage.cached_tokens == first.usage.prompt_tokens
+    assert again.cache_source == "disk"  # all of the prompt but its generation prompt
+    history = first.usage.prompt_tokens - len(generation_prompt(model))
+    assert again.usage.cached_tokens == history
     assert alone.usage.cached_tokens == 0 and again.token_ids == alone.token_ids
 
 
@@ -264,3 +267,65 @@ async def test_replies_are_remembered_only_while_the_hot_tier_holds_their_cache(
         assert again.usage.cached_tokens == (
             first["a"].usage.prompt_tokens + first["a"].usage.completion_tokens
         )
+
+
+def generation_prompt(model: str) -> list[int]:
+    tokenizer = load_tokenizer(tiny_model_dir(model))
+    probe = [user("x")]
+    opened, closed = (
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=g)
+        for g in (True, False)
+    )
+    return tokenizer.encode(opened[len(closed) :], add_special_tokens=False)
+
+
+def long_reply(model: str) -> SamplingParams:
+    """Sampling under which a tiny model writes one token again and again (never its end)."""
+    token = load_tokenizer(tiny_model_dir(model)).encode("a", add_special_tokens=False)[0]
+    return SamplingParams(logit_bias={token: 100})
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+@pytest.mark.parametrize("restart", [False, True], ids=["hot", "disk"])
+async def test_a_dropped_reply_resumes_the_whole_history_before_it(tmp_path, model, restart):
+    """A client that drops the agent's reply (mini-swe-agent after a format error) and sends
+    a new message resumes everything before the reply, on a sliding-window model (its windows
+    moved on during the reply) and a hybrid (its recurrent state did), before and after a
+    restart: from the checkpoint where the history ended, before the generation prompt."""
+    brief = " ".join(f"Step {i}: read the file, then edit it." for i in range(60))
+    asked = [system("You are a coding agent."), user(brief)]
+    dropped = [*asked, user("Your reply had the wrong format; answer with one command.")]
+    cfg = config(tmp_path, model)
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("swe")
+        one = await respond(rt, "swe", asked, max_tokens=60, sampling=long_reply(model))
+        if not restart:
+            again = await respond(rt, "swe", dropped)
+    if restart:
+        async with await AgentRuntime.open(cfg) as rt:
+            again = await respond(rt, "swe", dropped)
+    assert one.usage.completion_tokens == 60  # well past the tiny models' 32-token windows
+    history = len(tokens(model, asked)) - len(generation_prompt(model))
+    assert common_prefix(tokens(model, asked), tokens(model, dropped)) >= history
+    assert again.cache_source == ("disk" if restart else "hot")
+    assert again.usage.cached_tokens == history
+    assert again.usage.cached_tokens / again.usage.prompt_tokens > 0.95
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_an_identical_resend_resumes_all_but_the_generation_prompt(tmp_path, model):
+    """A stateless client resending the same conversation (a retry) replaces the last reply:
+    on a sliding-window model and a hybrid the history before the generation prompt is
+    resumed, in one process and after a restart."""
+    asked = [user(" ".join(f"Fact {i}: the sky is blue." for i in range(40)))]
+    cfg = config(tmp_path, model)
+    async with await AgentRuntime.open(cfg) as rt:
+        await rt.create_agent("retry")
+        await respond(rt, "retry", asked, max_tokens=40, sampling=long_reply(model))
+        replies = [await respond(rt, "retry", asked) for _ in range(2)]
+    async with await AgentRuntime.open(cfg) as rt:
+        replies.append(await respond(rt, "retry", asked))
+    history = len(tokens(model, asked)) - len(generation_prompt(model))
+    assert [r.cache_source for r in replies] == ["hot", "hot", "disk"]
+    assert [r.usage.cached_tokens for r in replies] == [history] * 3
+    assert history / len(tokens(model, asked)) > 0.95

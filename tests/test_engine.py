@@ -683,26 +683,27 @@ async def test_q8_positions_past_a_cache_point_compute_as_resumed_from_there():
 
 
 @pytest.mark.parametrize("spec", ["tiny:gemma3", "tiny:hybrid"])
-async def test_a_checkpoint_where_the_prompt_ends_resumes_a_rewritten_reply(spec):
+async def test_a_checkpoint_where_the_history_ends_resumes_a_rewritten_or_dropped_reply(spec):
     """A sliding window (32 positions) that moved on during the reply, or a recurrent state,
-    cannot be cut back to where the prompt ended; with ``checkpoint_prompt`` the cache keeps
-    that point, and a turn resumed from it equals the prompt and the new text fed at once."""
+    cannot be cut back into the prompt; with ``checkpoint_at`` the cache keeps that point (the
+    prompt's chunks end there), and a turn resumed from it equals the history and the new text
+    fed at once: a reply rewritten (the prompt's last 3 tokens, its generation prompt, and
+    other text) or dropped (other text at once)."""
     eng = await Engine.open(spec)
     try:
         asked = prompt(eng, 60)
-        first = await eng.generate(
-            GenerationRequest(asked, max_tokens=40, ignore_eos=True, checkpoint_prompt=True)
-        )
+        kept = GenerationRequest(asked, max_tokens=40, ignore_eos=True, checkpoint_at=57)
+        first = await eng.generate(kept)
         plain = await eng.generate(GenerationRequest(asked, max_tokens=40, ignore_eos=True))
         assert plain.cache.longest_prefix(60) is None  # nothing to cut back to
         assert first.token_ids == plain.token_ids  # keeping it changes nothing generated
-        assert [c.num_tokens for c in first.cache.checkpoints] == [60]
+        assert [c.num_tokens for c in first.cache.checkpoints] == [57]
         cut = first.cache.longest_prefix(70)
-        assert cut is not None and cut.tokens == asked
-        rewritten = prompt(eng, 12, salt=5)  # another reply than the one generated
-        resumed = await eng.generate(GenerationRequest(rewritten, max_tokens=8, cache=cut))
-        whole = await eng.generate(GenerationRequest(asked + rewritten, max_tokens=8))
-        assert resumed.token_ids == whole.token_ids
-        assert resumed.stats.cached_tokens == 60
+        assert cut is not None and cut.tokens == asked[:57]
+        for after in (asked[57:] + prompt(eng, 12, salt=5), prompt(eng, 12, salt=6)):
+            resumed = await eng.generate(GenerationRequest(after, max_tokens=8, cache=cut))
+            whole = await eng.generate(GenerationRequest(asked[:57] + after, max_tokens=8))
+            assert resumed.token_ids == whole.token_ids
+            assert resumed.stats.cached_tokens == 57
     finally:
         await eng.close()

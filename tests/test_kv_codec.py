@@ -1368,7 +1368,7 @@ async def test_a_tail_keeps_the_checkpoint_where_the_prompt_ended(tmp_path, spec
     eng = await Engine.open(spec)
     try:
         asked = tokens(eng, 60)
-        request = GenerationRequest(asked, max_tokens=40, ignore_eos=True, checkpoint_prompt=True)
+        request = GenerationRequest(asked, max_tokens=40, ignore_eos=True, checkpoint_at=60)
         cache = (await eng.generate(request)).cache
         (point,) = cache.checkpoints
         assert point.prompt_end and point.num_tokens == 60 and cache.prefix(60) is None

@@ -104,16 +104,29 @@ async def budget_for(
         await eng.close()
 
 
-async def test_a_turn_that_can_never_fit_is_refused_with_the_numbers():
+async def test_a_turn_runs_as_far_as_the_budget_holds_it_and_one_that_never_fits_is_refused():
+    """max_tokens past what the budget holds for a turn alone is held to it (the reply ends
+    with ``length`` there, as at the end of the context); a prompt the budget cannot hold with
+    one generated token is refused with the numbers."""
     small = GenerationRequest(list(range(20, 40)), max_tokens=8)
     budget = await budget_for("tiny:gemma3", [small, small])
     eng = await Engine.open("tiny:gemma3", EngineConfig(kv_budget_bytes=budget))
     try:
-        huge = GenerationRequest(list(range(20, 40)), max_tokens=5000)
-        with pytest.raises(KVBudgetError, match=r"20 new \+ 5000 max_tokens = 5020 tokens") as e:
-            eng.submit(huge)
+        huge = GenerationRequest(list(range(20, 40)), max_tokens=5000, ignore_eos=True)
+        room = eng.max_tokens(huge)
+        assert 8 < room < 5000
+        assert eng.kv_bytes_needed(huge) <= budget
+        assert eng._thread.scheduler.need_for(20 + room + 1, None, 20) > budget  # the most
+        result = await eng.generate(huge)
+        assert (result.finish_reason, len(result.token_ids)) == ("length", room)
+        assert result.token_ids == greedy(eng, huge.prompt_tokens, room)
+        unbounded = await eng.generate(GenerationRequest(huge.prompt_tokens, None, ignore_eos=True))
+        assert unbounded.token_ids == result.token_ids
+        long = GenerationRequest(prompt_of(1000), max_tokens=1)
+        with pytest.raises(KVBudgetError, match=r"1000 new \+ 1 generated = 1001 tokens") as e:
+            eng.submit(long)
         assert "kv_budget_bytes" in str(e.value)
-        assert e.value.needed_bytes == eng.kv_bytes_needed(huge) > e.value.budget_bytes == budget
+        assert e.value.needed_bytes > e.value.budget_bytes == budget
         ok = await eng.generate(small)  # the engine serves on
         assert ok.token_ids == greedy(eng, small.prompt_tokens, len(ok.token_ids))
     finally:
@@ -144,6 +157,32 @@ async def test_the_budget_admits_only_what_fits_and_every_turn_completes(model):
     assert max(s.decode_rows + s.prefilling for s in steps) == 2
     assert all(s.kv_held_bytes <= s.kv_reserved_bytes <= budget for s in steps)
     assert max(waiting) > 0  # turns waited for memory, not for a slot
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_reservations_grow_as_turns_decode_and_the_last_in_line_wait_for_room(model):
+    """Four turns of 120 tokens in a budget that holds two of them whole: more than two start
+    (each reserves its prompt and a buffer growth), their reservations grow as they decode, the
+    latest arrivals are paused when the budget is full and rejoin where they were; each gives
+    the tokens it gives alone and the budget is never exceeded."""
+    requests = [
+        GenerationRequest(prompt_of(40, salt=i), max_tokens=120, ignore_eos=True)
+        for i in range(4)
+    ]
+    budget = await budget_for(model, requests[:2])
+    eng = await Engine.open(model, EngineConfig(kv_budget_bytes=budget))
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        results = await asyncio.gather(*(eng.generate(r) for r in requests))
+        stats = eng.stats()
+    finally:
+        await eng.close()
+    for request, result in zip(requests, results, strict=True):
+        assert result.token_ids == greedy(eng, request.prompt_tokens, 120)
+    assert max(s.decode_rows + s.prefilling for s in steps) > 2
+    assert stats.preemptions > 0 and stats.paused == 0
+    assert all(s.kv_held_bytes <= s.kv_reserved_bytes <= budget for s in steps)
 
 
 @pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])

@@ -213,7 +213,13 @@ def test_anthropic_streaming(claude, http):
     plain = http.post("/v1/messages", json=body).json()
     assert "".join(deltas) == plain["content"][0]["text"]
     assert events[-2][1]["delta"] == {"stop_reason": plain["stop_reason"], "stop_sequence": None}
-    assert events[-2][1]["usage"] == plain["usage"]
+    streamed, again = events[-2][1]["usage"], plain["usage"]
+    assert streamed["output_tokens"] == again["output_tokens"]
+    held = [u["input_tokens"] + u["cache_read_input_tokens"] for u in (streamed, again)]
+    assert held[0] == held[1]
+    # The same request again is the same conversation's agent: all but its generation
+    # prompt resumed (the checkpoint where its history ended), on this sliding-window model.
+    assert streamed["cache_read_input_tokens"] == 0 < again["cache_read_input_tokens"]
 
 
 def test_anthropic_resume_reads_the_agent_cache(claude, http):
@@ -945,21 +951,20 @@ def test_a_turn_over_the_kv_budget_is_413_and_the_budget_is_in_metrics(tmp_path)
     config = RuntimeConfig(
         model=MODEL, data_dir=tmp_path, engine=EngineConfig(kv_budget_bytes=budget)
     )
+    long = "hello " * 2000
     with serve(config) as server, server.anthropic() as claude, server.openai() as gpt:
         with pytest.raises(anthropic.APIStatusError) as refused:
-            claude.messages.create(model="m", max_tokens=5000, messages=[user("hello")])
+            claude.messages.create(model="m", max_tokens=8, messages=[user(long)])
         assert refused.value.status_code == 413
         assert refused.value.body["error"]["type"] == "request_too_large"
         message = refused.value.body["error"]["message"]
-        assert "5000 max_tokens" in message and f"kv_budget_bytes={budget}" in message
+        assert "1 generated" in message and f"kv_budget_bytes={budget}" in message
         with pytest.raises(openai.APIStatusError) as refused:
-            gpt.chat.completions.create(
-                model="m", max_tokens=5000, messages=[user("hello")], user="budget"
-            )
+            gpt.chat.completions.create(model="m", messages=[user(long)], user="budget")
         assert refused.value.status_code == 413
         error = refused.value.body  # the OpenAI SDK unwraps {"error": ...}
-        assert (error["code"], error["param"]) == ("kv_budget_exceeded", "max_tokens")
-        ok = claude.messages.create(model="m", max_tokens=8, messages=[user("hello")])
+        assert (error["code"], error["param"]) == ("kv_budget_exceeded", "messages")
+        ok = claude.messages.create(model="m", max_tokens=5000, messages=[user("hello")])
         assert ok.usage.output_tokens > 0  # nothing was stored of the refused turns
         with server.http() as http:
             assert metric(http, "agentkv_engine_kv_budget_bytes") == budget

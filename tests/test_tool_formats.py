@@ -15,6 +15,7 @@ import pkgutil
 import mlx_lm.tool_parsers
 import pytest
 
+from agentkv.cut_calls import partial_object
 from agentkv.tool_calls import ParsedReply, ToolCall, ToolFormat
 
 TOOLS = [
@@ -153,7 +154,63 @@ def test_a_forced_call_in_each_format_is_what_its_parser_reads(grammars, style):
     assert form.parse(FORCED[style], TOOLS).tool_calls == (ToolCall("weather", {"city": "Oslo"}),)
 
 
-@pytest.mark.parametrize("style", ["json_tools", "mistral"])
+@pytest.mark.parametrize("style", sorted(SAMPLES))
+def test_a_call_cut_short_anywhere_comes_back_as_a_call_never_as_text(style):
+    """A reply cut (max_tokens) at every point of a call: the text before the call stays
+    text and nothing of the markup joins it; from the end of the function's name on the
+    reply carries the call, its arguments what was written (a value being written left out),
+    its written arguments never complete JSON until the model finished them."""
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
+    start, end = module.tool_call_start, module.tool_call_end
+    form = ToolFormat(start, end, module.parse_tool_call)
+    sample = SAMPLES[style]
+    done = sample.rindex("Oslo") + len("Oslo")
+    reads = []
+    for n in range(len(start), len(sample) + 1):
+        reply = form.parse("Let me check. " + sample[:n], TOOLS, cut=True)
+        assert reply.text == "Let me check. "
+        assert len(reply.tool_calls) <= 1
+        reads.append(reply.tool_calls[0] if reply.tool_calls else None)
+        if n >= sample.index("Oslo"):
+            call = reads[-1]
+            assert call is not None and call.name == "weather"
+            assert call.arguments in ({}, {"city": "Oslo"})
+            if call.cut:
+                with pytest.raises(ValueError):
+                    json.loads(call.written)
+                assert partial_object(call.written) == call.arguments
+    # Once read, a call stays read, and once a value is read it stays.
+    first = next(i for i, r in enumerate(reads) if r is not None)
+    assert all(r is not None for r in reads[first:])
+    oslo = [r.arguments == {"city": "Oslo"} for r in reads[first:]]
+    assert oslo == sorted(oslo) and oslo[-1]
+    assert not reads[-1].cut  # the whole call: read as it is without cut
+    assert first + len(start) <= done
+
+
+@pytest.mark.parametrize("style", ["json_tools", "kimi_k2", "minimax_m2", "qwen3_coder"])
+def test_the_calls_before_a_cut_one_come_back_whole(style):
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
+    form = ToolFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    sample = SAMPLES[style]
+    if style == "kimi_k2":  # two calls in one section
+        call = sample[
+            sample.index("<|tool_call_begin|>") : sample.index("<|tool_calls_section_end|>")
+        ]
+        text = sample.replace(call, call + call.replace("Oslo", "Bergen"))
+    elif style == "minimax_m2":
+        invoke = sample[sample.index("<invoke") : sample.index("</minimax")]
+        text = sample.replace(invoke, invoke + invoke.replace("Oslo", "Bergen"))
+    else:
+        text = sample + sample.replace("Oslo", "Bergen")
+    cut = text[: text.index("Bergen") + 3]
+    reply = form.parse(cut, TOOLS, cut=True)
+    assert reply.text == ""
+    assert reply.tool_calls == (ToolCall("weather", {"city": "Oslo"}), ToolCall("weather", {}))
+    assert [c.cut for c in reply.tool_calls] == [False, True]
+
+
+@pytest.mark.parametrize("style", ["json_tools", "mistral", "kimi_k2"])
 def test_a_calls_arguments_stream_as_they_are_written(style):
     from agentkv.call_stream import CallStream
 

@@ -116,6 +116,12 @@ class KVLayout:
         ]
 
     @property
+    def windowed(self) -> bool:
+        """Whether some layers hold a window of the history (sliding windows, recurrent
+        state), which a cache cannot be cut back through."""
+        return any(w is not None for w in self.windows)
+
+    @property
     def recurrent(self) -> bool:
         """Whether some layers hold recurrent state (``engine.batch.state``)."""
         return any(self.states)
@@ -158,6 +164,16 @@ class KVLayout:
         (:meth:`overhang`) and its group's padding allowance."""
         held = self.owned_bytes(final_tokens + growth(final_tokens), window_extra=overhang)
         return int(held * (1 + PADDING_TOLERANCE)) + 1
+
+    def capacity(self, budget_bytes: int, overhang: int) -> int:
+        """The most tokens a sequence can hold within ``budget_bytes`` reserved alone (its
+        :meth:`reservation`; 0: none; at most 2**40)."""
+        low, high = 0, 1 << 40
+        while high - low > 1:  # low fits; high does not, or is the most asked
+            middle = (low + high) // 2
+            fits = self.reservation(middle, overhang) <= budget_bytes
+            low, high = (middle, high) if fits else (low, middle)
+        return low
 
     def overhang(self, layers: list[Any] | None, prompt: int, chunk: int) -> int:
         """Positions a sequence's sliding layers may hold beyond their windows in the batch:

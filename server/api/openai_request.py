@@ -17,7 +17,7 @@ from pydantic import (
 
 from agentkv.prompt import Message
 from agentkv.server.api.anthropic_content import is_plain
-from agentkv.server.bodies import FieldPolicy, json_value
+from agentkv.server.bodies import FieldPolicy, arguments_value
 from agentkv.server.conversation import (
     TEXT_JOINER,
     ChatMessage,
@@ -79,7 +79,7 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     function = call.get("function") or {}
     arguments = function.get("arguments") or "{}"
     try:
-        arguments = json_value(arguments) if isinstance(arguments, str) else arguments
+        arguments = arguments_value(arguments) if isinstance(arguments, str) else arguments
     except ValueError as exc:
         raise APIError.invalid(f"{where}.function.arguments: {exc}", where) from None
     if not isinstance(function.get("name"), str) or not isinstance(arguments, dict):

@@ -66,6 +66,7 @@ from agentkv.server.api.responses_input import conversation
 from agentkv.server.api.responses_output import (
     Ids,
     call_item,
+    call_status,
     item_status,
     message_item,
     offered_calls,
@@ -206,13 +207,13 @@ async def _events(
             )
         return lines
 
-    def close_call() -> list[str]:
+    def close_call(status: str = "completed") -> list[str]:
         if not streamed or not streamed[-1].open:
             return []
         call = streamed[-1]
         call.open = False
         at = {"item_id": call.item["id"], "output_index": call.index}
-        done = call.item | {"arguments": call.arguments, "status": "completed"}
+        done = call.item | {"arguments": call.arguments, "status": status}
         return [
             event("response.function_call_arguments.done", **at, arguments=call.arguments),
             event("response.output_item.done", output_index=call.index, item=done),
@@ -262,9 +263,10 @@ async def _events(
         yield event("response.failed", response=failed)
         return
     assert reply is not None
-    for line in [*close_reasoning(), *close_call()]:
-        yield line
     calls, final = offered_calls(body, reply), reply.content.text
+    last = calls[len(streamed) - 1] if 0 < len(streamed) <= len(calls) else None
+    for line in [*close_reasoning(), *close_call(call_status(last) if last else "completed")]:
+        yield line
     index = (1 if thought else 0) + len(streamed)
     every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
     if not streamed and (opened or final or not calls):
@@ -288,7 +290,7 @@ async def _events(
         yield event("response.output_item.added", output_index=index, item=item)
         yield event("response.function_call_arguments.delta", **at, delta=arguments)
         yield event("response.function_call_arguments.done", **at, arguments=arguments)
-        done = call_item(body, call, "completed")
+        done = call_item(body, call, call_status(call))
         yield event("response.output_item.done", output_index=index, item=done)
         index += 1
     finished = response_object(body, ids, created, reply, every)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.prompt import Message
-from agentkv.server.bodies import json_value
+from agentkv.server.bodies import arguments_value
 from agentkv.server.conversation import TEXT_JOINER, checked_text
 from agentkv.server.errors import APIError
 
@@ -143,7 +143,7 @@ class _Reader:
             raise APIError.invalid(f"{where}.name: required (a string)", f"{where}.name")
         arguments = item.get("arguments", "{}")
         try:
-            parsed = json_value(arguments) if isinstance(arguments, str) else None
+            parsed = arguments_value(arguments) if isinstance(arguments, str) else None
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):

@@ -90,8 +90,13 @@ def output_items(
         items.append(reasoning_item(ids, reply.reasoning, "completed", wants_summary(body)))
     if reply.content.text or not calls:
         items.append(message_item(ids, reply.content.text, item_status(reply), logprobs))
-    items += [call_item(body, call, "completed") for call in calls]
+    items += [call_item(body, call, call_status(call)) for call in calls]
     return items
+
+
+def call_status(call: ToolCall) -> str:
+    """A function_call item's status: ``incomplete`` when the reply was cut in it."""
+    return "incomplete" if call.cut else "completed"
 
 
 def item_status(reply: Reply) -> str:
