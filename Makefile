@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: setup blas test lint docs format demo bench bench-quick clean
+.PHONY: setup blas test lint docs format demo bench bench-quick bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m benchmarks.run --quick
+
+# For an accelerator machine (docs/benchmarks.md): the standard set on a Gemma 3 12B-shaped
+# random model built there, JSON into $(OUT). Installs nothing (such a machine may be offline):
+# PY=python3 where agentkv and MLX are installed otherwise.
+bench-gpu:
+	@test -n "$(OUT)" || { echo "usage: make bench-gpu OUT=dir [PY=python3]"; exit 2; }
+	$(PY) -m benchmarks.bench_gpu $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

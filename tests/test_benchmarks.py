@@ -452,3 +452,123 @@ def test_ready_quick(tmp_path):
     ]
     assert all(v >= 0 for v in report["steps_s"].values())
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_gpu_quick(tmp_path):
+    """``make bench-gpu``'s quick mode: every part in the summary, each part's JSON with its
+    header and the ratios it promises, computed from the rows measured in the run."""
+    from benchmarks import bench_gpu
+    from benchmarks.gpu_sizes import QUICK
+
+    summary = bench_gpu.main([str(tmp_path), "--quick"])
+
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert (summary["mode"], summary["complete"]) == ("quick", True)
+    assert {name: part["status"] for name, part in summary["parts"].items()} == {
+        "batching": "ok",
+        "batch_kv": "ok",
+        "mixed": "ok",
+        "resume": "ok",
+        "prefill": "ok",
+        "speculative": "pending",  # the slot a later change fills
+    }
+    assert not (tmp_path / "speculative.json").exists()
+    names = ["batching", "batch_kv", "mixed", "resume", "prefill"]
+    reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
+    for name, report in reports.items():
+        assert (report["part"], report["status"], report["cut_short"]) == (name, "ok", False)
+        assert (report["date"], report["command"]) == (summary["date"], summary["command"])
+        assert report["device"] == summary["device"] and report["device"]["default_device"]
+        assert report["model"] == summary["model"]
+        assert report["sizes"] == json.loads(json.dumps(QUICK.of(name)))
+        assert report["ratios"] == summary["parts"][name]["ratios"]
+    model = summary["model"]
+    assert (model["model_type"], model["layers"], model["dtype"]) == ("gemma3_text", 5, "float32")
+    assert "vocab_note" in model
+
+    batching = reports["batching"]
+    assert [row["n"] for row in batching["rows"]] == [1, 2, 4]
+    for row in batching["rows"]:
+        assert row["engine_vs_raw"] == row["engine_tps"] / row["raw_tps"] > 0
+        assert len(row["warm_rounds"]) == 1  # a warm round, then the reported one
+    by_n = {str(row["n"]): row["engine_vs_raw"] for row in batching["rows"]}
+    assert batching["ratios"] == {"engine_vs_raw": by_n}
+
+    batch_kv = reports["batch_kv"]
+    shapes = [(2, 512), (4, 128)]
+    rows = {(r["precision"], r["agents"], r["history"]): r for r in batch_kv["rows"]}
+    assert list(rows) == [(p, a, h) for p in ("model", "q8", "q4") for a, h in shapes]
+    expected = {}
+    for agents, history in shapes:
+        base = rows[("model", agents, history)]
+        for bits in ("q8", "q4"):
+            row = rows[(bits, agents, history)]
+            assert row["decode_steps"] > 0 and row["kv_held_mb"] < base["kv_held_mb"]
+            ratio = row["decode_tps"] / base["decode_tps"]
+            expected.setdefault(f"{agents}x{history}", {})[bits] = ratio
+    assert batch_kv["ratios"] == {"decode_tps_vs_model": expected}
+
+    mixed = reports["mixed"]
+    assert len(mixed["rows"]) == 8  # 2 rounds x 2 paths x alone and beside the long agent
+    got = {(r["path"], r["long"]): r for r in mixed["rows"] if r["reported"]}
+    assert set(got) == {(p, n) for p in ("agentkv", "padded") for n in (0, 400)}
+    assert got[("agentkv", 400)]["groups"] == 2 and got[("padded", 400)]["groups"] == 1
+    paths = ("agentkv", "padded")
+    assert mixed["ratios"] == {
+        "short_vs_alone": {p: got[(p, 400)]["short_tps"] / got[(p, 0)]["short_tps"] for p in paths},
+        "agentkv_vs_padded": got[("agentkv", 400)]["short_tps"] / got[("padded", 400)]["short_tps"],
+        "held_vs_owned": {p: got[(p, 400)]["held_vs_owned"] for p in paths},
+    }
+    assert mixed["ratios"]["held_vs_owned"]["agentkv"] < mixed["ratios"]["held_vs_owned"]["padded"]
+
+    (row,) = reports["resume"]["rows"]
+    assert (row["kv_bits"], row["history"]) == ("none", 600) and row["vs_raw"] > 0
+    assert reports["resume"]["ratios"] == {"disk_vs_raw": {"none": {"600": row["vs_raw"]}}}
+
+    prefill = reports["prefill"]
+    before, paced = prefill["rows"]
+    assert (before["max_decode_stall"], paced["max_decode_stall"]) == (None, 2.0)
+    assert prefill["ratios"] == {
+        "worst_gap_vs_median": {
+            "BatchGenerator": before["worst_vs_median"],
+            "agentkv stall 2": paced["worst_vs_median"],
+        },
+        "prefill_vs_alone": {
+            "BatchGenerator": before["prefill_vs_alone"],
+            "agentkv stall 2": paced["prefill_vs_alone"],
+        },
+    }
+    assert before["worst_vs_median"] >= 1 and paced["worst_vs_median"] >= 1
+
+
+def test_gpu_records_a_failed_part_and_runs_the_next(tmp_path, monkeypatch):
+    from benchmarks import bench_gpu, gpu_parts
+
+    async def broken(ctx):
+        ctx.report["rows"] = [{"n": 1}]  # measured before it failed
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setitem(gpu_parts.PARTS, "batching", broken)
+    summary = bench_gpu.main([str(tmp_path), "--quick", "--parts", "batching", "speculative"])
+
+    parts = summary["parts"]
+    assert parts["batching"]["status"] == "failed"
+    assert parts["batching"]["error"] == "RuntimeError: out of memory, say"
+    assert parts["speculative"]["status"] == "pending"
+    assert {parts[n]["status"] for n in ("batch_kv", "mixed", "resume", "prefill")} == {
+        "not selected"
+    }
+    report = json.loads((tmp_path / "batching.json").read_text())
+    assert (report["status"], report["rows"]) == ("failed", [{"n": 1}])
+
+
+def test_gpu_skips_the_parts_once_the_budget_is_spent(tmp_path):
+    from benchmarks import bench_gpu
+
+    argv = [str(tmp_path), "--quick", "--budget-s", "0", "--parts", "batching", "mixed"]
+    summary = bench_gpu.main(argv)
+
+    statuses = {name: part["status"] for name, part in summary["parts"].items()}
+    assert statuses["batching"] == statuses["mixed"] == "skipped"
+    assert summary["parts"]["mixed"]["reason"] == "budget of 0 s spent"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
