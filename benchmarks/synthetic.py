@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from agentkv.engine.mlxlm import set_write_index
 from agentkv.engine.request import PromptCache
 
 
@@ -31,7 +32,7 @@ def synthetic_cache(model, tokens: int, seed: int, vocab: int) -> PromptCache:
         layer.keys, layer.values = keys.astype(probe.keys.dtype), values.astype(probe.keys.dtype)
         layer.offset = tokens
         if window is not None:
-            layer._idx = held  # temporal order, as a rebuilt RotatingKVCache keeps it
+            set_write_index(layer, held)  # temporal order, as a rebuilt ring keeps it
         layers.append(layer)
     mx.eval([(c.keys, c.values) for c in layers])
     ids = mx.random.randint(16, vocab, (tokens,), key=key).tolist()

@@ -162,6 +162,8 @@ class PromptCache:
         """
         from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+        from agentkv.engine.mlxlm import set_write_index
+
         if keep == self.num_tokens:
             return self
         if not 0 < keep < self.num_tokens or self._channel_packed:
@@ -175,7 +177,7 @@ class PromptCache:
                 return None
             trimmed = _cut(layer, keep)
             if kind is RotatingKVCache:
-                trimmed._idx = keep
+                set_write_index(trimmed, keep)
             layers.append(trimmed)
         return PromptCache(  # the same arrays
             layers,

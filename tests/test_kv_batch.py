@@ -21,6 +21,7 @@ from agentkv.engine.batch.buffers import MIN_GROWTH, growth
 from agentkv.engine.batch.groups import KVGroup, best_group
 from agentkv.engine.batch.layout import PADDING_TOLERANCE, KVLayout
 from agentkv.engine.batch.state import GroupStateCache, state_row
+from agentkv.engine.mlxlm import temporal_order
 from agentkv.engine.models.loading import load_model
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -53,8 +54,8 @@ def assert_same_cache(got: list, want: list) -> None:
         assert type(g) is type(w)
         assert g.offset == w.offset
         if isinstance(w, RotatingKVCache):  # compare in temporal order, as it is attended
-            wk, wv = w._temporal_order(w.keys), w._temporal_order(w.values)
-            gk, gv = g._temporal_order(g.keys), g._temporal_order(g.values)
+            wk, wv = temporal_order(w, w.keys), temporal_order(w, w.values)
+            gk, gv = temporal_order(g, g.keys), temporal_order(g, g.values)
             size = min(w.offset, w.max_size)
             assert mx.array_equal(gk[..., -size:, :], wk[..., -size:, :]).item()
             assert mx.array_equal(gv[..., -size:, :], wv[..., -size:, :]).item()
@@ -286,7 +287,7 @@ def test_a_quantized_group_gives_back_exactly_the_quantized_rows(model, bits):
         assert type(got) is type(want) and got.keys.dtype == want.keys.dtype
         gk, wk = got.keys[..., : got.offset, :], want.keys[..., : want.offset, :]
         if isinstance(want, RotatingKVCache):  # the window's positions, in temporal order
-            gk, wk = got._temporal_order(got.keys), want._temporal_order(want.keys)
+            gk, wk = temporal_order(got, got.keys), temporal_order(want, want.keys)
             n = min(want.offset, want.max_size)
             gk, wk = gk[..., -n:, :], wk[..., -n:, :]
         error = mx.abs(gk - wk).max().item()

@@ -44,6 +44,7 @@ from agentkv.engine.kv.quant import (
 )
 from agentkv.engine.kv.state import decode_state, encode_state
 from agentkv.engine.kv.whole import decode_cache, encode_cache
+from agentkv.engine.mlxlm import temporal_order
 from agentkv.engine.models.caches import is_state
 from agentkv.engine.request import FinishReason, GenerationRequest, PromptCache
 from agentkv.store.cache_files import load_into_mlx
@@ -88,7 +89,7 @@ async def roundtrip(eng: Engine, cache: PromptCache, kv_bits: int | None) -> Pro
 def temporal(layer) -> tuple[np.ndarray, np.ndarray]:
     """A layer's keys and values in temporal order, used positions only, as float32 numpy."""
     if isinstance(layer, RotatingKVCache):
-        k, v = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        k, v = temporal_order(layer, layer.keys), temporal_order(layer, layer.values)
     else:
         k, v = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
     return np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
@@ -308,7 +309,7 @@ def test_q4_keys_are_quantized_per_channel_in_whole_groups_of_positions():
                 np.testing.assert_array_equal(biases[:, :, lo:hi], low.astype(np.float16))
         # The small channels keep a small step where whole groups hold them.
         decoded = decode_cache(encoded).layers[i]
-        got = np.array(decoded.keys if i == 0 else decoded._temporal_order(decoded.keys))
+        got = np.array(decoded.keys if i == 0 else temporal_order(decoded, decoded.keys))
         err = np.abs(got[:, :, : n - first] - np.array(keys[:, :, first:]))
         assert err[:, :, a:b, 1:].max() < 0.5 < err[:, :, b:, 1:].max()
     # Values: rotated by the orthonormal Walsh-Hadamard transform, then quantized per token.

@@ -6,6 +6,7 @@ entry points import no MLX."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,26 @@ def test_the_cache_file_codec_reads_no_batch_buffer():
         if module.startswith("agentkv.engine.kv")
         for _, name in imports(path)
         if name.startswith(banned)
+    ]
+    assert found == []
+
+
+MLX_LM_PRIVATE = re.compile(
+    r"\._(idx|offset|temporal_order)\b|\.__class__\s*=[^=]|\bscaled_dot_product_attention\s*=[^=]"
+)
+"""mlx-lm's private fields agentkv reads and writes, and the patches it makes: only
+``agentkv.engine.mlxlm`` does (``tests/test_mlxlm_contract.py`` checks them there)."""
+
+
+def test_mlx_lms_private_names_and_patches_are_in_the_adapter_only():
+    files = [p for _, p in modules()] + [*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/**/*.py")]
+    allowed = {ROOT / "engine" / "mlxlm.py", ROOT / "tests" / "test_mlxlm_contract.py"}
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in files
+        if path not in allowed and path != Path(__file__).resolve()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if MLX_LM_PRIVATE.search(line.split("#")[0])
     ]
     assert found == []
 

@@ -84,6 +84,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from agentkv.engine.codes import as_float16, quantize_per_channel
 from agentkv.engine.kv.quant import dequantize_f32
+from agentkv.engine.mlxlm import temporal_order
 from agentkv.engine.models.loading import load_model
 from benchmarks.plots import save_plot, write_report
 
@@ -518,7 +519,7 @@ def temporal(layer) -> tuple[mx.array, mx.array, int | None]:
     if not isinstance(layer, RotatingKVCache):
         return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], None
     n = min(layer.max_size, layer.offset)
-    keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    keys, values = temporal_order(layer, layer.keys), temporal_order(layer, layer.values)
     return keys[..., -n:, :], values[..., -n:, :], layer.max_size
 
 

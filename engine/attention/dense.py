@@ -5,10 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import base
-
-MLX_LM_SDPA = base.scaled_dot_product_attention
-"""mlx-lm's attention function, as its models import it (``install`` points them elsewhere)."""
 
 
 def decode_attention(

@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from agentkv.engine.attention.dense import MLX_LM_SDPA, decode_attention, masked_softmax
+from agentkv.engine.attention.dense import decode_attention, masked_softmax
 from agentkv.engine.attention.eight_bit import eight_bit_attention
 from agentkv.engine.attention.words import (
     DEVICE,
@@ -16,6 +16,7 @@ from agentkv.engine.attention.words import (
 )
 from agentkv.engine.batch.held import HeldQuantized
 from agentkv.engine.codes import hadamard
+from agentkv.engine.mlxlm import SDPA as MLX_LM_SDPA
 
 
 def quantized_attention(

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList
 
 from agentkv.engine.attention.step import SpanMasks, StepCache
+from agentkv.engine.mlxlm import decoder_layers, recast
 
 
 class StepState:
@@ -147,13 +148,11 @@ _WRAPPED: dict[tuple[type, bool], type] = {}
 def install_spans(model: nn.Module, attention: bool = False) -> None:
     """Give each of ``model``'s decoder layers :class:`SpanLayer`'s call; ``attention``: its
     attention layers too run span by span."""
-    for layer in getattr(model, "layers", None) or ():
-        if not isinstance(layer, nn.Module):
-            continue
+    for layer in decoder_layers(model):
         cls = type(layer)
         base = cls.__mro__[2] if issubclass(cls, SpanLayer) else cls  # (Wrapped, SpanLayer, base)
         key = (base, attention)
         if key not in _WRAPPED:
             fields = {"__module__": base.__module__, "agentkv_spans_attention": attention}
             _WRAPPED[key] = type(base.__name__, (SpanLayer, base), fields)
-        layer.__class__ = _WRAPPED[key]
+        recast(layer, _WRAPPED[key])

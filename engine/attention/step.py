@@ -25,18 +25,19 @@ what a long agent costs the others)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from agentkv.engine.attention.dense import MLX_LM_SDPA, decode_attention
+from agentkv.engine.attention.dense import decode_attention
 from agentkv.engine.attention.quantized import quantized_attention
 from agentkv.engine.attention.words import DEVICE
 from agentkv.engine.batch.held import HeldQuantized
 from agentkv.engine.batch.quantized import QuantizedLayer
+from agentkv.engine.mlxlm import SDPA as MLX_LM_SDPA
+from agentkv.engine.mlxlm import route_attention
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,13 +176,4 @@ def install(model: nn.Module) -> int:
         drive; the caller's probe then fails and says so).
     """
     DEVICE.cpu = mx.default_device().type == mx.DeviceType.cpu
-    names = {type(m).__module__ for _, m in model.named_modules()}
-    installed = 0
-    for name in names:
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is MLX_LM_SDPA:
-            module.scaled_dot_product_attention = ragged_attention
-        if current in (MLX_LM_SDPA, ragged_attention):
-            installed += 1
-    return installed
+    return route_attention(model, ragged_attention)

@@ -13,6 +13,8 @@ from mlx_lm.models.cache import (
     BatchRotatingKVCache,
 )
 
+from agentkv.engine.mlxlm import recast, ring_offset, set_batch_extent, set_write_index, write_index
+
 MIN_GROWTH = 32
 
 
@@ -30,13 +32,11 @@ class GroupKVCache(BatchKVCache):
 
     @property
     def step(self) -> int:
-        return growth(self._idx)
+        return growth(write_index(self))
 
     @classmethod
     def merge(cls, caches: list[Any]) -> GroupKVCache:
-        merged = super().merge(caches)
-        merged.__class__ = cls  # mlx-lm makes a plain BatchKVCache of empty caches
-        return merged
+        return recast(super().merge(caches), cls)  # (mlx-lm's own class for empty caches)
 
 
 class GroupRotatingKVCache(BatchRotatingKVCache):
@@ -44,7 +44,7 @@ class GroupRotatingKVCache(BatchRotatingKVCache):
 
     @property
     def step(self) -> int:
-        return growth(self._offset)
+        return growth(ring_offset(self))
 
     def extract(self, idx: int) -> Any:
         """mlx-lm's extract, cut to the row's newest ``max_size`` positions: what any later
@@ -56,7 +56,7 @@ class GroupRotatingKVCache(BatchRotatingKVCache):
         if over > 0 and not getattr(self, "per_channel", False):
             row.keys = mx.contiguous(row.keys[:, :, over:])
             row.values = mx.contiguous(row.values[:, :, over:])
-            row._idx = row.keys.shape[2]
+            set_write_index(row, row.keys.shape[2])
         return row
 
 
@@ -94,5 +94,5 @@ def merge_ring(rows: list[Any], size: int) -> GroupRotatingKVCache:
     merged = GroupRotatingKVCache(size, padding)
     merged.keys, merged.values = keys, values
     merged.offset = mx.array([row.offset for row in rows])
-    merged._idx = merged._offset = longest
+    set_batch_extent(merged, longest)
     return merged

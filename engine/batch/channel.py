@@ -20,6 +20,7 @@ from agentkv.engine.batch.held import channel_boundary, float_window, ring_size
 from agentkv.engine.batch.quantized import QuantizedLayer, split_buffer, with_recent
 from agentkv.engine.codes import as_float16, join_packed, quantize_per_channel
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
+from agentkv.engine.mlxlm import write_index
 
 
 class _ChannelQuantized(QuantizedLayer):
@@ -74,7 +75,7 @@ class _ChannelQuantized(QuantizedLayer):
         width = joined.shape[2]
         x = joined[b : b + 1, :, width - 1 - oldest : width - youngest, :]
         data = join_packed(*quantize_per_channel(as_float16(x), self.group_size, KEY_BITS))
-        newest, L = self._idx - 1, self.keys.shape[2]
+        newest, L = write_index(self) - 1, self.keys.shape[2]
         if self._wraps():
             cols: Any = (newest - oldest + mx.arange(stop - first)) % L
         else:

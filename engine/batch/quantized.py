@@ -19,6 +19,7 @@ from agentkv.engine.batch.buffers import (
 )
 from agentkv.engine.batch.held import FLOAT_WINDOW, HeldQuantized
 from agentkv.engine.codes import packed, packed_per_position, rotated_if, words_in
+from agentkv.engine.mlxlm import recast, set_write_index, write_index
 
 
 class QuantizedLayer:
@@ -142,7 +143,7 @@ class QuantizedLayer:
             tuple(joined),
             *self.step_floats(old, n, fences),
             tuple(self.lengths),
-            self._idx - 1,  # type: ignore[attr-defined]
+            write_index(self) - 1,
             self._wraps(),
             group,
             self.value_group_size,
@@ -290,7 +291,7 @@ def split_buffer(
         out = RotatingKVCache(row.max_size) if ring else KVCache()
         out.offset = row.offset
         if ring:
-            out._idx = row._idx
+            set_write_index(out, write_index(row))
         if row.keys is not None:
             k = words_in(row.keys.shape[3], *keys)
             v = words_in(row.values.shape[3], *values)
@@ -298,8 +299,7 @@ def split_buffer(
             out.values = row.values[..., :v] if words else row.values[..., v:]
         return out
 
-    buffer = merge([part(r, True) for r in rows])
-    buffer.__class__ = cls
+    buffer = recast(merge([part(r, True) for r in rows]), cls)
     buffer.halves = merge([part(r, False) for r in rows])
     # (a ring of q4 key groups leaves whole: ``GroupRotatingKVCache.extract``)
     buffer.halves.per_channel = cls.per_channel

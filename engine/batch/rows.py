@@ -27,6 +27,7 @@ from agentkv.engine.codes import (
     quantize_per_channel,
 )
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE
+from agentkv.engine.mlxlm import set_write_index, temporal_order, write_index
 
 
 def channel_row(row: Any, value_group: int, stored: tuple[mx.array, mx.array] | None = None) -> Any:
@@ -74,7 +75,7 @@ def channel_row(row: Any, value_group: int, stored: tuple[mx.array, mx.array] | 
     f = float_window(group)
     out.recent = tuple(_last(x, f) for x in (keys, values))
     if window is not None:
-        out._idx = out.keys.shape[2]
+        set_write_index(out, out.keys.shape[2])
     return out
 
 
@@ -84,7 +85,7 @@ def held_of(row: Any) -> tuple[mx.array | None, mx.array | None]:
         return None, None
     if not isinstance(row, RotatingKVCache):
         return row.keys[..., : row.offset, :], row.values[..., : row.offset, :]
-    keys, values = row._temporal_order(row.keys), row._temporal_order(row.values)
+    keys, values = temporal_order(row, row.keys), temporal_order(row, row.values)
     n = min(row.offset, row.max_size, keys.shape[2])
     return keys[..., -n:, :], values[..., -n:, :]
 
@@ -128,7 +129,7 @@ def expanded_channel_row(row: Any, value_group: int, dims: tuple[int, int], dtyp
     if window is not None:
         keep = min(L, window)
         keys, values = keys[..., -keep:, :], values[..., -keep:, :]
-        out._idx = keep
+        set_write_index(out, keep)
     out.keys, out.values = keys.astype(dtype), values.astype(dtype)
     return out
 
@@ -151,5 +152,5 @@ def with_kv(row: Any, fn: Any, *kinds: str) -> Any:
         out.values = fn(values, *kinds[1:])
     out.offset = row.offset
     if isinstance(row, RotatingKVCache):
-        out._idx = row._idx
+        set_write_index(out, write_index(row))
     return out

@@ -16,6 +16,7 @@ from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.errors import CacheFormatError
 from agentkv.engine.kv.encoded import GROUP_SIZES, EncodedCache
 from agentkv.engine.kv.state import STATE_TYPE, state_layout_problem
+from agentkv.engine.mlxlm import temporal_order
 
 KEY_GROUP_SIZES = (16, *GROUP_SIZES)  # of keys per channel: positions a scale covers
 FILE_KEY_BITS = (4, 5)  # of keys per channel (5 bits: a key head size that packs into words)
@@ -47,7 +48,7 @@ def temporal_layer(
         extra = {"max_size": None, "keep": None}
     else:
         # Unrolls a wrapped ring (keep prefix first) and drops unfilled slots of a larger buffer.
-        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        keys, values = temporal_order(layer, layer.keys), temporal_order(layer, layer.values)
         extra = {"max_size": layer.max_size, "keep": layer.keep}
     keys_shape, values_shape, dtype = keys.shape, values.shape, keys.dtype
     if dtype == mx.uint32 and packing is not None and packing.quantized(i):

@@ -34,6 +34,7 @@ from agentkv.engine.kv.layouts import (
 from agentkv.engine.kv.paged import POINT
 from agentkv.engine.kv.quant import expand_layer_part
 from agentkv.engine.kv.state import STATE_TYPE, decode_state
+from agentkv.engine.mlxlm import set_write_index
 from agentkv.engine.request import Checkpoint, PromptCache, layer_nbytes
 from agentkv.engine.scheme import FLAGS
 
@@ -231,7 +232,7 @@ def decode_paged(
                 layer = KVCache()
             else:
                 layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
-                layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+                set_write_index(layer, layout["keys_shape"][2])  # temporal order: after newest
             layer.keys, layer.values = arrays
             layer.offset = layout["offset"]
             if words:  # held as the file holds it; only the newest positions from the floats

@@ -57,6 +57,7 @@ from agentkv.engine.kv.quant import (
     stored_kv,
 )
 from agentkv.engine.kv.state import STATE_TYPE, decode_state, encode_state, state_names
+from agentkv.engine.mlxlm import set_write_index
 from agentkv.engine.models.caches import is_state
 from agentkv.engine.request import PromptCache
 from agentkv.engine.scheme import FLAGS, layer_scheme
@@ -170,7 +171,7 @@ def decode_cache(encoded: EncodedCache) -> PromptCache:
             layer = KVCache()
         else:
             layer = RotatingKVCache(max_size=layout["max_size"], keep=layout["keep"])
-            layer._idx = layout["keys_shape"][2]  # temporal order: next write after the newest
+            set_write_index(layer, layout["keys_shape"][2])  # temporal order: after the newest
         group_size = group_of(encoded, layout)
         layer.keys, layer.values = (
             _read_kv(encoded, i, kv, layout, group_size) for kv in ("keys", "values")
