@@ -1,8 +1,9 @@
 """Tool calls' arguments as the model writes them, for the APIs that stream them.
 
 In formats whose call is a header naming the function, then its arguments as one JSON object
-(Hermes / Qwen's ``<tool_call>`` JSON, Mistral's ``[TOOL_CALLS]NAME[ARGS]``, harmony's
-``commentary to=functions.NAME`` message), :class:`CallStream` reads the calls' markup as it
+(Hermes / Qwen's ``<tool_call>`` JSON, Mistral's ``[TOOL_CALLS]NAME[ARGS]``, Kimi K2's calls,
+harmony's ``commentary to=functions.NAME`` message: a ``CallFormat.header`` in
+``engine.call_formats``), :class:`CallStream` reads the calls' markup as it
 grows and hands out each call's name once its header is complete, then its arguments' text
 piece by piece, up to the object's closing brace. The pieces of a call join into the JSON
 text the model wrote; the reply's parsed call (``agents.tool_calls``) is the same call. In other
@@ -15,19 +16,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-HEADERS = {
-    "json_tools": r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:',
-    "mistral": r"(?P<name>[^\s\[]+)\[ARGS\]",
-    "kimi_k2": r"\s*functions\.(?P<name>[^:\s<]+):\d+\s*<\|tool_call_argument_begin\|>",
-    "harmony": (
-        r"assistant to=functions\.(?P<name>[^<\s]+)<\|channel\|>commentary"
-        r"(?: <\|constrain\|>json| json)?<\|message\|>"
-    ),
-}
-"""Per format (the mlx-lm parser's name, or harmony), what follows a call's start marker up to
-its arguments."""
-CALL_MARKERS = {"kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>")}
-"""Formats whose section holds several calls, each between markers of its own."""
+from agentkv.engine.call_formats import call_format
+
 HEADER_CHARS = 1024
 """A header not complete after this many characters is not one: the call comes whole."""
 
@@ -71,9 +61,11 @@ class CallStream:
     @classmethod
     def of(cls, start: str, end: str, style: str) -> CallStream | None:
         """The stream for a format, or None when its arguments do not stream."""
-        pattern = HEADERS.get(style)
-        start, end = CALL_MARKERS.get(style, (start, end))
-        return None if pattern is None else cls(start, end, re.compile(pattern))
+        form = call_format(style)
+        if form.header is None:
+            return None
+        start, end = form.call_markers or (start, end)
+        return cls(start, end, re.compile(form.header))
 
     def feed(self, more: str) -> list[CallDelta]:
         self._text += more

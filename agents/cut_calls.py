@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from pydantic_core import from_json
 
 from agentkv.call_stream import CallStream, StreamedCall
+from agentkv.engine.call_formats import call_format
 from agentkv.tool_call import ToolCall
 
 
@@ -45,38 +46,6 @@ class CallFormat(Protocol):
     def read_body(self, body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None: ...
 
 
-TAG_FORMATS = {
-    "qwen3_coder": (
-        r"<function=(?P<name>[^>\n]+)>|</parameter>",
-        ("\n</function>\n", "</function>"),
-        r"</function>\s*\Z",
-    ),
-    "glm47": (r"\A(?P<name>[^\n<]+)(?=[\n<])|</arg_value>", ("",), None),
-    "longcat": (r"\A(?P<name>[^\n<]+)(?=[\n<])|</longcat_arg_value>", ("",), None),
-    "minimax_m2": (
-        r'<invoke name="(?P<name>[^"]+)">|</parameter>',
-        ("\n</invoke>\n", "</invoke>"),
-        r"</invoke>\s*\Z",
-    ),
-    "muse_spark": (
-        r'<atem:invoke name="(?P<name>[^"]+)">|</atem:parameter>',
-        ("</atem:invoke>",),
-        r"</atem:invoke>\s*\Z",
-    ),
-    "minicpm5": (r'\A"(?P<name>[^"]+)">|</param>', ("",), None),
-    "kimi_k3": (
-        r'<\|open\|>call tool="(?P<name>[^"]+)"[^<]*<\|sep\|>|<\|close\|>argument<\|sep\|>',
-        ("<|close|>call<|sep|>",),
-        r"<\|close\|>call<\|sep\|>\s*\Z",
-    ),
-    "gemma4": (r"\Acall:(?P<name>[^{]+)\{|(?=,)", ("}",), r"\}\s*\Z"),
-    "function_gemma": (r"\Acall:(?P<name>[^{]+)\{|(?=,)", ("}",), r"\}\s*\Z"),
-    "pythonic": (r"\A\s*\[\s*(?P<name>[\w.]+)\(|(?=,)", (")]",), r"\)\s*\]\s*\Z"),
-}
-"""Per format (the mlx-lm parser's name) whose arguments are not one JSON object: where a cut
-call may be read up to (the ends of its header, which names it, and of its complete values),
-what closes the call there for the format's parser, and what ends a section whose calls were
-all written (its end marker aside; None: the end marker ends the call)."""
 TRIES = 8
 """Places a cut call is read up to, latest first, before it counts as unreadable."""
 
@@ -88,18 +57,19 @@ def read_cut(form: CallFormat, body: str, tools: list[dict[str, Any]] | None) ->
     if stream is not None:  # JSON arguments
         stream.feed(form.start + body)
         return [_streamed(call) for call in stream.calls]
-    if form.style not in TAG_FORMATS:
+    tags = call_format(form.style).cut
+    if tags is None:
         return []
-    pattern, closers, done = TAG_FORMATS[form.style]
     for keep in range(min(len(form.end), len(body)), 0, -1):  # an end marker cut short
         if form.end.startswith(body[-keep:]):
             body = body[:-keep]
             break
-    if done is not None and re.search(done, body) and (whole := form.read_body(body, tools)):
+    done = tags.done is not None and re.search(tags.done, body)
+    if done and (whole := form.read_body(body, tools)):
         return whole  # every call written, the section's end marker aside
-    marks = sorted(re.finditer(pattern, body), key=lambda m: m.end(), reverse=True)
+    marks = sorted(re.finditer(tags.marks, body), key=lambda m: m.end(), reverse=True)
     for mark in marks[:TRIES]:
-        for closer in closers:
+        for closer in tags.closers:
             calls = form.read_body(body[: mark.end()] + closer, tools)
             if calls:
                 last = calls[-1]

@@ -65,7 +65,7 @@ class Harmony:
     """A harmony model's prompts and replies (see the module docstring)."""
 
     style = "harmony"
-    forcible = True  # engine.grammar writes a forced call's grammar (JSON_ARGUMENTS)
+    forcible = True  # engine.grammar writes a forced call's grammar (engine.call_formats)
     start = "<|start|>"
     end = "<|call|>"
     controls = tuple(CONTROLS)

@@ -14,6 +14,7 @@ from typing import Any
 
 from agentkv.call_stream import CallStream
 from agentkv.cut_calls import read_cut
+from agentkv.engine.call_formats import call_format
 from agentkv.tool_call import ParsedReply, ToolCall
 
 __all__ = ["MARKUPS_KEPT", "ParsedReply", "ToolCall", "ToolFormat"]
@@ -50,10 +51,8 @@ class ToolFormat:
     @property
     def forcible(self) -> bool:
         """Whether a call can be forced (``tool_choice``): a format ``engine.grammar`` writes
-        a grammar for (JSON between markers: Hermes, Qwen3; Qwen3-Coder's XML: Qwen 3.5)."""
-        from agentkv.engine.call_formats import TOOL_CALL_STYLES
-
-        return self.style in TOOL_CALL_STYLES
+        a grammar for (``CallFormat.forcible``)."""
+        return call_format(self.style).forcible
 
     def call_stream(self) -> CallStream | None:
         """A reader of calls' arguments as they are written, where the format allows."""
@@ -118,7 +117,7 @@ class ToolFormat:
         between the markers, or, in another format, as the chat template renders them."""
         if not calls:
             return ""
-        if self.style != "json_tools" and self.tokenizer is not None:
+        if not call_format(self.style).json_object and self.tokenizer is not None:
             key = json.dumps([[c.name, c.arguments] for c in calls], sort_keys=True)
             if (known := self._markups.get(key)) is None:
                 known = self._rendered(calls)

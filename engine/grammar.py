@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from agentkv.engine.call_formats import JSON_ARGUMENTS, TAGGED, TOOL_CALL_STYLES
+from agentkv.engine.call_formats import TOOL_CALL_STYLES, JsonArguments, Tagged, call_format
 from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
 
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
@@ -98,10 +98,10 @@ class Grammars:
 
         if schema is not None and not isinstance(schema, dict):
             raise GrammarError(f"a JSON Schema must be an object, got {type(schema).__name__}")
-        if style == "harmony":
-            form = JSON_ARGUMENTS[style]
+        form = call_format(style).json_arguments if style else None
+        if form is not None and form.final is not None:  # the reply is all the format's
             value = json.dumps((schema or {"type": "object"}) | _COMPACT)
-            final = self._text(form["final"])
+            final = self._text(form.final)
             lark = f"start: t? {final} a\na: %json {value}\n{self._thought(form)}\n"
             return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
         try:
@@ -134,13 +134,14 @@ class Grammars:
         if not chosen:
             known = ", ".join(repr(f.get("name")) for f in functions)
             raise GrammarError(f"{name!r} is not among the tools ({known})")
-        if style in TAGGED:
-            lark = self._tagged(start, end, chosen, style)
+        form = call_format(style)
+        if form.tagged is not None:
+            lark = self._tagged(start, end, chosen, form.tagged)
             return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
-        if style in JSON_ARGUMENTS:
-            lark = self._json_arguments(start, end, chosen, style)
+        if form.json_arguments is not None:
+            lark = self._json_arguments(start, end, chosen, form.json_arguments)
             return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
-        if style != "json_tools":
+        if not form.json_object:
             raise GrammarError(
                 f"no grammar for the {style!r} tool-call format (one of {TOOL_CALL_STYLES})"
             )
@@ -164,22 +165,21 @@ class Grammars:
         )
         return self._checked(llguidance.LLMatcher.grammar_from_lark(lark))
 
-    def _tagged(self, start: str, end: str, functions: list[dict[str, Any]], style: str) -> str:
-        """Lark for one call in a format of ``TAGGED`` (``style``): the function's name, then
+    def _tagged(self, start: str, end: str, functions: list[dict[str, Any]], form: Tagged) -> str:
+        """Lark for one call in a :class:`Tagged` format: the function's name, then
         the parameters the schema lists, in its order (the required ones always), each its
         key and value in the format's tags; a string's value any text up to the closing tag,
         an enum one of its values, any other type JSON held to its schema."""
-        form = TAGGED[style]
         rules, calls = [], []
         for f, function in enumerate(functions):
             schema = function.get("parameters") or {}
             properties = schema.get("properties") or {}
             required = set(schema.get("required") or ())
-            parts = [self._text(form["name"].format(name=function["name"]))]
+            parts = [self._text(form.name.format(name=function["name"]))]
             for p, (key, spec) in enumerate(properties.items()):
                 value = f"v{f}_{p}"
-                opening = self._text(form["key"].format(key=key))
-                closing = form["value_end"]
+                opening = self._text(form.key.format(key=key))
+                closing = form.value_end
                 spec = spec if isinstance(spec, dict) else {}
                 if isinstance(spec.get("enum"), list) and spec["enum"]:
                     written = [v if isinstance(v, str) else json.dumps(v) for v in spec["enum"]]
@@ -195,7 +195,7 @@ class Grammars:
                     param = f"{opening} {value} {self._text(closing)}"
                 rules.append(f"p{f}_{p}: {param}")
                 parts.append(f"p{f}_{p}" + ("" if key in required else "?"))
-            parts.append(self._text(form["call_end"]))
+            parts.append(self._text(form.call_end))
             rules.append(f"f{f}: " + " ".join(part for part in parts if part))
             calls.append(f"f{f}")
         head = f"start: {self._literal(start)} ({' | '.join(calls)})"
@@ -204,22 +204,18 @@ class Grammars:
         return "\n".join([head, *rules]) + "\n"
 
     def _json_arguments(
-        self, start: str, end: str, functions: list[dict[str, Any]], style: str
+        self, start: str, end: str, functions: list[dict[str, Any]], form: JsonArguments
     ) -> str:
-        """Lark for one call in a format of ``JSON_ARGUMENTS`` (``style``): the function's
-        name in the format's header, then its arguments as one JSON object held to its
-        schema."""
-        form = JSON_ARGUMENTS[style]
+        """Lark for one call in a :class:`JsonArguments` format: the function's name in the
+        format's header, then its arguments as one JSON object held to its schema."""
         rules, calls = [], []
         for f, function in enumerate(functions):
             schema = function.get("parameters") or {"type": "object"}
-            head = self._text(form["head"].format(name=function["name"]))
+            head = self._text(form.head.format(name=function["name"]))
             rules.append(f"a{f}: %json {json.dumps(schema | _COMPACT)}")
-            rules.append(
-                " ".join(filter(None, (f"f{f}:", head, f"a{f}", self._text(form["tail"]))))
-            )
+            rules.append(" ".join(filter(None, (f"f{f}:", head, f"a{f}", self._text(form.tail)))))
             calls.append(f"f{f}")
-        if "thinking" in form:  # the markers are the format's own: the reply is all grammar
+        if form.thinking is not None:  # the markers are the format's own: the reply is all grammar
             rules.append(self._thought(form))
             return "\n".join([f"start: t? ({' | '.join(calls)})", *rules]) + "\n"
         head = f"start: {self._literal(start)} ({' | '.join(calls)})"
@@ -227,9 +223,9 @@ class Grammars:
             head += f" {self._literal(end)}"
         return "\n".join([head, *rules]) + "\n"
 
-    def _thought(self, form: dict[str, str]) -> str:
+    def _thought(self, form: JsonArguments) -> str:
         """Lark rule ``t``: a format's reasoning message (any text between its markers)."""
-        return f"t: {self._text(form['thinking'])} /(.|\\n)*/ {self._text(form['thought'])}"
+        return f"t: {self._text(form.thinking)} /(.|\\n)*/ {self._text(form.thought)}"
 
     def _text(self, text: str) -> str:
         """Lark for fixed text: its special tokens as tokens (``<[id]>``), the rest as text

@@ -77,6 +77,18 @@ def test_every_parser_mlx_lm_ships_has_a_sample():
     assert parsers() == sorted(SAMPLES)
 
 
+def test_every_format_mlx_lm_reads_is_a_module_of_the_registry():
+    """A format mlx-lm adds is looked at: one module of engine.call_formats and a line in
+    its registry (laguna's calls are read by glm47's parser, so it is glm47's format)."""
+    from agentkv.engine.call_formats import FORMATS
+
+    styles = {"glm47" if p == "laguna" else p for p in parsers()}
+    assert sorted(FORMATS) == sorted({*styles, "harmony"})
+    for name, form in FORMATS.items():
+        module = importlib.import_module(f"agentkv.engine.call_formats.{name}")
+        assert module.FORMAT is form
+
+
 @pytest.mark.parametrize("style", sorted(SAMPLES))
 def test_a_call_in_each_format_is_parsed_out_of_the_reply(style):
     module = importlib.import_module(f"mlx_lm.tool_parsers.{style}")
