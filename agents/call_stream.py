@@ -3,10 +3,10 @@
 In formats whose call is a header naming the function, then its arguments as one JSON object
 (Hermes / Qwen's ``<tool_call>`` JSON, Mistral's ``[TOOL_CALLS]NAME[ARGS]``, Kimi K2's calls,
 harmony's ``commentary to=functions.NAME`` message: a ``CallFormat.header`` in
-``engine.call_formats``), :class:`CallStream` reads the calls' markup as it
+``agentkv.engine.call_formats``), :class:`CallStream` reads the calls' markup as it
 grows and hands out each call's name once its header is complete, then its arguments' text
 piece by piece, up to the object's closing brace. The pieces of a call join into the JSON
-text the model wrote; the reply's parsed call (``agents.tool_calls``) is the same call. In other
+text the model wrote; the reply's parsed call (``agentkv.tool_calls``) is the same call. In other
 formats a call comes whole once the reply is parsed.
 """
 

@@ -31,7 +31,8 @@ class RuntimeConfig(BaseModel):
 
     Attributes:
         model: a Hugging Face id (``org/name[@revision]``), a local mlx-lm model directory,
-            ``gemma3-270m`` or ``tiny:<name>`` (``engine.models.loading.resolve_model_path``).
+            ``gemma3-270m`` or ``tiny:<name>``
+            (``agentkv.engine.models.loading.resolve_model_path``).
         data_dir: holds ``agentkv.sqlite`` and ``caches/`` unless overridden.
         db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
         cache_dir: overrides ``data_dir/caches``.
@@ -45,9 +46,9 @@ class RuntimeConfig(BaseModel):
             row is expanded on its way to a file and quantized again there.)
         kv_group_size: preferred quantization group size; a layer whose head size it does not
             divide uses 64, 32 or 128, whichever divides it, or is saved unquantized (q4: of
-            the values; keys are per channel over ``engine.config.KEY_GROUP_SIZE``
+            the values; keys are per channel over ``agentkv.engine.config.KEY_GROUP_SIZE``
             positions, in ``KEY_BITS``-bit codes). None: 128 (keys rotated at 8 bits, values
-            at 4), as the batch quantizes (``engine.config.GROUP_SIZE_BY_BITS``).
+            at 4), as the batch quantizes (``agentkv.engine.config.GROUP_SIZE_BY_BITS``).
         hot_cache_bytes: memory budget for recently used agents' caches, held as the batch
             held them (quantized with ``batch_kv_bits``). "auto":
             ``HOT_CACHE_SHARE`` (10%) of the physical memory, at most ``HOT_CACHE_MAX_BYTES``
@@ -111,7 +112,7 @@ class RuntimeConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: ``engine`` with ``batch_kv_bits`` (set here or there),
-        quantizing in ``kv_group_size`` (when given) unless ``engine.batch_kv_group_size`` was
+        quantizing in ``kv_group_size`` (when given) unless ``EngineConfig.batch_kv_group_size`` was
         given, so the words a cache file stores are the batch's; its stored blocks'
         ``kv_block_tokens`` are where the batch's caches may start (``cache_block_tokens``)."""
         update: dict[str, object] = {}

@@ -2,8 +2,8 @@
 
 Claude Code and other clients that resend the whole conversation each time are answered here:
 the conversation is rendered (tools included), the agent's cache is reused up to the longest
-common token prefix (see :mod:`agents.document`), and afterwards the agent's transcript is the
-conversation plus the reply. :class:`DocumentTurn` is the :class:`agents.turns.Turn` that
+common token prefix (see :mod:`agentkv.document`), and afterwards the agent's transcript is the
+conversation plus the reply. :class:`DocumentTurn` is the :class:`agentkv.turns.Turn` that
 ``TurnRunner`` runs; :class:`Conversations` keeps what it needs between turns.
 """
 
@@ -137,7 +137,7 @@ class Conversations:
     def cut_short(self, token_ids: Sequence[int]) -> bool:
         """Whether a reply of these tokens was cut short (max_tokens, the context, a stop
         string), not ended by the model: a tool call it was writing comes back as far as it
-        was written (``agents.cut_calls``)."""
+        was written (``agentkv.cut_calls``)."""
         return not token_ids or token_ids[-1] not in self.runner.renderer.eos_token_ids
 
     def stored_text(self, message: Message) -> str:

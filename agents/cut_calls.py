@@ -35,7 +35,7 @@ from agentkv.tool_call import ToolCall
 
 class CallFormat(Protocol):
     """What a cut call is read with: a format's markers, its name, and its parser over a
-    section's text (``agents.tool_calls.ToolFormat``)."""
+    section's text (``agentkv.tool_calls.ToolFormat``)."""
 
     start: str
     end: str
@@ -81,7 +81,7 @@ def read_cut(form: CallFormat, body: str, tools: list[dict[str, Any]] | None) ->
 
 
 def _streamed(call: StreamedCall) -> ToolCall:
-    """A call of JSON arguments as it was streamed (``agents.call_stream``): whole, or as far
+    """A call of JSON arguments as it was streamed (``agentkv.call_stream``): whole, or as far
     as it was written."""
     if call.complete:
         try:

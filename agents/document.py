@@ -6,7 +6,7 @@ common prefix is reused and only the rest is prefilled. An edited system prompt 
 message thus re-prefills from the first changed token on.
 
 Rendering and re-tokenizing does not reproduce the tokens a reply was generated as (see
-:mod:`agents.prompt`), so replies the model generated are spliced in as their generated
+:mod:`agentkv.prompt`), so replies the model generated are spliced in as their generated
 tokens: each assistant message the client sends back that says what a cached reply said, at
 the reply's own place in the conversation, is rendered as a placeholder, and the placeholder is
 replaced by that reply's tokens. A reply is matched to its place, not to the first message equal

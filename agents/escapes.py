@@ -2,8 +2,8 @@
 
 Rendering swaps each control string (a special token's text) in message text for an escape of
 two private-use characters, so that only the chat template's own markers become control tokens
-(``agents.prompt``); placeholders, escapes no text can produce, stand in for messages' content
-where a cache ends or a generated reply is spliced in (``agents.document``).
+(``agentkv.prompt``); placeholders, escapes no text can produce, stand in for messages' content
+where a cache ends or a generated reply is spliced in (``agentkv.document``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What shape a reply must take: ``response_format`` (OpenAI's chat shape), read into the JSON
-Schema the engine holds the reply to (``engine.grammar``).
+Schema the engine holds the reply to (``agentkv.engine.grammar``).
 
 - None or ``{"type": "text"}``: free text;
 - ``{"type": "json_object"}``: any JSON object;

@@ -274,7 +274,7 @@ class Harmony:
         """An answer (:meth:`split`'s) as plain text and tool calls; a call to something
         other than a function, or whose arguments are not a JSON object, stays text. With
         ``cut`` (the reply was cut short), a last call is read as far as it was written, and a
-        message whose header was cut is dropped (``agents.cut_calls``)."""
+        message whose header was cut is dropped (``agentkv.cut_calls``)."""
         plain, calls, cut_call = [], [], False
         messages = self.read(text, plain="final")
         for i, message in enumerate(messages):

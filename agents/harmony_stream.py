@@ -1,5 +1,5 @@
 """A harmony reply (gpt-oss) taken apart while it streams: the analysis and the answer as
-they come, the tool calls once the reply is over (``agents.harmony``)."""
+they come, the tool calls once the reply is over (``agentkv.harmony``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """This worker's leases on agents: several workers may share one registry, and only the one
-holding an agent's lease runs its turns (see ``store.leases``).
+holding an agent's lease runs its turns (see ``agentkv.store.leases``).
 
 A turn holds the lease from before it reads the transcript until it is stored, and its save
 holds it on until the cache is on disk, so the next worker to take the agent resumes from that

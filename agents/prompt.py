@@ -311,7 +311,7 @@ class ChatRenderer:
         front of the same reply once it is history: a reasoning block it closes at once
         (``enable_thinking=False``) or opens for the reply (DeepSeek-R1's, Qwen3-Thinking's
         ``<think>``). The model saw them before its reply, so a reply spliced back into a
-        resent conversation carries them (``agents.document``). Empty for most templates."""
+        resent conversation carries them (``agentkv.document``). Empty for most templates."""
         key = json.dumps(self.template_kwargs, sort_keys=True, default=str)
         if (known := self._openers.get(key)) is not None:
             return known

@@ -315,7 +315,7 @@ class AgentRuntime:
                 at all), ``max_tokens``, ``sampling`` (a SamplingParams replacing the agent's
                 defaults), ``stop`` (list of stop strings), ``priority``, ``response_format``
                 (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-                {"schema": ...}}``: the reply is held to it, see ``agents.formats``),
+                {"schema": ...}}``: the reply is held to it, see ``agentkv.formats``),
                 ``logprobs`` (None, or 0 to 20: ``Reply.logprobs`` gives each token's log
                 probability and that many of the likeliest tokens at its step),
                 ``template_kwargs`` (variables for the chat template, such as
@@ -385,7 +385,7 @@ class AgentRuntime:
         reasoning_budget: int | None = None,
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
-        document; see :mod:`agents.conversations`). Yields TextDelta (and ReasoningDelta)
+        document; see :mod:`agentkv.conversations`). Yields TextDelta (and ReasoningDelta)
         pieces, then the Reply.
 
         The agent's cache is reused up to the longest common token prefix with the rendered
@@ -503,7 +503,8 @@ class AgentRuntime:
 
     @property
     def engine(self) -> Engine:
-        """The engine this runtime drives: its model (``engine.model``), ``engine.run`` to call
+        """The engine this runtime drives: its model (``runtime.engine.model``),
+        ``runtime.engine.run`` to call
         a function on the generation thread (where MLX arrays live), and its stats."""
         return self._engine
 
@@ -519,7 +520,7 @@ class AgentRuntime:
         tokens they hold (the copy in memory, else the one on disk once its pending save has
         landed); None when it has no usable one. The layers may be the runtime's own: read
         them (e.g. ``mlx_lm.models.cache.save_prompt_cache(path, cache.layers)`` through
-        ``engine.run``), do not change them. Layers the runtime holds quantized
+        ``runtime.engine.run``), do not change them. Layers the runtime holds quantized
         (``batch_kv_bits``) come back expanded to the model's precision, as copies.
         Raises AgentNotFoundError."""
         self._check_open()

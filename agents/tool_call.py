@@ -17,7 +17,7 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}", compare=False)
     written: str | None = field(default=None, compare=False)
     """The arguments' JSON text as the model wrote it, when it was streamed so (a cut call's:
-    as far as it was written, see ``agents.cut_calls``)."""
+    as far as it was written, see ``agentkv.cut_calls``)."""
     cut: bool = field(default=False, compare=False)
     """The reply was cut short (max_tokens, the context) while the model wrote this call."""
 
@@ -38,7 +38,7 @@ class ToolCall:
 @dataclass(slots=True, frozen=True)
 class ParsedReply:
     """A reply split into its plain text and its tool calls (the last one cut short when the
-    reply was, see ``agents.cut_calls``)."""
+    reply was, see ``agentkv.cut_calls``)."""
 
     text: str
     tool_calls: tuple[ToolCall, ...] = ()

@@ -50,7 +50,8 @@ class ToolFormat:
 
     @property
     def forcible(self) -> bool:
-        """Whether a call can be forced (``tool_choice``): a format ``engine.grammar`` writes
+        """Whether a call can be forced (``tool_choice``): a format ``agentkv.engine.grammar``
+        writes
         a grammar for (``CallFormat.forcible``)."""
         return call_format(self.style).forcible
 
@@ -66,7 +67,7 @@ class ToolFormat:
         A call the parser cannot read stays in the text. A format without an end marker
         (Mistral's ``[TOOL_CALLS]``) runs to the reply's end. With ``cut`` (the reply was cut
         short: max_tokens, the context), a call section left open at the end is read as far
-        as it was written (``agents.cut_calls``), never left as text.
+        as it was written (``agentkv.cut_calls``), never left as text.
         """
         plain, calls, rest = [], [], text
         while (start := rest.find(self.start)) >= 0:

@@ -5,7 +5,7 @@ and what to prefill: :meth:`CacheTiers.resume`, :meth:`TurnRunner.plan_from_pref
 through the engine, stores itself uninterruptibly (transcript rows, hot tier, a scheduled save)
 and replies. What differs between kinds is a :class:`Turn`: how it plans and what it stores.
 ``agentkv.chat_turn.ChatTurn`` is ``AgentRuntime.stream``'s (a new user message after the stored
-transcript); ``agents.conversations.DocumentTurn`` is a whole conversation resent by the client.
+transcript); ``agentkv.conversations.DocumentTurn`` is a whole conversation resent by the client.
 A turn that fails, is refused, is cancelled or whose stream is closed early stores nothing.
 """
 

@@ -28,7 +28,7 @@ is).
 Last, one attention layer shaped as a Gemma 3 12B global layer (``--layer``: key-value
 heads, query heads, head size), ``--fits`` rows of about ``--history`` positions (padded to
 each other, masked): its decode step in
-``--layer-dtype`` (default float32, the CPU models'), q8 and q4 as ``engine.attention`` runs
+``--layer-dtype`` (default float32, the CPU models'), q8 and q4 as ``agentkv.engine.attention`` runs
 them (their float positions in that dtype), and q4 with its
 keys expanded (as attention read them before folding each group's scales into the query):
 milliseconds a step (the best of ``STEPS``) and the step's working set (MLX's peak memory
@@ -36,7 +36,7 @@ above what the buffer holds). And the same layer's prompt chunk: one row of ``--
 positions attended by a ``--chunk`` -token chunk written after them (``chunk``), per precision,
 its time and working set; on a CPU also q8 with its words read by ``mx.quantized_matmul`` as
 a decode step reads them (``q8 quantized matmul``: how chunks were read before they were
-expanded, see ``engine.words.EXPANDED_ROWS``).
+expanded, see ``agentkv.engine.attention.words.EXPANDED_ROWS``).
 Writes benchmarks/results/batch_kv.json and .png.
 """
 

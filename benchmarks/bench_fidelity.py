@@ -8,11 +8,11 @@ chapters I-II, public domain). For each history length H, one engine prefills th
 ones, so a 4K history is well past the 512-token window) and teacher-forces the next
 ``--continuation`` tokens of the text on a copy of that cache: the uninterrupted reference. It
 saves the cache three ways (``none``: exact, ``q8``, ``q4``: keys per channel, values
-Hadamard-rotated, ``engine.kv.quant``) as the runtime stores caches (blocks and a tail:
+Hadamard-rotated, ``agentkv.engine.kv.quant``) as the runtime stores caches (blocks and a tail:
 ``benchmarks.paged_io``) and closes. A fresh engine (the restart) reads
 them back as a resume does (``decode_paged``: a layer dequantized from q8 or q4 words holds its
 first position as the model computes it for the first token,
-``engine.batch.layout.first_positions``) and teacher-forces the same tokens. Reported per
+``agentkv.engine.batch.layout.first_positions``) and teacher-forces the same tokens. Reported per
 variant: argmax agreement with the reference (and its 95% Wilson interval over the
 continuation's tokens: at the default 1,024 and 98%, about 97.0-98.7%, so a target a point
 away is told apart; 256 tokens could not), mean and max KL(reference || resumed), perplexity
@@ -22,7 +22,7 @@ In the batch (``batch_kv_bits``): ``batch-q8`` and ``batch-q4`` read the q8 / q4
 batch holding KV quantized does (``Engine.packing``: q8's stored words packed as they are, no
 dequantize; q4's expanded, then held as the batch holds q4: keys per channel, values rotated,
 the newest positions in float, and a global layer's first position as the engine computes it,
-``engine.batch.layout.first_positions``) into its group buffers (``KVLayout.buffers``), and
+``agentkv.engine.batch.layout.first_positions``) into its group buffers (``KVLayout.buffers``), and
 teacher-force the same tokens through them in chunks of ``--chunk``, as a prompt is fed: the
 history as held, every fed token's keys and values held as the batch writes them (q8: each
 position reads the 16 before it in float, back to the history's end or the last multiple of
@@ -135,7 +135,7 @@ def load(path: Path, paths: list[Path], first_positions: Callable) -> PromptCach
 class Fenced:
     """A batch layer as the engine steps it: a quantized one is written with each position's
     fence (where it joined, or the last multiple of ``block`` tokens, the stored blocks'
-    boundaries a cache may start from), as ``engine.runner`` gives it; the rest as it is."""
+    boundaries a cache may start from), as ``agentkv.engine.runner`` gives it; the rest as it is."""
 
     def __init__(self, layer: object, joined: int, block: int | None):
         self.layer, self.joined, self.block = layer, joined, block

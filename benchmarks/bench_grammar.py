@@ -1,4 +1,4 @@
-"""What constrained decoding (a reply held to a JSON Schema, ``engine.grammar``) costs, the
+"""What constrained decoding (a reply held to a JSON Schema, ``agentkv.engine.grammar``) costs, the
 constrained sequence and its unconstrained neighbours in the batch, same model, same process.
 
     python -m benchmarks.bench_grammar [--model gemma3-270m] [--batch 8] [--quick]

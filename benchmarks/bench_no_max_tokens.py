@@ -8,7 +8,7 @@ run), ask at once under a KV budget that holds ``--fits`` of them at full contex
 ``Engine.kv_bytes_needed`` sets aside for one at its most). The model is ``--model`` with its
 context cut to ``--context`` tokens (its ``config.json`` copied and edited), so that a CPU runs
 the whole of it. A turn reserves its prompt and a buffer growth and more as it decodes
-(``engine.scheduler``); when the budget has no room for a turn's next growth, the turns last
+(``agentkv.engine.scheduler``); when the budget has no room for a turn's next growth, the turns last
 in line are paused and rejoin where they were.
 
 Every step, the benchmark reads the queue's head: a step after which the head would fit

@@ -10,7 +10,7 @@ a dequantized layer's first position) the load. Variants: ``none`` (the model's 
 exact), ``fp16`` (keys and values cast to float16, unquantized: the yardstick for the size
 targets), ``q8`` and ``q4`` (at their default group sizes, 128 for both, scales and biases
 included: q8 ``mx.quantize`` of the keys rotated and of the values, q4 keys per channel in
-5-bit codes over 32 positions and values rotated, ``engine.kv.quant``).
+5-bit codes over 32 positions and values rotated, ``agentkv.engine.kv.quant``).
 
 Fidelity is teacher-forced: the same continuation tokens are fed on top of a copy of the exact
 cache and of every loaded cache, and the next-token distributions are compared position by

@@ -4,7 +4,8 @@
 
 For each worker count, ``agentkv serve`` workers sharing one registry (a SQLite file, or
 ``--db-url``) and one cache directory run behind HAProxy with the shipped config
-(``server.scaleout.local``, all on this machine). ``--clients`` clients each talk to an agent of
+(``agentkv.server.scaleout.local``, all on this machine). ``--clients`` clients each talk to an
+agent of
 their own (``x-agent-id``) through the router, ``--turns`` turns one after another, every turn
 generating exactly ``--max-tokens`` tokens (the model's end tokens are banned). Throughput is
 the generated tokens of all turns over the wall time from the first request to the last reply;

@@ -98,7 +98,8 @@ def quantize_per_channel(x: mx.array, group: int, bits: int) -> tuple[mx.array, 
     """Keys ``(..., L, D)`` (``L`` a multiple of ``group``) quantized to ``bits`` (4 or 5) per
     channel over each group of ``group`` positions: the words along the head dimension, as
     ``mx.quantize`` packs them, and each group's ``D`` float16 scales (and biases) spread over
-    its positions' slots, ``D / group`` to a position, in channel order (``engine.kv.quant``)."""
+    its positions' slots, ``D / group`` to a position, in channel order
+    (``agentkv.engine.kv.quant``)."""
     *lead, n, dim = x.shape
     g = x.astype(mx.float32).reshape(*lead, n // group, group, dim)
     q, scales, biases = _min_max_codes(g, -2, bits)
@@ -172,7 +173,7 @@ def packed_per_position(x: mx.array, group: int, bits: int) -> mx.array:
 def hadamard(x: mx.array) -> mx.array:
     """The orthonormal Walsh-Hadamard transform of ``x``'s last axis (a power of two long), in
     ``x``'s dtype: its own inverse. ``mx.hadamard_transform``: butterflies of adds and
-    subtracts, then one scaling, the float32 bits ``engine.kv.quant.hadamard_on_host``
+    subtracts, then one scaling, the float32 bits ``agentkv.engine.kv.quant.hadamard_on_host``
     computes on a CPU."""
     return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
 

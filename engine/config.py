@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 # The group size a precision quantizes in unless told: 128 for q4 (values rotated; keys per
-# channel in groups of KEY_GROUP_SIZE positions, ``engine.kv.quant``) and q8 (keys rotated),
+# channel in groups of KEY_GROUP_SIZE positions, ``agentkv.engine.kv.quant``) and q8 (keys rotated),
 # 4.25 bits a q4 value and 0.516x the bytes of float16 at q8 (0.5625x in groups of 32); the
 # research log (docs/research/kv-fidelity.md) has their fidelity. Unquantized caches record
 # DEFAULT_GROUP_SIZE (it is not used).
@@ -44,7 +44,7 @@ def choose_group_size(head_dim: int, preferred: int = 64) -> int | None:
 
 
 class Policy(StrEnum):
-    """How the engine shares its steps between turns (see ``engine.scheduler``)."""
+    """How the engine shares its steps between turns (see ``agentkv.engine.scheduler``)."""
 
     FAIR = "fair"
     LATENCY_FIRST = "latency_first"
@@ -75,7 +75,7 @@ class EngineConfig(BaseModel):
             float16 (0.26x of float32; keys rotated), q4 0.32x and 0.16x (keys per channel
             in 5-bit codes over 32 positions, values rotated in 4-bit codes in groups of
             128), each plus a row's newest
-            positions in float (see ``engine.batch``), so the KV budget holds more
+            positions in float (see ``agentkv.engine.batch``), so the KV budget holds more
             long-history turns.
         batch_kv_group_size: its quantization group size (32, 64 or 128; q4: of the values,
             its keys' groups are :data:`KEY_GROUP_SIZE` positions; a layer whose heads it
@@ -83,7 +83,8 @@ class EngineConfig(BaseModel):
             (:data:`GROUP_SIZE_BY_BITS`).
         cache_block_tokens: tokens per stored cache block (the runtime's ``kv_block_tokens``):
             a cache may start at any multiple of it, so a q8 batch reads no float copy across
-            one (see ``engine.batch.quantized.QuantizedLayer``). None: caches start only where
+            one (see ``agentkv.engine.batch.quantized.QuantizedLayer``). None: caches start only
+            where
             turns joined and at their requests' ``cache_points``.
     """
 

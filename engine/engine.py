@@ -188,7 +188,7 @@ class Engine:
         """Per layer, the keys and values a sequence starting with a token holds at its first
         position (``ModelRunner.first_positions``), None for a token outside the vocabulary:
         to be called on the generation thread, by a function given to :meth:`run`
-        (``engine.kv.load.decode_paged`` takes it)."""
+        (``agentkv.engine.kv.load.decode_paged`` takes it)."""
         runner, vocab_size = self._thread.runner, self.model.vocab_size
 
         def first_positions(token: int) -> list | None:
@@ -205,7 +205,7 @@ class Engine:
 
     def kv_bytes_needed(self, request: GenerationRequest) -> int:
         """The most KV bytes ``request`` sets aside in the budget, at its ``max_tokens``
-        (its reservation grows to it as it decodes; see ``engine.scheduler``)."""
+        (its reservation grows to it as it decodes; see ``agentkv.engine.scheduler``)."""
         cached = request.cache.num_tokens if request.cache else 0
         tokens = cached + len(request.prompt_tokens) + self.max_tokens(request)
         layers = request.cache.layers if request.cache else None

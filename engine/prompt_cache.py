@@ -19,10 +19,10 @@ class Checkpoint:
     global layers cut to that length, the cache as it was there, exactly.
 
     ``head``: the end of a shared head (a system prompt and tools other conversations start
-    with, see ``agents.caches.tiers``): carried on through every later turn, where turn
+    with, see ``agentkv.caches.tiers``): carried on through every later turn, where turn
     boundaries are kept only while recent. ``prompt_end``: where a prompt's history ended and
     its reply began (``GenerationRequest.checkpoint_at``); a saved cache keeps the latest such
-    one (``engine.kv.paged``)."""
+    one (``agentkv.engine.kv.paged``)."""
 
     num_tokens: int
     windows: dict[int, Any]  # layer index -> the RotatingKVCache as it was then (never changed)
@@ -41,7 +41,7 @@ class PromptCache:
     sliding windows have moved on (most recent first; see :meth:`checkpointed`).
 
     ``packing``: set when some layers hold their keys and values quantized, as a batch with
-    ``batch_kv_bits`` holds them (uint32 arrays, ``engine.batch.packing.Packing``; its
+    ``batch_kv_bits`` holds them (uint32 arrays, ``agentkv.engine.batch.packing.Packing``; its
     ``expand`` gives the float layers); None when every layer is in the model's precision.
     """
 
@@ -68,7 +68,7 @@ class PromptCache:
     def held_nbytes(self) -> int:
         """Bytes it keeps alive: its layers and its turn checkpoints' windows. Shared heads'
         windows are not counted: many caches hold the same ones (the hot tier counts them
-        once, see ``agents.caches.hot``)."""
+        once, see ``agentkv.caches.hot``)."""
         return self.nbytes + sum(point.nbytes for point in self.checkpoints if not point.head)
 
     @property
@@ -209,7 +209,7 @@ def layer_nbytes(layer: Any) -> int:
 
 def _is_window(layer: Any) -> bool:
     """Whether a layer holds a window of the history rather than all of it: a sliding-window
-    layer, or recurrent state (``engine.batch.state``: a window of no positions)."""
+    layer, or recurrent state (``agentkv.engine.batch.state``: a window of no positions)."""
     from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
     return type(layer) is RotatingKVCache or isinstance(layer, ArraysCache)

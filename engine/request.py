@@ -65,7 +65,7 @@ class GenerationRequest:
             cache's included) that other turns may resume a cache from besides where this one
             joined and the stored blocks' boundaries: shared heads' ends. A q8 batch reads no
             float copy across them, so the positions after them compute the same from such a
-            cache (``engine.batch.quantized.QuantizedLayer``).
+            cache (``agentkv.engine.batch.quantized.QuantizedLayer``).
         checkpoint_at: keep a checkpoint after this many tokens of the conversation (counted
             as ``cache_points`` are; within the prompt: where its history ends and the reply's
             generation prompt begins), on a model with sliding-window layers or recurrent state,

@@ -1,6 +1,7 @@
 """One step of the batch through mlx-lm's model: decode rows and prefill chunks together.
 
-A step is one forward pass over ``T`` rows of one token (see ``engine.attention``): one row per
+A step is one forward pass over ``T`` rows of one token (see ``agentkv.engine.attention``): one row
+per
 decoding sequence (it feeds the token it sampled last step) and one row per prompt token of the
 prefill chunks the scheduler picked. Weights are read once for all of them, which is what lets
 a long prompt join without stalling the sequences that are decoding. Logits are computed only
@@ -41,7 +42,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int | None = None):
         """``kv_bits``: hold the layers' KV quantized in the batch (see
-        ``engine.batch``), in groups of ``group_size`` (None: the precision's own); a
+        ``agentkv.engine.batch``), in groups of ``group_size`` (None: the precision's own); a
         model whose attention cannot take quantized keys (attention sinks) keeps them in its
         precision, with a warning."""
         self.model = model

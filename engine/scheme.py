@@ -3,7 +3,8 @@ alike (:func:`layer_scheme`): a file whose layer has the batch's scheme joins th
 is stored, without being expanded and quantized again.
 
 - **q8**: keys and values per position in groups of the layer's group size; keys rotated by
-  ``engine.codes.hadamard`` first where the key head size is a power of two (attention rotates
+  ``agentkv.engine.codes.hadamard`` first where the key head size is a power of two (attention
+  rotates
   the query alike).
 - **q4**: values per position, rotated, and keys per channel over
   :data:`~engine.config.KEY_GROUP_SIZE` positions at :data:`~engine.config.KEY_BITS` bits
@@ -76,7 +77,7 @@ def layer_scheme(
 ) -> LayerScheme | None:
     """The scheme of a layer of (key, value) head sizes ``dims`` quantized at ``bits`` in
     groups of ``group_size`` (or, where it does not divide them or is None, the first of
-    ``engine.config.FALLBACK_GROUP_SIZES`` that does), stored in blocks of ``block_tokens``
+    ``agentkv.engine.config.FALLBACK_GROUP_SIZES`` that does), stored in blocks of ``block_tokens``
     (None: not paged) from a window that keeps its first ``keep`` positions; None where it is
     held in the model's precision (``bits`` None, or no group size divides its heads: logged
     once per head size)."""

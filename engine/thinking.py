@@ -7,7 +7,7 @@ thinking at the end of the prompt. :class:`ThinkingState` follows a sequence's t
 whether it is reasoning now. :class:`ThinkingBudget` forces the end marker once a reply has
 reasoned for its budget of tokens (Anthropic's ``thinking.budget_tokens``); a grammar (a
 forced tool call, a JSON reply) holds only the answer after the thinking
-(``engine.grammar.GrammarProcessor``).
+(``agentkv.engine.grammar.GrammarProcessor``).
 """
 
 from __future__ import annotations

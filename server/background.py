@@ -25,8 +25,9 @@ def serve_in_thread(
 ) -> Iterator[str]:
     """Start uvicorn with agentkv's app on 127.0.0.1; yields the base URL; stops on exit.
 
-    ``app_options`` go to :func:`server.app.create_app` (e.g. ``max_body_bytes``); requests
-    must name a loopback host unless ``allowed_hosts`` says otherwise (see ``server.hosts``).
+    ``app_options`` go to :func:`agentkv.server.app.create_app` (e.g. ``max_body_bytes``); requests
+    must name a loopback host unless ``allowed_hosts`` says otherwise (see
+    ``agentkv.server.hosts``).
 
     Stopping is graceful: the app's lifespan closes the runtime, which flushes cache writes.
     """

@@ -36,7 +36,7 @@ class TurnRequest:
 
     Attributes:
         agent_id: the agent named by the request (header, ``metadata.user_id`` or ``user``), or
-            None to find the agent by the conversation itself (see :mod:`server.identity`).
+            None to find the agent by the conversation itself (see :mod:`agentkv.server.identity`).
         system: the system prompt, "" when there is none.
         history: every message before the new turn (for a whole-conversation turn: every
             message but the last, as transcripts store them).
@@ -51,7 +51,7 @@ class TurnRequest:
             answered by ``AgentRuntime.respond``.
         tools: tool definitions for the chat template (OpenAI shape).
         response_format: the reply's shape, OpenAI's chat ``response_format`` (see
-            ``agents.formats``); None: free text.
+            ``agentkv.formats``); None: free text.
     """
 
     agent_id: str | None

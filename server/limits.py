@@ -4,7 +4,8 @@ The body's size is capped before a byte of an oversized body is buffered: a body
 larger than the cap (``Content-Length``) is refused at once; a chunked body is counted as it
 arrives and refused as soon as it passes the cap. Either way the client gets 413 in its API's
 error shape and nothing reaches the routes. The number of messages is checked as soon as the
-body is parsed, before any message is validated (413 too, see ``server.bodies``); stop strings
+body is parsed, before any message is validated (413 too, see ``agentkv.server.bodies``); stop
+strings
 are checked with the rest of the request (400).
 """
 

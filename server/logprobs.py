@@ -3,7 +3,7 @@ Responses API's ``output_text.logprobs``).
 
 Each entry is a generated token: its text, its log probability under the model (the
 log-softmax of the logits at its step, before sampling settings: see
-``engine.request.TokenLogprob``), its bytes (a token can hold part of a UTF-8 character;
+``agentkv.engine.request.TokenLogprob``), its bytes (a token can hold part of a UTF-8 character;
 its ``token`` text then shows U+FFFD) and the likeliest tokens at that step, most likely
 first. End-of-sequence tokens are not listed: they are not part of the reply's text.
 """

@@ -199,7 +199,7 @@ class TurnStream:
         ReasoningDelta pieces, before), then the Reply. With a ``tool_format`` (a request
         with tools), text from a tool call's start marker on is held back: it is the call,
         its arguments streamed as CallDelta pieces where the format allows
-        (``agents.call_stream``), else sent whole once the Reply has parsed it. The Reply's
+        (``agentkv.call_stream``), else sent whole once the Reply has parsed it. The Reply's
         calls that were streamed carry the ids their pieces did (``streamed_calls``: how many
         calls were streamed)."""
         text, shown, unfed = "", 0, None

@@ -2,7 +2,8 @@
 drain on SIGTERM.
 
 Workers that share one registry and one cache directory sit behind a router that
-health-checks ``GET /ready`` (``server.api.health``; README "Scale out"). On SIGTERM a worker
+health-checks ``GET /ready`` (``agentkv.server.api.health``; README "Scale out"). On SIGTERM a
+worker
 drains:
 
 1. ``/ready`` answers 503 at once (404 when the check asks ``?draining=404``: HAProxy's
@@ -111,7 +112,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, grace_s: float = 0.0):
         """
         Args:
-            config: uvicorn's configuration (its app made by ``server.app.create_app``).
+            config: uvicorn's configuration (its app made by ``agentkv.server.app.create_app``).
             drain: the app's drain (``app.state.drain``).
             grace_s: after SIGTERM, go on accepting requests at least this long, so that the
                 router's health checks take the worker out before its port closes.

@@ -2,7 +2,7 @@
 
 A SQLite file is the default; a ``postgresql+asyncpg://`` URL selects a PostgreSQL database
 instead, whose transactions are plain ``READ COMMITTED`` ones ordered by row and advisory locks
-(see ``store.postgres``).
+(see ``agentkv.store.postgres``).
 
 SQLite transactions follow SQLAlchemy's documented SQLite recipe: the driver's own BEGIN
 handling is switched off on connect (``isolation_level = None``) and a ``begin`` listener emits
@@ -158,7 +158,7 @@ class Database:
 
 
 async def hold(session: AsyncSession, lock: Lock, *, shared: bool = False) -> None:
-    """Hold ``lock`` until the session's transaction ends (see ``store.postgres.Lock``).
+    """Hold ``lock`` until the session's transaction ends (see ``agentkv.store.postgres.Lock``).
 
     A no-op on SQLite, where a write transaction already holds the whole file.
     """

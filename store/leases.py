@@ -50,7 +50,7 @@ class LeaseIndex:
     ) -> Lease | None:
         """Take the agent's lease for ``seconds`` if it is free, expired, ``holder``'s own, or
         held by an earlier process of ``worker_id`` (which is gone: one live process runs as a
-        worker id, see ``agents.leases.WorkerClaim``).
+        worker id, see ``agentkv.leases.WorkerClaim``).
 
         Returns:
             The lease (its ``token`` is new with every call), or None: another holder has it.

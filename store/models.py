@@ -3,7 +3,7 @@
 
 The schema changes only through Alembic revisions under ``migrations/versions``; edit these
 classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
-callers: ``store.registry`` turns rows into the frozen records of ``store.records``.
+callers: ``agentkv.store.registry`` turns rows into the frozen records of ``agentkv.store.records``.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class KVCacheBlock(Base):
 
 
 class AgentLease(Base):
-    """Which worker runs the turns of an agent now (added by 0007; see ``store.leases``).
+    """Which worker runs the turns of an agent now (added by 0007; see ``agentkv.store.leases``).
 
     ``holder`` names one running process (its worker id and a random suffix); ``token`` grows
     with every acquisition, so a release meant for an earlier one removes nothing. A lease
@@ -286,7 +286,8 @@ class StoredResponse(Base):
     ``input`` holds the items the request sent itself (a chain's earlier items are in the
     responses ``previous_id`` leads to), ``output`` the response's output items, ``body`` the
     rest of the response object as returned; all three are JSON text, encoded and decoded off
-    the event loop (``store.responses``). ``agent_id`` and ``message_id`` name the agent and the
+    the event loop (``agentkv.store.responses``). ``agent_id`` and ``message_id`` name the agent
+    and the
     reply message that answered; an agent deleted later leaves the response (``agent_id``
     NULL).
     """

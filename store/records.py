@@ -15,7 +15,7 @@ from agentkv.store.models import Agent, KVCache, Message
 
 MAX_FINGERPRINT_CHARS = 64
 MAX_NAME_CHARS = 256
-"""An agent's display name; its id is shorter still (see ``store.ids``)."""
+"""An agent's display name; its id is shorter still (see ``agentkv.store.ids``)."""
 KV_BITS_CHOICES = (8, 4)
 """Quantized bit widths a cache entry may have; ``None`` means unquantized."""
 MAX_CHECKSUM_CHARS = 64
@@ -108,7 +108,7 @@ class MessageRecord:
 
 @dataclass(slots=True, frozen=True)
 class NewResponse:
-    """A Responses API response to keep (see ``store.responses``).
+    """A Responses API response to keep (see ``agentkv.store.responses``).
 
     Attributes:
         id: The response id (at most 64 characters).

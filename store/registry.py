@@ -1,9 +1,9 @@
 """The agent registry: the source of truth for every agent's conversation and KV cache entry.
 
-One :class:`Registry` owns one ``store.database.Database`` (a SQLite file, or a PostgreSQL
+One :class:`Registry` owns one ``agentkv.store.database.Database`` (a SQLite file, or a PostgreSQL
 database that several workers share). Each call checks its agent id first, then runs in one
 session and one transaction, and returns frozen records. Writers of one agent take turns
-(SQLite's single writer; on PostgreSQL the agent's row lock, see ``store.postgres``), so
+(SQLite's single writer; on PostgreSQL the agent's row lock, see ``agentkv.store.postgres``), so
 message positions stay dense ``0..n-1`` however many tasks, registries or processes append at
 once, and every change bumps the agent's ``version``.
 """
@@ -113,7 +113,7 @@ class Registry:
         idle_ttl_s: int | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> AgentRecord:
-        """Create an agent: ``agent_id`` (see ``store.ids``; None: a new one), ``name`` (the
+        """Create an agent: ``agent_id`` (see ``agentkv.store.ids``; None: a new one), ``name`` (the
         id by default), JSON ``sampling`` settings, ``idle_ttl_s``, the seconds without a
         turn after which :meth:`expired_agents` lists it (None: never), and the JSON ``tools``
         its conversation carries (None: none).

@@ -21,7 +21,7 @@ and the float16 scale and bias themselves an ulp apart (up to 255 codes times th
 
 
 def q8_steps(a: np.ndarray, b: np.ndarray, dim: int) -> tuple[float, float]:
-    """How far apart two arrays of q8 heads are, as ``engine.codes.packed`` holds them
+    """How far apart two arrays of q8 heads are, as ``agentkv.engine.codes.packed`` holds them
     (uint32: ``dim`` codes in words of four, then a word per group: its float16 scale and bias):
     (the largest difference of a position's values as stored, codes times scale plus bias, in
     steps of that group's scale; the share of codes that differ)."""

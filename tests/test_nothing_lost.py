@@ -3,7 +3,8 @@ agents with clients that go away, a restarted worker taking its leases back at o
 taken during a renewal, a runtime opening on a full disk, internal markers in user text.
 
 Two runtimes in one process stand for two workers (as in ``test_fencing``): each has its own
-engine, leases and request resolver (``server.identity``), and they share the registry (SQLite
+engine, leases and request resolver (``agentkv.server.identity``), and they share the registry
+(SQLite
 and PostgreSQL) and the cache directory.
 """
 

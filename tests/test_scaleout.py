@@ -1,7 +1,7 @@
 """Scale-out end to end: real ``agentkv serve`` workers sharing one registry and one cache
 directory, behind a real HAProxy with the shipped config (``server/scaleout/haproxy.cfg``).
 
-The ``cluster`` fixture starts two (``scaleout`` any number; ``server.scaleout.local``): the
+The ``cluster`` fixture starts two (``scaleout`` any number; ``agentkv.server.scaleout.local``): the
 router at ``cluster.url``, each worker at ``cluster.worker("w1").url``, its process and log.
 ``db_url`` says which database they share: each test runs on a SQLite file and on a
 PostgreSQL server. HAProxy missing: these tests skip, unless ``CI=true``.

@@ -166,8 +166,7 @@ async def test_reservations_grow_as_turns_decode_and_the_last_in_line_wait_for_r
     latest arrivals are paused when the budget is full and rejoin where they were; each gives
     the tokens it gives alone and the budget is never exceeded."""
     requests = [
-        GenerationRequest(prompt_of(40, salt=i), max_tokens=120, ignore_eos=True)
-        for i in range(4)
+        GenerationRequest(prompt_of(40, salt=i), max_tokens=120, ignore_eos=True) for i in range(4)
     ]
     budget = await budget_for(model, requests[:2])
     eng = await Engine.open(model, EngineConfig(kv_budget_bytes=budget))

@@ -5,12 +5,14 @@ parsed off the event loop). Real uvicorn on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from agentkv import RuntimeConfig
+from agentkv.server.app import SWITCH_INTERVAL_S
 from agentkv.server.background import serve_in_thread
 from agentkv.server.bodies import INLINE_BYTES
 
@@ -210,3 +212,25 @@ def test_a_big_body_reads_as_a_small_one(http):
     assert message.startswith("messages.300.role: Input should be 'user', 'assistant' or")
     status, message, _ = error_of(post_text(http, ANTHROPIC, "{not json" + " " * INLINE_BYTES))
     assert status == 400 and message.startswith("body: not valid JSON: Expecting property name")
+
+
+def test_a_big_agent_body_reads_as_a_small_one(http):
+    """The agents API parses a body over INLINE_BYTES and writes an agent that long in a
+    thread: the same agent, the same errors."""
+    system = "Be brief. " * (INLINE_BYTES // 5)
+    created = http.post("/v1/agents", json={"id": "big-system", "system_prompt": system})
+    assert created.status_code == 201 and created.json()["system_prompt"] == system
+    assert http.get("/v1/agents/big-system").json()["system_prompt"] == system
+    listed = http.get("/v1/agents", params={"limit": 1000}).json()["data"]
+    assert [a["system_prompt"] for a in listed if a["id"] == "big-system"] == [system]
+    bad = {"system_prompt": system, "name": "n" * 1000}
+    status, message, param = error_of(http.post("/v1/agents", json=bad))
+    assert (status, param) == (400, "name")
+    assert message == "name: String should have at most 256 characters"
+    status, message, _ = error_of(post_text(http, "/v1/agents", "{" + " " * INLINE_BYTES))
+    assert status == 400 and message.startswith("body: not valid JSON: ")
+
+
+def test_the_switch_interval_is_short_while_the_server_serves(http):
+    # A worker thread running Python hands the GIL to the event loop's thread this soon.
+    assert sys.getswitchinterval() == SWITCH_INTERVAL_S == 0.001

@@ -23,7 +23,7 @@ from agentkv.store.cache_files import remove_cache_file
 
 
 class DiskCaches:
-    """Saves and loads agents' caches under ``root`` (see ``agents.caches``)."""
+    """Saves and loads agents' caches under ``root`` (see ``agentkv.caches``)."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class DiskCaches:
 
     async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
         """Stored blocks for the start of ``tokens`` longer than ``at_least`` tokens, or a head
-        another turn is storing now (see ``agents.caches.prefixes``); None when there are none
+        another turn is storing now (see ``agentkv.caches.prefixes``); None when there are none
         or prefixes are not shared."""
         if not self._share_prefixes:
             return None

@@ -1,7 +1,7 @@
 """Recently used agents' caches, in memory, under a byte budget (LRU), held as the batch held
 them: quantized (packed, ``PromptCache.packing``) when the batch holds KV quantized, so at q8
 the same budget holds 1.8x the agents of a float16 batch (q4: a little under 3.1x for long
-histories; each row also keeps its newest positions in float, see ``engine.batch``).
+histories; each row also keeps its newest positions in float, see ``agentkv.engine.batch``).
 
 Other conversations start from them too: :func:`longest_shared` finds the entry sharing the
 longest token prefix with a new prompt and cuts it back there (exactly: see

@@ -1,5 +1,5 @@
 """Where caches live under the cache root and what their files are called: paths, file names
-and block keys (see ``agents.caches`` for the layout)."""
+and block keys (see ``agentkv.caches`` for the layout)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class Resumed:
         cache: the KV cache and its tokens.
         message_count: transcript messages it covers.
         source: the tier it came from.
-        digest: ``agents.prompt.conversation_digest`` of the messages it was made from (the
+        digest: ``agentkv.messages.conversation_digest`` of the messages it was made from (the
             system prompt and those ``message_count``); None for a file saved without one.
     """
 

@@ -1,12 +1,13 @@
 """Layers run span by span: the model's own code once per span of a step's rows, each span
 with the group cache that holds it.
 
-A step feeds ``T`` rows of one token (``engine.attention.step``). Attention reads each span's
+A step feeds ``T`` rows of one token (``agentkv.engine.attention.step``). Attention reads each
+span's
 keys through mlx-lm's ``scaled_dot_product_attention``; two kinds of layer cannot work that
 way, and run span by span instead, a prefill chunk as a ``(1, c, D)`` block of consecutive
 tokens and a decode group as ``(B, 1, D)``:
 
-- recurrent layers (``engine.batch.state``), which must see a chunk's tokens in order. Their
+- recurrent layers (``agentkv.engine.batch.state``), which must see a chunk's tokens in order. Their
   step view is a :class:`StepState`;
 - attention that reads its cache outside ``scaled_dot_product_attention`` (multi-head latent
   attention scores its cached rotary keys itself; some models write attention out). When the

@@ -8,7 +8,7 @@ linear layer, norm and MLP works per token, so this changes nothing for them, an
 rotary position comes from the cache's per-row ``offset``.
 
 Each layer gets a :class:`StepCache`: a view that routes row ranges (:class:`Span`) to the
-group caches that own them (see ``engine.batch``). A decode span is ``B`` rows of ``B``
+group caches that own them (see ``agentkv.engine.batch``). A decode span is ``B`` rows of ``B``
 sequences sharing one padded group buffer; a prefill span is ``c`` rows of one sequence, which
 attend as a ``(1, H, c, D)`` block with a causal mask. Attention therefore runs once per span
 over exactly that span's keys, and the model's own code does the rest.
@@ -48,7 +48,7 @@ class Span:
     of each of the group's ``rows`` sequences. ``padded``: the group's buffer may hold positions
     of no sequence (it has held more than one), so even a decode step needs a mask.
     ``fences``: per row, each of its positions' fence (a q8 layer reads no float copy before
-    it: ``engine.batch.quantized.QuantizedLayer``; None where the layers are not q8).
+    it: ``agentkv.engine.batch.quantized.QuantizedLayer``; None where the layers are not q8).
     """
 
     cache: Any

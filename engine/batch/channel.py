@@ -30,13 +30,14 @@ class _ChannelQuantized(QuantizedLayer):
     :data:`FLOAT_WINDOW` old (until then its positions are held per position, and read from
     ``recent``); values rotated by :func:`hadamard` and quantized to 4 bits per position in
     groups of ``value_group_size``. ``recent`` holds the :data:`FLOAT_WINDOW` newest positions
-    and those of the key group not yet complete. ``engine.attention`` folds each key group's
+    and those of the key group not yet complete. ``agentkv.engine.attention`` folds each key group's
     scales into the query instead of expanding the keys.
 
     A global layer also holds each row's first position in float (``first_kv``), which
     attention reads instead of its words: causal attention makes a sequence's first keys and
     values a function of its first token alone, so the engine computes them once a token
-    (``engine.runner.ModelRunner.first_positions``) for every row, whatever it joined from; its
+    (``agentkv.engine.runner.ModelRunner.first_positions``) for every row, whatever it joined from;
+    its
     words stay as quantized (a cache file's bytes do not change). That position (the BOS
     token) draws much of the attention and carries large channels: reading it in float cut
     q4's mean KL by a fifth at a 4K history (``benchmarks.research.bench_q4_schemes``).

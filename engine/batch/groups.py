@@ -12,7 +12,7 @@ from agentkv.engine.models.caches import is_state
 
 
 class Row(Protocol):
-    """What a group holds of a sequence (``engine.sequence.Sequence``): the tokens its row
+    """What a group holds of a sequence (``agentkv.engine.sequence.Sequence``): the tokens its row
     holds, and the group it is in, which the group sets."""
 
     tokens: list[int]
@@ -91,7 +91,8 @@ class KVGroup:
 
     def windows(self, seq: Row, layout: KVLayout) -> dict[int, Any] | None:
         """``seq``'s sliding-window and recurrent layers as they are now (copied out), for a
-        checkpoint (``engine.request.Checkpoint``); None when it has none, or when its layers
+        checkpoint (``agentkv.engine.request.Checkpoint``); None when it has none, or when its
+        layers
         hold keys per channel (such a cache is only had whole)."""
         if layout.packing is not None and layout.packing.any_channel:
             return None

@@ -72,7 +72,7 @@ def overlay(x: mx.array, recent: mx.array, floats: list[int], newest: int, wrap:
 
 @dataclass(frozen=True, slots=True)
 class HeldQuantized:
-    """A quantized layer as one step's attention reads it (``engine.attention`` attends over
+    """A quantized layer as one step's attention reads it (``agentkv.engine.attention`` attends over
     it without expanding the quantized keys; :meth:`expanded` expands them).
 
     Attributes:

@@ -35,7 +35,8 @@ PADDING_TOLERANCE = 0.10  # a group holds at most 10% more than its sequences ow
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Per layer: the sliding window (None: global attention; 0: recurrent state, which holds
-    no positions, ``engine.batch.state``) and K+V bytes per token in the batch; ``packing``: how
+    no positions, ``agentkv.engine.batch.state``) and K+V bytes per token in the batch;
+    ``packing``: how
     the layers are held quantized (None: in the model's precision); ``states``: per layer, the
     bytes of one sequence's recurrent state (0 for attention layers), whatever its length."""
 
@@ -123,7 +124,7 @@ class KVLayout:
 
     @property
     def recurrent(self) -> bool:
-        """Whether some layers hold recurrent state (``engine.batch.state``)."""
+        """Whether some layers hold recurrent state (``agentkv.engine.batch.state``)."""
         return any(self.states)
 
     def owned_bytes(self, tokens: int, window_extra: int = 0) -> int:
@@ -202,7 +203,8 @@ class KVLayout:
     @property
     def reads_first_positions(self) -> bool:
         """Whether a row's group buffers take its :func:`first_positions` (q4's global layers
-        read them in float over their words: see ``engine.batch.channel._ChannelQuantized``)."""
+        read them in float over their words: see
+        ``agentkv.engine.batch.channel._ChannelQuantized``)."""
         return self.packing is not None and any(
             self.packing.channel_keys(i) and w is None for i, w in enumerate(self.windows)
         )
@@ -293,7 +295,7 @@ def first_positions(model: Any, token: int) -> list[tuple[mx.array, mx.array]]:
     first position, in the model's precision. Causal attention makes them a function of that
     token alone: one forward pass of it through ``model`` (on the generation thread). A q4
     batch reads its global layers' (:meth:`KVLayout.buffers`); a cache dequantized from a
-    file takes them in place of its first position's words (``engine.kv.load``)."""
+    file takes them in place of its first position's words (``agentkv.engine.kv.load``)."""
     nested = make_prompt_cache(model)
     model(mx.array([[token]]), cache=nested)
     caches = flat_caches(nested)[0]

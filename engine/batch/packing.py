@@ -79,7 +79,7 @@ class Packing:
         return scheme is not None and scheme.rotated_keys
 
     def scheme(self, i: int) -> dict[str, bool | int]:
-        """Layer ``i``'s layout fields as a cache file names them (``engine.kv.quant``)."""
+        """Layer ``i``'s layout fields as a cache file names them (``agentkv.engine.kv.quant``)."""
         scheme = self.schemes[i]
         return {} if scheme is None else scheme.flags()
 

@@ -5,11 +5,12 @@ keys and values.
 
 A length group holds, for each recurrent layer, a :class:`GroupStateCache`: an ``ArraysCache``
 whose row ``i`` is the group's ``i``-th sequence's state. A step runs the layer's own code once
-per span of rows against it (``engine.attention.spans``).
+per span of rows against it (``agentkv.engine.attention.spans``).
 
 A sequence's state is its whole history in a few arrays: it cannot be cut back to an earlier
 token. Where a cache must be (a shared head, a rewritten last turn), it resumes from a state
-*checkpoint* kept where that point was (``engine.request.Checkpoint``), as sliding-window layers
+*checkpoint* kept where that point was (``agentkv.engine.request.Checkpoint``), as sliding-window
+layers
 that have moved on do; the batch therefore treats a state layer as a window of no positions.
 """
 

@@ -3,16 +3,17 @@ call's text between the markers), as one small protocol its peers share.
 
 - streaming: the regex of a call's header (after its start marker, up to its arguments) where
   the arguments are one JSON object, so they stream as they are written
-  (``agents.call_stream``);
+  (``agentkv.call_stream``);
 - forcing: the texts around a forced call's parts, for the grammar that holds a reply to one
-  call (``engine.grammar``): tags around each argument (:class:`Tagged`), a header before one
+  call (``agentkv.engine.grammar``): tags around each argument (:class:`Tagged`), a header before
+  one
   JSON object (:class:`JsonArguments`), or one JSON object naming the function
   (``json_object``);
 - a call cut short: where its text may be read up to and what closes it there for the parser
-  (:class:`CutTags`, ``agents.cut_calls``; formats of JSON arguments read theirs as streamed).
+  (:class:`CutTags`, ``agentkv.cut_calls``; formats of JSON arguments read theirs as streamed).
 
 A new format is a module of this package with one :class:`CallFormat` and a line in the
-registry (``engine.call_formats.FORMATS``).
+registry (``agentkv.engine.call_formats.FORMATS``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ class CallFormat:
 
     @property
     def forcible(self) -> bool:
-        """Whether a call can be forced (``tool_choice``): ``engine.grammar`` writes its
+        """Whether a call can be forced (``tool_choice``): ``agentkv.engine.grammar`` writes its
         grammar."""
         return self.json_object or self.tagged is not None or self.json_arguments is not None

@@ -1,7 +1,7 @@
 """KV caches as files: per-agent caches to host-memory arrays plus metadata, and back.
 
 One noun a module; import from the module (this package imports nothing, so
-``engine.kv.encoded`` stays free of MLX):
+``agentkv.engine.kv.encoded`` stays free of MLX):
 
     encoded     EncodedCache, format versions, quantization group sizes (numpy only)
     layouts     each layer's description in a file's metadata, read and checked

@@ -17,7 +17,8 @@ from agentkv.engine.config import (  # noqa: F401  (this module's names for them
 from agentkv.engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
-# Paged files with q8 keys rotated (a layer's layout says ``rotated_keys``, ``engine.kv.quant``)
+# Paged files with q8 keys rotated (a layer's layout says ``rotated_keys``,
+# ``agentkv.engine.kv.quant``)
 # are written as format 3: an agentkv that reads only format 2 would read such keys as they
 # are, so it refuses these files instead (the agent is rebuilt from its transcript). Files
 # without rotated keys (exact, q4, unquantized layers) stay format 2, which every version reads.
@@ -46,8 +47,8 @@ class EncodedCache:
 
     Attributes:
         tensors: Host-memory, C-contiguous arrays by name, including ``tokens`` (int32, 1-D).
-        metadata: Everything else needed to rebuild the cache (``engine.kv.whole`` and
-            ``engine.kv.paged`` describe the two formats).
+        metadata: Everything else needed to rebuild the cache (``agentkv.engine.kv.whole`` and
+            ``agentkv.engine.kv.paged`` describe the two formats).
     """
 
     tensors: dict[str, np.ndarray]

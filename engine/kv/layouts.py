@@ -31,7 +31,7 @@ def temporal_layer(
 ) -> tuple[mx.array, mx.array, dict]:
     """Keys and values of one layer in temporal order (used positions only), and its layout.
 
-    A layer held packed (uint32 words, see ``engine.batch``) is described by
+    A layer held packed (uint32 words, see ``agentkv.engine.batch``) is described by
     ``packing``: its layout names the model's dtype and head sizes, its arrays stay packed
     (a layer held with keys per channel is expanded: the batch's float positions are the
     newest, which a file quantizes on its own terms)."""

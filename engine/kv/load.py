@@ -64,7 +64,7 @@ def decode_paged(
 ) -> PromptCache:
     """Load a tail and its blocks (runs of segment files, in order; a path: the whole file)
     straight into MLX and rebuild the prompt cache, on the generation thread: ``read`` (the
-    file format's reader, ``store.cache_files.load_into_mlx``) reads each file once into MLX
+    file format's reader, ``agentkv.store.cache_files.load_into_mlx``) reads each file once into MLX
     memory (as mlx-lm's own ``load_prompt_cache`` does); the
     runs are joined per layer and quantized layers are dequantized, and while MLX computes
     that, ``check`` sees every file's tensors (zero-copy numpy views of host memory) and
@@ -76,7 +76,7 @@ def decode_paged(
 
     ``packing``: how the batch holds KV quantized (``Engine.packing``). A layer stored with its
     bits, group size and scheme, per token (q8, keys rotated), is not dequantized: its words,
-    scales and biases are packed as the batch holds them (``engine.batch``), bit for
+    scales and biases are packed as the batch holds them (``agentkv.engine.batch``), bit for
     bit what the file stores.
     A q4 layer (keys per channel, values rotated) joins a batch holding q4 with its stored
     words too, its newest positions expanded into the float copies the batch keeps of them.
@@ -240,7 +240,8 @@ def decode_paged(
             return layer
 
         layers = [layer_of(i, layout) for i, layout in enumerate(layouts)]
-        # The checkpoint the tail keeps (``engine.kv.paged``): its windows, as they were then.
+        # The checkpoint the tail keeps (``agentkv.engine.kv.paged``): its windows, as they were
+        # then.
         point = read_point(meta, layouts)
         windows = {}
         if point is not None:
@@ -273,7 +274,7 @@ def decode_paged(
 
 
 def read_point(meta: dict[str, str], layouts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The checkpoint a tail's metadata ``point`` describes (``engine.kv.paged``), checked
+    """The checkpoint a tail's metadata ``point`` describes (``agentkv.engine.kv.paged``), checked
     against the tail's own layers; None when it keeps none.
 
     Raises:
@@ -314,7 +315,7 @@ def _first_positions_of(
 
 
 def scheme_of(layout: dict) -> dict[str, bool]:
-    """A layer's quantization flags (``engine.scheme.FLAGS``) as its layout sets them."""
+    """A layer's quantization flags (``agentkv.engine.scheme.FLAGS``) as its layout sets them."""
     return {flag: True for flag in FLAGS if layout.get(flag, False)}
 
 

@@ -12,7 +12,8 @@ encoded together as one *segment* (one file): ``n*B`` positions, which
 back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_on_host`` read.
 
 q4 keys are quantized per channel in groups of ``key_group_size`` positions, to ``key_bits``
-(``engine.config.KEY_GROUP_SIZE``, ``KEY_BITS``, ``engine.kv.quant``) only when a block is a
+(``agentkv.engine.config.KEY_GROUP_SIZE``, ``KEY_BITS``, ``agentkv.engine.kv.quant``) only when a
+block is a
 whole number of such groups; else (and for q8, keys rotated) per token.
 
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or

@@ -21,7 +21,8 @@ the shapes of per-token quantization in groups of ``group`` (the words ``head_di
 32`` a position) and every tensor is cut into blocks along the positions like it; positions of a
 group that is not whole (a sliding window's first, a cache's last) are quantized per token, at
 the same bits, in groups of ``group`` channels (by the same min/max rule,
-``engine.codes.quantize_per_position``), and all of a window's keys are per token in the layer's
+``agentkv.engine.codes.quantize_per_position``), and all of a window's keys are per token in the
+layer's
 ``group_size`` when it keeps its first positions (mlx-lm's ``keep``). A layer's layout says
 which scheme it uses (``channel_keys`` with its ``key_group_size`` and ``key_bits``,
 ``rotated_values``, q8's ``rotated_keys``); a layout without them (unquantized, or a file
@@ -57,7 +58,8 @@ ROTATED = {"keys": "rotated_keys", "values": "rotated_values"}  # a layout's fla
 
 def quant_scheme(scheme: LayerScheme | None) -> dict[str, bool | int]:
     """The layout fields a cache file stores a layer of ``scheme`` under (none for a layer in
-    the model's precision): ``engine.scheme.layer_scheme`` decides them, for the batch too."""
+    the model's precision): ``agentkv.engine.scheme.layer_scheme`` decides them, for the batch
+    too."""
     return {} if scheme is None else scheme.flags()
 
 
@@ -75,7 +77,7 @@ def stored_kv(
     quantized words, scales and biases (lazy); ``start``: the position of the first one;
     ``scheme``: :func:`quant_scheme`'s fields (rotated keys; per-channel keys, rotated values).
 
-    Keys and values packed by the batch (``packing``, ``engine.batch``) are the words,
+    Keys and values packed by the batch (``packing``, ``agentkv.engine.batch``) are the words,
     scales and biases ``mx.quantize`` made of their float16 cast: stored as they are when the
     file's bits, group size and scheme are the batch's, per token (no dequantize, no drift
     across resumes), else dequantized first."""

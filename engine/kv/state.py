@@ -1,5 +1,5 @@
 """Recurrent state in a cache file: a hybrid model's ``ArraysCache`` layers (conv and SSM /
-gated-delta state, ``engine.batch.state``) stored beside the keys and values, in the model's
+gated-delta state, ``agentkv.engine.batch.state``) stored beside the keys and values, in the model's
 precision whatever the file's ``kv_bits`` (a state is a few arrays whatever the history's
 length, and every later token reads all of it: quantizing it would drift with every turn).
 

@@ -8,7 +8,7 @@ Format (``format_version`` 1). Tensors: ``tokens`` (int32, 1-D) and, per layer `
 ``layers.{i}.keys`` / ``layers.{i}.values`` (unquantized: the original dtype, bfloat16 as a
 uint16 view) or ``layers.{i}.keys.q|.scales|.biases`` and the same for ``values`` (uint32
 words, float16 scales and biases: ``mx.quantize`` of the float16 cast, at 8 bits keys rotated
-first; at 4 bits, keys per channel and values rotated first, as ``engine.kv.quant``
+first; at 4 bits, keys per channel and values rotated first, as ``agentkv.engine.kv.quant``
 describes). Metadata:
 ``format_version``, ``kv_bits`` ("none", "8", "4"), ``group_size`` ("none" or the preferred
 group size) and ``layers``, a JSON list with each layer's ``type``, ``offset``, ``max_size``,
@@ -72,7 +72,7 @@ def encode_cache(
         cache: Per-layer ``KVCache`` / ``RotatingKVCache`` and the tokens they hold.
         kv_bits: None to store keys and values bit-exactly, or 8 / 4 to quantize them.
         group_size: Preferred quantization group size along the head dimension (ignored when
-            unquantized; None: the precision's own, ``engine.config.GROUP_SIZE_BY_BITS``); a
+            unquantized; None: the precision's own, ``agentkv.engine.config.GROUP_SIZE_BY_BITS``); a
             layer it does not divide uses :func:`choose_group_size`'s choice.
 
     Returns:

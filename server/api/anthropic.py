@@ -7,25 +7,27 @@ once as input). A streamed message starts with zero usage; its ``message_delta``
 turn's full usage (the runtime knows the cached part only when the turn ends).
 
 Consecutive messages of one role are joined into one turn, as Anthropic's API does. Content
-blocks and tools: see :mod:`server.api.anthropic_content`; a request with tools, tool blocks or
+blocks and tools: see :mod:`agentkv.server.api.anthropic_content`; a request with tools, tool
+blocks or
 system messages among its messages, or from a Claude Code session, is a whole conversation
 (``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
 ``stop_reason: "tool_use"``; streamed, each is a block after the text block (text from a tool
 call's start marker on is held back), its arguments in ``input_json_delta`` pieces as they are
-written where the format allows (``agents.call_stream``), else in one.
+written where the format allows (``agentkv.call_stream``), else in one.
 
 A reasoning model's thinking comes back as a ``thinking`` block before the text (streamed as
 ``thinking_delta`` events, closed by an empty ``signature_delta``). ``thinking``: ``enabled``
 turns the template's thinking on (``enable_thinking``) and caps it at ``budget_tokens``
 (the end marker is forced then), ``adaptive`` turns it on uncapped, ``disabled`` off.
 ``thinking`` blocks sent back in history become the turn's reasoning for the template
-(:mod:`server.api.anthropic_content`).
+(:mod:`agentkv.server.api.anthropic_content`).
 
 Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the agent's defaults
 (greedy unless the agent was created otherwise); one with any of them gets temperature 1.0
 (Anthropic's default) for an unset temperature.
 
-Bodies are parsed off the event loop (``server.bodies``). Numbers and flags are strict: ``true``
+Bodies are parsed off the event loop (``agentkv.server.bodies``). Numbers and flags are strict:
+``true``
 is no ``max_tokens`` and ``"yes"`` no ``stream``; NaN and infinities are refused. At most
 ``MAX_STOP_SEQUENCES`` stop sequences of at most ``MAX_STOP_CHARS`` characters each.
 """

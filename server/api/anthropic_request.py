@@ -102,7 +102,7 @@ class CountTokensRequest(BaseModel):
         self, keep_volatile: bool = False
     ) -> tuple[str, list[Message], list[dict[str, Any]] | None]:
         """(system prompt, messages in chat-template shape, tools). The system prompt loses
-        its per-request metadata lines (``server.sessions.VOLATILE_LINES``) unless
+        its per-request metadata lines (``agentkv.server.sessions.VOLATILE_LINES``) unless
         ``keep_volatile``. Raises APIError (400)."""
         self.FIELDS.check(self)
         system = self.system if keep_volatile else without_volatile_lines(self.system)
@@ -157,7 +157,7 @@ class MessagesRequest(CountTokensRequest):
     @property
     def response_format(self) -> dict[str, Any] | None:
         """Structured outputs (``output_config.format``, or the older ``output_format``:
-        ``{"type": "json_schema", "schema": ...}``) in the chat shape ``agents.formats``
+        ``{"type": "json_schema", "schema": ...}``) in the chat shape ``agentkv.formats``
         reads; None: free text."""
         fmt = (self.output_config or {}).get("format") or self.output_format
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":

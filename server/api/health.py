@@ -6,7 +6,7 @@ GET /ready   200 {"status": "ready", "worker", "model"} when the runtime is open
              draining; else 503 {"status": "not_ready", "worker", "reason"}. While draining
              the status is ``?draining=`` (400-599; default 503): HAProxy checks with
              ``?draining=404`` for its ``http-check disable-on-404`` (take no new requests,
-             let those in flight finish; see ``server.worker``)
+             let those in flight finish; see ``agentkv.server.worker``)
 """
 
 from __future__ import annotations

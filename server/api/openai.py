@@ -11,7 +11,8 @@ the agent was created otherwise); one with ``temperature``, ``top_p`` or ``seed`
 temperature 1.0 (OpenAI's default) for an unset temperature; penalties or a bias alone keep
 greedy decoding.
 
-Bodies are parsed off the event loop (``server.bodies``). Numbers and flags are strict (``true``
+Bodies are parsed off the event loop (``agentkv.server.bodies``). Numbers and flags are strict
+(``true``
 is no ``max_tokens``, ``"yes"`` no ``stream``; no NaN or infinities). A ``tool`` message must
 answer a call of the assistant message before it (by ``tool_call_id``). A user message needs
 content; so does an assistant message without ``tool_calls``, though ``""`` will do (an empty

@@ -2,11 +2,11 @@
 ``GET`` / ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/input_tokens``.
 
 A request is a whole conversation (``input`` and ``instructions``, see
-:mod:`server.api.responses_input`), answered by ``AgentRuntime.respond``: the agent's cache
+:mod:`agentkv.server.api.responses_input`), answered by ``AgentRuntime.respond``: the agent's cache
 is reused up to the longest common token prefix. With ``previous_response_id`` the
 conversation is that response's (its chain of stored responses: each one's input, then its
 output) followed by the new ``input``. A response is stored unless ``store`` is false (Codex
-sends false), in the registry (``store.responses``), for 30 days by default
+sends false), in the registry (``agentkv.store.responses``), for 30 days by default
 (``--responses-ttl``); ``DELETE`` removes it (the responses continuing it keep its items, and
 the agent that answered keeps its transcript).
 
@@ -15,7 +15,7 @@ Which agent answers: the ``x-agent-id`` header; else a session, named by
 has an agent of its own (``session-<id>-<tool set>``, expiring like stateless agents); else the
 agent that answered ``previous_response_id``, when that reply is still its last message (a
 stateless agent is found by its transcript, as any conversation is); else the stateless agent
-whose transcript the conversation extends, or a new one (see :mod:`server.identity`), which
+whose transcript the conversation extends, or a new one (see :mod:`agentkv.server.identity`), which
 resumes from the longest cached token prefix: an earlier response continued twice is a branch.
 
 Fields are read, honoured, or refused, never dropped unread:
@@ -28,7 +28,7 @@ Fields are read, honoured, or refused, never dropped unread:
   ``store``, ``previous_response_id``, ``include: ["message.output_text.logprobs"]`` and
   ``top_logprobs`` (each output text's tokens with their log probabilities),
   ``prompt_cache_key``, ``metadata`` (echoed), ``text.format`` (``text``, ``json_object``,
-  ``json_schema``: the reply is held to the schema, see ``engine.grammar``),
+  ``json_schema``: the reply is held to the schema, see ``agentkv.engine.grammar``),
   ``truncation`` ``"disabled"`` (a conversation over the context is refused, as OpenAI does);
 - ``reasoning.effort``: ``none`` and ``minimal`` switch a reasoning model's thinking off
   (``enable_thinking=False`` for its template), the others leave it on; its thinking comes

@@ -175,7 +175,7 @@ class ResponsesRequest(BaseModel):
 
     @property
     def response_format(self) -> dict[str, Any] | None:
-        """``text.format`` in the chat shape ``agents.formats`` reads (None: plain text)."""
+        """``text.format`` in the chat shape ``agentkv.formats`` reads (None: plain text)."""
         fmt = (self.text or {}).get("format")
         if fmt is None or not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             return fmt

@@ -1,7 +1,7 @@
 """Stored Responses API responses over HTTP: what ``previous_response_id`` continues, and
 ``GET`` / ``DELETE /v1/responses/{id}``.
 
-A response is kept (``store.responses``) unless its request said ``store: false``: the input
+A response is kept (``agentkv.store.responses``) unless its request said ``store: false``: the input
 items the request sent itself, the response object as returned, and the agent and reply
 message that answered. ``DELETE`` removes the response; the responses that continue it keep
 its items, and the agent that answered keeps its transcript (delete the agent for that).
