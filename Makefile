@@ -41,9 +41,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The documentation site (docs/, mkdocs.yml): broken links and anchors fail the build.
+# The documentation site (docs/, mkdocs.yml): broken links and anchors fail the build. The API
+# reference reads the installed package's tree, agentkv/ over the repo's folders, linked here.
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	@rm -rf $(VENV)/api && mkdir -p $(VENV)/api/agentkv
+	@for f in agents/*; do ln -s "$(CURDIR)/$$f" $(VENV)/api/agentkv/; done
+	@for d in engine store server migrations; do ln -s "$(CURDIR)/$$d" $(VENV)/api/agentkv/$$d; done
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 format: setup
 	$(VENV)/bin/ruff format .

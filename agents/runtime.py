@@ -391,6 +391,8 @@ class AgentRuntime:
         The agent's cache is reused up to the longest common token prefix with the rendered
         conversation; afterwards the agent's transcript is the conversation plus the reply and
         its system prompt that of the conversation. Rolled back like :meth:`stream`.
+        ``max_tokens``, ``sampling``, ``stop``, ``priority``, ``response_format``,
+        ``logprobs``, ``template_kwargs`` and ``reasoning_budget`` are as for :meth:`chat`.
 
         Args:
             agent_id: the agent (it must exist).
@@ -398,8 +400,6 @@ class AgentRuntime:
                 ``tool_calls``; roles system, user, assistant, tool); a leading system message
                 is the system prompt. The last message is not an assistant message.
             tools: tool definitions in the OpenAI shape, rendered by the chat template.
-            max_tokens, sampling, stop, priority, response_format, logprobs, template_kwargs,
-                reasoning_budget: as for :meth:`chat`.
             tool_choice: None or ``"auto"`` (the model decides), ``"required"`` (the reply is
                 one call of one of ``tools``) or ``{"name": NAME}`` (one call of that tool),
                 held to the tool's parameters schema by constrained decoding; only for models
