@@ -16,9 +16,9 @@ Routes::
 
 When an API key is set, every route but /live and /ready needs it, as ``x-api-key: KEY``
 (Anthropic SDK) or ``Authorization: Bearer KEY`` (OpenAI SDK). Which agent answers a chat
-request is decided by :mod:`server.identity`; the agent's id comes back in the ``x-agent-id``
-response header, and every response names the worker that answered in ``x-agentkv-worker``
-(see :mod:`server.worker`).
+request is decided by :mod:`agentkv.server.identity`; the agent's id comes back in the
+``x-agent-id`` response header, and every response names the worker that answered in
+``x-agentkv-worker`` (see :mod:`agentkv.server.worker`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import contextlib
 import gc
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -59,6 +61,38 @@ DEFAULT_RESPONSES_TTL_S = 30 * 24 * 3600
 """How long stored Responses API responses are kept (OpenAI keeps them 30 days)."""
 PREFLIGHTS = frozenset({"/", "/api/hello"})
 """Paths whose HEAD answers 200 without a key: clients' connectivity checks."""
+SWITCH_INTERVAL_S = 0.001
+"""The interpreter's switch interval while an app serves (Python's default is 5 ms): how long
+a thread asking for the GIL waits before the thread running Python must hand it over. The event
+loop's thread gives the GIL up at every socket call and takes it back after; while a worker
+thread parses, renders or tokenizes a large request, each of those waits costs up to this
+interval, several times for every other client's request (``benchmarks/bench_event_loop.py``).
+"""
+
+
+class _SwitchInterval:
+    """:data:`SWITCH_INTERVAL_S` while any app of this process serves (the interval is the
+    process's: apps in threads of one process share it), the interval before once none does."""
+
+    _lock = threading.Lock()
+    _serving = 0
+    _before = 0.0
+
+    @classmethod
+    @contextlib.contextmanager
+    def short(cls) -> Iterator[None]:
+        with cls._lock:
+            if cls._serving == 0:
+                cls._before = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+            cls._serving += 1
+        try:
+            yield
+        finally:
+            with cls._lock:
+                cls._serving -= 1
+                if cls._serving == 0:
+                    sys.setswitchinterval(cls._before)
 
 
 async def _expire_forever(
@@ -114,7 +148,8 @@ def create_app(
     """An app that opens an AgentRuntime for ``config`` on startup and closes it on shutdown.
 
     ``app.state.worker`` is the worker's id (claimed when the runtime opens), named on every
-    response; ``app.state.drain`` is its :class:`server.worker.Drain`, which ``/ready`` reports.
+    response; ``app.state.drain`` is its :class:`agentkv.server.worker.Drain`, which
+    ``/ready`` reports.
 
     Args:
         config: the runtime to serve.
@@ -124,12 +159,12 @@ def create_app(
         stateless_ttl_s: agents created for requests that name no agent are deleted after this
             many seconds without a turn (None: kept). Named agents never expire.
         allowed_hosts: the Host names requests may carry (any port), others get 421; None:
-            any (see ``server.hosts``: ``agentkv serve`` and ``serve_in_thread`` pass the
+            any (see ``agentkv.server.hosts``: ``agentkv serve`` and ``serve_in_thread`` pass the
             loopback names when bound to loopback).
         max_stateless_agents: when creating an agent for a request that names none makes more
             such agents, the idle ones used least recently are deleted (None: no cap).
         keep_volatile: keep the per-request metadata lines clients put in system prompts
-            (``server.sessions.VOLATILE_LINES``: Claude Code's billing line), which are
+            (``agentkv.server.sessions.VOLATILE_LINES``: Claude Code's billing line), which are
             otherwise dropped so that the prompt's prefix stays cached across requests.
         responses_ttl_s: stored Responses API responses are deleted this many seconds after
             they were made (None: kept until deleted).
@@ -169,7 +204,8 @@ def create_app(
             # collections skip it. Each would hold the GIL ~100 ms, stalling every client.
             gc.collect()
             gc.freeze()
-            yield
+            with _SwitchInterval.short():
+                yield
         finally:
             drain.stopping = True
             gc.unfreeze()

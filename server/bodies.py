@@ -1,4 +1,4 @@
-"""Chat request bodies, parsed and validated off the event loop.
+"""Request bodies, parsed and validated off the event loop.
 
 FastAPI parses and validates a route's body model on the event loop, where a history of tens
 of thousands of messages takes a good part of a second in which no other client is answered.
@@ -13,7 +13,10 @@ body over :data:`INLINE_BYTES` is parsed in a worker thread, where:
   thread.
 
 Smaller bodies take the same steps on the event loop, where they cost less than a thread hop.
-Errors read as FastAPI's own: a field path and what is wrong with it.
+Other bodies that may be large (the agents API's, a system prompt of megabytes) take the same
+path without messages (:func:`model_off_loop`). Errors read as FastAPI's own: a field path and
+what is wrong with it. A client that leaves before its body has arrived raises Starlette's
+``ClientDisconnect`` here, answered as 499 (``agentkv.server.errors``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ async def parse_off_loop(
 
     Args:
         http: the request; its body is read here.
-        model: a pydantic model with a ``messages`` (or, Responses API, ``input``) list field.
+        model: a pydantic model with a ``messages`` (or, Responses API, ``input``) list field
+            (or neither: see :func:`model_off_loop`).
         max_messages: more messages (input items) than this are refused with 413.
         then: the route's conversion of the parsed body (errors it raises pass through).
 
@@ -77,6 +81,13 @@ async def parse_off_loop(
     return await asyncio.to_thread(parse_then)
 
 
+async def model_off_loop(http: Request, model: type[Body]) -> Body:
+    """Read the request's body and parse it as ``model`` (one without a list of messages), in
+    a worker thread when it is over :data:`INLINE_BYTES`. Raises as :func:`parse_off_loop`."""
+    body, _ = await parse_off_loop(http, model, 0, lambda body: None)
+    return body
+
+
 def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
     """``raw`` JSON as ``model``, its messages validated in chunks (see the module docstring)."""
     try:
@@ -90,7 +101,7 @@ def parse(raw: bytes, model: type[Body], max_messages: int) -> Body:
     if not isinstance(data, dict):
         raise APIError.invalid(f"body: must be a JSON object, not {type(data).__name__}")
     key = "messages" if "messages" in model.model_fields else "input"  # (Responses API)
-    messages = data.get(key)
+    messages = data.get(key) if key in model.model_fields else None
     if isinstance(messages, list):
         if len(messages) > max_messages:
             message = too_many_messages_message(len(messages), max_messages, key)

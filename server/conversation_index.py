@@ -3,8 +3,7 @@ every agent the server may match a stateless request to, and the agents in each 
 
 A request hashes each prefix of its history (:func:`prefix_digests`) and looks them up, longest
 first (see ``agentkv.server.identity``). An agent whose transcript ends with a reply is also found
-by
-its state before that reply (``asked``): a request that resends the very conversation it
+by its state before that reply (``asked``): a request that resends the very conversation it
 answered. The index keeps its agents in the order of their last use, oldest first.
 """
 

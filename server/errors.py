@@ -15,9 +15,11 @@ Status codes::
     404 unknown agent or route
     409 agent id already taken; the agent changed while the turn ran (another worker stored
         a turn of it first: nothing of this one was stored)
-    413 request body over the server's limit; a turn whose history + max_tokens can never fit
-        the engine's KV memory budget (code ``kv_budget_exceeded``, param ``max_tokens``)
+    413 request body over the server's limit; a turn whose history and prompt can never fit
+        the engine's KV memory budget (code ``kv_budget_exceeded``, param ``messages``)
     429 (OpenAI) / 529 (Anthropic overloaded_error): the engine's admission queue is full
+    499 (nginx's "client closed request"; nobody reads it) the client went away before its
+        request was read or its reply was ready: nothing of it was stored, nothing is logged
     500 a failed turn (rolled back)
     503 the runtime is shutting down, or the registry cannot be written (read-only, locked)
     507 the registry's disk is full (nothing of the request was stored)
@@ -35,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from agentkv import (
     AgentChangedError,
@@ -159,6 +162,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(INTERNAL, str(exc))
     if isinstance(exc, ClientDisconnectedError):
         return APIError(CLIENT_CLOSED, str(exc))
+    if isinstance(exc, ClientDisconnect):  # (Starlette's: while the body was being read)
+        return APIError(CLIENT_CLOSED, "the client disconnected before its request was read")
     return APIError(INTERNAL, f"internal error: {type(exc).__name__}")
 
 
@@ -206,6 +211,7 @@ def install_error_handlers(
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
-    for cls in (APIError, AgentKVError, ClientDisconnectedError, ValueError, jinja2.TemplateError):
+    handled = (APIError, AgentKVError, ClientDisconnectedError, ClientDisconnect, ValueError)
+    for cls in (*handled, jinja2.TemplateError):
         app.add_exception_handler(cls, on_error)
     app.add_exception_handler(Exception, on_unexpected)

@@ -37,7 +37,6 @@ from contextlib import asynccontextmanager
 from agentkv import AgentChangedError, AgentExistsError, AgentNotFoundError, AgentRuntime
 from agentkv.server.claims import AgentHolds, Claim
 from agentkv.server.conversation import TurnRequest
-from agentkv.server.conversation_index import as_chat
 from agentkv.server.sessions import session_agent_id
 from agentkv.server.stateless import DEFAULT_MAX_STATELESS_AGENTS, StatelessAgents
 
@@ -154,7 +153,9 @@ class Identity:
         for attempt in range(1, FIRST_USE_TRIES + 1):
             # Another request (on any worker) may create or discard the agent in between.
             try:
-                transcript, created = as_chat(await runtime.transcript(agent_id)), False
+                # Whether it holds a message is all that matters here: one row, not thousands
+                # (its turn reads the transcript).
+                held, created = bool(await runtime.transcript(agent_id, limit=1)), False
                 break
             except AgentNotFoundError:
                 pass
@@ -162,12 +163,12 @@ class Identity:
                 await runtime.create_agent(
                     agent_id, system_prompt=request.system or None, idle_ttl_s=idle_ttl_s
                 )
-                transcript, created = [], True
+                held, created = False, True
                 break
             except AgentExistsError:
                 if attempt == FIRST_USE_TRIES:
                     raise
-        imported = request.history if request.document is None and not transcript else []
+        imported = request.history if request.document is None and not held else []
         return Claim(
             agent_id,
             history=list(imported),

@@ -5,8 +5,7 @@ larger than the cap (``Content-Length``) is refused at once; a chunked body is c
 arrives and refused as soon as it passes the cap. Either way the client gets 413 in its API's
 error shape and nothing reaches the routes. The number of messages is checked as soon as the
 body is parsed, before any message is validated (413 too, see ``agentkv.server.bodies``); stop
-strings
-are checked with the rest of the request (400).
+strings are checked with the rest of the request (400).
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ class ServerState:
     keep_volatile: bool = False  # keep per-request metadata lines in system prompts
 
 
-def get_state(request: Request) -> ServerState:
-    """FastAPI dependency: the state the app's lifespan opened."""
+async def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the state the app's lifespan opened. A coroutine: FastAPI runs a
+    plain function dependency in its thread pool, a hop there and back on every request."""
     return request.app.state.server
 
 

@@ -87,6 +87,13 @@ def _states(system: str, chat: list[ChatMessage]) -> tuple[bytes, bytes | None]:
     return digests[-1], asked
 
 
+def _transcript_states(
+    agent: AgentRecord, transcript: list[MessageRecord]
+) -> tuple[bytes, bytes | None]:
+    """:func:`_states` of a stored agent (it grows with the transcript: run off the loop)."""
+    return _states(_key_of(agent), as_chat(transcript))
+
+
 @dataclass(slots=True, frozen=True)
 class _Found:
     """A matched agent: it holds ``conversation[:matched]``; ``resent``: and a reply after
@@ -286,7 +293,7 @@ class StatelessAgents:
             self._index.drop(agent_id)
             return False
         transcript = await self._runtime.transcript(agent_id)
-        digest, asked = await asyncio.to_thread(_states, _key_of(agent), as_chat(transcript))
+        digest, asked = await asyncio.to_thread(_transcript_states, agent, transcript)
         if found.resent or found.rewrites:  # it holds a reply the turn replaces
             state, expected = asked, digests[-1] if found.resent else digests[found.matched]
         else:
@@ -302,5 +309,5 @@ class StatelessAgents:
     ) -> None:
         if transcript is None:
             transcript = await self._runtime.transcript(agent.id)
-        states = await asyncio.to_thread(_states, _key_of(agent), as_chat(transcript))
+        states = await asyncio.to_thread(_transcript_states, agent, transcript)
         self._index.put(agent.id, *states)

@@ -111,6 +111,7 @@ def test_event_loop_quick(tmp_path):
 
     assert (tmp_path / "x.png").stat().st_size > 0
     assert (report["messages"], report["target_ms"]) == (2_000, 50.0)
+    assert report["stream_target_ms"] == 100.0
     kinds = [
         ("history at the limit (stateless)", 400),
         ("history at the limit (named)", 400),
@@ -123,9 +124,14 @@ def test_event_loop_quick(tmp_path):
     expected = [("baseline (a stream)", None)] + [
         (f"{api} {kind}", status) for api in ("anthropic", "openai") for kind, status in kinds
     ]
+    expected += [
+        ("anthropic count_tokens of the history at the limit", 200),
+        ("agents API: new agent, 0.2 MB system prompt", 201),
+    ]
     assert [(row["request"], row.get("status")) for row in report["rows"]] == expected
     for row in report["rows"]:
         assert row["pings"] > 0 and row["worst_ms"] >= row["median_ms"] > 0
+        assert row["stream_gaps"] > 0
         assert row["stream_worst_gap_ms"] >= row["stream_median_gap_ms"] > 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -175,6 +176,67 @@ def test_non_streaming_client_that_disconnects_cancels_its_turn(http):
     again = http.post("/v1/chat/completions", json=short, headers=headers)
     assert again.status_code == 200
     assert len(transcript(http, "leaves-early")) == 2
+
+
+class ErrorRecords(logging.Handler):
+    """The ERROR records of the root logger and uvicorn's (which does not propagate)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[list[logging.LogRecord]]:
+        loggers = [logging.getLogger(), logging.getLogger("uvicorn")]
+        for logger in loggers:
+            logger.addHandler(self)
+        try:
+            yield self.records
+        finally:
+            for logger in loggers:
+                logger.removeHandler(self)
+
+
+def requests_by_status(http: httpx.Client, path: str) -> dict[str, float]:
+    return {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == "agentkv_http_requests_total" and sample.labels["route"] == path
+    }
+
+
+CUT_SHORT = ["/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens", "/v1/agents"]
+
+
+def test_a_client_that_leaves_before_its_body_arrives_is_a_499(http):
+    """No traceback, no 5xx, nothing stored: the request is counted as nginx's 499."""
+    host, port = http.base_url.host, http.base_url.port
+    lines = ["POST {} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json"]
+    head = "\r\n".join([*lines, "x-agent-id: cut-short", "Content-Length: 100000", "", ""])
+    part = json.dumps({"model": "m", "max_tokens": 2, "messages": [user("Hi")]})[:-3].encode()
+    before = {path: requests_by_status(http, path) for path in CUT_SHORT}
+    with ErrorRecords().attached() as errors:
+        for path in CUT_SHORT:
+            for _ in range(10):
+                with socket.create_connection((host, port)) as sock:
+                    sock.sendall(head.format(path).encode() + part)
+        for path in CUT_SHORT:
+            deadline = time.monotonic() + 30
+            while sum(requests_by_status(http, path).values()) < sum(before[path].values()) + 10:
+                assert time.monotonic() < deadline, f"{path}: the requests were not counted"
+                time.sleep(0.02)
+    assert [record.getMessage() for record in errors] == []
+    for path in CUT_SHORT:
+        counted = requests_by_status(http, path)
+        new = {status: n - before[path].get(status, 0) for status, n in counted.items()}
+        assert {status: n for status, n in new.items() if n} == {"499": 10}
+    assert http.get("/v1/agents/cut-short").status_code == 404
+    short = {"model": "m", "max_tokens": 2, "messages": [user("Hi")]}
+    assert http.post("/v1/chat/completions", json=short).status_code == 200
 
 
 def active_requests(http: httpx.Client) -> float:

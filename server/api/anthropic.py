@@ -8,8 +8,7 @@ turn's full usage (the runtime knows the cached part only when the turn ends).
 
 Consecutive messages of one role are joined into one turn, as Anthropic's API does. Content
 blocks and tools: see :mod:`agentkv.server.api.anthropic_content`; a request with tools, tool
-blocks or
-system messages among its messages, or from a Claude Code session, is a whole conversation
+blocks or system messages among its messages, or from a Claude Code session, is a whole conversation
 (``AgentRuntime.respond``). Tool calls the model makes come back as ``tool_use`` blocks with
 ``stop_reason: "tool_use"``; streamed, each is a block after the text block (text from a tool
 call's start marker on is held back), its arguments in ``input_json_delta`` pieces as they are
@@ -27,8 +26,7 @@ Sampling: a request with none of ``temperature``/``top_p``/``top_k`` uses the ag
 (Anthropic's default) for an unset temperature.
 
 Bodies are parsed off the event loop (``agentkv.server.bodies``). Numbers and flags are strict:
-``true``
-is no ``max_tokens`` and ``"yes"`` no ``stream``; NaN and infinities are refused. At most
+``true`` is no ``max_tokens`` and ``"yes"`` no ``stream``; NaN and infinities are refused. At most
 ``MAX_STOP_SEQUENCES`` stop sequences of at most ``MAX_STOP_CHARS`` characters each.
 """
 

@@ -12,9 +12,8 @@ temperature 1.0 (OpenAI's default) for an unset temperature; penalties or a bias
 greedy decoding.
 
 Bodies are parsed off the event loop (``agentkv.server.bodies``). Numbers and flags are strict
-(``true``
-is no ``max_tokens``, ``"yes"`` no ``stream``; no NaN or infinities). A ``tool`` message must
-answer a call of the assistant message before it (by ``tool_call_id``). A user message needs
+(``true`` is no ``max_tokens``, ``"yes"`` no ``stream``; no NaN or infinities). A ``tool`` message
+must answer a call of the assistant message before it (by ``tool_call_id``). A user message needs
 content; so does an assistant message without ``tool_calls``, though ``""`` will do (an empty
 reply comes back as ``""``, from this server too, and clients replay it). At most
 ``MAX_STOP_SEQUENCES`` stop strings of at most ``MAX_STOP_CHARS`` characters each (OpenAI's API
