@@ -51,8 +51,7 @@ class ToolFormat:
     @property
     def forcible(self) -> bool:
         """Whether a call can be forced (``tool_choice``): a format ``agentkv.engine.grammar``
-        writes
-        a grammar for (``CallFormat.forcible``)."""
+        writes a grammar for (``CallFormat.forcible``)."""
         return call_format(self.style).forcible
 
     def call_stream(self) -> CallStream | None:

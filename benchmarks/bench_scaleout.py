@@ -5,9 +5,8 @@
 For each worker count, ``agentkv serve`` workers sharing one registry (a SQLite file, or
 ``--db-url``) and one cache directory run behind HAProxy with the shipped config
 (``agentkv.server.scaleout.local``, all on this machine). ``--clients`` clients each talk to an
-agent of
-their own (``x-agent-id``) through the router, ``--turns`` turns one after another, every turn
-generating exactly ``--max-tokens`` tokens (the model's end tokens are banned). Throughput is
+agent of their own (``x-agent-id``) through the router, ``--turns`` turns one after another, every
+turn generating exactly ``--max-tokens`` tokens (the model's end tokens are banned). Throughput is
 the generated tokens of all turns over the wall time from the first request to the last reply;
 ``two_vs_one`` is the two-worker figure over the one-worker one, measured in the same run.
 Workers on one machine share its cores: the ratio says what a second process adds there, not

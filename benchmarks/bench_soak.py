@@ -3,9 +3,8 @@
     python -m benchmarks.bench_soak [--agents 500] [--shared-turns 400] [--postgres] [--quick]
 
 Two ``agentkv serve`` workers (``agentkv.server.scaleout.local``: ``w1`` and ``w2``) share one
-registry
-(a SQLite file, ``--db-url``, or with ``--postgres`` a throwaway PostgreSQL server started from
-the Debian binaries, as the tests start theirs) and one cache directory. This process sends
+registry (a SQLite file, ``--db-url``, or with ``--postgres`` a throwaway PostgreSQL server started
+from the Debian binaries, as the tests start theirs) and one cache directory. This process sends
 requests straight to each worker, with no router in between, so that they race:
 
 - **first turns**: for each of ``--agents`` new agent ids, one request to each worker at once

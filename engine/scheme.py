@@ -4,8 +4,7 @@ is stored, without being expanded and quantized again.
 
 - **q8**: keys and values per position in groups of the layer's group size; keys rotated by
   ``agentkv.engine.codes.hadamard`` first where the key head size is a power of two (attention
-  rotates
-  the query alike).
+  rotates the query alike).
 - **q4**: values per position, rotated, and keys per channel over
   :data:`~engine.config.KEY_GROUP_SIZE` positions at :data:`~engine.config.KEY_BITS` bits
   (KIVI: a few channels are far larger than the rest) where the key head size is a whole

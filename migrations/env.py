@@ -1,8 +1,7 @@
 """Alembic environment for the agentkv registry (SQLite or PostgreSQL, async engine, batch mode).
 
 ``Registry.open`` runs ``upgrade head`` itself: ``agentkv.store.database.upgrade`` builds the
-Alembic
-config in code and hands over a connection of the registry's own engine through
+Alembic config in code and hands over a connection of the registry's own engine through
 ``config.attributes["connection"]``, so no alembic.ini and no logging setup are involved.
 
 From the repository root, ``alembic.ini`` points here and at ``data/agentkv.sqlite``; choose

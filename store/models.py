@@ -287,8 +287,7 @@ class StoredResponse(Base):
     responses ``previous_id`` leads to), ``output`` the response's output items, ``body`` the
     rest of the response object as returned; all three are JSON text, encoded and decoded off
     the event loop (``agentkv.store.responses``). ``agent_id`` and ``message_id`` name the agent
-    and the
-    reply message that answered; an agent deleted later leaves the response (``agent_id``
+    and the reply message that answered; an agent deleted later leaves the response (``agent_id``
     NULL).
     """
 

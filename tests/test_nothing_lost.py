@@ -4,8 +4,7 @@ taken during a renewal, a runtime opening on a full disk, internal markers in us
 
 Two runtimes in one process stand for two workers (as in ``test_fencing``): each has its own
 engine, leases and request resolver (``agentkv.server.identity``), and they share the registry
-(SQLite
-and PostgreSQL) and the cache directory.
+(SQLite and PostgreSQL) and the cache directory.
 """
 
 from __future__ import annotations

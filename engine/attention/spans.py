@@ -2,8 +2,7 @@
 with the group cache that holds it.
 
 A step feeds ``T`` rows of one token (``agentkv.engine.attention.step``). Attention reads each
-span's
-keys through mlx-lm's ``scaled_dot_product_attention``; two kinds of layer cannot work that
+span's keys through mlx-lm's ``scaled_dot_product_attention``; two kinds of layer cannot work that
 way, and run span by span instead, a prefill chunk as a ``(1, c, D)`` block of consecutive
 tokens and a decode group as ``(B, 1, D)``:
 

@@ -3,8 +3,7 @@
 mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` left-pad every sequence to the longest
 one. agentkv keeps them, but per *group*: sequences of similar length share one padded buffer
 per layer, and attention runs once per group (``agentkv.engine.attention``). A sequence joins the
-group
-where it adds the least padding, and only while the group's padded size stays within
+group where it adds the least padding, and only while the group's padded size stays within
 ``PADDING_TOLERANCE`` of what its sequences own; otherwise it starts a group of its own. So the
 batch holds about the sum of its sequences' histories, not batch size × the longest.
 

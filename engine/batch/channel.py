@@ -37,8 +37,7 @@ class _ChannelQuantized(QuantizedLayer):
     attention reads instead of its words: causal attention makes a sequence's first keys and
     values a function of its first token alone, so the engine computes them once a token
     (``agentkv.engine.runner.ModelRunner.first_positions``) for every row, whatever it joined from;
-    its
-    words stay as quantized (a cache file's bytes do not change). That position (the BOS
+    its words stay as quantized (a cache file's bytes do not change). That position (the BOS
     token) draws much of the attention and carries large channels: reading it in float cut
     q4's mean KL by a fifth at a 4K history (``benchmarks.research.bench_q4_schemes``).
     """

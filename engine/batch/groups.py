@@ -92,8 +92,7 @@ class KVGroup:
     def windows(self, seq: Row, layout: KVLayout) -> dict[int, Any] | None:
         """``seq``'s sliding-window and recurrent layers as they are now (copied out), for a
         checkpoint (``agentkv.engine.request.Checkpoint``); None when it has none, or when its
-        layers
-        hold keys per channel (such a cache is only had whole)."""
+        layers hold keys per channel (such a cache is only had whole)."""
         if layout.packing is not None and layout.packing.any_channel:
             return None
         row = self.seqs.index(seq)

