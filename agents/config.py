@@ -64,6 +64,10 @@ class RuntimeConfig(BaseModel):
         share_prefixes: a new agent (or one rebuilding) whose prompt starts with stored blocks
             resumes from them; when its system prompt (and tools) span a block and are not
             stored yet, it prefills them first and stores them for the agents that follow.
+        speculative: ``"lookup"``: replies feed drafts from the agent's own history, several
+            tokens a step where they restate it (the same tokens greedy, the same
+            distribution sampled: ``agentkv.engine.speculative``); ``"off"``: one a step;
+            None (the default): ``engine.speculative``'s (``"lookup"``).
         default_max_tokens: max_tokens of a turn when the call does not say; None (the
             default): a turn runs until the model stops or its context (or the KV budget, for
             it alone) is full, as OpenAI's API does without ``max_tokens``.
@@ -95,6 +99,7 @@ class RuntimeConfig(BaseModel):
     disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
     kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
     share_prefixes: bool = True
+    speculative: Literal["off", "lookup"] | None = None
     default_max_tokens: int | None = Field(default=None, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     worker_id: str | None = Field(default=None, pattern=WORKER_ID_PATTERN)
@@ -122,6 +127,8 @@ class RuntimeConfig(BaseModel):
             update["batch_kv_group_size"] = self.kv_group_size
         if "cache_block_tokens" not in self.engine.model_fields_set:
             update["cache_block_tokens"] = self.kv_block_tokens
+        if self.speculative is not None:
+            update["speculative"] = self.speculative
         return EngineConfig.model_validate(self.engine.model_dump() | update)
 
     @property

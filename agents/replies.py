@@ -46,6 +46,8 @@ def finished_reply(
             decode_s=s.decode_s or 0.0,
             total_s=time.perf_counter() - started,
             decode_tps=s.decode_tps,
+            drafted_tokens=s.drafted_tokens,
+            accepted_tokens=s.accepted_tokens,
         ),
         stop_sequence=result.stop_sequence,
         logprobs=result.logprobs,
@@ -55,9 +57,12 @@ def finished_reply(
 def log_turn(reply: Reply) -> None:
     """One line per turn: where its cache came from and what it cost (a miss shows here)."""
     usage, timings = reply.usage, reply.timings
+    drafts = ""
+    if timings.drafted_tokens:
+        drafts = f" ({timings.accepted_tokens} of {timings.drafted_tokens} drafts kept)"
     log.info(
         "agent %r: cache %s, prompt %d tokens (%d cached, %d prefilled), %d generated, "
-        "ttft %.3f s, decode %.1f tok/s",
+        "ttft %.3f s, decode %.1f tok/s%s",
         reply.agent_id,
         reply.cache_source,
         usage.prompt_tokens,
@@ -66,4 +71,5 @@ def log_turn(reply: Reply) -> None:
         usage.completion_tokens,
         timings.ttft_s,
         timings.decode_tps or 0.0,
+        drafts,
     )

@@ -48,6 +48,9 @@ class Timings:
         ttft_s: from the call to the first token.
         decode_s: from the first token to the last.
         total_s: the whole call.
+        decode_tps: generated tokens a second after the first.
+        drafted_tokens: drafts fed by speculative decoding (``agentkv.engine.speculative``).
+        accepted_tokens: of them, those kept (tokens generated without a step of their own).
     """
 
     cache_load_s: float
@@ -57,6 +60,8 @@ class Timings:
     decode_s: float
     total_s: float
     decode_tps: float | None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)

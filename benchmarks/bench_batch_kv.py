@@ -79,7 +79,7 @@ RESULTS = Path(__file__).parent / "results"
 
 async def need_bytes(args: argparse.Namespace) -> int:
     """What one agent sets aside in the model's precision."""
-    eng = await Engine.open(args.model, EngineConfig())
+    eng = await Engine.open(args.model, EngineConfig(speculative="off"))
     try:
         cache = await eng.run(synthetic_cache, eng.model.model, args.history, 0, 1000)
         request = GenerationRequest([20], max_tokens=args.tokens, cache=cache)
@@ -91,7 +91,9 @@ async def need_bytes(args: argparse.Namespace) -> int:
 async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> dict:
     """The agents' finished caches (``--history`` tokens and one more), put one by one into a
     hot tier of ``budget`` bytes: what it holds at the end."""
-    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits, **group_size(args)))
+    eng = await Engine.open(
+        args.model, EngineConfig(batch_kv_bits=bits, speculative="off", **group_size(args))
+    )
     try:
         vocab = eng.model.vocab_size
         hot = HotTier(budget)
@@ -116,7 +118,9 @@ async def hot_held(args: argparse.Namespace, bits: int | None, budget: int) -> d
 async def prefill_seconds(args: argparse.Namespace, bits: int | None) -> float:
     """Seconds to prefill one ``--prefill`` -token prompt (no cache) and sample a token, the
     best of two, after a short prompt has compiled the engine's kernels."""
-    eng = await Engine.open(args.model, EngineConfig(batch_kv_bits=bits, **group_size(args)))
+    eng = await Engine.open(
+        args.model, EngineConfig(batch_kv_bits=bits, speculative="off", **group_size(args))
+    )
     try:
         vocab = eng.model.vocab_size
         tokens = [(7 * i) % (vocab - 16) + 16 for i in range(args.prefill)]

@@ -72,7 +72,9 @@ async def engine_batch(eng: Engine, prompts: list[list[int]], tokens: int) -> fl
 
 async def run(args: argparse.Namespace) -> dict:
     top = max(args.ns)
-    config = EngineConfig(completion_batch_size=top, prefill_batch_size=min(8, top))
+    config = EngineConfig(
+        completion_batch_size=top, prefill_batch_size=min(8, top), speculative="off"
+    )
     eng = await Engine.open(args.model, config)
     rows = []
     try:

@@ -58,6 +58,7 @@ async def ask(
         completion_batch_size=agents,
         kv_budget_bytes=budget,
         batch_kv_bits=batch_kv_bits,
+        speculative="off",
         **group_size(args),
     )
     eng = await Engine.open(args.model, config)
@@ -150,6 +151,7 @@ async def mixed(args: argparse.Namespace) -> dict:
             completion_batch_size=short + 1,
             prefill_batch_size=short + 1,
             kv_budget_bytes=budget,
+            speculative="off",
             batch_kv_bits=bits,
         )
         eng = await Engine.open(args.model, config)

@@ -55,7 +55,7 @@ async def timed(engine: Engine, requests: list[GenerationRequest]) -> tuple[floa
 
 
 async def run(args: argparse.Namespace) -> dict:
-    engine = await Engine.open(args.model, EngineConfig())
+    engine = await Engine.open(args.model, EngineConfig(speculative="off"))
     try:
         start = time.perf_counter()
         await asyncio.to_thread(engine.grammars.warm)  # (begun in the background at open)

@@ -109,7 +109,9 @@ def padded(eng: Engine, caches: list[PromptCache], shorts: int, tokens: int) -> 
 
 
 async def run(args: argparse.Namespace) -> dict:
-    eng = await Engine.open(args.model, EngineConfig(completion_batch_size=args.shorts + 1))
+    eng = await Engine.open(
+        args.model, EngineConfig(completion_batch_size=args.shorts + 1, speculative="off")
+    )
     cases = [0, *args.long_histories]
     runs: dict[tuple[str, int], list[dict]] = {}
     try:

@@ -122,7 +122,10 @@ async def ask(
     """The turns at once, without max_tokens, under ``budget``, at most ``slots`` in the
     batch: what the batch did."""
     config = EngineConfig(
-        completion_batch_size=slots, prefill_batch_size=slots, kv_budget_bytes=budget
+        completion_batch_size=slots,
+        prefill_batch_size=slots,
+        kv_budget_bytes=budget,
+        speculative="off",
     )
     eng = await Engine.open(model, config)
     watch = Watch(eng)

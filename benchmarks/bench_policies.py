@@ -78,6 +78,7 @@ async def run(args: argparse.Namespace) -> dict:
                 completion_batch_size=args.batch,
                 prefill_batch_size=min(args.batch, 8),
                 policy=policy,
+                speculative="off",
             )
             eng = await Engine.open(args.model, config)
             try:

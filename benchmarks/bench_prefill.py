@@ -129,7 +129,7 @@ def today(eng: Engine, caches: list[PromptCache], prompt: list[int], warmup: int
 
 async def run(args: argparse.Namespace) -> dict:
     rows = []
-    base = EngineConfig(completion_batch_size=args.decoders + 1)
+    base = EngineConfig(completion_batch_size=args.decoders + 1, speculative="off")
     eng = await Engine.open(args.model, base)
     try:
         vocab = eng.model.vocab_size

@@ -147,7 +147,7 @@ class Bench:
             model=self.args.model,
             data_dir=self.root / (data_dir or name),
             kv_bits=KV_BITS[name],
-            engine=engine or EngineConfig(),
+            engine=engine or EngineConfig(speculative="off"),
         )
 
     def message(self) -> str:

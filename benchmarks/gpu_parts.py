@@ -24,6 +24,7 @@ from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.meter import StepRecord
 from agentkv.engine.request import GenerationRequest
+from agentkv.engine.speculative import Speculation
 from benchmarks import bench_blocks, bench_mixed, bench_prefill
 from benchmarks.bench_batching import engine_batch, make_prompts, raw_batch
 from benchmarks.bench_budget import PRECISIONS
@@ -61,7 +62,9 @@ async def batching(ctx: Context) -> None:
     engine's generation thread, per N. Ratios: ``engine_vs_raw[N]``, of the last round."""
     s = ctx.sizes.of("batching")
     top = max(s["ns"])
-    config = EngineConfig(completion_batch_size=top, prefill_batch_size=min(8, top))
+    config = EngineConfig(
+        completion_batch_size=top, prefill_batch_size=min(8, top), speculative="off"
+    )
     eng = await Engine.open(ctx.model, config)
     rows = ctx.report["rows"] = []
     try:
@@ -137,7 +140,12 @@ async def batch_kv(ctx: Context) -> None:
     for name, bits in PRECISIONS.items():
         if ctx.out_of_time():
             break
-        config = EngineConfig(completion_batch_size=top, prefill_batch_size=top, batch_kv_bits=bits)
+        config = EngineConfig(
+            completion_batch_size=top,
+            prefill_batch_size=top,
+            batch_kv_bits=bits,
+            speculative="off",
+        )
         eng = await Engine.open(ctx.model, config)
         try:
             for agents, history in s["shapes"]:
@@ -175,7 +183,9 @@ async def mixed(ctx: Context) -> None:
     (``long_history`` says what ran)."""
     s = ctx.sizes.of("mixed")
     shorts, tokens = s["shorts"], s["tokens"]
-    eng = await Engine.open(ctx.model, EngineConfig(completion_batch_size=shorts + 1))
+    eng = await Engine.open(
+        ctx.model, EngineConfig(completion_batch_size=shorts + 1, speculative="off")
+    )
     rows = ctx.report["rows"] = []
     long_n = s["long_history"]
     if eng.model.max_context is not None:  # room for its reply within the model's context
@@ -272,10 +282,78 @@ async def prefill(ctx: Context) -> None:
 
 
 async def speculative(ctx: Context) -> None:
-    """Slot for the speculative-decoding benchmark, which a later change adds here (draft
-    tokens verified in the batch: tok/s and acceptance against plain decoding, same run).
-    Until then it runs nothing and the run records it as "pending"."""
-    raise PartPending("speculative decoding benchmark not written yet (a later change adds it)")
+    """Drafts verified in the batch against plain decoding, per N agents: the cost and gain
+    of a drafted step on this device. A random-weight model restates nothing of its own, so
+    the drafts are each reply's own tokens (from a run without drafts; one in ``wrong``
+    changed), as an agent restating its history would have them: the upper end of what
+    drafts give, with the acceptance they had. Ratios: ``drafts_vs_plain[N]`` of decode tok/s
+    (first token to last, all agents), the same tokens checked."""
+    s = ctx.sizes.of("speculative")
+    rows = ctx.report["rows"] = []
+    for n in s["ns"]:
+        if ctx.out_of_time():
+            break
+        prompts = [[(37 * i + 11 * j) % 4000 + 16 for j in range(s["prompt"])] for i in range(n)]
+        rounds = []
+        for _ in range(ctx.sizes.rounds):
+            plain, tokens = await _decode_tps(ctx.model, "off", prompts, s["tokens"], None)
+            drafted, again = await _decode_tps(
+                ctx.model, "lookup", prompts, s["tokens"], (tokens, s["wrong"])
+            )
+            rounds.append(
+                {
+                    "plain_tps": plain["tps"],
+                    "drafts_tps": drafted["tps"],
+                    "same_tokens": again == tokens,
+                    "drafted": drafted["drafted"],
+                    "accepted": drafted["accepted"],
+                }
+            )
+        last = rounds[-1]
+        ratio = last["drafts_tps"] / last["plain_tps"]
+        rows.append({"n": n, **last, "drafts_vs_plain": ratio, "warm_rounds": rounds[:-1]})
+        ctx.log(
+            f"speculative N={n}: plain {last['plain_tps']:.1f} tok/s, drafts "
+            f"{last['drafts_tps']:.1f} tok/s ({ratio:.2f}x), kept {last['accepted']} of "
+            f"{last['drafted']}, same tokens {last['same_tokens']}"
+        )
+    ctx.report["ratios"] = {"drafts_vs_plain": {str(r["n"]): r["drafts_vs_plain"] for r in rows}}
+
+
+async def _decode_tps(
+    model: str, mode: str, prompts: list[list[int]], tokens: int, oracle: tuple | None
+) -> tuple[dict, list[list[int]]]:
+    """Decode tok/s of ``prompts`` together (``oracle``: (each reply's tokens, one draft in
+    how many changed) to draft from), and their tokens."""
+    config = EngineConfig(speculative=mode, completion_batch_size=max(16, len(prompts)))
+    eng = await Engine.open(model, config)
+    saved = Speculation.propose
+    if oracle is not None:
+        truths, wrong = oracle
+        by_start = {tuple(p): t for p, t in zip(prompts, truths, strict=True)}
+        length = len(prompts[0])
+
+        def propose(spec, history, pending, room):  # the reply's own tokens, a few changed
+            k, first = min(spec.k, room), int(pending is None)
+            truth = by_start[tuple(history[:length])]
+            at = len(history) + 1 - length - first
+            got = truth[at : at + k + first] if k >= 1 else []
+            return [t + 1 if (at + j) % wrong == wrong - 1 else t for j, t in enumerate(got)]
+
+        Speculation.propose = propose
+    try:
+        requests = [GenerationRequest(p, max_tokens=tokens, ignore_eos=True) for p in prompts]
+        results = await asyncio.gather(*(eng.generate(r) for r in requests))
+        stats = eng.stats()
+    finally:
+        Speculation.propose = saved
+        await eng.close()
+    first = min(r.stats.first_token_at for r in results)
+    last = max(r.stats.finished_at for r in results)
+    generated = sum(len(r.token_ids) - 1 for r in results)
+    out = {"tps": generated / (last - first), "drafted": stats.drafted_tokens}
+    out["accepted"] = stats.accepted_tokens
+    return out, [r.token_ids for r in results]
 
 
 PARTS: dict[str, Callable[[Context], object]] = {

@@ -43,6 +43,11 @@ class Sizes:
     prefill_prompt: int
     prefill_warmup: int
     prefill_stalls: tuple[float, ...]
+    speculative_ns: tuple[int, ...]
+    speculative_prompt: int
+    speculative_tokens: int
+    speculative_wrong: int
+    """One draft in this many is changed (so some are rejected)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -77,6 +82,10 @@ FULL = Sizes(
     prefill_prompt=8192,
     prefill_warmup=32,
     prefill_stalls=(2.0,),
+    speculative_ns=(1, 8),
+    speculative_prompt=256,
+    speculative_tokens=64,
+    speculative_wrong=8,
 )
 
 QUICK = Sizes(
@@ -100,4 +109,8 @@ QUICK = Sizes(
     prefill_prompt=600,
     prefill_warmup=8,
     prefill_stalls=(2.0,),
+    speculative_ns=(1, 2),
+    speculative_prompt=32,
+    speculative_tokens=12,
+    speculative_wrong=4,
 )

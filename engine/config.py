@@ -59,10 +59,12 @@ class EngineConfig(BaseModel):
         prefill_batch_size: most of them prefilling their prompts at once (default: 8, or
             completion_batch_size when that is smaller).
         prefill_step_size: most prompt tokens of one sequence in one step.
-        kv_budget_bytes: KV memory the batch may hold, padding included. A turn joins only
-            when its history + prompt + max_tokens fit beside the turns already in; one that
-            could never fit is refused at once. None: a share of the device memory left after
-            the weights (Apple: recommended working set; CUDA: free memory; CPU: available RAM).
+        kv_budget_bytes: KV memory the batch may hold, padding included. A turn joins when
+            its history and prompt (and a growth beyond) fit beside the turns already in, and
+            its reservation grows as it decodes (``agentkv.engine.scheduler``); one whose
+            prompt could never fit is refused at once. None: a share of the device memory left
+            after the weights (Apple: recommended working set; CUDA: free memory; CPU:
+            available RAM).
         policy: ``fair``, ``latency_first`` or ``throughput_first``.
         max_decode_stall: while prompts prefill beside decoding turns (``fair`` and
             ``latency_first``), each step's prefill tokens are sized so a decoding turn's
@@ -84,8 +86,11 @@ class EngineConfig(BaseModel):
         cache_block_tokens: tokens per stored cache block (the runtime's ``kv_block_tokens``):
             a cache may start at any multiple of it, so a q8 batch reads no float copy across
             one (see ``agentkv.engine.batch.quantized.QuantizedLayer``). None: caches start only
-            where
-            turns joined and at their requests' ``cache_points``.
+            where turns joined and at their requests' ``cache_points``.
+        speculative: ``"lookup"``: decoding sequences feed drafts taken from their own
+            history, several tokens a step where the model restates it
+            (``agentkv.engine.speculative``); ``"off"``: one token a step.
+        speculative_tokens: the most drafts a sequence feeds in one step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,6 +107,8 @@ class EngineConfig(BaseModel):
     batch_kv_bits: Literal[8, 4] | None = None
     batch_kv_group_size: Literal[32, 64, 128] | None = None
     cache_block_tokens: int | None = Field(default=None, ge=1)
+    speculative: Literal["off", "lookup"] = "lookup"
+    speculative_tokens: int = Field(default=8, ge=1, le=64)
 
     @property
     def batch_group_size(self) -> int:

@@ -31,6 +31,7 @@ from agentkv.engine.request import (
     TokenEvent,
 )
 from agentkv.engine.sequence import Sequence
+from agentkv.engine.speculative import Speculation
 from agentkv.engine.stopping import StopStrings
 from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
 
@@ -269,8 +270,22 @@ class Engine:
             raise ValueError(f"forced_token is outside the vocabulary (size {vocab_size})")
         self._check_budget(request)
         seq.max_tokens = self.max_tokens(request)
+        if self._drafts(request, seq):
+            seq.spec = Speculation(self.config.speculative_tokens)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
+
+    def _drafts(self, request: GenerationRequest, seq: Sequence) -> bool:
+        """Whether ``seq`` may feed drafts (``agentkv.engine.speculative``): the engine and
+        the request want them, the model's layers can be cut back, and every token it
+        generates is chosen from the model's logits alone (no processor, no logprobs)."""
+        return (
+            self.config.speculative == "lookup"
+            and request.speculative
+            and self._thread.runner.can_draft
+            and not seq.logits_processors
+            and request.logprobs is None
+        )
 
     def _check_packing(self, cache: PromptCache) -> None:
         """Refuse a cache whose packed layers this engine's batch would read otherwise."""

@@ -36,7 +36,13 @@ from agentkv.engine.request import (
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import SeqStatus, Sequence
-from agentkv.engine.step import StepPlan, logprob_values, token_values
+from agentkv.engine.step import (
+    StepPlan,
+    drop_newest_of,
+    logprob_values,
+    token_values,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)
@@ -209,6 +215,10 @@ class GenerationLoop(threading.Thread):
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])
+            if plan.verify:  # its drafts are checked now: nothing is left in flight
+                mx.eval(marker)
+                self._in_flight = None
+                self.meter.drafted(*verify(plan))
             tokens = token_values([p for _, p in plan.fed])
             logprobs = logprob_values(plan, tokens)
         except Exception as exc:
@@ -250,9 +260,12 @@ class GenerationLoop(threading.Thread):
         ended: list[tuple[Sequence, FinishReason]] = []
         failed: list[tuple[Sequence, Exception]] = []
         eos = self.model.eos_token_ids
+        done: dict[int, int] = {}  # ended sequences -> their tokens fed after the end
         for (seq, _), token, logprob in zip(plan.fed, tokens, logprobs, strict=True):
+            if id(seq) in done:  # a kept draft after its end (a stop, max_tokens)
+                done[id(seq)] += 1
+                continue
             seq.tokens.append(token)
-            seq.steps += 1
             reason = None
             if len(seq.token_ids) + 1 >= seq.max_tokens:
                 reason = FinishReason.LENGTH
@@ -262,9 +275,14 @@ class GenerationLoop(threading.Thread):
                 hit = self._on_token(seq, token, logprob, reason, now)
             except Exception as exc:
                 failed.append((seq, exc))
+                done[id(seq)] = 0
                 continue
             if reason is not None or hit:
                 ended.append((seq, reason or FinishReason.STOP))
+                done[id(seq)] = 0
+        for seq in {id(s): s for s, _ in plan.fed}.values():
+            seq.steps += 1
+            drop_newest_of(seq, done.get(id(seq), 0))  # what it fed after its end
         for seq, _ in plan.prefill:
             seq.steps += 1
         if not (ended or failed):

@@ -38,8 +38,8 @@ class EngineStats:
         batch_size: sequences in the latest step.
         policy: the scheduling policy.
         kv_budget_bytes: the KV memory budget of the batch.
-        kv_reserved_bytes: budget set aside for the requests in the batch (each up to its
-            history + max_tokens).
+        kv_reserved_bytes: budget set aside for the requests in the batch (each its history
+            and prompt, growing as it decodes).
         kv_held_bytes: bytes of the batch's KV buffers now, padding included.
         kv_padding_bytes: of those, bytes no sequence owns (padding and growth room).
         kv_groups: length groups in the batch.
@@ -55,6 +55,10 @@ class EngineStats:
         batch_kv_bits: the precision of the batch's KV (0: the model's).
         kv_token_bytes: K+V bytes one token of history holds in the batch, all layers (while
             the history is within the sliding windows), at that precision.
+        drafted_tokens: drafts fed since the engine started (speculative decoding,
+            ``agentkv.engine.speculative``).
+        accepted_tokens: of them, those kept (each a token generated without a step of its
+            own).
     """
 
     active: int
@@ -79,6 +83,8 @@ class EngineStats:
     prefill_tokens_per_step: int
     batch_kv_bits: int = 0
     kv_token_bytes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,6 +126,11 @@ class Meter:
         self._counts["tokens"] += n
         if self._counts["tokens"] % 64 < n:
             self._peak_memory = mx.get_peak_memory()
+
+    def drafted(self, drafted: int, kept: int) -> None:
+        """A sequence fed ``drafted`` drafts in a step and ``kept`` of them."""
+        self._counts["drafted"] += drafted
+        self._counts["accepted"] += kept
 
     def finished(self, reason: FinishReason) -> None:
         self._counts[_COUNTER[reason]] += 1
@@ -174,4 +185,6 @@ class Meter:
             prefill_tokens_per_step=s.pacer.last_budget,
             batch_kv_bits=s.layout.bits or 0,
             kv_token_bytes=sum(s.layout.token_bytes),
+            drafted_tokens=c["drafted"],
+            accepted_tokens=c["accepted"],
         )

@@ -9,6 +9,9 @@ that changes one fails there with a message naming it, not somewhere in the batc
   writes next (``_idx``), to save a ring and rebuild it from its positions;
 - a batch buffer's shared write position (``BatchKVCache._idx``, ``BatchRotatingKVCache._idx``
   and ``_offset``), which agentkv's buffers grow from and merge rows at;
+- dropping a one-row batch buffer's newest positions after a multi-position update
+  (:func:`drop_newest`: ``trim`` and, for a ring, its buffer cut to ``_idx``), a drafted
+  step's rejected drafts;
 - an object's class changed in place (``recast``): a batch buffer mlx-lm's ``merge`` made of
   its own class, a decoder layer given agentkv's span-by-span call;
 - the attention hook: every mlx-lm model imports ``scaled_dot_product_attention`` from
@@ -28,7 +31,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 T = TypeVar("T")
 
@@ -68,6 +71,18 @@ def set_batch_extent(buffer: Any, columns: int) -> None:
     """A ``BatchRotatingKVCache`` built from rows left-padded to ``columns`` positions: it has
     written that many and writes next after them."""
     buffer._idx = buffer._offset = columns
+
+
+def drop_newest(buffer: Any, n: int) -> None:
+    """Drop the ``n`` newest positions of a one-row batch buffer whose last update wrote
+    more than one position (a span of rows: a prompt's chunk, a drafted step): a
+    ``BatchKVCache`` writes its next position where they began, a ``BatchRotatingKVCache``
+    (in temporal order after such an update, its buffer as long as what it holds) holds
+    what it held before them and that many more."""
+    buffer.trim(n)
+    if isinstance(buffer, BatchRotatingKVCache):
+        buffer.keys = buffer.keys[..., : buffer._idx, :]
+        buffer.values = buffer.values[..., : buffer._idx, :]
 
 
 # ---- classes and hooks -----------------------------------------------------------------------

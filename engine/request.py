@@ -74,6 +74,9 @@ class GenerationRequest:
             fence, as ``cache_points`` are.
         reasoning_budget: on a reasoning model (``Engine.thinking``), the most tokens the reply
             may think for: then its thinking's end marker is forced, and the answer follows.
+        speculative: let it feed drafts from its history (``EngineConfig.speculative``): the
+            same tokens (greedy) or distribution (sampled), several a step where the reply
+            restates its history; False: one token a step.
     """
 
     prompt_tokens: list[int]
@@ -91,6 +94,7 @@ class GenerationRequest:
     cache_points: tuple[int, ...] = ()
     checkpoint_at: int | None = None
     reasoning_budget: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -171,6 +175,8 @@ class RequestStats:
     first_token_at: float | None = None
     finished_at: float | None = None
     decode_tokens: int = 0
+    drafted_tokens: int = 0  # drafts fed (speculative decoding)
+    accepted_tokens: int = 0  # of them, kept
 
     @property
     def queue_wait_s(self) -> float | None:

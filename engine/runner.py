@@ -1,15 +1,13 @@
 """One step of the batch through mlx-lm's model: decode rows and prefill chunks together.
 
-A step is one forward pass over ``T`` rows of one token (see ``agentkv.engine.attention``): one row
-per
-decoding sequence (it feeds the token it sampled last step) and one row per prompt token of the
-prefill chunks the scheduler picked. Weights are read once for all of them, which is what lets
-a long prompt join without stalling the sequences that are decoding. Logits are computed only
-for the rows that sample: every decode row and the last row of a prompt's final chunk.
-
-Steps are pipelined as mlx-lm's ``GenerationBatch`` does: a step's tokens are sampled lazily
-and evaluated while the next step is being built, so the host's bookkeeping overlaps the
-device's work.
+A step is one forward pass over ``T`` rows of one token (see ``agentkv.engine.attention``):
+one row per decoding sequence (it feeds the token it sampled last step; a drafting one feeds
+it and its drafts, ``agentkv.engine.speculative``) and one row per prompt token of the prefill
+chunks the scheduler picked. Weights are read once for all of them, which is what lets a long
+prompt join without stalling the sequences that are decoding. Logits are computed only for
+the rows that sample: decode and drafting rows, and a prompt's final chunk's last. Steps are
+pipelined as mlx-lm's ``GenerationBatch`` does: a step's tokens are sampled lazily and
+evaluated while the next step is being built (not in a step with drafts, checked at once).
 """
 
 from __future__ import annotations
@@ -89,6 +87,13 @@ class ModelRunner:
         elif kv_bits is not None:
             self._quantize(KVLayout.of(model, kv_bits, group_size))
 
+    @property
+    def can_draft(self) -> bool:
+        """Whether a step can feed drafts and be cut back exactly (every layer ``KVCache`` or
+        ``RotatingKVCache`` in the model's precision: ``agentkv.engine.speculative``)."""
+        layout = self.layout
+        return layout.packing is None and not layout.recurrent and not any(layout.nested)
+
     def first_positions(self, token: int) -> list[tuple[mx.array, mx.array]]:
         """:func:`~engine.batch.layout.first_positions` of ``token`` through this model, kept for
         the last :data:`FIRST_TOKENS_KEPT` tokens asked (most sequences start with BOS)."""
@@ -149,6 +154,19 @@ class ModelRunner:
                 feeds.append((seq, row, 1))
                 sampling.append((row, seq))
                 row += 1
+        decoded = len(plan.fed)  # (the decode rows'; drafting ones feed theirs as spans)
+        drafting: list[tuple[Sequence, int]] = []  # (sequence, first sampling entry)
+        for seq, drafts in plan.verify:  # pending + drafts: a span of its own, each sampled
+            n = 1 + len(drafts)
+            for i, layer in enumerate(seq.group.layers):
+                spans[i].append(Span(layer, row, n, prefill=True))
+            positions.append(seq.group.positions + mx.arange(n))
+            chunks.append([seq.pending, *drafts])
+            plan.fed.append((seq, seq.pending))
+            plan.fed_logprobs.append(None)
+            drafting.append((seq, len(sampling)))
+            sampling += [(row + j, seq) for j in range(n)]
+            row += n
         for seq, n in plan.prefill:
             fences = self._fences([(seq, len(seq.tokens), n)])
             for i, layer in enumerate(seq.group.layers):
@@ -159,7 +177,7 @@ class ModelRunner:
             row += n
             if n == len(seq.prompt):
                 sampling.append((row - 1, seq))
-        inputs = _join_inputs([p for _, p in plan.fed], chunks)
+        inputs = _join_inputs([p for _, p in plan.fed[:decoded]], chunks)
         caches = self._step_caches(spans, mx.concatenate(positions))
         sampled, reported = None, ()
         if any(s.logits_processors for s, _, _ in feeds):
@@ -196,6 +214,8 @@ class ModelRunner:
         for j, (_, seq) in enumerate(sampling):
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING
+        for seq, first in drafting:  # its samples are read at once (GenerationLoop._verify)
+            seq.verify, seq.pending = (sampled, first), None
         return sampled
 
     def _step_caches(self, spans: list[list[Span]], positions: mx.array) -> list[Any]:
@@ -341,9 +361,10 @@ def _logprobs(
     return chosen, top, mx.take_along_axis(logprobs, top, axis=-1)
 
 
-def _join_inputs(pending: list[Any], chunks: list[list[int]]) -> mx.array:
+def _join_inputs(pending: list[Any], chunks: list[list[Any]]) -> mx.array:
     """The step's input tokens: each decode row's pending token (a row of the array it was
-    sampled in, or an int), then the prefill chunks. Runs of one array are sliced once."""
+    sampled in, or an int), then the drafting rows' and the prefill chunks' tokens (a
+    drafting row's first: its pending token). Runs of one array are sliced once."""
     parts: list[mx.array] = []
     run: tuple[mx.array, int, int] | None = None  # (array, first index, last index)
     ints: list[int] = []
@@ -360,7 +381,7 @@ def _join_inputs(pending: list[Any], chunks: list[list[int]]) -> mx.array:
             )
             run = None
 
-    for p in pending:
+    for p in [*pending, *(t for chunk in chunks for t in chunk)]:
         if isinstance(p, int):
             if run is not None:
                 flush()
@@ -373,7 +394,4 @@ def _join_inputs(pending: list[Any], chunks: list[list[int]]) -> mx.array:
         flush()
         run = (array, index, index)
     flush()
-    tail = [t for chunk in chunks for t in chunk]
-    if tail:
-        parts.append(mx.array(tail, dtype=mx.uint32))
     return parts[0] if len(parts) == 1 else mx.concatenate([p.astype(mx.uint32) for p in parts])

@@ -42,7 +42,7 @@ from agentkv.engine.config import EngineConfig, Policy
 from agentkv.engine.pacing import MIN_CHUNK, PrefillPacer
 from agentkv.engine.request import layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
-from agentkv.engine.step import StepPlan
+from agentkv.engine.step import StepPlan, drafted
 
 FAIR_SLICE_STEPS = 64  # under `fair`, a turn's steps before it yields to a waiting one
 MIN_RUN_STEPS = 8  # a (re)admitted turn runs this many steps before it can be preempted
@@ -135,7 +135,12 @@ class Scheduler:
         if self._regroup:
             self._merge_groups()
         decode = [g for g in self.groups if g.seqs[0].status is SeqStatus.DECODING]
-        plan = StepPlan(decode, self._prefill_chunks(decoding=bool(decode)))
+        decode, verify = drafted(decode)
+        for group in decode:  # one that stopped drafting may join a group of its length now
+            spec = group.seqs[0].spec
+            if spec is not None and spec.stopped:
+                spec.stopped, self._regroup = False, True
+        plan = StepPlan(decode, self._prefill_chunks(decoding=bool(decode or verify)), verify)
         self._measure()
         return plan
 
@@ -337,7 +342,7 @@ class Scheduler:
         settled = [g for g in decoding if g.settled]
         if len(settled) < len(decoding):
             self._regroup = True
-        decoding = settled
+        decoding = [g for g in settled if not g.seqs[0].drafting]  # (each alone meanwhile)
         for group in sorted(decoding, key=lambda g: len(g.seqs)):
             others = [g for g in decoding if g is not group and g.seqs]
             if not group.seqs or not others:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.request import GenerationRequest, RequestStats, TokenLogprob
 from agentkv.engine.sampling import LogitsProcessor, Sampler
+from agentkv.engine.speculative import Speculation
 from agentkv.engine.stopping import StopStrings
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class Sequence:
     preemptions: int = 0
     prompt_end: Any = None  # engine.request.Checkpoint where its history ended (checkpoint_at)
     max_tokens: int = 1  # its request's max_tokens, within the context and the KV budget
+    spec: Speculation | None = None  # its drafting, when it may draft (engine.speculative)
+    verify: tuple[mx.array, int] | None = None  # (samples, first row) of its drafted step
     reserved_tokens: int = 0  # the tokens ``reserved`` covers (it grows as the turn decodes)
 
     def fence(self, position: int, block_tokens: int | None) -> int:
@@ -100,8 +103,15 @@ class Sequence:
         return n
 
     def tokens_after(self, steps: int = 1) -> int:
-        """Tokens its KV holds after its whole prompt and ``steps`` more decode steps."""
-        return len(self.tokens) + len(self.prompt) + steps
+        """Tokens its KV holds after its whole prompt and ``steps`` more decode steps (and
+        the drafts it may feed in them)."""
+        drafts = self.spec.k if self.spec is not None and self.spec.active else 0
+        return len(self.tokens) + len(self.prompt) + steps * (1 + drafts)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether it may feed drafts (it keeps a length group of its own meanwhile)."""
+        return self.spec is not None and self.spec.active
 
     def priority_at(self, now: float, aging_per_s: float) -> float:
         return self.request.priority + aging_per_s * (now - self.arrival)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agentkv.engine.mlxlm import drop_newest
 from agentkv.engine.request import TokenLogprob
+from agentkv.engine.speculative import kept_drafts
 
 if TYPE_CHECKING:
     from agentkv.engine.batch.groups import KVGroup
@@ -20,12 +22,19 @@ class StepPlan:
 
     decode: list[KVGroup]
     prefill: list[tuple[Sequence, int]]
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    """Sequences feeding their pending token and drafts (each alone in its group)."""
     fed: list[tuple[Sequence, Any]] = field(default_factory=list)  # decode rows' tokens
     fed_logprobs: list[Any] = field(default_factory=list)  # and their logprobs (or None)
 
     @property
     def decode_rows(self) -> int:
-        return sum(len(g.seqs) for g in self.decode)
+        """Sequences decoding (drafting or not)."""
+        return sum(len(g.seqs) for g in self.decode) + len(self.verify)
+
+    @property
+    def draft_rows(self) -> int:
+        return sum(len(drafts) for _, drafts in self.verify)
 
     @property
     def prefill_tokens(self) -> int:
@@ -33,7 +42,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
 
 def token_values(pending: list) -> list[int]:
@@ -70,3 +79,52 @@ def logprob_values(plan: StepPlan, tokens: list[int]) -> list[TokenLogprob | Non
             top = tuple(ranked[: seq.request.logprobs])
         out.append(TokenLogprob(token, values[0][row], top))
     return out
+
+
+def drafted(decode: list[KVGroup]) -> tuple[list[KVGroup], list[tuple[Sequence, list[int]]]]:
+    """The decode groups, less the sequences (each alone in its group) that feed drafts this
+    step, and those with their drafts (``agentkv.engine.speculative``)."""
+    plain, verify = [], []
+    for group in decode:
+        seq = group.seqs[0]
+        if not seq.drafting or len(group.seqs) > 1:
+            plain.append(group)
+            continue
+        known = seq.pending if isinstance(seq.pending, int) else None  # (else in flight)
+        room = seq.max_tokens - len(seq.token_ids) - 1  # (fed: the pending, then drafts)
+        drafts = seq.spec.propose(seq.tokens, known, room)
+        if known is None:
+            drafts = drafts[1:]  # after the token expected next, which is the one computed
+        if drafts:
+            verify.append((seq, drafts))
+        else:
+            plain.append(group)
+    return plain, verify
+
+
+def verify(plan: StepPlan) -> tuple[int, int]:
+    """Keep each drafting sequence's drafts up to the first that differs from the token
+    chosen before it (``agentkv.engine.speculative``; its samples evaluated): the kept ones
+    join ``plan.fed``, the token chosen after them is its pending one, the rest leave its KV.
+    Returns the drafts fed and kept, all sequences together."""
+    fed = kept_all = 0
+    for seq, drafts in plan.verify:
+        samples, first = seq.verify
+        chosen = samples[first : first + len(drafts) + 1].tolist()
+        kept = kept_drafts(drafts, chosen)
+        seq.spec.settle(len(drafts), kept)
+        seq.stats.drafted_tokens += len(drafts)
+        seq.stats.accepted_tokens += kept
+        plan.fed += [(seq, token) for token in drafts[:kept]]
+        plan.fed_logprobs += [None] * kept
+        seq.pending, seq.verify = chosen[kept], None
+        drop_newest_of(seq, len(drafts) - kept)
+        fed, kept_all = fed + len(drafts), kept_all + kept
+    return fed, kept_all
+
+
+def drop_newest_of(seq: Sequence, n: int) -> None:
+    """Drop the ``n`` newest positions of a drafting sequence's KV (alone in its group)."""
+    if n:
+        for layer in seq.group.layers:
+            drop_newest(layer, n)

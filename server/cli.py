@@ -307,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         "after the weights",
     )
     serve.add_argument(
+        "--speculative",
+        choices=("off", "lookup"),
+        default="lookup",
+        help="lookup: replies feed drafts from the agent's own history, several tokens a step "
+        "where they restate it (the same tokens greedy, the same distribution sampled; "
+        "default); off: one token a step",
+    )
+    serve.add_argument(
         "--default-max-tokens",
         type=_positive_int,
         metavar="N",

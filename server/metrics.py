@@ -83,6 +83,8 @@ class ServerMetrics:
                 ("prefill_tokens_per_step", "Prefill tokens a step beside decoding may run."),
                 ("batch_kv_bits", "Precision of the batch's KV (0: the model's)."),
                 ("kv_token_bytes", "K+V bytes a token of history holds in the batch."),
+                ("drafted_tokens", "Drafts fed by speculative decoding since the server started."),
+                ("accepted_tokens", "Of them, those kept: tokens generated without a step."),
             )
         }
         self.policy = Gauge(

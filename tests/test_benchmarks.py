@@ -284,6 +284,16 @@ def test_no_max_tokens_quick(tmp_path):
     assert row["in_slots_tokens_per_s"] > 0 and row["vs_slots"] > 0
 
 
+def test_speculative_quick(tmp_path):
+    report = run_quick("bench_speculative", tmp_path)
+
+    rows = {(r["workload"], r["agents"]): r for r in report["rows"]}
+    assert sorted(rows) == [("novel", 1), ("novel", 2), ("restating", 1), ("restating", 2)]
+    assert all(r["same_tokens"] and r["off_tps"] > 0 and r["lookup_tps"] > 0 for r in rows.values())
+    assert all(r["speedup"] == r["lookup_tps"] / r["off_tps"] for r in rows.values())
+    assert set(report["targets_met"]) == set(report["targets"])
+
+
 def test_budget_mix_quick(tmp_path):
     out = tmp_path / "x.json"
     report = importlib.import_module("benchmarks.bench_budget").main(
@@ -476,10 +486,9 @@ def test_gpu_quick(tmp_path):
         "mixed": "ok",
         "resume": "ok",
         "prefill": "ok",
-        "speculative": "pending",  # the slot a later change fills
+        "speculative": "ok",
     }
-    assert not (tmp_path / "speculative.json").exists()
-    names = ["batching", "batch_kv", "mixed", "resume", "prefill"]
+    names = ["batching", "batch_kv", "mixed", "resume", "prefill", "speculative"]
     reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     for name, report in reports.items():
         assert (report["part"], report["status"], report["cut_short"]) == (name, "ok", False)
@@ -546,6 +555,14 @@ def test_gpu_quick(tmp_path):
     }
     assert before["worst_vs_median"] >= 1 and paced["worst_vs_median"] >= 1
 
+    speculative = reports["speculative"]
+    assert [row["n"] for row in speculative["rows"]] == [1, 2]
+    for row in speculative["rows"]:
+        assert row["same_tokens"] and 0 < row["accepted"] <= row["drafted"]
+        assert row["drafts_vs_plain"] == row["drafts_tps"] / row["plain_tps"] > 0
+    by_n = {str(row["n"]): row["drafts_vs_plain"] for row in speculative["rows"]}
+    assert speculative["ratios"] == {"drafts_vs_plain": by_n}
+
 
 def test_gpu_records_a_failed_part_and_runs_the_next(tmp_path, monkeypatch):
     from benchmarks import bench_gpu, gpu_parts
@@ -560,7 +577,7 @@ def test_gpu_records_a_failed_part_and_runs_the_next(tmp_path, monkeypatch):
     parts = summary["parts"]
     assert parts["batching"]["status"] == "failed"
     assert parts["batching"]["error"] == "RuntimeError: out of memory, say"
-    assert parts["speculative"]["status"] == "pending"
+    assert parts["speculative"]["status"] == "ok"
     assert {parts[n]["status"] for n in ("batch_kv", "mixed", "resume", "prefill")} == {
         "not selected"
     }

@@ -300,7 +300,8 @@ async def test_a_group_merges_only_once_its_rings_are_back_within_their_windows(
         merges.append((self.settled, self.held_bytes, sum(s.reserved for s in self.seqs)))
 
     monkeypatch.setattr(KVGroup, "absorb", recorded)
-    config = EngineConfig(policy="throughput_first")  # each prompt in one chunk
+    # Each prompt in one chunk; no drafts (a drafting row keeps a group of its own).
+    config = EngineConfig(policy="throughput_first", speculative="off")
     eng = await Engine.open("tiny:gemma3", config)
     try:
         turns = await histories_and_turns(eng, 2)
