@@ -133,3 +133,32 @@ def test_a_models_decoder_layers_are_its_layers_and_take_a_subclass(spec):
     before = {k for k, _ in layers[0].parameters().items()}
     mlxlm.recast(layers[0], wrapped)
     assert type(layers[0]) is wrapped and set(layers[0].parameters()) == before
+
+
+def test_a_one_row_buffer_drops_the_newest_positions_of_a_span_and_continues():
+    """What a drafted step's rejected drafts rely on (``mlxlm.drop_newest``): after an update
+    of several positions, a ``BatchKVCache`` / ``BatchRotatingKVCache`` of one row cut back
+    by ``trim`` (and a ring's buffer to ``_idx``) holds what it held before them and writes
+    the next position after it, as if they had never been written."""
+
+    def grown(cache, values):
+        x = mx.array(values, dtype=mx.float32).reshape(1, 1, -1, 1)
+        return cache.update_and_fetch(x, x)
+
+    for make in (lambda: BatchKVCache([0]), lambda: BatchRotatingKVCache(4, [0])):
+        cut, whole = make(), make()
+        for value in range(6):  # past the ring's window: it wrapped
+            grown(cut, [value])
+            grown(whole, [value])
+        grown(cut, [6, 70, 80])  # a span of three; the last two rejected
+        mlxlm.drop_newest(cut, 2)
+        grown(cut, [7])
+        grown(whole, [6])
+        grown(whole, [7])
+        got = flat(cut.extract(0).keys)
+        want = flat(whole.extract(0).keys)
+        assert got[-len(want) :] == want and got[-2:] == [6, 7], (
+            f"{type(cut).__name__}.trim no longer cuts a span's newest positions back "
+            f"({got} against {want})"
+        )
+        assert int(cut.offset[0].item()) == int(whole.offset[0].item()) == 8
