@@ -320,7 +320,9 @@ class AgentRuntime:
                 probability and that many of the likeliest tokens at its step),
                 ``template_kwargs`` (variables for the chat template, such as
                 ``{"enable_thinking": False}``), ``reasoning_budget`` (on a reasoning model,
-                the most tokens the reply thinks for before it answers). A reasoning model's
+                the most tokens the reply thinks for before it answers), ``speculative``
+                (False: the reply feeds no drafts where the engine would; greedy, its tokens
+                are the same either way: ``agentkv.engine.speculative``). A reasoning model's
                 thinking comes apart from the answer: ``Reply.reasoning`` (streamed as
                 ``ReasoningDelta`` pieces), ``Reply.text`` the answer.
 
@@ -348,6 +350,7 @@ class AgentRuntime:
         logprobs: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
         reasoning_budget: int | None = None,
+        speculative: bool = True,
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta (and ReasoningDelta) pieces as they are
         generated, then the Reply.
@@ -363,7 +366,14 @@ class AgentRuntime:
         )
         grammar = await self._grammar(response_format)
         options = TurnOptions(
-            max_tokens, sampling, stop, priority, grammar, logprobs, self._budget(reasoning_budget)
+            max_tokens,
+            sampling,
+            stop,
+            priority,
+            grammar,
+            logprobs,
+            self._budget(reasoning_budget),
+            speculative,
         )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -383,6 +393,7 @@ class AgentRuntime:
         logprobs: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
         reasoning_budget: int | None = None,
+        speculative: bool = True,
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
         document; see :mod:`agentkv.conversations`). Yields TextDelta (and ReasoningDelta)
@@ -392,7 +403,8 @@ class AgentRuntime:
         conversation; afterwards the agent's transcript is the conversation plus the reply and
         its system prompt that of the conversation. Rolled back like :meth:`stream`.
         ``max_tokens``, ``sampling``, ``stop``, ``priority``, ``response_format``,
-        ``logprobs``, ``template_kwargs`` and ``reasoning_budget`` are as for :meth:`chat`.
+        ``logprobs``, ``template_kwargs``, ``reasoning_budget`` and ``speculative`` are as for
+        :meth:`chat`.
 
         Args:
             agent_id: the agent (it must exist).
@@ -415,7 +427,14 @@ class AgentRuntime:
                 )
             grammar = await self._tool_grammar(tools, tool_choice)
         options = TurnOptions(
-            max_tokens, sampling, stop, priority, grammar, logprobs, self._budget(reasoning_budget)
+            max_tokens,
+            sampling,
+            stop,
+            priority,
+            grammar,
+            logprobs,
+            self._budget(reasoning_budget),
+            speculative,
         )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event

@@ -276,6 +276,7 @@ class TurnRunner:
             cache_points=plan.cache_points,
             checkpoint_at=plan.checkpoint_at,
             reasoning_budget=options.reasoning_budget,
+            speculative=options.speculative,
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending

@@ -135,3 +135,4 @@ class TurnOptions:
     grammar: Grammar | None = None  # the reply is held to it (see agentkv.formats)
     logprobs: int | None = None  # report tokens' logprobs, with this many alternatives
     reasoning_budget: int | None = None  # the most tokens a reasoning model thinks for
+    speculative: bool = True  # may feed drafts (when the engine drafts: engine.speculative)

@@ -254,15 +254,20 @@ def oracle(monkeypatch) -> None:
     use(monkeypatch, Drafts(None, seed=1))
 
 
-async def test_a_turns_timings_count_its_drafts(tmp_path, monkeypatch):
+async def test_a_turns_timings_count_its_drafts_and_a_turn_may_go_without(tmp_path, monkeypatch):
     oracle(monkeypatch)
     config = RuntimeConfig(model="tiny:llama", data_dir=tmp_path / "rt")
     async with await AgentRuntime.open(config) as rt:
         await rt.create_agent("a")
         reply = await rt.chat("a", "Tell me about the sea.", max_tokens=48)
         stats = rt.engine.stats()
+        await rt.create_agent("b")  # the same turn, asked without drafts
+        plain = await rt.chat("b", "Tell me about the sea.", max_tokens=48, speculative=False)
+        after = rt.engine.stats()
     assert reply.timings.drafted_tokens == stats.drafted_tokens > 0
     assert reply.timings.accepted_tokens == stats.accepted_tokens
+    assert plain.timings.drafted_tokens == 0 and after.drafted_tokens == stats.drafted_tokens
+    assert plain.text == reply.text  # greedy: the same tokens either way
     off = RuntimeConfig(model="tiny:llama", data_dir=tmp_path, speculative="off")
     assert off.engine_config().speculative == "off"
 
