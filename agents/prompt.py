@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.errors import ChatTemplateError, ContextLengthError
+from agentkv.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
 from agentkv.escapes import (
     ESC,
     ESCAPE,
@@ -173,6 +173,31 @@ class ChatRenderer:
             start = match.end()
         return tokens + self._plain(text[start:])
 
+    def prediction_tokens(self, text: str) -> list[int]:
+        """Tokens of a reply's expected text (OpenAI's Predicted Outputs) as the reply would
+        hold them. Raises InvalidMessageError for text that is not a string, or that cannot
+        fit the model's context."""
+        check_text(text, "prediction")
+        limit = self.max_context
+        # Cheap first (string lengths: no C code scans a huge text holding the GIL).
+        if limit is not None and len(text) > limit * self._token_chars():
+            raise InvalidMessageError(
+                f"prediction: {len(text)} characters cannot fit the model's context "
+                f"({limit} tokens)"
+            )
+        tokens = self._plain(text)
+        if limit is not None and len(tokens) >= limit:
+            raise InvalidMessageError(
+                f"prediction: {len(tokens)} tokens, more than the model's context ({limit})"
+            )
+        return tokens
+
+    def _token_chars(self) -> int:
+        """The most characters a token holds (the vocabulary's longest entry)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        return self._max_token_chars
+
     def _plain(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
@@ -185,14 +210,12 @@ class ChatRenderer:
         chars = _text_chars(messages) + _text_chars(tools)
         if chars <= self.max_context:  # a token is at least one character
             return
-        if self._max_token_chars is None:
-            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
-        at_least = -(-chars // self._max_token_chars)
+        at_least = -(-chars // self._token_chars())
         if at_least >= self.max_context:
             raise ContextLengthError(  # Anthropic's wording: clients parse it to compact
                 f"prompt is too long: {at_least} tokens > {self.max_context - 1} maximum (at "
                 f"least: the messages hold {chars} characters, a token at most "
-                f"{self._max_token_chars}; the model's context is {self.max_context} tokens); "
+                f"{self._token_chars()}; the model's context is {self.max_context} tokens); "
                 "shorten the conversation or start a new agent"
             )
 

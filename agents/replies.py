@@ -36,7 +36,14 @@ def finished_reply(
         reasoning=thinking,
         token_ids=list(result.token_ids),
         finish_reason=str(result.finish_reason),
-        usage=Usage(resumed + len(plan.prompt_tokens), cached, len(result.token_ids), thought),
+        usage=Usage(
+            resumed + len(plan.prompt_tokens),
+            cached,
+            len(result.token_ids),
+            thought,
+            s.accepted_prediction_tokens,
+            s.prediction_tokens - s.accepted_prediction_tokens,
+        ),
         cache_source=plan.source,
         timings=Timings(
             cache_load_s=plan.load_s,

@@ -322,7 +322,10 @@ class AgentRuntime:
                 ``{"enable_thinking": False}``), ``reasoning_budget`` (on a reasoning model,
                 the most tokens the reply thinks for before it answers), ``speculative``
                 (False: the reply feeds no drafts where the engine would; greedy, its tokens
-                are the same either way: ``agentkv.engine.speculative``). A reasoning model's
+                are the same either way: ``agentkv.engine.speculative``), ``prediction``
+                (text the reply is expected to restate, such as a file it rewrites with small
+                changes: drafted from first, changing no token; ``Reply.usage`` counts its
+                tokens accepted and rejected). A reasoning model's
                 thinking comes apart from the answer: ``Reply.reasoning`` (streamed as
                 ``ReasoningDelta`` pieces), ``Reply.text`` the answer.
 
@@ -351,6 +354,7 @@ class AgentRuntime:
         template_kwargs: dict[str, Any] | None = None,
         reasoning_budget: int | None = None,
         speculative: bool = True,
+        prediction: str | None = None,
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta (and ReasoningDelta) pieces as they are
         generated, then the Reply.
@@ -374,6 +378,7 @@ class AgentRuntime:
             logprobs,
             self._budget(reasoning_budget),
             speculative,
+            await self._prediction(prediction),
         )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
@@ -394,6 +399,7 @@ class AgentRuntime:
         template_kwargs: dict[str, Any] | None = None,
         reasoning_budget: int | None = None,
         speculative: bool = True,
+        prediction: str | None = None,
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Answer a whole conversation the client resends each time (the client's copy is the
         document; see :mod:`agentkv.conversations`). Yields TextDelta (and ReasoningDelta)
@@ -403,8 +409,8 @@ class AgentRuntime:
         conversation; afterwards the agent's transcript is the conversation plus the reply and
         its system prompt that of the conversation. Rolled back like :meth:`stream`.
         ``max_tokens``, ``sampling``, ``stop``, ``priority``, ``response_format``,
-        ``logprobs``, ``template_kwargs``, ``reasoning_budget`` and ``speculative`` are as for
-        :meth:`chat`.
+        ``logprobs``, ``template_kwargs``, ``reasoning_budget``, ``speculative`` and
+        ``prediction`` are as for :meth:`chat`.
 
         Args:
             agent_id: the agent (it must exist).
@@ -435,9 +441,16 @@ class AgentRuntime:
             logprobs,
             self._budget(reasoning_budget),
             speculative,
+            await self._prediction(prediction),
         )
         async for event in self._turns.run(agent_id, turn, options, time.perf_counter()):
             yield event
+
+    async def _prediction(self, prediction: str | None) -> tuple[int, ...]:
+        """A turn's predicted text as tokens (in a worker thread); () for none."""
+        if not prediction:
+            return ()
+        return tuple(await asyncio.to_thread(self._renderer.prediction_tokens, prediction))
 
     def _budget(self, reasoning_budget: int | None) -> int | None:
         """A turn's cap on thinking, checked. Raises InvalidMessageError for one that is not

@@ -277,6 +277,7 @@ class TurnRunner:
             checkpoint_at=plan.checkpoint_at,
             reasoning_budget=options.reasoning_budget,
             speculative=options.speculative,
+            prediction=options.prediction,
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending

@@ -25,12 +25,17 @@ class Usage:
         cached_tokens: of those, the ones resumed from a cache instead of prefilled.
         completion_tokens: generated tokens, end-of-turn token included.
         reasoning_tokens: of those, a reasoning model's thinking (its markers included).
+        accepted_prediction_tokens: tokens of the turn's ``prediction`` the reply took from
+            it as drafts (OpenAI's Predicted Outputs); 0 without one.
+        rejected_prediction_tokens: the prediction's other tokens.
     """
 
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -136,3 +141,4 @@ class TurnOptions:
     logprobs: int | None = None  # report tokens' logprobs, with this many alternatives
     reasoning_budget: int | None = None  # the most tokens a reasoning model thinks for
     speculative: bool = True  # may feed drafts (when the engine drafts: engine.speculative)
+    prediction: tuple[int, ...] = ()  # tokens the reply is expected to restate

@@ -31,7 +31,7 @@ from agentkv.engine.request import (
     TokenEvent,
 )
 from agentkv.engine.sequence import Sequence
-from agentkv.engine.speculative import Speculation
+from agentkv.engine.speculative import Prediction, Speculation
 from agentkv.engine.stopping import StopStrings
 from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
 
@@ -271,7 +271,12 @@ class Engine:
         self._check_budget(request)
         seq.max_tokens = self.max_tokens(request)
         if self._drafts(request, seq):
-            seq.spec = Speculation(self.config.speculative_tokens)
+            prediction = None
+            if request.prediction:
+                start = len(seq.tokens) + len(seq.prompt)  # where the reply begins
+                prediction = Prediction.of(request.prediction, start)
+                seq.stats.prediction_tokens = len(request.prediction)
+            seq.spec = Speculation(self.config.speculative_tokens, prediction)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 

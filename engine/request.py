@@ -77,6 +77,9 @@ class GenerationRequest:
         speculative: let it feed drafts from its history (``EngineConfig.speculative``): the
             same tokens (greedy) or distribution (sampled), several a step where the reply
             restates its history; False: one token a step.
+        prediction: tokens the reply is expected to restate (OpenAI's Predicted Outputs),
+            drafted from first where the sequence drafts (``agentkv.engine.speculative``);
+            they change no token generated.
     """
 
     prompt_tokens: list[int]
@@ -95,6 +98,7 @@ class GenerationRequest:
     checkpoint_at: int | None = None
     reasoning_budget: int | None = None
     speculative: bool = True
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -177,6 +181,8 @@ class RequestStats:
     decode_tokens: int = 0
     drafted_tokens: int = 0  # drafts fed (speculative decoding)
     accepted_tokens: int = 0  # of them, kept
+    prediction_tokens: int = 0  # of the request's prediction
+    accepted_prediction_tokens: int = 0  # drafts from it kept
 
     @property
     def queue_wait_s(self) -> float | None:

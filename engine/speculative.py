@@ -4,7 +4,8 @@ An agent restates what its history holds: an edit copies the lines of a file it 
 call repeats paths and ids, code comes back with small changes. :class:`PromptLookup` drafts
 the tokens that followed the latest earlier occurrence of the sequence's last few tokens, in
 everything its KV holds (its whole conversation, earlier turns included: prompt lookup), at no
-cost but a search.
+cost but a search. A request may also give the text its reply is expected to restate
+(:class:`Prediction`, OpenAI's Predicted Outputs), drafted from first.
 
 A sequence with drafts feeds its pending token and the drafts as one span of rows in the step
 (its own length group, like a prompt's chunk), and the step computes the logits at every one
@@ -34,6 +35,7 @@ budget, penalties, a bias), no log probabilities and no forced token asked.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,13 +84,8 @@ class PromptLookup:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``tail`` (not the
         history's end itself); [] when it never occurred."""
         held, n = self.tokens[: self.size], tail.size
-        if self.size <= n:
-            return []
-        starts = self.size - n  # (an occurrence starting there would be the end itself)
-        hits = np.ones(starts, dtype=bool)
-        for j in range(n):
-            hits &= held[j : starts + j] == tail[j]
-        found = np.flatnonzero(hits)
+        # (an occurrence starting at size - n would be the end itself)
+        found = occurrences(held, tail, self.size - n)
         if not found.size:
             return []
         start = int(found[-1]) + n
@@ -111,11 +108,85 @@ class PromptLookup:
         return []
 
 
+def occurrences(held: np.ndarray, tail: np.ndarray, starts: int) -> np.ndarray:
+    """Where ``tail`` occurs in ``held``, starting before ``starts``, in order."""
+    n = tail.size
+    starts = min(starts, held.size - n + 1)
+    if starts <= 0:
+        return np.zeros(0, dtype=np.int64)
+    hits = np.ones(starts, dtype=bool)
+    for j in range(n):
+        hits &= held[j : starts + j] == tail[j]
+    return np.flatnonzero(hits)
+
+
+@dataclass(slots=True)
+class Prediction:
+    """Text the reply is expected to restate, given with the request (OpenAI's Predicted
+    Outputs: a file to be rewritten with small changes), as tokens: drafts come from it first.
+
+    While the reply so far is the prediction's start, the drafts are what follows that start;
+    once the reply departs from it, they are what followed the reply's last few tokens in the
+    prediction, at the first occurrence past where the previous drafts from it ended (a
+    rewritten file goes through its lines in order, however often a line repeats)."""
+
+    tokens: np.ndarray
+    start: int  # where the reply begins in the sequence's history
+    matched: int = 0  # reply tokens known to equal the prediction's start
+    on_track: bool = True
+    cursor: int = 0  # where the last drafts from the prediction ended
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], start: int) -> Prediction:
+        return cls(np.array(tokens, dtype=np.int64), start)
+
+    def draft(self, history: list[int], last: int | None, k: int) -> list[int]:
+        """As :meth:`PromptLookup.draft`, from the prediction; [] when it has nothing."""
+        reply = len(history) - self.start
+        if self.on_track:
+            for i in range(self.matched, reply):
+                if i >= self.tokens.size or history[self.start + i] != self.tokens[i]:
+                    self.on_track = False
+                    break
+            else:
+                self.matched = reply
+        if self.on_track:
+            at = reply
+            if last is not None:
+                if at >= self.tokens.size or last != self.tokens[at]:
+                    return self._search(history, last, k)
+                at += 1
+            got = self.tokens[at : at + k + (last is None)]
+            self.cursor = at + got.size
+            return got.tolist()
+        return self._search(history, last, k)
+
+    def _search(self, history: list[int], last: int | None, k: int) -> list[int]:
+        extra = last is None  # (the token expected next comes first)
+        tail_of = history[-(NGRAMS[0]) :] + ([] if last is None else [last])
+        for n in NGRAMS:
+            if len(tail_of) < n:
+                continue
+            tail = np.array(tail_of[-n:], dtype=np.int64)
+            found = occurrences(self.tokens, tail, self.tokens.size)
+            if not found.size:
+                continue
+            ahead = found[found >= self.cursor - n]
+            begin = int(ahead[0] if ahead.size else found[-1]) + n
+            got = self.tokens[begin : begin + k + extra]
+            if got.size:
+                self.cursor = begin + got.size
+                return got.tolist()
+        return []
+
+
 @dataclass(slots=True)
 class Speculation:
-    """A sequence's drafting: its lookup, its draft length, what it drafted and kept."""
+    """A sequence's drafting: its lookup (and prediction), its draft length, what it drafted
+    and kept."""
 
     max_tokens: int
+    prediction: Prediction | None = None
     lookup: PromptLookup = field(default_factory=PromptLookup)
     k: int = FIRST_DRAFT
     active: bool = True
@@ -124,6 +195,8 @@ class Speculation:
     chances: int = 0  # steps it could draft in
     drafted: int = 0
     accepted: int = 0
+    predicted: bool = False  # the drafts fed last came from the prediction
+    accepted_predicted: int = 0  # drafts from the prediction kept
 
     def __post_init__(self) -> None:
         self.k = min(self.k, self.max_tokens)
@@ -139,8 +212,14 @@ class Speculation:
         if self.chances >= TRIAL_CHANCES and self.accepted < SAVING * self.chances:
             self.active, self.stopped = False, True
             return []
+        k = min(self.k, room)
+        if self.prediction is not None:
+            got = self.prediction.draft(history, pending, k)
+            self.predicted = bool(got)
+            if got:
+                return got
         self.lookup.extend(history)
-        return self.lookup.draft(min(self.k, room), pending)
+        return self.lookup.draft(k, pending)
 
     def settle(self, drafted: int, kept: int) -> None:
         """Account for a step that fed ``drafted`` drafts and kept ``kept`` of them: the next
@@ -149,6 +228,8 @@ class Speculation:
         self.steps += 1
         self.drafted += drafted
         self.accepted += kept
+        if self.predicted:
+            self.accepted_predicted += kept
         if kept == drafted:
             self.k = min(self.k * 2, self.max_tokens)
         else:

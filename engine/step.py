@@ -115,6 +115,8 @@ def verify(plan: StepPlan) -> tuple[int, int]:
         seq.spec.settle(len(drafts), kept)
         seq.stats.drafted_tokens += len(drafts)
         seq.stats.accepted_tokens += kept
+        if seq.spec.predicted:
+            seq.stats.accepted_prediction_tokens += kept
         plan.fed += [(seq, token) for token in drafts[:kept]]
         plan.fed_logprobs += [None] * kept
         seq.pending, seq.verify = chosen[kept], None

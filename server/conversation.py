@@ -81,6 +81,8 @@ class TurnRequest:
     API's reasoning switch)."""
     reasoning_budget: int | None = None
     """The most tokens a reasoning model thinks for (Anthropic's ``thinking.budget_tokens``)."""
+    prediction: str | None = None
+    """Text the reply is expected to restate (Chat Completions' ``prediction``)."""
 
     def format_error(self, exc: InvalidResponseFormatError) -> APIError:
         """``exc`` as a 400 naming the field as this request's API calls it."""
@@ -101,6 +103,7 @@ class TurnRequest:
             "logprobs": self.logprobs,
             "template_kwargs": self.template_kwargs,
             "reasoning_budget": self.reasoning_budget,
+            "prediction": self.prediction,
         }
 
 

@@ -7,12 +7,14 @@ the end-of-sequence token ends the reply; sampled replies keep their distributio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+from openai import BadRequestError, OpenAI
 from test_server import metric
 
 from agentkv import AgentRuntime, RuntimeConfig
@@ -20,7 +22,7 @@ from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.request import GenerationRequest
 from agentkv.engine.sampling import SamplingParams
-from agentkv.engine.speculative import PromptLookup, Speculation, kept_drafts
+from agentkv.engine.speculative import Prediction, PromptLookup, Speculation, kept_drafts
 from agentkv.server.background import serve_in_thread
 from tests.architectures import build_architecture
 from tests.test_architectures import RUNS
@@ -281,3 +283,62 @@ def test_metrics_count_the_drafts(tmp_path, monkeypatch):
         drafted = metric(http, "agentkv_engine_drafted_tokens")
         kept = metric(http, "agentkv_engine_accepted_tokens")
     assert drafted > 0 and 0 <= kept <= drafted
+
+
+def test_a_prediction_drafts_its_start_then_what_follows_the_reply_in_it():
+    prediction = Prediction.of([5, 6, 7, 8, 5, 6, 9, 10], start=3)
+    history = [1, 2, 3]
+    assert prediction.draft(history, None, 3) == [5, 6, 7, 8]  # the expected token first
+    assert prediction.draft([*history, 5, 6], 7, 3) == [8, 5, 6]  # the reply is its start
+    # The reply departs from it ([.., 8, 99]), then comes back: what followed its last
+    # tokens, at the first occurrence past the drafts before (5 6 occurs twice).
+    assert prediction.draft([*history, 5, 6, 7, 8, 99], 6, 3) == []
+    assert not prediction.on_track
+    assert prediction.draft([*history, 5, 6, 7, 8, 99, 6, 7], 8, 2) == [5, 6]
+    assert prediction.draft([*history, 5, 6, 7, 8, 99, 6, 7, 8, 5], 6, 2) == [9, 10]
+
+
+async def test_a_prediction_changes_no_token_and_its_kept_drafts_are_counted(models):
+    model = models["llama"]
+    request = GenerationRequest(PROMPT, max_tokens=40, ignore_eos=True)
+    eng = await Engine.open(model, EngineConfig(speculative="lookup"))
+    try:
+        plain = (await eng.generate(dataclasses.replace(request, speculative=False))).token_ids
+        edited = [*plain[:10], 3, 4, *plain[10:25], *plain[27:]]  # a change, a cut
+        rng = random.Random(0)
+        for prediction, most in ((plain, True), (edited, True), (rng.sample(range(500), 40), 0)):
+            got = await eng.generate(dataclasses.replace(request, prediction=tuple(prediction)))
+            assert got.token_ids == plain
+            assert got.stats.prediction_tokens == len(prediction)
+            kept = got.stats.accepted_prediction_tokens
+            assert kept <= got.stats.accepted_tokens
+            if most:  # every token after the first of the reply restates the prediction
+                assert kept >= len(plain) * 3 // 4, (kept, got.stats.accepted_tokens)
+    finally:
+        await eng.close()
+
+
+def test_openai_predicted_outputs(tmp_path):
+    config = RuntimeConfig(model="tiny:llama", data_dir=tmp_path)
+    ask = {"model": "m", "max_tokens": 40, "temperature": 0}
+    with serve_in_thread(config) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        say = [{"role": "user", "content": "Rewrite the list."}]
+        plain = client.chat.completions.create(messages=say, user="plain", **ask)
+        text = plain.choices[0].message.content
+        assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+        predicted = client.chat.completions.create(
+            messages=say,
+            user="predicted",
+            prediction={"type": "content", "content": [{"type": "text", "text": text}]},
+            **ask,
+        )
+        assert predicted.choices[0].message.content == text
+        details = predicted.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > plain.usage.completion_tokens // 2
+        assert details.rejected_prediction_tokens >= 0
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(
+                messages=say, prediction={"type": "diff", "content": text}, **ask
+            )
+        assert refused.value.body["param"] == "prediction.type"

@@ -108,6 +108,7 @@ CHAT_FIELDS = FieldPolicy(
             *("tool_choice", "response_format", "parallel_tool_calls", "presence_penalty"),
             *("frequency_penalty", "logit_bias", "logprobs", "top_logprobs"),
             *("prompt_cache_key", "modalities", "reasoning_effort", "chat_template_kwargs"),
+            "prediction",
         }
     ),
     accepted={
@@ -115,7 +116,6 @@ CHAT_FIELDS = FieldPolicy(
         "store": "the conversation is the agent's transcript either way",
         "service_tier": "there is one tier here",
         "safety_identifier": "OpenAI's abuse monitoring",
-        "prediction": "a speed hint: the reply is the same without it",
         "prompt_cache_options": "caches are kept by agentkv's own tiers",
         "prompt_cache_retention": "caches are kept by agentkv's own tiers",
         "verbosity": "a hint to OpenAI's models; the reply's length is the model's own",
@@ -243,6 +243,7 @@ class ChatCompletionRequest(BaseModel):
             response_format=self.response_format,
             tool_choice=forced_choice(self.tool_choice, "tool_choice") if tools else None,
             logprobs=top_logprobs(self.logprobs, self.top_logprobs),
+            prediction=prediction_text(self.prediction),
             template_kwargs=template_kwargs(
                 self.chat_template_kwargs,
                 thinking_of(self.reasoning_effort, "reasoning_effort"),
@@ -279,3 +280,16 @@ def forced_choice(choice: Any, where: str) -> str | dict[str, str] | None:
     raise APIError.invalid(
         f"{where}: {choice!r} is not 'auto', 'none', 'required' or a named function", where
     )
+
+
+def prediction_text(prediction: dict[str, Any] | None) -> str | None:
+    """The text of a ``prediction`` (Predicted Outputs: ``{"type": "content", "content":
+    text or text parts}``), drafted from by speculative decoding; None for none."""
+    if prediction is None:
+        return None
+    kind = prediction.get("type")
+    if kind != "content":
+        raise APIError.invalid(
+            f"prediction.type: must be 'content', got {kind!r}", "prediction.type"
+        )
+    return text_of(prediction.get("content"), "prediction")
