@@ -337,8 +337,14 @@ def test_openai_predicted_outputs(tmp_path):
         details = predicted.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > plain.usage.completion_tokens // 2
         assert details.rejected_prediction_tokens >= 0
-        with pytest.raises(BadRequestError) as refused:
-            client.chat.completions.create(
-                messages=say, prediction={"type": "diff", "content": text}, **ask
-            )
-        assert refused.value.body["param"] == "prediction.type"
+        for prediction, field in (
+            ({"type": "diff", "content": text}, "prediction.type"),
+            ({"type": "content", "content": 5}, "prediction.content"),
+            ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content.0"),
+        ):
+            with pytest.raises(BadRequestError) as refused:
+                client.chat.completions.create(messages=say, prediction=prediction, **ask)
+            assert refused.value.body["param"] == field
+        with pytest.raises(BadRequestError, match=r"prediction: .* cannot fit the model's"):
+            huge = {"type": "content", "content": "word " * 200_000}
+            client.chat.completions.create(messages=say, prediction=huge, **ask)

@@ -292,4 +292,10 @@ def prediction_text(prediction: dict[str, Any] | None) -> str | None:
         raise APIError.invalid(
             f"prediction.type: must be 'content', got {kind!r}", "prediction.type"
         )
-    return text_of(prediction.get("content"), "prediction")
+    content = prediction.get("content")
+    parts = isinstance(content, list) and all(isinstance(part, dict) for part in content)
+    if not isinstance(content, str) and not parts:
+        raise APIError.invalid(
+            "prediction.content: must be a string or a list of text parts", "prediction.content"
+        )
+    return text_of(content, "prediction")
