@@ -24,6 +24,8 @@ def finished_reply(
     """The Reply of a turn that ran ``plan`` and generated ``result`` (``started``: when the
     turn began, ``time.perf_counter``; ``opened``: the prompt left the thinking open)."""
     s = result.stats
+    # (a reply that restates a part of its prediction twice keeps drafts of it twice)
+    predicted = min(s.accepted_prediction_tokens, s.prediction_tokens)
     resumed = plan.cache.num_tokens if plan.cache else 0
     cached = resumed - plan.fresh  # a head this turn prefilled itself is not cached
     thinking, text, thought = "", result.text, 0
@@ -41,8 +43,8 @@ def finished_reply(
             cached,
             len(result.token_ids),
             thought,
-            s.accepted_prediction_tokens,
-            s.prediction_tokens - s.accepted_prediction_tokens,
+            predicted,
+            s.prediction_tokens - predicted,
         ),
         cache_source=plan.source,
         timings=Timings(

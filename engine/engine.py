@@ -266,16 +266,18 @@ class Engine:
             raise ValueError(
                 f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
             )
+        if request.prediction and max(request.prediction) >= vocab_size:
+            raise ValueError(f"prediction contains ids outside the vocabulary (size {vocab_size})")
         if request.forced_token is not None and request.forced_token >= vocab_size:
             raise ValueError(f"forced_token is outside the vocabulary (size {vocab_size})")
         self._check_budget(request)
         seq.max_tokens = self.max_tokens(request)
+        seq.stats.prediction_tokens = len(request.prediction)
         if self._drafts(request, seq):
             prediction = None
             if request.prediction:
                 start = len(seq.tokens) + len(seq.prompt)  # where the reply begins
                 prediction = Prediction.of(request.prediction, start)
-                seq.stats.prediction_tokens = len(request.prediction)
             seq.spec = Speculation(self.config.speculative_tokens, prediction)
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)

@@ -41,6 +41,7 @@ from agentkv.engine.step import (
     drop_newest_of,
     logprob_values,
     token_values,
+    unkept,
     verify,
 )
 
@@ -215,10 +216,11 @@ class GenerationLoop(threading.Thread):
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])
+            drafts = (0, 0)
             if plan.verify:  # its drafts are checked now: nothing is left in flight
                 mx.eval(marker)
                 self._in_flight = None
-                self.meter.drafted(*verify(plan))
+                drafts = verify(plan)
             tokens = token_values([p for _, p in plan.fed])
             logprobs = logprob_values(plan, tokens)
         except Exception as exc:
@@ -238,7 +240,9 @@ class GenerationLoop(threading.Thread):
             mx.clear_cache()
         if tokens:
             self.meter.tokens(len(tokens))
-        self._report(plan, tokens, logprobs, now)
+        after_end = self._report(plan, tokens, logprobs, now)
+        if plan.verify:
+            self.meter.drafted(drafts[0], drafts[1] - after_end)
 
     def _fail_batch(self, exc: Exception, what: str) -> None:
         """The batch's state is unknown after a failure inside a step: fail every turn in it
@@ -256,7 +260,9 @@ class GenerationLoop(threading.Thread):
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
         now: float,
-    ) -> None:
+    ) -> int:
+        """Hand each sequence the tokens ``plan`` fed, finish those that ended and take them
+        out of the batch. Returns the kept drafts fed after a reply's end (not its tokens)."""
         ended: list[tuple[Sequence, FinishReason]] = []
         failed: list[tuple[Sequence, Exception]] = []
         eos = self.model.eos_token_ids
@@ -280,19 +286,23 @@ class GenerationLoop(threading.Thread):
             if reason is not None or hit:
                 ended.append((seq, reason or FinishReason.STOP))
                 done[id(seq)] = 0
+        after_end = 0
         for seq in {id(s): s for s, _ in plan.fed}.values():
             seq.steps += 1
-            drop_newest_of(seq, done.get(id(seq), 0))  # what it fed after its end
+            if after := done.get(id(seq), 0):  # kept drafts it fed after its end
+                drop_newest_of(seq, after)
+                unkept(seq, after)
+                after_end += after
         for seq, _ in plan.prefill:
             seq.steps += 1
         if not (ended or failed):
-            return
+            return after_end
         keep = {id(s) for s, _ in ended if s.request.return_cache}
         try:
             caches = self.scheduler.leave([s for s, _ in ended] + [s for s, _ in failed], keep)
         except Exception as exc:
             self._fail_batch(exc, "taking finished turns out of the batch failed")
-            return
+            return after_end
         for seq, reason in ended:
             layers = caches.get(id(seq))
             cache = self._cache(layers, list(seq.tokens)) if layers else None
@@ -301,6 +311,7 @@ class GenerationLoop(threading.Thread):
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)
+        return after_end
 
     def _on_token(
         self,

@@ -109,6 +109,10 @@ class GenerationRequest:
             array("Q", self.prompt_tokens)
         except (TypeError, OverflowError):
             raise ValueError("prompt_tokens must be non-negative integers") from None
+        try:
+            array("Q", self.prediction)
+        except (TypeError, OverflowError):
+            raise ValueError("prediction must be non-negative integers (token ids)") from None
         if self.forced_token is not None and (
             not isinstance(self.forced_token, int) or self.forced_token < 0
         ):

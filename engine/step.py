@@ -125,6 +125,14 @@ def verify(plan: StepPlan) -> tuple[int, int]:
     return fed, kept_all
 
 
+def unkept(seq: Sequence, n: int) -> None:
+    """Uncount ``n`` drafts :func:`verify` counted as kept that the sequence fed after its
+    reply ended (a stop string, max_tokens, its end token): they are not tokens of it."""
+    seq.stats.accepted_tokens -= n
+    if seq.spec is not None and seq.spec.predicted:
+        seq.stats.accepted_prediction_tokens -= n
+
+
 def drop_newest_of(seq: Sequence, n: int) -> None:
     """Drop the ``n`` newest positions of a drafting sequence's KV (alone in its group)."""
     if n:
