@@ -67,7 +67,7 @@ class RuntimeConfig(BaseModel):
         speculative: ``"lookup"``: replies feed drafts from the agent's own history, several
             tokens a step where they restate it (the same tokens greedy, the same
             distribution sampled: ``agentkv.engine.speculative``); ``"off"``: one a step;
-            None (the default): ``engine.speculative``'s (``"lookup"``).
+            None (the default): ``agentkv.engine.speculative``'s (``"lookup"``).
         default_max_tokens: max_tokens of a turn when the call does not say; None (the
             default): a turn runs until the model stops or its context (or the KV budget, for
             it alone) is full, as OpenAI's API does without ``max_tokens``.

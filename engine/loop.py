@@ -38,10 +38,9 @@ from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import (
     StepPlan,
-    drop_newest_of,
+    count_steps,
     logprob_values,
     token_values,
-    unkept,
     verify,
 )
 
@@ -286,15 +285,7 @@ class GenerationLoop(threading.Thread):
             if reason is not None or hit:
                 ended.append((seq, reason or FinishReason.STOP))
                 done[id(seq)] = 0
-        after_end = 0
-        for seq in {id(s): s for s, _ in plan.fed}.values():
-            seq.steps += 1
-            if after := done.get(id(seq), 0):  # kept drafts it fed after its end
-                drop_newest_of(seq, after)
-                unkept(seq, after)
-                after_end += after
-        for seq, _ in plan.prefill:
-            seq.steps += 1
+        after_end = count_steps(plan, done)
         if not (ended or failed):
             return after_end
         keep = {id(s) for s, _ in ended if s.request.return_cache}

@@ -125,12 +125,23 @@ def verify(plan: StepPlan) -> tuple[int, int]:
     return fed, kept_all
 
 
-def unkept(seq: Sequence, n: int) -> None:
-    """Uncount ``n`` drafts :func:`verify` counted as kept that the sequence fed after its
-    reply ended (a stop string, max_tokens, its end token): they are not tokens of it."""
-    seq.stats.accepted_tokens -= n
-    if seq.spec is not None and seq.spec.predicted:
-        seq.stats.accepted_prediction_tokens -= n
+def count_steps(plan: StepPlan, after_end: dict[int, int]) -> int:
+    """Count the step for every sequence ``plan`` fed or prefilled, and take back the kept
+    drafts a sequence fed after its reply ended (a stop string, max_tokens, its end token;
+    ``after_end``: id of the sequence -> how many): they leave its KV and its counts, not
+    being tokens of it. Returns how many there were."""
+    total = 0
+    for seq in {id(s): s for s, _ in plan.fed}.values():
+        seq.steps += 1
+        if n := after_end.get(id(seq), 0):
+            drop_newest_of(seq, n)
+            seq.stats.accepted_tokens -= n
+            if seq.spec is not None and seq.spec.predicted:
+                seq.stats.accepted_prediction_tokens -= n
+            total += n
+    for seq, _ in plan.prefill:
+        seq.steps += 1
+    return total
 
 
 def drop_newest_of(seq: Sequence, n: int) -> None:
