@@ -19,8 +19,6 @@ from typing import Annotated, Any
 
 from fastapi import Header, Request
 from pydantic import AfterValidator
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from agentkv import (
     AgentNotFoundError,
@@ -31,13 +29,11 @@ from agentkv import (
     TokenLogprob,
 )
 from agentkv.call_stream import CallDelta, CallStream
-from agentkv.harmony import Harmony
 from agentkv.server.claims import Claim
 from agentkv.server.conversation import TurnRequest
 from agentkv.server.errors import ClientDisconnectedError
 from agentkv.server.identity import FIRST_USE_TRIES
 from agentkv.server.state import ServerState
-from agentkv.tool_calls import ToolFormat
 
 
 def _utf8(value: str | None) -> str | None:
@@ -192,17 +188,16 @@ class TurnStream:
         self._stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
         return events
 
-    async def visible_text(
-        self, tool_format: ToolFormat | Harmony | None
-    ) -> AsyncIterator[str | ReasoningDelta | CallDelta | Reply]:
+    async def pieces(self) -> AsyncIterator[str | ReasoningDelta | CallDelta | Reply]:
         """The reply's text in pieces as it is generated (a reasoning model's thinking as
-        ReasoningDelta pieces, before), then the Reply. With a ``tool_format`` (a request
-        with tools), text from a tool call's start marker on is held back: it is the call,
-        its arguments streamed as CallDelta pieces where the format allows
+        ReasoningDelta pieces, before), then the Reply. For a request with tools, text from a
+        tool call's start marker (the runtime's ``tool_format``'s) on is held back: it is the
+        call, its arguments streamed as CallDelta pieces where the format allows
         (``agentkv.call_stream``), else sent whole once the Reply has parsed it. The Reply's
         calls that were streamed carry the ids their pieces did (``streamed_calls``: how many
         calls were streamed)."""
         text, shown, unfed = "", 0, None
+        tool_format = self._state.runtime.tool_format if self._request.tools else None
         calls = tool_format.call_stream() if tool_format else None
         async for event in self.events():
             if isinstance(event, ReasoningDelta):
@@ -272,23 +267,3 @@ class TurnStream:
     async def aclose(self) -> None:
         """Close the runtime's stream (rolling an unfinished turn back) and free the agent."""
         await self._stack.aclose()
-
-
-class TurnStreamingResponse(StreamingResponse):
-    """A server-sent-events response that closes its turn however the response ends."""
-
-    def __init__(self, content: AsyncIterator[str], turn: TurnStream):
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={AGENT_HEADER: turn.agent_id, "cache-control": "no-cache"},
-        )
-        self._turn = turn
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # A disconnect cancels the body mid-iteration and leaves the generators open.
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._turn.aclose()

@@ -34,27 +34,20 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentkv import ReasoningDelta, Reply
+from agentkv import Reply
 from agentkv.call_stream import CallDelta
 from agentkv.server.api.anthropic_content import tool_input_json
 from agentkv.server.api.anthropic_request import CountTokensRequest, MessagesRequest
 from agentkv.server.bodies import parse_off_loop
 from agentkv.server.errors import Dialect, api_error
 from agentkv.server.state import ServerState, State
-from agentkv.server.turns import (
-    AgentHeader,
-    SessionHeader,
-    TurnStream,
-    TurnStreamingResponse,
-    reply_headers,
-    run_turn,
-)
+from agentkv.server.streams import Encoder, TurnStreamingResponse
+from agentkv.server.turns import AgentHeader, SessionHeader, TurnStream, reply_headers, run_turn
 from agentkv.tool_calls import ToolCall
 
 router = APIRouter()
@@ -117,13 +110,31 @@ def _sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
 
 
-class Blocks:
-    """A streamed message's thinking and text blocks, each opened by its first delta and
-    closed when the next one opens (``kind``: the open one's; ``index``: its index)."""
+class MessageEvents(Encoder):
+    """A streamed message's events: ``message_start``, then its thinking, text and tool_use
+    blocks, each opened by its first piece and closed when the next one opens, then
+    ``message_delta`` (the stop reason and the turn's usage) and ``message_stop``."""
 
-    def __init__(self) -> None:
-        self.kind: str | None = None
-        self.index = -1
+    def __init__(self, model: str, state: ServerState):
+        self.model, self.state, self.msg_id = model, state, f"msg_{uuid.uuid4().hex}"
+        self.kind: str | None = None  # the open block's
+        self.index = -1  # the open block's
+
+    async def start(self) -> list[str]:
+        events = [
+            _sse("message_start", {"message": message(self.model, self.msg_id, None, self.state)})
+        ]
+        if (
+            self.state.runtime.reasoning is None
+        ):  # the text block at once (else its first piece says)
+            events += self.delta("text", "")
+        return [*events, _sse("ping", {})]
+
+    async def reasoning(self, text: str) -> list[str]:
+        return self.delta("thinking", text)
+
+    async def text(self, piece: str) -> list[str]:
+        return self.delta("text", piece)
 
     def delta(self, kind: str, text: str) -> list[str]:
         events = []
@@ -139,9 +150,9 @@ class Blocks:
             events.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
         return events
 
-    def tool_use(self, piece: CallDelta) -> list[str]:
-        """A streamed call's piece: its tool_use block opened at its first, then the
-        arguments' text as ``input_json_delta``."""
+    async def call(self, piece: CallDelta) -> list[str]:
+        """Its tool_use block opened at its first piece, then the arguments' text as
+        ``input_json_delta``."""
         events = []
         if piece.first:
             events += self.close()
@@ -166,54 +177,30 @@ class Blocks:
         self.kind = None
         return events
 
+    async def end(self, reply: Reply, rest: str, streamed_calls: int) -> list[str]:
+        events, calls = [], reply.content.tool_calls
+        # A text block, empty or not (after thinking, only where no tool call follows).
+        if rest or self.kind is None or not calls:
+            events += self.delta("text", rest)
+        events += self.close()
+        for index, call in enumerate(calls[streamed_calls:], start=self.index + 1):
+            block = tool_use_block(call) | {"input": {}}
+            delta = {"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}
+            events += [
+                _sse("content_block_start", {"index": index, "content_block": block}),
+                _sse("content_block_delta", {"index": index, "delta": delta}),
+                _sse("content_block_stop", {"index": index}),
+            ]
+        final = message(self.model, self.msg_id, reply, self.state)
+        delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
+        return [
+            *events,
+            _sse("message_delta", {"delta": delta, "usage": final["usage"]}),
+            _sse("message_stop", {}),
+        ]
 
-async def _events(
-    model: str, turn: TurnStream, state: ServerState, tools: bool
-) -> AsyncIterator[str]:
-    msg_id = f"msg_{uuid.uuid4().hex}"
-    yield _sse("message_start", {"message": message(model, msg_id, None, state)})
-    blocks = Blocks()
-    if state.runtime.reasoning is None:  # the text block at once (else its first piece says)
-        for event in blocks.delta("text", ""):
-            yield event
-    yield _sse("ping", {})
-    reply, shown = None, 0
-    try:
-        async for piece in turn.visible_text(state.runtime.tool_format if tools else None):
-            if isinstance(piece, str):
-                for event in blocks.delta("text", piece):
-                    yield event
-                shown += len(piece)
-            elif isinstance(piece, ReasoningDelta):
-                for event in blocks.delta("thinking", piece.text):
-                    yield event
-            elif isinstance(piece, CallDelta):
-                for event in blocks.tool_use(piece):
-                    yield event
-            else:
-                reply = piece
-    except Exception as exc:  # the turn failed after it started: tell the client in-stream
-        yield _sse("error", {"error": api_error(exc).body(Dialect.ANTHROPIC)["error"]})
-        return
-    assert reply is not None
-    parsed = reply.content
-    # A text block, empty or not (after thinking, only where no tool call follows).
-    if len(parsed.text) > shown or blocks.kind is None or not parsed.tool_calls:
-        for event in blocks.delta("text", parsed.text[shown:]):
-            yield event
-    for event in blocks.close():
-        yield event
-    unsent = parsed.tool_calls[turn.streamed_calls :]
-    for index, call in enumerate(unsent, start=blocks.index + 1):
-        block = tool_use_block(call) | {"input": {}}
-        yield _sse("content_block_start", {"index": index, "content_block": block})
-        delta = {"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}
-        yield _sse("content_block_delta", {"index": index, "delta": delta})
-        yield _sse("content_block_stop", {"index": index})
-    final = message(model, msg_id, reply, state)
-    delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
-    yield _sse("message_delta", {"delta": delta, "usage": final["usage"]})
-    yield _sse("message_stop", {})
+    def error(self, exc: Exception) -> list[str]:
+        return [_sse("error", {"error": api_error(exc).body(Dialect.ANTHROPIC)["error"]})]
 
 
 @router.post("/v1/messages")
@@ -238,7 +225,7 @@ async def create_message(
     model = echoed_model(body.model, anthropic_beta)
     if body.stream:
         turn = await TurnStream(state, request).start()
-        return TurnStreamingResponse(_events(model, turn, state, bool(request.tools)), turn)
+        return TurnStreamingResponse(turn, MessageEvents(model, state))
     reply = await run_turn(state, request, http)
     msg = message(model, f"msg_{uuid.uuid4().hex}", reply, state)
     return JSONResponse(msg, headers=reply_headers(reply))

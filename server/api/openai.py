@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentkv import AgentRuntime, ReasoningDelta, Reply
+from agentkv import AgentRuntime, Reply
 from agentkv.call_stream import CallDelta
 from agentkv.server.api.openai_request import (
     ChatCompletionRequest,
@@ -40,14 +39,8 @@ from agentkv.server.bodies import parse_off_loop
 from agentkv.server.errors import Dialect, api_error
 from agentkv.server.logprobs import logprob_content
 from agentkv.server.state import State
-from agentkv.server.turns import (
-    AgentHeader,
-    TurnStream,
-    TurnStreamingResponse,
-    reply_headers,
-    run_turn,
-)
-from agentkv.tool_calls import ToolFormat
+from agentkv.server.streams import Encoder, TurnStreamingResponse
+from agentkv.server.turns import AgentHeader, TurnStream, reply_headers, run_turn
 
 router = APIRouter()
 
@@ -119,66 +112,66 @@ def completion(
     }
 
 
-async def _chunks(
-    body: ChatCompletionRequest,
-    turn: TurnStream,
-    tool_format: ToolFormat | None,
-    runtime: AgentRuntime,
-) -> AsyncIterator[str]:
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": body.model,
-        "system_fingerprint": None,
-    }
-    tail = {"usage": None} if body.include_usage else {}
+class ChatChunks(Encoder):
+    """A streamed completion's chunks: the assistant's role first, then a chunk a piece (with
+    logprobs asked for, each carries those of the tokens since the last), the text and calls
+    the pieces did not send, the finish reason, the usage when asked for, ``[DONE]``."""
+
+    def __init__(self, body: ChatCompletionRequest, turn: TurnStream, runtime: AgentRuntime):
+        self.body, self.turn, self.runtime = body, turn, runtime
+        self.call_limit = 1 if body.parallel_tool_calls is False else None
+        self.head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": None,
+        }
+        self.tail = {"usage": None} if body.include_usage else {}
 
     async def chunk(
-        delta: dict[str, Any], finish_reason: str | None = None, reply: Reply | None = None
+        self, delta: dict[str, Any], finish_reason: str | None = None, reply: Reply | None = None
     ) -> str:
-        """A chunk; with logprobs asked for, those of the tokens since the last chunk (with
-        the ``reply``: all of its tokens not sent yet)."""
+        """A chunk (with the ``reply``: the logprobs of all its tokens not sent yet)."""
         entries = None
-        if body.logprobs:
-            unsent = turn.unsent_logprobs(reply)
-            entries = {"content": await logprob_content(runtime, unsent), "refusal": None}
+        if self.body.logprobs:
+            unsent = self.turn.unsent_logprobs(reply)
+            entries = {"content": await logprob_content(self.runtime, unsent), "refusal": None}
         choice = {"index": 0, "delta": delta, "logprobs": entries, "finish_reason": finish_reason}
-        return f"data: {json.dumps({**head, 'choices': [choice], **tail})}\n\n"
+        return f"data: {json.dumps({**self.head, 'choices': [choice], **self.tail})}\n\n"
 
-    yield await chunk({"role": "assistant", "content": ""})
-    reply, shown = None, 0
-    try:
-        async for piece in turn.visible_text(tool_format):
-            if isinstance(piece, str):
-                yield await chunk({"content": piece})
-                shown += len(piece)
-            elif isinstance(piece, ReasoningDelta):
-                yield await chunk({"reasoning_content": piece.text, "reasoning": piece.text})
-            elif isinstance(piece, CallDelta):
-                if body.parallel_tool_calls is False and piece.index > 0:
-                    continue
-                call: dict[str, Any] = {"index": piece.index}
-                if piece.first:
-                    call |= {"id": piece.id, "type": "function"}
-                    call["function"] = {"name": piece.name, "arguments": piece.arguments}
-                else:
-                    call["function"] = {"arguments": piece.arguments}
-                yield await chunk({"tool_calls": [call]})
-            else:
-                reply = piece
-    except Exception as exc:  # the turn failed after it started: tell the client in-stream
-        yield f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"
-        return
-    assert reply is not None
-    if len(reply.content.text) > shown:
-        yield await chunk({"content": reply.content.text[shown:]}, reply=reply)
-    if unsent := tool_calls(body, reply, streaming=True)[turn.streamed_calls :]:
-        yield await chunk({"tool_calls": unsent}, reply=reply)
-    yield await chunk({}, finish_reason(reply), reply=reply)
-    if body.include_usage:
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(reply)})}\n\n"
-    yield "data: [DONE]\n\n"
+    async def start(self) -> list[str]:
+        return [await self.chunk({"role": "assistant", "content": ""})]
+
+    async def reasoning(self, text: str) -> list[str]:
+        return [await self.chunk({"reasoning_content": text, "reasoning": text})]
+
+    async def text(self, piece: str) -> list[str]:
+        return [await self.chunk({"content": piece})]
+
+    async def call(self, piece: CallDelta) -> list[str]:
+        call: dict[str, Any] = {"index": piece.index}
+        if piece.first:
+            call |= {"id": piece.id, "type": "function"}
+            call["function"] = {"name": piece.name, "arguments": piece.arguments}
+        else:
+            call["function"] = {"arguments": piece.arguments}
+        return [await self.chunk({"tool_calls": [call]})]
+
+    async def end(self, reply: Reply, rest: str, streamed_calls: int) -> list[str]:
+        lines = []
+        if rest:
+            lines.append(await self.chunk({"content": rest}, reply=reply))
+        if unsent := tool_calls(self.body, reply, streaming=True)[streamed_calls:]:
+            lines.append(await self.chunk({"tool_calls": unsent}, reply=reply))
+        lines.append(await self.chunk({}, finish_reason(reply), reply=reply))
+        if self.body.include_usage:
+            last = {**self.head, "choices": [], "usage": usage(reply)}
+            lines.append(f"data: {json.dumps(last)}\n\n")
+        return [*lines, "data: [DONE]\n\n"]
+
+    def error(self, exc: Exception) -> list[str]:
+        return [f"data: {json.dumps(api_error(exc).body(Dialect.OPENAI))}\n\n"]
 
 
 @router.post("/v1/chat/completions")
@@ -192,9 +185,7 @@ async def create_chat_completion(
     )
     if body.stream:
         turn = await TurnStream(state, request).start()
-        tool_format = state.runtime.tool_format if request.tools else None
-        chunks = _chunks(body, turn, tool_format, state.runtime)
-        return TurnStreamingResponse(chunks, turn)
+        return TurnStreamingResponse(turn, ChatChunks(body, turn, state.runtime))
     reply = await run_turn(state, request, http)
     logprobs = None
     if reply.logprobs is not None:

@@ -53,14 +53,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentkv import AgentRuntime, ReasoningDelta, Reply
+from agentkv import AgentRuntime, Reply
 from agentkv.call_stream import CallDelta
 from agentkv.server.api.responses_input import conversation
 from agentkv.server.api.responses_output import (
@@ -83,15 +83,9 @@ from agentkv.server.bodies import parse_off_loop
 from agentkv.server.errors import APIError, Dialect, api_error
 from agentkv.server.logprobs import logprob_content
 from agentkv.server.state import State
-from agentkv.server.turns import (
-    AgentHeader,
-    HeaderText,
-    TurnStream,
-    TurnStreamingResponse,
-    reply_headers,
-    run_turn,
-)
-from agentkv.tool_calls import ToolCall, ToolFormat
+from agentkv.server.streams import Encoder, TurnStreamingResponse
+from agentkv.server.turns import AgentHeader, HeaderText, TurnStream, reply_headers, run_turn
+from agentkv.tool_calls import ToolCall
 
 router = APIRouter()
 
@@ -109,194 +103,203 @@ class StreamedItem:
     open: bool = True
 
 
-async def _events(
-    body: ResponsesRequest,
-    turn: TurnStream,
-    tool_format: ToolFormat | None,
-    ids: Ids,
-    created: int,
-    remember: Callable[[dict[str, Any], Reply], Awaitable[None]],
-    runtime: AgentRuntime,
-) -> AsyncIterator[str]:
-    """The response as server-sent events, in the order the OpenAI SDKs and Codex read."""
-    sequence, asked = 0, body.wants_logprobs
+class ResponseEvents(Encoder):
+    """The response as server-sent events, in the order the OpenAI SDKs and Codex read: its
+    reasoning item (a reasoning model's), its message, its function_call items, each opened
+    by its first piece and done before the next one opens; the stored response at the end."""
 
-    async def entries(reply: Reply | None = None) -> list[dict[str, Any]]:
-        """With logprobs asked for, the entries of the tokens since the last ones sent (with
-        the ``reply``: of all its tokens not sent yet)."""
-        return await logprob_content(runtime, turn.unsent_logprobs(reply)) if asked else []
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        turn: TurnStream,
+        ids: Ids,
+        created: int,
+        remember: Callable[[dict[str, Any], Reply], Awaitable[None]],
+        runtime: AgentRuntime,
+    ):
+        self.body, self.turn, self.ids, self.created = body, turn, ids, created
+        self.remember, self.runtime = remember, runtime
+        self.call_limit = 1 if body.parallel_tool_calls is False else body.max_tool_calls
+        self.sequence = 0
+        self.text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
+        self.thought_at = {"item_id": ids.reasoning, "output_index": 0, "content_index": 0}
+        self.summary_at = {"item_id": ids.reasoning, "output_index": 0, "summary_index": 0}
+        self.summarized = wants_summary(body)
+        self.thought, self.reasoning_open = "", False
+        self.shown, self.message_open = "", False
+        self.streamed: list[StreamedItem] = []  # the calls streamed so far
 
-    def event(kind: str, **data: Any) -> str:
-        nonlocal sequence
-        data = {"type": kind, "sequence_number": sequence, **data}
-        sequence += 1
+    def event(self, kind: str, **data: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-    text_at = {"item_id": ids.message, "output_index": 0, "content_index": 0}
-    thought_at = {"item_id": ids.reasoning, "output_index": 0, "content_index": 0}
-    summary_at = {"item_id": ids.reasoning, "output_index": 0, "summary_index": 0}
-    summarized = wants_summary(body)
-    thought = ""
+    async def entries(self, reply: Reply | None = None) -> list[dict[str, Any]]:
+        """With logprobs asked for, the entries of the tokens since the last ones sent (with
+        the ``reply``: of all its tokens not sent yet)."""
+        if not self.body.wants_logprobs:
+            return []
+        return await logprob_content(self.runtime, self.turn.unsent_logprobs(reply))
 
-    def open_message() -> list[str]:
-        item = message_item(ids, "", "in_progress")
-        lines = close_reasoning()
-        if thought:  # the message follows the reasoning item
-            text_at["output_index"] = 1
-        index = text_at["output_index"]
+    async def start(self) -> list[str]:
+        opening = response_object(self.body, self.ids, self.created, None)
         return [
-            *lines,
-            event("response.output_item.added", output_index=index, item=item),
-            event("response.content_part.added", **text_at, part=text_part("")),
+            self.event("response.created", response=opening),
+            self.event("response.in_progress", response=opening),
         ]
 
-    reasoning_open = False
+    async def reasoning(self, text: str) -> list[str]:
+        lines = []
+        if not self.reasoning_open and not self.thought:
+            item = reasoning_item(self.ids, "", "in_progress", self.summarized)
+            lines.append(self.event("response.output_item.added", output_index=0, item=item))
+            if self.summarized:
+                part = {"type": "summary_text", "text": ""}
+                kind = "response.reasoning_summary_part.added"
+                lines.append(self.event(kind, **self.summary_at, part=part))
+            self.reasoning_open = True
+        self.thought += text
+        lines.append(self.event("response.reasoning_text.delta", **self.thought_at, delta=text))
+        if self.summarized:
+            kind = "response.reasoning_summary_text.delta"
+            lines.append(self.event(kind, **self.summary_at, delta=text))
+        return lines
 
-    def close_reasoning() -> list[str]:
-        nonlocal reasoning_open
-        if not reasoning_open:
+    def close_reasoning(self) -> list[str]:
+        if not self.reasoning_open:
             return []
-        reasoning_open = False
-        done = reasoning_item(ids, thought, "completed", summarized)
-        lines = [event("response.reasoning_text.done", **thought_at, text=thought)]
-        if summarized:
+        self.reasoning_open = False
+        thought = self.thought
+        done = reasoning_item(self.ids, thought, "completed", self.summarized)
+        lines = [self.event("response.reasoning_text.done", **self.thought_at, text=thought)]
+        if self.summarized:
             part = {"type": "summary_text", "text": thought}
             lines += [
-                event("response.reasoning_summary_text.done", **summary_at, text=thought),
-                event("response.reasoning_summary_part.done", **summary_at, part=part),
+                self.event("response.reasoning_summary_text.done", **self.summary_at, text=thought),
+                self.event("response.reasoning_summary_part.done", **self.summary_at, part=part),
             ]
-        return [*lines, event("response.output_item.done", output_index=0, item=done)]
+        return [*lines, self.event("response.output_item.done", output_index=0, item=done)]
 
-    def delta(piece: str, logprobs: list[dict[str, Any]]) -> str:
-        return event("response.output_text.delta", **text_at, delta=piece, logprobs=logprobs)
-
-    def close_message(final: str, every: list[dict[str, Any]] | None) -> list[str]:
+    def open_message(self) -> list[str]:
+        item = message_item(self.ids, "", "in_progress")
+        lines = self.close_reasoning()
+        if self.thought:  # the message follows the reasoning item
+            self.text_at["output_index"] = 1
+        self.message_open = True
         return [
-            event("response.output_text.done", **text_at, text=final, logprobs=every or []),
-            event("response.content_part.done", **text_at, part=text_part(final, every)),
-            event(
-                "response.output_item.done",
-                output_index=text_at["output_index"],
-                item=message_item(ids, final, "completed", every),
+            *lines,
+            self.event(
+                "response.output_item.added", output_index=self.text_at["output_index"], item=item
+            ),
+            self.event("response.content_part.added", **self.text_at, part=text_part("")),
+        ]
+
+    def delta(self, piece: str, logprobs: list[dict[str, Any]]) -> str:
+        kind = "response.output_text.delta"
+        return self.event(kind, **self.text_at, delta=piece, logprobs=logprobs)
+
+    async def text(self, piece: str) -> list[str]:
+        lines = [] if self.message_open else self.open_message()
+        self.shown += piece
+        return [*lines, self.delta(piece, await self.entries())]
+
+    def close_message(
+        self, final: str, every: list[dict[str, Any]] | None, status: str
+    ) -> list[str]:
+        done = message_item(self.ids, final, status, every)
+        return [
+            self.event(
+                "response.output_text.done", **self.text_at, text=final, logprobs=every or []
+            ),
+            self.event("response.content_part.done", **self.text_at, part=text_part(final, every)),
+            self.event(
+                "response.output_item.done", output_index=self.text_at["output_index"], item=done
             ),
         ]
 
-    streamed: list[StreamedItem] = []  # the calls streamed so far
-    limit = 1 if body.parallel_tool_calls is False else body.max_tool_calls
-
-    def call_piece(piece: CallDelta) -> list[str]:
-        """A streamed call's piece: its item opened at its first (the reasoning and the text
-        before it done), then its arguments' text."""
-        nonlocal opened
+    async def call(self, piece: CallDelta) -> list[str]:
+        """Its item opened at its first piece (the reasoning and the text before it done),
+        then its arguments' text."""
         lines = []
         if piece.first:
-            lines += [*close_reasoning(), *close_call()]
-            if opened:  # the text before the call is all there is
-                lines += close_message(text, None)
-                opened = False
-            index = (1 if thought else 0) + int(bool(text)) + len(streamed)
-            item = call_item(body, ToolCall(piece.name, {}, id=piece.id), "in_progress", "")
-            streamed.append(StreamedItem(item, index))
-            lines.append(event("response.output_item.added", output_index=index, item=item))
-        call = streamed[-1]
+            lines += [*self.close_reasoning(), *self.close_call()]
+            if self.message_open:  # the text before the call is all there is
+                lines += self.close_message(self.shown, None, "completed")
+                self.message_open = False
+            index = (1 if self.thought else 0) + int(bool(self.shown)) + len(self.streamed)
+            call = ToolCall(piece.name, {}, id=piece.id)
+            item = call_item(self.body, call, "in_progress", "")
+            self.streamed.append(StreamedItem(item, index))
+            lines.append(self.event("response.output_item.added", output_index=index, item=item))
+        call = self.streamed[-1]
         call.arguments += piece.arguments
         if piece.arguments:
             at = {"item_id": call.item["id"], "output_index": call.index}
-            lines.append(
-                event("response.function_call_arguments.delta", **at, delta=piece.arguments)
-            )
+            kind = "response.function_call_arguments.delta"
+            lines.append(self.event(kind, **at, delta=piece.arguments))
         return lines
 
-    def close_call(status: str = "completed") -> list[str]:
-        if not streamed or not streamed[-1].open:
+    def close_call(self, status: str = "completed") -> list[str]:
+        if not self.streamed or not self.streamed[-1].open:
             return []
-        call = streamed[-1]
+        call = self.streamed[-1]
         call.open = False
         at = {"item_id": call.item["id"], "output_index": call.index}
         done = call.item | {"arguments": call.arguments, "status": status}
         return [
-            event("response.function_call_arguments.done", **at, arguments=call.arguments),
-            event("response.output_item.done", output_index=call.index, item=done),
+            self.event("response.function_call_arguments.done", **at, arguments=call.arguments),
+            self.event("response.output_item.done", output_index=call.index, item=done),
         ]
 
-    yield event("response.created", response=response_object(body, ids, created, None))
-    yield event("response.in_progress", response=response_object(body, ids, created, None))
-    opened, text, reply = False, "", None
-    try:
-        async for piece in turn.visible_text(tool_format):
-            if isinstance(piece, Reply):
-                reply = piece
-                continue
-            if isinstance(piece, CallDelta):
-                if limit is None or piece.index < limit:
-                    for line in call_piece(piece):
-                        yield line
-                continue
-            if isinstance(piece, ReasoningDelta):
-                if not reasoning_open and not thought:
-                    item = reasoning_item(ids, "", "in_progress", summarized)
-                    yield event("response.output_item.added", output_index=0, item=item)
-                    if summarized:
-                        part = {"type": "summary_text", "text": ""}
-                        yield event(
-                            "response.reasoning_summary_part.added", **summary_at, part=part
-                        )
-                    reasoning_open = True
-                thought += piece.text
-                yield event("response.reasoning_text.delta", **thought_at, delta=piece.text)
-                if summarized:
-                    yield event(
-                        "response.reasoning_summary_text.delta", **summary_at, delta=piece.text
-                    )
-                continue
-            if not opened:
-                for line in open_message():
-                    yield line
-                opened = True
-            text += piece
-            yield delta(piece, await entries())
-    except Exception as exc:  # the turn failed after it started: tell the client in-stream
+    async def end(self, reply: Reply, rest: str, streamed_calls: int) -> list[str]:
+        body, streamed = self.body, self.streamed
+        calls, final = offered_calls(body, reply), reply.content.text
+        last = calls[len(streamed) - 1] if 0 < len(streamed) <= len(calls) else None
+        lines = [
+            *self.close_reasoning(),
+            *self.close_call(call_status(last) if last else "completed"),
+        ]
+        index = (1 if self.thought else 0) + len(streamed)
+        every = None
+        if body.wants_logprobs and reply.logprobs:
+            every = await logprob_content(self.runtime, reply.logprobs)
+        if not streamed and (self.message_open or final or not calls):
+            if not self.message_open:
+                lines += self.open_message()
+            unsent = await self.entries(reply)
+            if rest:
+                lines.append(self.delta(rest, unsent))
+            lines += self.close_message(final, every, item_status(reply))
+            index += 1
+        elif streamed and self.shown:
+            index += 1  # the message, done before the first call
+        for call in calls[streamed_calls:]:
+            item, arguments = call_item(body, call, "in_progress", ""), call.arguments_json
+            at = {"item_id": item["id"], "output_index": index}
+            lines += [
+                self.event("response.output_item.added", output_index=index, item=item),
+                self.event("response.function_call_arguments.delta", **at, delta=arguments),
+                self.event("response.function_call_arguments.done", **at, arguments=arguments),
+                self.event(
+                    "response.output_item.done",
+                    output_index=index,
+                    item=call_item(body, call, call_status(call)),
+                ),
+            ]
+            index += 1
+        finished = response_object(body, self.ids, self.created, reply, every)
+        await self.remember(finished, reply)
+        kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
+        return [*lines, self.event(kind, response=finished)]
+
+    def error(self, exc: Exception) -> list[str]:
         error = api_error(exc).body(Dialect.OPENAI)["error"]
         code = error.get("code") or error.get("type")
-        yield event("error", code=code, message=error["message"], param=error.get("param"))
-        failed = response_object(body, ids, created, None) | {"status": "failed", "error": error}
-        yield event("response.failed", response=failed)
-        return
-    assert reply is not None
-    calls, final = offered_calls(body, reply), reply.content.text
-    last = calls[len(streamed) - 1] if 0 < len(streamed) <= len(calls) else None
-    for line in [*close_reasoning(), *close_call(call_status(last) if last else "completed")]:
-        yield line
-    index = (1 if thought else 0) + len(streamed)
-    every = await logprob_content(runtime, reply.logprobs) if asked and reply.logprobs else None
-    if not streamed and (opened or final or not calls):
-        if not opened:
-            for line in open_message():
-                yield line
-        rest = await entries(reply)
-        if len(final) > len(text):
-            yield delta(final[len(text) :], rest)
-        yield event("response.output_text.done", **text_at, text=final, logprobs=every or [])
-        part = text_part(final, every)
-        yield event("response.content_part.done", **text_at, part=part)
-        done = message_item(ids, final, item_status(reply), every)
-        yield event("response.output_item.done", output_index=index, item=done)
-        index += 1
-    elif streamed and text:
-        index += 1  # the message, done before the first call
-    for call in calls[turn.streamed_calls :]:
-        item, arguments = call_item(body, call, "in_progress", ""), call.arguments_json
-        at = {"item_id": item["id"], "output_index": index}
-        yield event("response.output_item.added", output_index=index, item=item)
-        yield event("response.function_call_arguments.delta", **at, delta=arguments)
-        yield event("response.function_call_arguments.done", **at, arguments=arguments)
-        done = call_item(body, call, call_status(call))
-        yield event("response.output_item.done", output_index=index, item=done)
-        index += 1
-    finished = response_object(body, ids, created, reply, every)
-    await remember(finished, reply)
-    kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=finished)
+        failed = response_object(self.body, self.ids, self.created, None)
+        return [
+            self.event("error", code=code, message=error["message"], param=error.get("param")),
+            self.event("response.failed", response=failed | {"status": "failed", "error": error}),
+        ]
 
 
 @router.post("/v1/responses")
@@ -314,9 +317,8 @@ async def create_response(
 
     if body.stream:
         turn = await TurnStream(state, request).start()
-        tool_format = state.runtime.tool_format if request.tools else None
-        events = _events(body, turn, tool_format, ids, created, remember, state.runtime)
-        return TurnStreamingResponse(events, turn)
+        encoder = ResponseEvents(body, turn, ids, created, remember, state.runtime)
+        return TurnStreamingResponse(turn, encoder)
     reply = await run_turn(state, request, http)
     logprobs = None
     if body.wants_logprobs and reply.logprobs is not None:
