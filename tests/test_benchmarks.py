@@ -470,6 +470,22 @@ def test_ready_quick(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
 
 
+def test_fan_out_quick(tmp_path):
+    report = run_quick("bench_fan_out", tmp_path)
+
+    runs = {row["run"]: row for row in report["rows"]}
+    assert list(runs) == ["not shared", "one after another", "after a restart", "all at once"]
+    assert runs["not shared"]["cached_tokens"] == [0] * report["agents"]
+    start = report["shared_start_tokens"]
+    # Shared: the brief is prefilled twice (the first agent, the one that parts from it), and
+    # the others resume it; after a restart its whole blocks come from disk.
+    for name in ("one after another", "all at once"):
+        assert runs[name]["prefilled_tokens"] < runs["not shared"]["prefilled_tokens"]
+        assert sorted(runs[name]["cached_tokens"])[2:] == [start] * (report["agents"] - 2)
+    assert min(runs["after a restart"]["cached_tokens"]) >= start // 256 * 256
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
 def test_gpu_quick(tmp_path):
     """``make bench-gpu``'s quick mode: every part in the summary, each part's JSON with its
     header and the ratios it promises, computed from the rows measured in the run."""

@@ -175,12 +175,19 @@ async def test_agents_with_one_system_prompt_prefill_and_store_it_once(tmp_path,
             *(rt.chat(a.id, f"Parcel {i} is late.", max_tokens=12) for i, a in enumerate(agents_))
         )
         await rt.flush()
-        head = max(r.usage.cached_tokens for r in replies)  # (whichever turn came first)
-        assert head >= 6 * BLOCK and head % BLOCK == 0
-        # One turn prefilled the shared head; the others started from it.
+        end = head_length(model, SYSTEM, "Parcel 0 is late.")
+        head = end // BLOCK * BLOCK
+        assert head >= 6 * BLOCK and end > head
+        prompts = [prompt_tokens(model, asked(SYSTEM, f"Parcel {i} is late.")) for i in range(4)]
+        alike = max(common_prefix(a, b) for a in prompts for b in prompts if a is not b)
+        # One turn prefilled the shared head; the others started from its stored blocks and
+        # from as far on as a turn that came before had prefilled alone when they looked (its
+        # end, or where their prompts part: "Parcel " is shared too).
         assert sorted(r.cache_source for r in replies) == ["none", "prefix", "prefix", "prefix"]
+        cached = sorted(r.usage.cached_tokens for r in replies)
+        assert cached[0] == 0 and all(head <= n <= alike for n in cached[1:])
         assert sum(r.usage.prefilled_tokens for r in replies) == (
-            sum(r.usage.prompt_tokens for r in replies) - 3 * head
+            sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in replies)
         )
         assert [r.token_ids for r in replies] == [r.token_ids for r in alone]
         # Stored once: every agent lists the head's blocks, each is one row and one file.
@@ -505,7 +512,8 @@ async def test_whole_conversations_share_a_stored_system_prompt(tmp_path):
             seen.append((reply.cache_source, reply.usage.cached_tokens))
         assert seen[0] == ("none", 0)
         assert seen[1][0] == seen[2][0] == "prefix"
-        assert seen[1][1] == seen[2][1] >= 6 * BLOCK
+        # The third also resumes where the second parted from the first ("Where is parcel ").
+        assert seen[2][1] >= seen[1][1] >= 6 * BLOCK
 
 
 async def test_blocks_are_collected_when_no_cache_lists_them(tmp_path):

@@ -117,6 +117,11 @@ class DiskCaches:
             return None
         return await self._prefixes.stored(tokens, at_least)
 
+    async def held(self, tokens: list[int]) -> int:
+        """Tokens of the longest run of whole blocks of ``tokens`` stored (see
+        ``Prefixes.held``); 0 when prefixes are not shared."""
+        return await self._prefixes.held(tokens) if self._share_prefixes else 0
+
     async def store_head(
         self,
         tokens: list[int],

@@ -78,6 +78,17 @@ class Prefixes(Part):
             return await self._load(tokens[: stored * size], keys[:stored])
         return None
 
+    async def held(self, tokens: list[int]) -> int:
+        """Tokens of the longest run of whole blocks of ``tokens`` stored for any cache, a
+        window at its end or not (where a conversation stored before a restart parts from
+        them)."""
+        size = self._layout.block_tokens
+        keys = self._layout.keys(tokens[: self._usable(tokens) * size])
+        if not keys:
+            return 0
+        known = await self._registry.caches.known_blocks(keys)
+        return next((j for j, key in enumerate(keys) if key not in known), len(keys)) * size
+
     async def store_head(
         self,
         tokens: list[int],

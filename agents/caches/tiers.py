@@ -8,12 +8,17 @@ conversation's (:meth:`CacheTiers.prefix`): the longest prefix of its prompt tha
 memory can be cut back to exactly, or stored blocks on disk. Where a sliding-window layer has
 moved on, a cache can be cut back only at its checkpoints: the previous turn boundaries and the
 end of its shared head (system prompt and tools), which a turn that started from stored blocks
-prefills exactly to, once, and keeps as a checkpoint for the conversations that follow.
+prefills exactly to, once, and keeps as a checkpoint for the conversations that follow. A turn
+whose prompt begins the way another conversation's began, past what it can resume (workers
+handed one brief), treats the point where they part as a shared head of its own: prefilled
+alone, stored as blocks and a window, kept as a checkpoint, so the conversations that follow
+resume the shared start instead of prefilling it each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +26,15 @@ from pathlib import Path
 from typing import Literal
 
 from agentkv.caches.disk import DiskCaches
-from agentkv.caches.hot import HotTier, longest_shared
+from agentkv.caches.hot import HotTier, longest_shared, shared_length
 from agentkv.engine.request import PromptCache
 from agentkv.store import CacheRecord, Registry
 
 log = logging.getLogger(__name__)
+
+RECENT_TOKENS = 262_144
+"""Tokens of the recent prompts remembered (about 9 MB at most) for where new conversations
+part from them (``CacheTiers.prefix``)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,6 +104,10 @@ class CacheTiers:
         self.hot = hot
         self.disk = disk
         self._registry = registry
+        self._recent: collections.deque[list[int]] = collections.deque()  # prompts, newest last
+        self._recent_tokens = 0
+        # Heads being prefilled to a token that is no block boundary: (tokens, their cache).
+        self._prefilling: list[tuple[list[int], asyncio.Future[PromptCache | None]]] = []
 
     async def resume(self, agent_id: str, version: int | None = None) -> Resumed | None:
         """The agent's cache from the hot tier, else from disk (after a save in flight has
@@ -144,11 +157,42 @@ class CacheTiers:
         stored = await self.disk.stored(tokens, have)
         if stored is not None:
             start = Start(stored, borrowed=stored.num_tokens)
-        start = await self._to_heads(start, tokens, heads, priority, stored is None)
+        store = stored is None
+        at = start.cache.num_tokens if start.cache else 0
+        # Where it parts from another conversation: a head (a turn that resumes its own cache,
+        # for more than a block of new tokens only).
+        if self.disk.windowed and (own is None or at + block <= limit):
+            parted = await self._parted(tokens, limit)
+            if parted >= at + 2:  # (a request prefills one token at least, the head's last)
+                heads, store = _with_end(heads, parted), store or parted >= at + block
+        start = await self._to_heads(start, tokens, heads, priority, store)
         if start.borrowed:
             stats.prefix_hits += 1
             stats.prefix_tokens += start.borrowed
         return start
+
+    async def _parted(self, tokens: list[int], limit: int) -> int:
+        """How many of the first ``tokens`` (at most ``limit``) another conversation began
+        with: a prompt seen recently (its turn in flight or done), a cache in memory, or
+        stored blocks (whole ones: conversations stored before a restart). ``tokens`` are
+        remembered for the prompts that follow."""
+        prompts = [*self._recent, *(entry.cache.tokens for entry in self.hot.entries())]
+        # Remembered at once: a conversation that arrives while this one is looked up parts
+        # from it (the second of a fan-out stores the shared start, the others wait for it).
+        self._recent.append(tokens)
+        self._recent_tokens += len(tokens)
+        while self._recent_tokens > RECENT_TOKENS and len(self._recent) > 1:
+            self._recent_tokens -= len(self._recent.popleft())
+
+        def seen() -> int:
+            first = tokens[0]
+            shared = (shared_length(p, tokens, limit) for p in prompts if p and p[0] == first)
+            return max(shared, default=0)
+
+        found = await asyncio.to_thread(seen)
+        if found < limit:
+            found = max(found, min(await self.disk.held(tokens), limit))
+        return found
 
     async def _to_heads(
         self,
@@ -187,15 +231,39 @@ class CacheTiers:
                 # An inner head (tools before the system prompt) is worth a checkpoint past a
                 # block; the last one whatever is left of it.
                 if end - at >= (2 if last else block):
-                    cache = await self.disk.extend(start.cache, tokens[:end], priority, points)
-                    if cache is None:
+                    grown = await self._head(start, tokens[:end], priority, points)
+                    if grown is None:
                         break
-                    start = start.grown(cache.as_head(), end - at, None)
+                    start = grown
         except BaseException:
             if start.release:  # the pin of a head this turn stored (idempotent)
                 start.release()
             raise
         return start
+
+    async def _head(
+        self, start: Start, tokens: list[int], priority: float, points: tuple[int, ...]
+    ) -> Start | None:
+        """``start`` prefilled to the end of ``tokens`` alone and marked a head, or the same
+        head another turn is prefilling now (turns of a fan-out that arrive together wait for
+        it instead of prefilling it again); None when that fails."""
+        at = start.cache.num_tokens if start.cache else 0
+        for head, pending in self._prefilling:
+            if head == tokens:
+                cache = await asyncio.shield(pending)
+                return None if cache is None else start.grown(cache, 0, None)
+        pending = asyncio.get_running_loop().create_future()
+        entry = (tokens, pending)
+        self._prefilling.append(entry)
+        cache = None
+        try:
+            cache = await self.disk.extend(start.cache, tokens, priority, points)
+            if cache is not None:
+                cache = cache.as_head()
+        finally:
+            self._prefilling.remove(entry)
+            pending.set_result(cache)
+        return None if cache is None else start.grown(cache, len(tokens) - at, None)
 
     def keep(
         self,
@@ -244,3 +312,8 @@ class CacheTiers:
         """Forget a deleted agent's caches: memory, then its files (after its saves)."""
         self.hot.drop(agent_id)
         await self.disk.remove_agent(agent_id)
+
+
+def _with_end(heads: Callable[[], list[int]], end: int) -> Callable[[], list[int]]:
+    """``heads`` with one more end: where a prompt parts from another conversation's."""
+    return lambda: sorted({*heads(), end})

@@ -1,0 +1,114 @@
+"""Conversations that start alike past their system prompt (a fan-out: workers handed one brief,
+each with a task of its own) share the prefill of that start on sliding-window and hybrid
+models: the conversation that parts from another stores the shared start as a head of its own
+(blocks and a window), and those that follow resume it, in one process and after a restart.
+Real SQLite files, real tiny models, real block files."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.document import common_prefix
+from agentkv.engine.models.tiny import tiny_model_dir
+
+BLOCK = 16
+SYSTEM = "Be brief."  # under a block: no shared head of its own
+BRIEF = (
+    "You are one worker among several in a review of a shipping company's parcel service. "
+    "Read the notes below and answer only the task at the end, in one short sentence. Notes: "
+    "parcels leave the depot at six in the morning and arrive by noon in town, by evening in "
+    "the villages; late parcels are reported to the office, which calls the customer back; "
+    "weekend deliveries cost extra and need a signature; damaged parcels are photographed "
+    "before they are handed over. Task: "
+)
+TASKS = [
+    "say when parcels leave.",
+    "say what a weekend delivery needs.",
+    "say who calls back about late parcels.",
+    "say what happens to damaged parcels.",
+    "say when village parcels arrive.",
+]
+
+
+def config(data_dir: Path, model: str, **kw) -> RuntimeConfig:
+    return RuntimeConfig(model=model, data_dir=data_dir, kv_block_tokens=BLOCK, **kw)
+
+
+@functools.cache
+def tokenizer(model: str):
+    return load_tokenizer(tiny_model_dir(model))
+
+
+def prompt(model: str, task: str, brief: str = BRIEF) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": brief + task}]
+    ids = tokenizer(model).apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids)
+
+
+def system_head(model: str) -> int:
+    """Where the user's turn begins: the tokens every conversation with SYSTEM shares (a
+    shared head of its own where it spans a block)."""
+    return common_prefix(prompt(model, "0", ""), prompt(model, "1", ""))
+
+
+def shared_start(model: str) -> int:
+    """The tokens every worker's prompt begins with."""
+    prompts = [prompt(model, task) for task in TASKS]
+    return min(common_prefix(prompts[0], p) for p in prompts[1:])
+
+
+async def ask(rt: AgentRuntime, task: str):
+    agent = await rt.create_agent(system_prompt=SYSTEM)
+    return await rt.chat(agent.id, BRIEF + task, max_tokens=6)
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_workers_handed_one_brief_share_its_prefill(tmp_path, model):
+    start, head = shared_start(model), system_head(model)
+    assert start >= head + 8 * BLOCK  # the brief: many blocks past the system prompt
+    head = head if head >= BLOCK else 0
+    alone_config = config(tmp_path / "alone", model, share_prefixes=False)
+    async with await AgentRuntime.open(alone_config) as rt:
+        alone = [(await ask(rt, task)).token_ids for task in TASKS]
+
+    shared = config(tmp_path / "shared", model)
+    async with await AgentRuntime.open(shared) as rt:
+        replies = [await ask(rt, task) for task in TASKS[:3]]
+        # The first prefills everything (past the system prompt's head, where it spans a
+        # block); the second parts from it after the brief: it prefills the shared start alone
+        # first (stored as blocks and a window) and keeps its end as a checkpoint; the third
+        # resumes all of the shared start from it.
+        assert [r.usage.cached_tokens for r in replies] == [0, head, start]
+        assert replies[2].cache_source == "prefix"
+        assert [r.token_ids for r in replies] == alone[:3]
+    # After a restart (nothing in memory) new workers resume the shared start's whole blocks
+    # from disk.
+    async with await AgentRuntime.open(shared) as rt:
+        replies = [await ask(rt, task) for task in TASKS[3:]]
+        assert [r.cache_source for r in replies] == ["prefix", "prefix"]
+        whole = start // BLOCK * BLOCK
+        assert [r.usage.cached_tokens for r in replies] == [whole, whole]
+        assert whole >= 0.9 * start
+        assert [r.token_ids for r in replies] == alone[3:]
+
+
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
+async def test_workers_that_arrive_together_prefill_the_brief_twice_at_most(tmp_path, model):
+    # All at once: the first prefills its whole prompt; the one that parts from it stores the
+    # shared start, and the others wait for its whole blocks instead of prefilling them again
+    # (and for the rest of it up to where they part, when it is being prefilled then).
+    start = shared_start(model)
+    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        replies = await asyncio.gather(*(ask(rt, task) for task in TASKS))
+    prefilled = sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in replies)
+    own = sum(r.usage.prompt_tokens - start for r in replies)
+    assert prefilled <= 2 * start + own + (len(TASKS) - 2) * (BLOCK - 1)
+    assert sorted(r.usage.cached_tokens >= start // BLOCK * BLOCK for r in replies)[2:] == [
+        True
+    ] * (len(TASKS) - 2)
