@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from agentkv.caches import DiskCaches
@@ -513,6 +514,27 @@ class AgentRuntime:
         """The model's thinking markers (``agentkv.reasoning``), or None for a model that does
         not reason apart from its answer."""
         return self._turns.reasoning
+
+    @property
+    def caps_reasoning(self) -> bool:
+        """Whether a turn's ``reasoning_budget`` can cap this model's thinking (it thinks
+        between one-token markers, or in harmony's analysis message)."""
+        return self._engine.reasoning is not None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end the model's reply."""
+        return self._engine.model.eos_token_ids
+
+    @property
+    def model_path(self) -> Path:
+        """The directory the model was loaded from."""
+        return self._engine.model.path
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The hash of the model's weights and configuration that its saved caches carry."""
+        return self._engine.model.fingerprint
 
     @property
     def responses(self) -> ResponseIndex:

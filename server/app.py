@@ -183,9 +183,11 @@ def create_app(
             raise
         app.state.worker = runtime.leases.worker_id
         log.info("worker %s, registry %s", app.state.worker, shown_url(config.database))
-        loaded = runtime.engine.model
         log.info(
-            "model %s from %s (fingerprint %s)", config.model, loaded.path, loaded.fingerprint[:16]
+            "model %s from %s (fingerprint %s)",
+            config.model,
+            runtime.model_path,
+            runtime.model_fingerprint[:16],
         )
         expiry = None
         try:

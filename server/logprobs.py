@@ -34,7 +34,7 @@ async def logprob_content(
     runtime: AgentRuntime, logprobs: Sequence[TokenLogprob]
 ) -> list[dict[str, Any]]:
     """``logprobs`` as OpenAI's list of token entries (end-of-sequence tokens left out)."""
-    eos = runtime.engine.model.eos_token_ids
+    eos = runtime.eos_token_ids
     shown = [lp for lp in logprobs if lp.token_id not in eos]
     if not shown:
         return []

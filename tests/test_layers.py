@@ -222,6 +222,19 @@ def test_mlx_lms_private_names_and_patches_are_in_the_adapter_only():
     assert found == []
 
 
+def test_the_server_reads_the_runtime_through_its_api_not_its_engine():
+    """The routes ask the runtime (``AgentRuntime``'s properties and methods), never reach
+    through it into the engine it drives."""
+    reached = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for name, path in modules()
+        if name.startswith("agentkv.server")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"runtime\.engine\b", line)
+    ]
+    assert reached == []
+
+
 def test_no_module_is_longer_than_the_limit_without_a_reason():
     files = [p for _, p in modules()] + [ROOT / "demo_full_stack.py"]
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}

@@ -219,7 +219,7 @@ async def create_message(
             x_agent_id,
             x_claude_code_session_id,
             state.keep_volatile,
-            state.runtime.engine.reasoning is not None,
+            state.runtime.caps_reasoning,
         ),
     )
     model = echoed_model(body.model, anthropic_beta)
