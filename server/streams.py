@@ -48,6 +48,11 @@ class Encoder:
         ``streamed_calls`` how many of its calls came as pieces (the others are the end's)."""
         raise NotImplementedError
 
+    async def last(self, reply: Reply) -> list[str]:
+        """The closing events, after the end's are sent (work that may wait, a response
+        stored, goes here: the end's events do not wait for it)."""
+        return []
+
     def error(self, exc: Exception) -> list[str]:
         """The events that tell the client the turn failed after the stream began."""
         raise NotImplementedError
@@ -78,6 +83,8 @@ async def wire(turn: TurnStream, encoder: Encoder) -> AsyncIterator[str]:
         return
     assert reply is not None
     for line in await encoder.end(reply, reply.content.text[shown:], turn.streamed_calls):
+        yield line
+    for line in await encoder.last(reply):
         yield line
 
 

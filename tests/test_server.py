@@ -706,6 +706,8 @@ def test_api_key_is_required_when_set(keyed):
 def test_full_engine_queue_is_529_and_429(tmp_path):
     tight = EngineConfig(completion_batch_size=1, prefill_batch_size=1, max_queue_size=1)
     config = RuntimeConfig(model=MODEL, data_dir=tmp_path, engine=tight)
+    # Each its own from the first word: prompts that start alike would wait for one another's
+    # shared start (agentkv.caches.tiers) instead of all asking the engine at once.
     long_prompt = "Tell me everything about the sea, the mountains and the sky. " * 10
 
     def fire(server: Server, call) -> list[BaseException | None]:
@@ -728,7 +730,7 @@ def test_full_engine_queue_is_529_and_429(tmp_path):
             lambda i: claude.messages.create(
                 model="m",
                 max_tokens=64,
-                messages=[user(long_prompt)],
+                messages=[user(f"{i}: {long_prompt}")],
                 metadata={"user_id": f"a{i}"},
             ),
         )
@@ -742,7 +744,10 @@ def test_full_engine_queue_is_529_and_429(tmp_path):
         outcomes = fire(
             server,
             lambda i: gpt.chat.completions.create(
-                model="m", max_tokens=64, messages=[user(long_prompt)], user=f"o{i}"
+                model="m",
+                max_tokens=64,
+                messages=[user(f"{i}: {long_prompt}")],
+                user=f"o{i}",
             ),
         )
         refused = [e for e in outcomes if e is not None]

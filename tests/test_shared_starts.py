@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.caches.tiers import CacheTiers, Start
 from agentkv.document import common_prefix
 from agentkv.engine.models.tiny import tiny_model_dir
 
@@ -105,10 +106,51 @@ async def test_workers_that_arrive_together_prefill_the_brief_twice_at_most(tmp_
     # (and for the rest of it up to where they part, when it is being prefilled then).
     start = shared_start(model)
     async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+        fed: list[int] = []  # the prompt tokens each step of the engine prefilled
+        rt.engine.add_step_listener(lambda step: fed.append(step.prefill_tokens))
         replies = await asyncio.gather(*(ask(rt, task) for task in TASKS))
     prefilled = sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in replies)
+    # What the turns report is what the engine prefilled, but for the last token of each head
+    # prefilled alone (forced, not prefilled: at most four heads a turn).
+    assert 0 <= prefilled - sum(fed) <= 4 * len(TASKS)
     own = sum(r.usage.prompt_tokens - start for r in replies)
     assert prefilled <= 2 * start + own + (len(TASKS) - 2) * (BLOCK - 1)
     assert sorted(r.usage.cached_tokens >= start // BLOCK * BLOCK for r in replies)[2:] == [
         True
     ] * (len(TASKS) - 2)
+
+
+class Head:
+    """A cache as ``CacheTiers._head`` sees it (``DiskCaches.extend`` is stubbed below)."""
+
+    def __init__(self, tokens: list[int]):
+        self.num_tokens = len(tokens)
+
+    def as_head(self) -> Head:
+        return self
+
+
+async def test_turns_that_part_at_one_point_together_prefill_it_once():
+    # Two turns that take the same head while the first prefills it: one prefill, one cache.
+    released = asyncio.Event()
+    calls = []
+
+    class Disk:
+        async def extend(self, cache, tokens, priority, points):
+            calls.append(len(tokens))
+            await released.wait()
+            return Head(tokens)
+
+    tiers = CacheTiers(None, Disk(), None)
+    tokens = list(range(40))
+    first = asyncio.ensure_future(tiers._head(Start(None), tokens, 0.0, ()))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(tiers._head(Start(None, fresh=5), tokens, 0.0, ()))
+    await asyncio.sleep(0)
+    released.set()
+    one, two = await first, await second
+    assert calls == [40]
+    assert one.cache is two.cache
+    assert (one.fresh, one.borrowed) == (40, 0)  # the first prefilled it
+    assert (two.fresh, two.borrowed) == (5, 35)  # the second's own 5 tokens stay its own
+    assert tiers._prefilling == []

@@ -83,7 +83,7 @@ class Prefixes(Part):
         window at its end or not (where a conversation stored before a restart parts from
         them)."""
         size = self._layout.block_tokens
-        keys = self._layout.keys(tokens[: self._usable(tokens) * size])
+        keys = await asyncio.to_thread(self._layout.keys, tokens[: self._usable(tokens) * size])
         if not keys:
             return 0
         known = await self._registry.caches.known_blocks(keys)

@@ -94,7 +94,8 @@ class Start:
         release = release or self.release
         if added:
             return Start(cache, self.fresh + added, self.borrowed, release)
-        return Start(cache, 0, cache.num_tokens, release)
+        # What this turn prefilled itself before it took the head stays its own.
+        return Start(cache, self.fresh, cache.num_tokens - self.fresh, release)
 
 
 class CacheTiers:
@@ -159,9 +160,8 @@ class CacheTiers:
             start = Start(stored, borrowed=stored.num_tokens)
         store = stored is None
         at = start.cache.num_tokens if start.cache else 0
-        # Where it parts from another conversation: a head (a turn that resumes its own cache,
-        # for more than a block of new tokens only).
-        if self.disk.windowed and (own is None or at + block <= limit):
+        # Where a new conversation (no cache of its own) parts from another: a head.
+        if self.disk.windowed and own is None:
             parted = await self._parted(tokens, limit)
             if parted >= at + 2:  # (a request prefills one token at least, the head's last)
                 heads, store = _with_end(heads, parted), store or parted >= at + block
@@ -173,9 +173,9 @@ class CacheTiers:
 
     async def _parted(self, tokens: list[int], limit: int) -> int:
         """How many of the first ``tokens`` (at most ``limit``) another conversation began
-        with: a prompt seen recently (its turn in flight or done), a cache in memory, or
-        stored blocks (whole ones: conversations stored before a restart). ``tokens`` are
-        remembered for the prompts that follow."""
+        with: a new conversation's prompt seen recently (its turn in flight or done), a cache
+        in memory, or stored blocks (whole ones: conversations stored before a restart).
+        ``tokens`` are remembered for the prompts that follow."""
         prompts = [*self._recent, *(entry.cache.tokens for entry in self.hot.entries())]
         # Remembered at once: a conversation that arrives while this one is looked up parts
         # from it (the second of a fan-out stores the shared start, the others wait for it).

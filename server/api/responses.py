@@ -128,6 +128,7 @@ class ResponseEvents(Encoder):
         self.thought, self.reasoning_open = "", False
         self.shown, self.message_open = "", False
         self.streamed: list[StreamedItem] = []  # the calls streamed so far
+        self.every: list[dict[str, Any]] | None = None  # every token's logprobs, at the end
 
     def event(self, kind: str, **data: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **data}
@@ -287,10 +288,15 @@ class ResponseEvents(Encoder):
                 ),
             ]
             index += 1
-        finished = response_object(body, self.ids, self.created, reply, every)
+        self.every = every
+        return lines
+
+    async def last(self, reply: Reply) -> list[str]:
+        """The response, stored, then its completed (or incomplete) event."""
+        finished = response_object(self.body, self.ids, self.created, reply, self.every)
         await self.remember(finished, reply)
         kind = "response.incomplete" if finished["status"] == "incomplete" else "response.completed"
-        return [*lines, self.event(kind, response=finished)]
+        return [self.event(kind, response=finished)]
 
     def error(self, exc: Exception) -> list[str]:
         error = api_error(exc).body(Dialect.OPENAI)["error"]
