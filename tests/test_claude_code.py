@@ -173,12 +173,14 @@ def test_a_new_session_resumes_the_instructions_and_tools_despite_the_billing_li
     # A title side request of another session, the same as the first but for its billing
     # line, resumes all of its prompt but the generation prompt (1,058 of its 1,065 tokens,
     # not just the 768 of its whole blocks or the 948 of its system prompt): from the first
-    # title's agent, where that one's history ended (its checkpoint there).
+    # title's agent, where that one's history ended (its checkpoint there), or all of it but
+    # its last token where the two prompts part (agentkv.caches.tiers), whichever is kept
+    # when it looks.
     titles = [billed(captured("title"), s, f"5e55i0n-{s}") for s in ("c03", "d04")]
     post_stream(http, titles[0])
     usage = final_message(post_stream(http, titles[1])[0])["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == 1065, usage
-    assert usage["cache_read_input_tokens"] == 1065 - len(generation_prompt(MODEL)), usage
+    assert 1065 - len(generation_prompt(MODEL)) <= usage["cache_read_input_tokens"] <= 1064, usage
 
 
 def test_forced_tool_call_then_tool_result_resumes_from_cache(http, force_tool_call):

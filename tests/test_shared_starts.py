@@ -114,10 +114,11 @@ async def test_workers_that_arrive_together_prefill_the_brief_twice_at_most(tmp_
     # prefilled alone (forced, not prefilled: at most four heads a turn).
     assert 0 <= prefilled - sum(fed) <= 4 * len(TASKS)
     own = sum(r.usage.prompt_tokens - start for r in replies)
-    assert prefilled <= 2 * start + own + (len(TASKS) - 2) * (BLOCK - 1)
-    assert sorted(r.usage.cached_tokens >= start // BLOCK * BLOCK for r in replies)[2:] == [
-        True
-    ] * (len(TASKS) - 2)
+    # The start twice at most, and each of the others a partial block or two of it again at
+    # most (its end, when it took the blocks before that was prefilled; the system prompt's
+    # head, when it had prefilled that itself before it found the shared start).
+    assert prefilled <= 2 * start + own + (len(TASKS) - 2) * 2 * BLOCK
+    assert start > 4 * BLOCK  # (so that this is less than each prefilling the start)
 
 
 class Head:
