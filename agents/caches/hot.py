@@ -154,18 +154,21 @@ def shared_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 def longest_shared(
     entries: Sequence[HotEntry], tokens: Sequence[int], limit: int
-) -> PromptCache | None:
+) -> tuple[PromptCache | None, int]:
     """The longest cache of a prefix of ``tokens`` (at most ``limit`` of them) that an entry
-    can be cut back to, or None. Runs in a worker thread: no MLX work, shares the arrays."""
+    can be cut back to, or None; and how many of ``tokens`` the entry sharing the most begins
+    with, cut back there or not. Runs in a worker thread: no MLX work, shares the arrays."""
     best: PromptCache | None = None
+    alike = 0
     for entry in entries:
         cached = entry.cache.tokens
         if not cached or cached[0] != tokens[0]:
             continue
         n = shared_length(cached, tokens, limit)
+        alike = max(alike, n)
         if n == 0 or (best is not None and n <= best.num_tokens):
             continue
         cut = entry.cache.longest_prefix(n)
         if cut is not None and (best is None or cut.num_tokens > best.num_tokens):
             best = cut
-    return best
+    return best, alike

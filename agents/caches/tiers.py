@@ -152,7 +152,7 @@ class CacheTiers:
         stats.prefix_lookups += 1
         # Like a stored prefix, at least a block: merging less saves less than it costs.
         have = max(own.num_tokens if own else 0, block - 1)
-        hot = await asyncio.to_thread(longest_shared, self.hot.entries(), tokens, limit)
+        hot, alike = await asyncio.to_thread(longest_shared, self.hot.entries(), tokens, limit)
         if hot is not None and hot.num_tokens > have:
             start, have = Start(hot, borrowed=hot.num_tokens), hot.num_tokens
         stored = await self.disk.stored(tokens, have)
@@ -162,7 +162,7 @@ class CacheTiers:
         at = start.cache.num_tokens if start.cache else 0
         # Where a new conversation (no cache of its own) parts from another: a head.
         if self.disk.windowed and own is None:
-            parted = await self._parted(tokens, limit)
+            parted = await self._parted(tokens, limit, alike)
             if parted >= at + 2:  # (a request prefills one token at least, the head's last)
                 heads, store = _with_end(heads, parted), store or parted >= at + block
         start = await self._to_heads(start, tokens, heads, priority, store)
@@ -171,12 +171,13 @@ class CacheTiers:
             stats.prefix_tokens += start.borrowed
         return start
 
-    async def _parted(self, tokens: list[int], limit: int) -> int:
+    async def _parted(self, tokens: list[int], limit: int, alike: int) -> int:
         """How many of the first ``tokens`` (at most ``limit``) another conversation began
         with: a new conversation's prompt seen recently (its turn in flight or done), a cache
-        in memory, or stored blocks (whole ones: conversations stored before a restart).
-        ``tokens`` are remembered for the prompts that follow."""
-        prompts = [*self._recent, *(entry.cache.tokens for entry in self.hot.entries())]
+        in memory (``alike``: as ``longest_shared`` found), or stored blocks (whole ones:
+        conversations stored before a restart). ``tokens`` are remembered for the prompts
+        that follow."""
+        prompts = list(self._recent)
         # Remembered at once: a conversation that arrives while this one is looked up parts
         # from it (the second of a fan-out stores the shared start, the others wait for it).
         self._recent.append(tokens)
@@ -189,7 +190,7 @@ class CacheTiers:
             shared = (shared_length(p, tokens, limit) for p in prompts if p and p[0] == first)
             return max(shared, default=0)
 
-        found = await asyncio.to_thread(seen)
+        found = max(alike, await asyncio.to_thread(seen))
         if found < limit:
             found = max(found, min(await self.disk.held(tokens), limit))
         return found
