@@ -134,7 +134,7 @@ class AgentRuntime:
             raise
         runtime = cls(config, registry, engine, claim, harmony)
         try:
-            await runtime._caches.disk.sweep()
+            await runtime._caches.disk.janitor.sweep()
         except (RegistryStorageError, OSError) as exc:  # a full disk: tidy up another time
             log.warning("could not tidy the cache directory at open (%s); opened all the same", exc)
         except BaseException:
@@ -258,7 +258,7 @@ class AgentRuntime:
                 idle = (utcnow() - agent.updated_at).total_seconds()
                 if agent.idle_ttl_s is None or idle <= agent.idle_ttl_s:
                     return False
-            await self._caches.disk.wait(agent_id)
+            await self._caches.disk.writes.wait(agent_id)
             await self._registry.delete_agent(agent_id, expected_version)
             self._conversations.drop(agent_id)
             await self._caches.remove(agent_id)
@@ -616,7 +616,7 @@ class AgentRuntime:
     async def flush(self, agent_id: str | None = None) -> None:
         """Wait until every scheduled cache write (of one agent, or all) is on disk and in the
         registry."""
-        await self._caches.disk.wait(agent_id)
+        await self._caches.disk.writes.wait(agent_id)
 
     async def close(self) -> None:
         """Let turns in flight finish, flush cache writes, stop the engine, close the registry."""
@@ -625,7 +625,7 @@ class AgentRuntime:
         self._closed = True
         try:
             await self._turns.idle.wait()
-            await self._caches.disk.close()
+            await self._caches.disk.writes.close()
             await self.leases.close()
         finally:
             await self._engine.close()

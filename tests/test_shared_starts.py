@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from agentkv import AgentRuntime, RuntimeConfig
 from agentkv.caches.tiers import CacheTiers, Start
 from agentkv.document import common_prefix
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 
 BLOCK = 16
 SYSTEM = "Be brief."  # under a block: no shared head of its own
@@ -136,11 +136,14 @@ async def test_turns_that_part_at_one_point_together_prefill_it_once():
     released = asyncio.Event()
     calls = []
 
-    class Disk:
+    class Prefixes:
         async def extend(self, cache, tokens, priority, points):
             calls.append(len(tokens))
             await released.wait()
             return Head(tokens)
+
+    class Disk:
+        prefixes = Prefixes()
 
     tiers = CacheTiers(None, Disk(), None)
     tokens = list(range(40))

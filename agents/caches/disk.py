@@ -1,5 +1,8 @@
 """The cache store's front: one object the runtime holds, made of the parts that each own a
-noun (layout, writes, janitor, saver, loader, prefixes) and sharing one ``DiskStats``."""
+noun (layout, writes, janitor, saver, loader, prefixes) and sharing one ``DiskStats``. Callers
+use the parts themselves (``disk.saver.save``, ``disk.loader.load``, ``disk.prefixes.stored``,
+``disk.writes.wait``, ``disk.janitor.sweep``); this class holds what spans them (a fork, the
+report)."""
 
 from __future__ import annotations
 
@@ -9,15 +12,14 @@ from pathlib import Path
 
 from agentkv.caches.janitor import SWEEP_GRACE_S, Janitor
 from agentkv.caches.layout import CacheLayout, link_or_copy
-from agentkv.caches.load import LoadedCache, Loader
-from agentkv.caches.prefixes import Prefix, Prefixes
+from agentkv.caches.load import Loader
+from agentkv.caches.prefixes import Prefixes
 from agentkv.caches.save import Saver
 from agentkv.caches.shared import Shared
 from agentkv.caches.stats import DiskStats
 from agentkv.caches.writes import Writes
 from agentkv.engine.engine import Engine
 from agentkv.engine.kv.encoded import DEFAULT_BLOCK_TOKENS
-from agentkv.engine.request import PromptCache
 from agentkv.store import BlocksMissingError, NewCacheEntry, Registry
 from agentkv.store.cache_files import remove_cache_file
 
@@ -56,13 +58,13 @@ class DiskCaches:
         self._registry = registry
         self._share_prefixes = share_prefixes
         self._engine = engine
-        self._writes = Writes()
-        shared = Shared(self.layout, registry, engine, self._writes, self.stats)
+        self.writes = Writes()
+        shared = Shared(self.layout, registry, engine, self.writes, self.stats)
         lock_of = lock_of or (lambda agent_id: asyncio.Lock())
-        self._janitor = Janitor(shared, budget_bytes, lock_of, sweep_grace_s)
-        self._saver = Saver(shared, self._janitor)
-        self._loader = Loader(shared)
-        self._prefixes = Prefixes(shared, self._janitor, self._saver, self._loader)
+        self.janitor = Janitor(shared, budget_bytes, lock_of, sweep_grace_s)
+        self.saver = Saver(shared, self.janitor)
+        self.loader = Loader(shared)
+        self.prefixes = Prefixes(shared, self.janitor, self.saver, self.loader)
 
     @property
     def block_tokens(self) -> int:
@@ -71,28 +73,7 @@ class DiskCaches:
     @property
     def saves_in_flight(self) -> int:
         """Saves (and shared-prefix writes) scheduled and not yet on disk and in the registry."""
-        return self._writes.in_flight
-
-    def save(
-        self,
-        agent_id: str,
-        cache: PromptCache,
-        message_count: int,
-        digest: str,
-        then: Callable[[], None] | None = None,
-    ) -> None:
-        """Schedule a save of a cache covering ``message_count`` messages (``digest``: their
-        ``conversation_digest``); returns at once. ``wait`` or ``close`` waits for it. ``then``
-        is called when it is over (saved or not)."""
-        self._saver.save(agent_id, cache, message_count, digest, then)
-
-    async def wait(self, agent_id: str | None = None) -> None:
-        """Wait for scheduled saves (of one agent, or all) to finish."""
-        await self._writes.wait(agent_id)
-
-    async def load(self, agent_id: str) -> LoadedCache | None:
-        """The agent's saved cache ready to resume, or None (logged) if there is none usable."""
-        return await self._loader.load(agent_id)
+        return self.writes.in_flight
 
     @property
     def shares_prefixes(self) -> bool:
@@ -109,42 +90,6 @@ class DiskCaches:
         """Whether the model has recurrent state (a cache is cut back only at checkpoints)."""
         return self._engine.model.recurrent
 
-    async def stored(self, tokens: list[int], at_least: int) -> PromptCache | None:
-        """Stored blocks for the start of ``tokens`` longer than ``at_least`` tokens, or a head
-        another turn is storing now (see ``agentkv.caches.prefixes``); None when there are none
-        or prefixes are not shared."""
-        if not self._share_prefixes:
-            return None
-        return await self._prefixes.stored(tokens, at_least)
-
-    async def held(self, tokens: list[int]) -> int:
-        """Tokens of the longest run of whole blocks of ``tokens`` stored (see
-        ``Prefixes.held``); 0 when prefixes are not shared."""
-        return await self._prefixes.held(tokens) if self._share_prefixes else 0
-
-    async def store_head(
-        self,
-        tokens: list[int],
-        end: int,
-        priority: float,
-        start: PromptCache | None,
-        points: tuple[int, ...] = (),
-    ) -> Prefix:
-        """Prefill and store the whole blocks of the shared head ``tokens[:end]`` after
-        ``start`` (see ``Prefixes.store_head``; ``points``: the shared heads' ends)."""
-        return await self._prefixes.store_head(tokens, end, priority, start, points)
-
-    async def extend(
-        self,
-        cache: PromptCache | None,
-        tokens: list[int],
-        priority: float,
-        points: tuple[int, ...] = (),
-    ) -> PromptCache | None:
-        """The cache of ``tokens``: ``cache`` (of a prefix of them) and the rest prefilled
-        (``points``: the shared heads' ends, see ``Prefixes.extend``)."""
-        return await self._prefixes.extend(cache, tokens, priority, points)
-
     async def block_files(self, keys: Sequence[str]) -> list[Path]:
         """The files holding these recorded blocks (each once, in order)."""
         known = await self._registry.caches.known_blocks(keys)
@@ -155,7 +100,7 @@ class DiskCaches:
         """Give ``agent_id`` the source's current cache: the same blocks, and its tail
         hard-linked (copied only where the filesystem cannot link). Returns whether there was
         one."""
-        await self.wait(source_id)  # the newest cache of the source has landed
+        await self.writes.wait(source_id)  # the newest cache of the source has landed
         record = await self._registry.caches.get(source_id)
         if record is None:
             return False
@@ -189,7 +134,7 @@ class DiskCaches:
             "bytes": stats.usage.bytes,
             "files": stats.usage.files,
             "blocks": stats.usage.blocks,
-            "budget_bytes": self._janitor.budget_bytes,
+            "budget_bytes": self.janitor.budget_bytes,
             "evictions": stats.evictions,
             "blocks_written": stats.blocks_written,
             "blocks_shared": stats.blocks_shared,
@@ -201,21 +146,6 @@ class DiskCaches:
             # shared heads being prefilled or stored now (turns that start alike wait for
             # them), and
             # the segments kept for running turns that stored them
-            "heads_in_flight": len(self._prefixes.heads),
-            "pinned_blocks": len(self._janitor.pinned()),
+            "heads_in_flight": len(self.prefixes.heads),
+            "pinned_blocks": len(self.janitor.pinned()),
         }
-
-    async def remove_agent(self, agent_id: str) -> None:
-        """Delete the files of a deleted agent (after its saves) and blocks no one lists."""
-        await self._janitor.remove_agent(agent_id)
-
-    async def collect(self) -> int:
-        """Collect garbage blocks now (after the writer's queued jobs); returns how many."""
-        return await self._janitor.collect()
-
-    async def sweep(self) -> int:
-        """Remove files no registry entry points at and collect unlisted blocks (at open)."""
-        return await self._janitor.sweep()
-
-    async def close(self) -> None:
-        await self._writes.close()

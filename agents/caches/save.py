@@ -83,18 +83,17 @@ class Saver(Part):
         (with ``points``, keeping the checkpoint where the cache's last prompt ended)."""
         known = await self._registry.caches.known_blocks(keys)
         layout = self._layout
-        missing = await asyncio.to_thread(
-            lambda: {j for j, key in enumerate(keys) if not layout.is_stored(key, known)}
-        )
-        return await self._engine.run(
-            encode_paged,
-            cache,
-            layout.kv_bits,
-            layout.group_size,
-            layout.block_tokens,
-            missing,
-            points,
-        )
+
+        def encode() -> PagedCache:
+            # The files of the blocks the registry knows are looked at here, not on a thread
+            # of their own: a stat a block (microseconds) against the encoding's milliseconds,
+            # and one hop fewer for every save.
+            missing = {j for j, key in enumerate(keys) if not layout.is_stored(key, known)}
+            return encode_paged(
+                cache, layout.kv_bits, layout.group_size, layout.block_tokens, missing, points
+            )
+
+        return await self._engine.run(encode)
 
     def _write(
         self,

@@ -128,8 +128,8 @@ class CacheTiers:
             hot = None
         if hot is not None:
             return Resumed(hot.cache, hot.message_count, "hot", hot.digest)
-        await self.disk.wait(agent_id)  # a save in flight is the newest cache: let it land
-        loaded = await self.disk.load(agent_id)
+        await self.disk.writes.wait(agent_id)  # a save in flight is the newest cache: let it land
+        loaded = await self.disk.loader.load(agent_id)
         if loaded is None:
             return None
         return Resumed(loaded.cache, loaded.message_count, "disk", loaded.digest)
@@ -155,7 +155,7 @@ class CacheTiers:
         hot, alike = await asyncio.to_thread(longest_shared, self.hot.entries(), tokens, limit)
         if hot is not None and hot.num_tokens > have:
             start, have = Start(hot, borrowed=hot.num_tokens), hot.num_tokens
-        stored = await self.disk.stored(tokens, have)
+        stored = await self.disk.prefixes.stored(tokens, have)
         if stored is not None:
             start = Start(stored, borrowed=stored.num_tokens)
         store = stored is None
@@ -192,7 +192,7 @@ class CacheTiers:
 
         found = max(alike, await asyncio.to_thread(seen))
         if found < limit:
-            found = max(found, min(await self.disk.held(tokens), limit))
+            found = max(found, min(await self.disk.prefixes.held(tokens), limit))
         return found
 
     async def _to_heads(
@@ -221,7 +221,7 @@ class CacheTiers:
                 last = i == len(cuts) - 1
                 if store and (last or end > blocks_end):
                     store = False
-                    cache, added, release = await self.disk.store_head(
+                    cache, added, release = await self.disk.prefixes.store_head(
                         tokens, cuts[-1], priority, start.cache, points
                     )
                     if cache is not start.cache:
@@ -258,7 +258,7 @@ class CacheTiers:
         self._prefilling.append(entry)
         cache = None
         try:
-            cache = await self.disk.extend(start.cache, tokens, priority, points)
+            cache = await self.disk.prefixes.extend(start.cache, tokens, priority, points)
             if cache is not None:
                 cache = cache.as_head()
         finally:
@@ -279,7 +279,7 @@ class CacheTiers:
         ``conversation_digest``) of the agent at ``version``: into the hot tier, and a save
         to disk scheduled (``then`` is called when the save is over)."""
         self.hot.put(agent_id, cache, covered, digest, version)
-        self.disk.save(agent_id, cache, covered, digest, then=then)
+        self.disk.saver.save(agent_id, cache, covered, digest, then=then)
 
     async def info(self, agent_id: str) -> CacheInfo:
         stored = await self._registry.caches.get(agent_id)
@@ -292,7 +292,7 @@ class CacheTiers:
 
     async def unload(self, agent_id: str) -> None:
         """Drop the copy in memory once the agent's save has landed."""
-        await self.disk.wait(agent_id)
+        await self.disk.writes.wait(agent_id)
         self.hot.drop(agent_id)
 
     def advanced(self, agent_id: str, version: int) -> None:
@@ -312,7 +312,7 @@ class CacheTiers:
     async def remove(self, agent_id: str) -> None:
         """Forget a deleted agent's caches: memory, then its files (after its saves)."""
         self.hot.drop(agent_id)
-        await self.disk.remove_agent(agent_id)
+        await self.disk.janitor.remove_agent(agent_id)
 
 
 def _with_end(heads: Callable[[], list[int]], end: int) -> Callable[[], list[int]]:
