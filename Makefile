@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 # Debian's OpenBLAS: without it MLX's CPU matmuls on Linux run ~30x slower (agentkv preloads it,
-# see engine/models/blas.py, which also says whether it is installed). No wheel will do: MLX
+# see agents/models/blas.py, which also says whether it is installed). No wheel will do: MLX
 # imports cblas_sgemm unprefixed, and the scipy-openblas wheels export scipy_cblas_sgemm.
 # Installed when this user can (root, or passwordless sudo); otherwise one line says how.
 blas:
-	@if $(PYTHON) -c "import runpy; blas = runpy.run_path('engine/models/blas.py'); raise SystemExit(not blas['wanted_but_missing']())"; then \
+	@if $(PYTHON) -c "import runpy; blas = runpy.run_path('agents/models/blas.py'); raise SystemExit(not blas['wanted_but_missing']())"; then \
 	if [ "$$(id -u)" = 0 ]; then as=""; \
 	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as="sudo -n"; \
 	else as=no; fi; \

@@ -152,7 +152,7 @@ def shown(text: str, width: int = 140) -> str:
 
 def blas_line() -> str:
     """Which BLAS MLX's CPU matmuls run on (after MLX is loaded)."""
-    from agentkv.engine.models import blas
+    from agentkv.models import blas
 
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
@@ -279,7 +279,7 @@ def http_turn(config: RuntimeConfig, agent_id: str, heading: str) -> tuple[str, 
 
 def pick_model(spec: str) -> str:
     """``spec``, or the tiny model when the default packaged model cannot be installed."""
-    from agentkv.engine.models.loading import resolve_model_path
+    from agentkv.models.directory import resolve_model_path
 
     if spec != DEFAULT_MODEL:
         return spec

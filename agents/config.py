@@ -32,7 +32,7 @@ class RuntimeConfig(BaseModel):
     Attributes:
         model: a Hugging Face id (``org/name[@revision]``), a local mlx-lm model directory,
             ``gemma3-270m`` or ``tiny:<name>``
-            (``agentkv.engine.models.loading.resolve_model_path``).
+            (``agentkv.models.directory.resolve_model_path``).
         data_dir: holds ``agentkv.sqlite`` and ``caches/`` unless overridden.
         db_url: SQLAlchemy URL or SQLite path overriding ``data_dir/agentkv.sqlite``.
         cache_dir: overrides ``data_dir/caches``.

@@ -67,9 +67,9 @@ from agentkv.engine.batch.rows import channel_row
 from agentkv.engine.codes import hadamard
 from agentkv.engine.config import EngineConfig, choose_group_size, group_size_for
 from agentkv.engine.engine import Engine
-from agentkv.engine.models.loading import resolve_model_path
 from agentkv.engine.request import GenerationRequest
 from agentkv.engine.scheme import LayerScheme
+from agentkv.models.directory import resolve_model_path
 from benchmarks.bench_budget import PRECISIONS, ask, group_size
 from benchmarks.plots import bar_labels, save_plot, write_report
 from benchmarks.synthetic import synthetic_cache

@@ -15,7 +15,7 @@ PROBE = """
 import json, sys, time
 import agentkv.engine
 import mlx.core as mx
-from agentkv.engine.models import blas
+from agentkv.models import blas
 n, iters = int(sys.argv[1]), int(sys.argv[2])
 a = mx.random.normal((n, n)); b = mx.random.normal((n, n)); mx.eval(a, b, a @ b)
 t = time.perf_counter()

@@ -49,8 +49,8 @@ from typing import TextIO
 
 import mlx.core as mx
 
-from agentkv.engine.models.loading import resolve_model_path
-from agentkv.engine.models.tiny import get_tiny_spec, models_home
+from agentkv.models.directory import resolve_model_path
+from agentkv.models.tiny import get_tiny_spec, models_home
 from benchmarks.gpu_parts import PARTS, Context, PartPending
 from benchmarks.gpu_sizes import FULL, QUICK, Sizes
 

@@ -36,8 +36,8 @@ from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import KVBudgetError
 from agentkv.engine.meter import StepRecord
-from agentkv.engine.models.loading import resolve_model_path
 from agentkv.engine.request import GenerationRequest
+from agentkv.models.directory import resolve_model_path
 from benchmarks.plots import save_plot, write_report
 
 RESULTS = Path(__file__).parent / "results"

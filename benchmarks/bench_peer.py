@@ -69,7 +69,7 @@ import mlx_lm
 import numpy as np
 from openai import AsyncOpenAI
 
-from agentkv.engine.models.loading import resolve_model_path
+from agentkv.models.directory import resolve_model_path
 from benchmarks.bench_resume import chat_token_counter, sized_history
 from benchmarks.plots import bar_labels, save_plot, write_report
 

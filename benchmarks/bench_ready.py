@@ -42,7 +42,7 @@ import agentkv.server.app, agentkv.runtime, uvicorn
 took["imports"] = time.perf_counter() - start
 from pathlib import Path
 from mlx_lm.utils import load_model, load_tokenizer
-from agentkv.engine.models.loading import model_fingerprint, resolve_model_path
+from agentkv.models.directory import model_fingerprint, resolve_model_path
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.grammar import Grammars
 from agentkv.store.registry import Registry
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.model, args.repeats = "tiny:llama", 1
 
-    from agentkv.engine.models.loading import resolve_model_path
+    from agentkv.models.directory import resolve_model_path
 
     path = resolve_model_path(args.model)  # installed or converted before anything is timed
     ready, load = [], []

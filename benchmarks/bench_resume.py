@@ -56,7 +56,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, RuntimeConfig
 from agentkv.engine.config import EngineConfig
-from agentkv.engine.models.loading import resolve_model_path
+from agentkv.models.directory import resolve_model_path
 from benchmarks.plots import bar_labels, save_plot, write_report
 
 RESULTS = Path(__file__).parent / "results"

@@ -1,5 +1,5 @@
 """Model loading, the generation thread and KV codecs. Everything that touches MLX lives here."""
 
-from agentkv.engine.models import blas
+from agentkv.models import blas
 
 blas.load_before_mlx()  # the system OpenBLAS, loaded when mlx is first imported (Linux)

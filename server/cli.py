@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from agentkv.engine.errors import (
+from agentkv import (
     KVBudgetError,
     ModelInstallError,
     ModelNotFoundError,
@@ -33,8 +33,8 @@ BAD_INPUT = (
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from agentkv.engine.models.loading import model_fingerprint
-    from agentkv.engine.models.tiny import build_tiny_model, tiny_model_dir
+    from agentkv.models.directory import model_fingerprint
+    from agentkv.models.tiny import build_tiny_model, tiny_model_dir
 
     # Without --out the model goes to (or comes from) the shared cache that "tiny:" specs use.
     path = tiny_model_dir(args.spec) if args.out is None else build_tiny_model(args.spec, args.out)
@@ -44,7 +44,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_list_tiny(args: argparse.Namespace) -> int:
-    from agentkv.engine.models.tiny import TINY_SPECS
+    from agentkv.models.tiny import TINY_SPECS
 
     width = max(map(len, TINY_SPECS))
     for name, spec in TINY_SPECS.items():
@@ -55,8 +55,8 @@ def _cmd_list_tiny(args: argparse.Namespace) -> int:
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     import time
 
-    from agentkv.engine.models.gguf import import_gguf
-    from agentkv.engine.models.loading import model_fingerprint
+    from agentkv.models.directory import model_fingerprint
+    from agentkv.models.gguf import import_gguf
 
     start = time.perf_counter()
     path = import_gguf(args.file, args.out, dtype=args.dtype, progress=not args.quiet)
@@ -67,7 +67,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_fingerprint(args: argparse.Namespace) -> int:
-    from agentkv.engine.models.loading import model_fingerprint, resolve_model_path
+    from agentkv.models.directory import model_fingerprint, resolve_model_path
 
     print(model_fingerprint(resolve_model_path(args.spec)))
     return 0

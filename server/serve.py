@@ -18,9 +18,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from agentkv.config import RuntimeConfig
-    from agentkv.engine.config import EngineConfig
-    from agentkv.engine.models.loading import resolve_model_path
+    from agentkv import EngineConfig, RuntimeConfig
+    from agentkv.models.directory import resolve_model_path
     from agentkv.server.app import create_app
     from agentkv.server.hosts import allowed_hosts, is_loopback
     from agentkv.server.stateless import DEFAULT_STATELESS_TTL_S

@@ -1020,7 +1020,7 @@ ARCHITECTURES: dict[str, dict] = {
 
 
 def _tokenizer_source() -> Path:
-    from agentkv.engine.models.tiny import tiny_model_dir
+    from agentkv.models.tiny import tiny_model_dir
 
     return tiny_model_dir("tiny:llama")
 

@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.engine.sampling import SamplingParams
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.server import turns
 from tests.harmony_model import build_harmony_model, js_tiktoken
 from tests.postgres import PostgresServer, PostgresUnavailable

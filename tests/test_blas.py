@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from agentkv.engine.models import blas
+from agentkv.models import blas
 
 HAVE_OPENBLAS = sys.platform.startswith("linux") and any(os.path.exists(p) for p in blas.CANDIDATES)
 needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS, reason="system OpenBLAS not installed")
@@ -19,7 +19,7 @@ def _probe(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
-BLAS = "from agentkv.engine.models import blas"
+BLAS = "from agentkv.models import blas"
 MAPPED = f"{BLAS}; print(any('openblas' in p for p in blas.mapped_blas_libraries()))"
 
 
@@ -47,7 +47,7 @@ def test_opt_out_keeps_bundled_blas():
 
 def test_importing_the_store_loads_no_blas_until_mlx_is_imported():
     code = (
-        "import agentkv.store; from agentkv.engine.models import blas; "
+        "import agentkv.store; from agentkv.models import blas; "
         "print(blas.loaded_library()); "
         "import mlx.core; print(blas.loaded_library() is not None)"
     )

@@ -24,8 +24,8 @@ from agentkv.caches.save import Saver
 from agentkv.caches.shared import Shared
 from agentkv.caches.writes import Writes
 from agentkv.document import common_prefix
-from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.engine.request import Checkpoint, PromptCache
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.store import Registry
 from agentkv.store.cache_files import read_cache_file
 from agentkv.store.database import Database
@@ -217,7 +217,7 @@ async def test_a_turn_whose_lookup_missed_a_head_takes_it_when_it_is_prefilled(t
     prefilling the head and checks for heads in flight only after that one has finished
     prefilling (its write not yet landed). It takes that head instead of prefilling again."""
     async with await AgentRuntime.open(config(tmp_path, kv_bits=None)) as rt:
-        prefixes = rt._caches.disk._prefixes
+        prefixes = rt._caches.disk.prefixes
         looked_up = prefixes._stored
         calls = 0
 
@@ -551,7 +551,7 @@ async def test_blocks_are_collected_when_no_cache_lists_them(tmp_path):
         async with database(rt) as db, db.write() as session:
             await session.execute(update(KVBlock).values(pinned_until=utcnow()))
         await rt.engine.run(lambda: None)
-        assert await rt._caches.disk.collect() == len(pinned)
+        assert await rt._caches.disk.janitor.collect() == len(pinned)
         assert block_files(rt) == set()
         assert await rows(rt, KVBlock) == await rows(rt, KVCacheBlock) == 0
         assert rt.stats()["disk"] == rt.stats()["disk"] | {"bytes": 0, "files": 0, "blocks": 0}

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import RuntimeConfig
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.server.background import serve_in_thread
 from tests.conftest import scripted_tool_replies
 

@@ -17,7 +17,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agentkv import RuntimeConfig
 from agentkv.cut_calls import partial_object
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.server.background import serve_in_thread
 from tests.conftest import scripted_tool_replies
 

@@ -47,7 +47,7 @@ def test_demo_runs_end_to_end_on_the_tiny_model(tmp_path):
 def test_the_demo_on_gemma3_270m_recalls_every_fact_from_disk_in_clean_text(tmp_path):
     """The default demo on the trained model (a minute or two on two CPU cores)."""
     from agentkv.engine.errors import ModelInstallError
-    from agentkv.engine.models.loading import resolve_model_path
+    from agentkv.models.directory import resolve_model_path
 
     try:
         resolve_model_path("gemma3-270m")

@@ -9,7 +9,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig, SamplingParams
 from agentkv.document import common_prefix
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 
 
 def config(data_dir: Path, model: str) -> RuntimeConfig:

@@ -14,14 +14,14 @@ import pytest
 from safetensors.numpy import load_file
 
 from agentkv.engine.errors import ModelInstallError, OutputDirNotEmptyError, UnsupportedModelError
-from agentkv.engine.models.gguf import import_gguf
-from agentkv.engine.models.packaged import (
+from agentkv.models.gguf import import_gguf
+from agentkv.models.packaged import (
     NO_INSTALL_ENV,
     PACKAGED_MODELS,
     PackagedModel,
     packaged_model_dir,
 )
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.server.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

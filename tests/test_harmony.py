@@ -14,10 +14,10 @@ from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, ReasoningDelta, Reply, RuntimeConfig, TextDelta
 from agentkv.engine.models.o200k import VOCAB_ENV, VOCAB_FILE, VOCAB_SHA256
-from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import ChatTemplateError
 from agentkv.harmony import Harmony
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.prompt import ChatRenderer
 from tests.conftest import ForcedTokens
 

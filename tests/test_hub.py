@@ -18,9 +18,10 @@ from huggingface_hub import constants
 
 from agentkv.config import RuntimeConfig
 from agentkv.engine.errors import ModelNotFoundError
-from agentkv.engine.models.hub import parse_hub_spec
-from agentkv.engine.models.loading import load_model, model_fingerprint, resolve_model_path
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.engine.models.loading import load_model
+from agentkv.models.directory import model_fingerprint, resolve_model_path
+from agentkv.models.hub import parse_hub_spec
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.runtime import AgentRuntime
 
 REPO = "mlx-community/tiny-llama-test"

@@ -31,6 +31,7 @@ LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
     [("kv codec", ("agentkv.engine.kv",)), ("registry", ("agentkv.store", "agentkv.migrations"))],
     [("engine", ("agentkv.engine",))],
     [("model loading", ("agentkv.engine.models",))],
+    [("model tooling", ("agentkv.models",))],
     [("errors", ("agentkv.engine.errors",))],
 ]
 MAX_LINES = 400
@@ -40,7 +41,7 @@ LONGER = {  # module -> why it stays longer than MAX_LINES
     "store/registry.py": "Registry is the store's API: one class, one transaction a method; rows "
     "and records convert in records.py, the cache index and leases are classes of their own",
     "demo_full_stack.py": "the demo is one script, read top to bottom beside its output",
-    "engine/models/tiny.py": "the tiny models' table of definitions (each architecture's fields) "
+    "agents/models/tiny.py": "the tiny models' table of definitions (each architecture's fields) "
     "beside the builder that writes them; the tokenizer and chat formats are modules of their own",
 }
 
@@ -235,6 +236,45 @@ def test_the_server_reads_the_runtime_through_its_api_not_its_engine():
     assert reached == []
 
 
+def test_the_server_imports_only_public_names():
+    """The server builds on what agentkv offers its users: the ``agentkv`` package and its
+    runtime's own modules (messages, tool calls, configuration), the registry's package
+    (``agentkv.store``, not its modules) and the model tooling (``agentkv.models``), never the
+    engine, the cache store or a private name."""
+    runtime_modules = {
+        f"agentkv.{p.stem}" for p in (ROOT / "agents").glob("*.py") if p.stem != "__init__"
+    }
+
+    def public(module: str) -> bool:
+        if module.rsplit(".", 1)[-1].startswith("_"):
+            return False
+        return (
+            module in ("agentkv", "agentkv.store", "agentkv.models")
+            or module in runtime_modules
+            or module.startswith(("agentkv.server.", "agentkv.models."))
+        )
+
+    found = []
+    for name, path in modules():
+        if not name.startswith("agentkv.server"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                if not node.module.startswith("agentkv"):
+                    continue
+                if not public(node.module) or any(a.name.startswith("_") for a in node.names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {targets[0]}")
+            elif isinstance(node, ast.Import):
+                found += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name.startswith("agentkv") and not public(a.name)
+                ]
+    assert found == []
+
+
 def test_no_module_is_longer_than_the_limit_without_a_reason():
     files = [p for _, p in modules()] + [ROOT / "demo_full_stack.py"]
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
@@ -267,7 +307,7 @@ def test_nothing_imports_the_folders_by_their_own_names():
 )
 def test_light_entry_points_load_no_mlx_and_no_blas(statement):
     code = (
-        f"import sys; {statement}; from agentkv.engine.models import blas; "
+        f"import sys; {statement}; from agentkv.models import blas; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')), "
         "blas.loaded_library())"
     )

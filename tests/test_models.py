@@ -25,10 +25,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-import agentkv.engine.models.loading
+import agentkv.models.directory
 from agentkv.engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnknownTinyModelError
-from agentkv.engine.models.loading import load_model, model_fingerprint, resolve_model_path
-from agentkv.engine.models.tiny import TINY_SPECS, build_tiny_model, models_home, tiny_model_dir
+from agentkv.engine.models.loading import load_model
+from agentkv.models.directory import model_fingerprint, resolve_model_path
+from agentkv.models.tiny import TINY_SPECS, build_tiny_model, models_home, tiny_model_dir
 from agentkv.server.cli import main
 
 SPECS = ["tiny:gemma3", "tiny:llama"]
@@ -266,7 +267,7 @@ def test_sampled_fingerprint_for_large_weights(tmp_path, monkeypatch):
     copy = Path(shutil.copytree(tiny_model_dir("tiny:gemma3"), tmp_path / "copy"))
     full = model_fingerprint(copy)
     monkeypatch.setattr(
-        agentkv.engine.models.loading, "FULL_HASH_LIMIT", 0
+        agentkv.models.directory, "FULL_HASH_LIMIT", 0
     )  # treat the tiny weights as large
     sampled = model_fingerprint(copy)
     assert sampled != full
@@ -333,9 +334,7 @@ def test_out_dir_must_be_new_empty_or_the_same_build(tmp_path, capsys):
 
 
 def test_concurrent_first_use_builds_one_directory(tmp_path):
-    code = (
-        "from agentkv.engine.models.tiny import tiny_model_dir; print(tiny_model_dir('tiny:llama'))"
-    )
+    code = "from agentkv.models.tiny import tiny_model_dir; print(tiny_model_dir('tiny:llama'))"
     env = {**os.environ, "AGENTKV_HOME": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ import pytest
 
 from agentkv import AgentRuntime, ChatTemplateError, ContextLengthError, RuntimeConfig
 from agentkv.engine.models.loading import load_model
-from agentkv.engine.models.tiny import tiny_model_dir
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.prompt import ChatRenderer
 
 # Like the official Gemma-3 template: the system prompt is folded into the first user turn,

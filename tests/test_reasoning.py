@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, ReasoningDelta, Reply, RuntimeConfig, TextDelta
-from agentkv.engine.models.tiny import tiny_model_dir
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import ChatTemplateError, InvalidMessageError
+from agentkv.models.tiny import tiny_model_dir
 from agentkv.reasoning import ReasoningFormat, ReasoningSplitter
 from tests.conftest import ForcedTokens
 
@@ -581,7 +581,7 @@ async def test_a_generation_prompt_the_history_leaves_out_is_spliced_back_too(
     # history: an empty block (enable_thinking=False), or an opened one (templates that start
     # the reply inside its thinking, as DeepSeek-R1's and Qwen3-Thinking-2507's do). The
     # spliced reply carries them, so turn N+1 still resumes all the agent held.
-    from agentkv.engine.models import chat_formats
+    from agentkv.models import chat_formats
 
     if thinking:  # Qwen3's template, its generation prompt opening the thinking
         template = chat_formats.QWEN3_TEMPLATE.replace(
@@ -592,7 +592,7 @@ async def test_a_generation_prompt_the_history_leaves_out_is_spliced_back_too(
         model_dir = tmp_path / "model"
         import shutil
 
-        from agentkv.engine.models.tiny import tiny_model_dir
+        from agentkv.models.tiny import tiny_model_dir
 
         shutil.copytree(tiny_model_dir(MODEL), model_dir)
         config_file = model_dir / "tokenizer_config.json"

@@ -227,7 +227,7 @@ def test_the_scripted_calls_are_what_the_template_writes():
     # The calls scripted above are written as Qwen 3.5's template writes them.
     from mlx_lm.utils import load_tokenizer
 
-    from agentkv.engine.models.tiny import tiny_model_dir
+    from agentkv.models.tiny import tiny_model_dir
 
     tokenizer = load_tokenizer(tiny_model_dir(MODEL))
     call = {"type": "function", "function": {"name": "Read", "arguments": {"file_path": "/x"}}}

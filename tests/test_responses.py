@@ -588,7 +588,7 @@ def test_a_tool_choice_that_cannot_be_forced_is_a_400(http, path, body, says):
 def test_chat_completions_fields_are_honoured_refused_or_logged(client, http, caplog):
     from mlx_lm.utils import load_tokenizer
 
-    from agentkv.engine.models.tiny import tiny_model_dir
+    from agentkv.models.tiny import tiny_model_dir
 
     tokenizer = load_tokenizer(tiny_model_dir(MODEL))
     token = tokenizer.encode("e", add_special_tokens=False)[0]

@@ -3,10 +3,10 @@
 ``mx.load`` reads GGUF but not its k-quants (Q4_K, Q6_K, ...); the ``gguf`` package dequantizes
 every type in numpy. The output is a plain mlx-lm directory: ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (float32 by default: CPU matmuls in bfloat16 or
-float16 do not use BLAS), ``tokenizer.json`` (see :mod:`agentkv.engine.models.gguf_tokenizer`),
+float16 do not use BLAS), ``tokenizer.json`` (see :mod:`agentkv.models.gguf_tokenizer`),
 ``tokenizer_config.json`` with the chat template, ``special_tokens_map.json``.
 
-llama.cpp's converter changes two things that :mod:`agentkv.engine.models.gguf_families` undoes: it
+llama.cpp's converter changes two things that :mod:`agentkv.models.gguf_families` undoes: it
 stores Gemma's RMSNorm weights with the ``+1`` already added (mlx-lm adds it again at run time),
 and it permutes Llama's Q and K projections for its rotary embedding layout. The directory
 appears atomically: everything is written to a temporary sibling that is renamed into place, so
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from agentkv.engine.errors import ModelNotFoundError, OutputDirNotEmptyError, UnsupportedModelError
-from agentkv.engine.models.gguf_families import FAMILIES, Family, GGUFMetadata, hf_name
-from agentkv.engine.models.gguf_tokenizer import GGUFVocab, build_tokenizer
+from agentkv.models.gguf_families import FAMILIES, Family, GGUFMetadata, hf_name
+from agentkv.models.gguf_tokenizer import GGUFVocab, build_tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16")
 IMPORTER_VERSION = 1  # bump when the output of an import changes

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from agentkv.engine.errors import UnsupportedModelError
-from agentkv.engine.models.chat_formats import GEMMA3_TEMPLATE, LLAMA_TEMPLATE, PLAIN_TEMPLATE
+from agentkv.models.chat_formats import GEMMA3_TEMPLATE, LLAMA_TEMPLATE, PLAIN_TEMPLATE
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 

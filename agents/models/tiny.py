@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
-from agentkv.engine.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, QWEN3, ChatFormat
-from agentkv.engine.models.tiny_tokenizer import write_tokenizer
+from agentkv.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, QWEN3, ChatFormat
+from agentkv.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
 HOME_ENV = "AGENTKV_HOME"

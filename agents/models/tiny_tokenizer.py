@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from agentkv.engine.models.chat_formats import ChatFormat
+from agentkv.models.chat_formats import ChatFormat
 
 
 def _corpus(seed: int, n_words: int, lexicon_size: int) -> list[str]:

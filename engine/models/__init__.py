@@ -1,10 +1,9 @@
-"""Model acquisition: everything that gets a model's weights and tokenizer onto this machine
-and into MLX. This package imports nothing; import from its modules:
+"""A model as the engine holds it. This package imports nothing; import from its modules:
 
-    loading         resolve a model spec, load it through mlx_lm.load, fingerprint it
-    tiny            the offline random-weight tiny models (``tiny:<name>`` specs)
-    packaged        models shipped as Python packages (``gemma3-270m``)
-    gguf            convert a GGUF file into an mlx-lm model directory
-    gguf_tokenizer  the GGUF file's tokenizer, as a Hugging Face tokenizer
-    blas            the system OpenBLAS for MLX's CPU matmuls (loaded before mlx)
+    loading  a spec's directory loaded through mlx_lm.load (LoadedModel)
+    caches   the kinds of cache a model keeps (attention, sliding window, recurrent state)
+    o200k    the o200k vocabulary a gpt-oss tokenizer lacks (harmony's token ids)
+
+Getting a model onto this machine (tiny models, packaged ones, the hub, GGUF) is
+``agentkv.models``.
 """
