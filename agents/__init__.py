@@ -15,8 +15,17 @@ if TYPE_CHECKING:
     from agentkv.caches.tiers import CacheInfo
     from agentkv.config import RuntimeConfig
     from agentkv.engine.config import EngineConfig, Policy
-    from agentkv.engine.errors import CacheUnusableError, EngineOverloadedError, KVBudgetError
-    from agentkv.engine.request import TokenLogprob
+    from agentkv.engine.errors import (
+        CacheUnusableError,
+        EngineOverloadedError,
+        KVBudgetError,
+        ModelInstallError,
+        ModelNotFoundError,
+        OutputDirNotEmptyError,
+        UnknownTinyModelError,
+        UnsupportedModelError,
+    )
+    from agentkv.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
     from agentkv.engine.sampling import SamplingParams
     from agentkv.errors import (
         AgentKVError,
@@ -55,12 +64,23 @@ _LAZY = {
     "Usage": "agentkv.types",
     "SamplingParams": "agentkv.engine.sampling",
     "TokenLogprob": "agentkv.engine.request",
+    "MAX_TOP_LOGPROBS": "agentkv.engine.request",
     "RuntimeConfig": "agentkv.config",
     "EngineConfig": "agentkv.engine.config",
     "Policy": "agentkv.engine.config",
-    "CacheUnusableError": "agentkv.engine.errors",
-    "EngineOverloadedError": "agentkv.engine.errors",
-    "KVBudgetError": "agentkv.engine.errors",
+    **dict.fromkeys(
+        [
+            "CacheUnusableError",
+            "EngineOverloadedError",
+            "KVBudgetError",
+            "ModelInstallError",
+            "ModelNotFoundError",
+            "OutputDirNotEmptyError",
+            "UnknownTinyModelError",
+            "UnsupportedModelError",
+        ],
+        "agentkv.engine.errors",
+    ),
     **dict.fromkeys(
         [
             "AgentKVError",
@@ -106,6 +126,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "AgentChangedError",
     "AgentExistsError",
     "AgentKVError",
@@ -124,6 +145,9 @@ __all__ = [
     "InvalidResponseFormatError",
     "KVBudgetError",
     "MessageRecord",
+    "ModelInstallError",
+    "ModelNotFoundError",
+    "OutputDirNotEmptyError",
     "Policy",
     "ReasoningDelta",
     "RegistryStorageError",
@@ -137,6 +161,8 @@ __all__ = [
     "TokenLogprob",
     "ToolsUnsupportedError",
     "TurnFailedError",
+    "UnknownTinyModelError",
+    "UnsupportedModelError",
     "Usage",
     "WorkerIdInUseError",
 ]

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentkv import AgentRuntime, TokenLogprob
-from agentkv.engine.request import MAX_TOP_LOGPROBS
+from agentkv import MAX_TOP_LOGPROBS, AgentRuntime, TokenLogprob
 from agentkv.server.errors import APIError
 
 

@@ -49,6 +49,7 @@ from agentkv.store.errors import (
 from agentkv.store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
 from agentkv.store.leases import Lease, LeaseIndex
 from agentkv.store.records import (
+    MAX_NAME_CHARS,
     AgentRecord,
     CacheRecord,
     DiskUsage,
@@ -67,6 +68,7 @@ from agentkv.store.writer import CacheWriter, JobFuture
 
 __all__ = [
     "AGENT_ID_PATTERN",
+    "MAX_NAME_CHARS",
     "AgentChangedError",
     "AgentExistsError",
     "AgentNotFoundError",

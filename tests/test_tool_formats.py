@@ -80,10 +80,14 @@ def test_every_parser_mlx_lm_ships_has_a_sample():
 def test_every_format_mlx_lm_reads_is_a_module_of_the_registry():
     """A format mlx-lm adds is looked at: one module of engine.call_formats and a line in
     its registry (laguna's calls are read by glm47's parser, so it is glm47's format)."""
-    from agentkv.engine.call_formats import FORMATS
+    import agentkv.engine.call_formats as package
+    from agentkv.engine.call_formats import FORMATS, MODULES
 
     styles = {"glm47" if p == "laguna" else p for p in parsers()}
     assert sorted(FORMATS) == sorted({*styles, "harmony"})
+    # Each module of the package is one line of the registry, named as its format.
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)} - {"call_format"}
+    assert sorted(MODULES) == sorted(modules) == sorted(FORMATS)
     for name, form in FORMATS.items():
         module = importlib.import_module(f"agentkv.engine.call_formats.{name}")
         assert module.FORMAT is form
@@ -132,7 +136,7 @@ def grammars():
     from mlx_lm.utils import load_tokenizer
 
     from agentkv.engine.grammar import Grammars
-    from agentkv.engine.models.tiny import tiny_model_dir
+    from agentkv.models.tiny import tiny_model_dir
 
     tokenizer = load_tokenizer(tiny_model_dir("tiny:thinking"))
     return tokenizer, Grammars(tokenizer, tokenizer.vocab_size)

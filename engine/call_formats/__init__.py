@@ -1,42 +1,28 @@
 """Tool-call formats as peers (``call_format.CallFormat``), one module each, by the mlx-lm
-parser that reads them (and harmony): a new format is a module and a line here."""
+parser that reads them (and harmony): a new format is a module and a line in ``MODULES``."""
 
-from agentkv.engine.call_formats import (
-    function_gemma,
-    gemma4,
-    glm47,
-    harmony,
-    json_tools,
-    kimi_k2,
-    kimi_k3,
-    longcat,
-    minicpm5,
-    minimax_m2,
-    mistral,
-    muse_spark,
-    pythonic,
-    qwen3_coder,
-)
+import importlib
+
 from agentkv.engine.call_formats.call_format import CallFormat, CutTags, JsonArguments, Tagged
 
+MODULES = (  # the registry: a format's module, a line each
+    "json_tools",
+    "qwen3_coder",
+    "glm47",
+    "longcat",
+    "minimax_m2",
+    "mistral",
+    "kimi_k2",
+    "kimi_k3",
+    "gemma4",
+    "function_gemma",
+    "minicpm5",
+    "muse_spark",
+    "pythonic",
+    "harmony",
+)
 FORMATS: dict[str, CallFormat] = {
-    f.name: f
-    for f in (
-        json_tools.FORMAT,
-        qwen3_coder.FORMAT,
-        glm47.FORMAT,
-        longcat.FORMAT,
-        minimax_m2.FORMAT,
-        mistral.FORMAT,
-        kimi_k2.FORMAT,
-        kimi_k3.FORMAT,
-        gemma4.FORMAT,
-        function_gemma.FORMAT,
-        minicpm5.FORMAT,
-        muse_spark.FORMAT,
-        pythonic.FORMAT,
-        harmony.FORMAT,
-    )
+    form.name: form for form in (importlib.import_module(f"{__name__}.{m}").FORMAT for m in MODULES)
 }
 """Every format agentkv knows, by name (``ToolFormat.style``)."""
 UNKNOWN = CallFormat("unknown")
@@ -52,6 +38,7 @@ def call_format(name: str) -> CallFormat:
 
 __all__ = [
     "FORMATS",
+    "MODULES",
     "TOOL_CALL_STYLES",
     "UNKNOWN",
     "CallFormat",

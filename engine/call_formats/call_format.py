@@ -12,7 +12,7 @@ call's text between the markers), as one small protocol its peers share.
   (:class:`CutTags`, ``agentkv.cut_calls``; formats of JSON arguments read theirs as streamed).
 
 A new format is a module of this package with one :class:`CallFormat` and a line in the
-registry (``agentkv.engine.call_formats.FORMATS``).
+registry (``agentkv.engine.call_formats.MODULES``).
 """
 
 from __future__ import annotations

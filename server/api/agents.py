@@ -30,7 +30,7 @@ from agentkv import AgentRecord, MessageRecord
 from agentkv.server.bodies import INLINE_BYTES, model_off_loop
 from agentkv.server.conversation import UTF8
 from agentkv.server.state import State
-from agentkv.store.records import MAX_NAME_CHARS
+from agentkv.store import MAX_NAME_CHARS
 
 router = APIRouter(prefix="/v1/agents")
 DEFAULT_PAGE, MAX_PAGE = 20, 1000
