@@ -228,7 +228,8 @@ class TurnRunner:
     ) -> TurnPlan:
         """A plan for prefilling ``tokens`` from ``own`` (the turn's own cache, of a prefix of
         them) or, where they hold more, other conversations' caches and shared heads
-        (``heads``: their ends; :meth:`CacheTiers.prefix`)."""
+        (``heads``: their ends; :meth:`CacheTiers.prefix`). Without ``own`` (a new
+        conversation) the plan keeps snapshots (:meth:`CacheTiers.snapshots`)."""
         limit = self.engine.model.max_context
         if limit and len(tokens) >= limit:  # refused when it runs: store no head for it
             begin = Start(own)
@@ -244,6 +245,8 @@ class TurnRunner:
             fresh=begin.fresh,
             release=begin.release,
             cache_points=points,
+            # A new conversation keeps snapshots where others may part from it.
+            snapshots_at=self.caches.snapshots(begin.cache, len(tokens)) if own is None else (),
         )
 
     # ---- generating and storing --------------------------------------------------------------
@@ -275,6 +278,7 @@ class TurnRunner:
             logprobs=options.logprobs,
             cache_points=plan.cache_points,
             checkpoint_at=plan.checkpoint_at,
+            snapshots_at=plan.snapshots_at,
             reasoning_budget=options.reasoning_budget,
             speculative=options.speculative,
             prediction=options.prediction,

@@ -127,6 +127,7 @@ class TurnPlan:
     release: Callable[[], None] | None = None  # unpins the head's blocks once the turn saved
     cache_points: tuple[int, ...] = ()  # shared heads' ends it prefills past (engine's request)
     checkpoint_at: int | None = None  # keep a checkpoint there (engine's request)
+    snapshots_at: tuple[int, ...] = ()  # and these (engine's request)
 
 
 @dataclass(slots=True)

@@ -17,7 +17,9 @@ resume from disk (their ideal: their own tokens only).
 
 Gemma 3's sliding-window layers hold only their last 512 positions: a cache cannot be cut back
 where two conversations part, so shared starts are kept where a conversation parts from
-another (``agentkv.caches.tiers``). Writes benchmarks/results/fan_out.json and .png.
+another, from the snapshots the first kept at its last block boundaries
+(``agentkv.caches.tiers``); each run reports how many the first agent kept and their bytes.
+Writes benchmarks/results/fan_out.json and .png.
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def passages(tokenizer, brief: int, task: int, agents: int) -> tuple[str, list[s
 
 
 async def run_agents(rt: AgentRuntime, brief: str, tasks: list[str], together: bool) -> dict:
+    first: list[str] = []
+
     async def ask(task: str):
         agent = await rt.create_agent(system_prompt=SYSTEM)
+        first.append(agent.id)
         return await rt.chat(agent.id, brief + task, max_tokens=1)
 
     began = time.perf_counter()
@@ -71,7 +76,14 @@ async def run_agents(rt: AgentRuntime, brief: str, tasks: list[str], together: b
         replies = [await ask(task) for task in tasks]
     wall = time.perf_counter() - began
     await rt.flush()
+    # What the first agent's cache in memory keeps for others to part from: its snapshots
+    # (the sliding windows at its last block boundaries), against its whole KV.
+    hot = rt._caches.hot.get(first[0])
+    points = [c for c in hot.cache.checkpoints if not (c.head or c.prompt_end)] if hot else []
     return {
+        "snapshots": len(points),
+        "snapshot_bytes": points[0].nbytes if points else 0,
+        "first_cache_bytes": hot.cache.nbytes if hot else 0,
         "wall_s": round(wall, 3),
         "prompt_tokens": sum(r.usage.prompt_tokens for r in replies),
         "prefilled_tokens": sum(r.usage.prefilled_tokens for r in replies),

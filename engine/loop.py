@@ -297,8 +297,8 @@ class GenerationLoop(threading.Thread):
         for seq, reason in ended:
             layers = caches.get(id(seq))
             cache = self._cache(layers, list(seq.tokens)) if layers else None
-            if cache is not None and seq.prompt_end is not None:
-                cache = dataclasses.replace(cache, checkpoints=(seq.prompt_end,))
+            if cache is not None and (points := seq.checkpoints()):
+                cache = dataclasses.replace(cache, checkpoints=points)
             self._finish(seq, reason, cache)
         for seq, exc in failed:
             self._finish(seq, FinishReason.ERROR, error=exc)

@@ -72,6 +72,10 @@ class GenerationRequest:
             whose cache cannot be cut back there otherwise: a client that sends the reply back
             otherwise than it was generated, or drops it, resumes all of the history. Also a
             fence, as ``cache_points`` are.
+        snapshots_at: keep checkpoints after these many tokens too (counted as ``cache_points``
+            are; within the prompt), on such a model: where other conversations that begin as
+            this one does may be cut back to (a new conversation's last block boundaries before
+            its history ends, ``agentkv.caches.tiers``). Fences too.
         reasoning_budget: on a reasoning model (``Engine.thinking``), the most tokens the reply
             may think for: then its thinking's end marker is forced, and the answer follows.
         speculative: let it feed drafts from its history (``EngineConfig.speculative``): the
@@ -96,6 +100,7 @@ class GenerationRequest:
     logprobs: int | None = None
     cache_points: tuple[int, ...] = ()
     checkpoint_at: int | None = None
+    snapshots_at: tuple[int, ...] = ()
     reasoning_budget: int | None = None
     speculative: bool = True
     prediction: tuple[int, ...] = ()
@@ -133,11 +138,12 @@ class GenerationRequest:
             raise ValueError(
                 f"reasoning_budget must be None or a count of tokens, got {self.reasoning_budget!r}"
             )
-        points = (*self.cache_points, self.checkpoint_at or 0)
+        points = (*self.cache_points, *self.snapshots_at, self.checkpoint_at or 0)
         if any(type(p) is not int or p < 0 for p in points):
             raise ValueError(
-                f"cache_points and checkpoint_at must be non-negative token positions, got "
-                f"{self.cache_points!r} and {self.checkpoint_at!r}"
+                f"cache_points, snapshots_at and checkpoint_at must be non-negative token "
+                f"positions, got {self.cache_points!r}, {self.snapshots_at!r} and "
+                f"{self.checkpoint_at!r}"
             )
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")

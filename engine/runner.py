@@ -197,10 +197,10 @@ class ModelRunner:
         else:  # prefill chunks only: run the layers for their caches, skip the head
             self._hidden(inputs, caches)
         updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
-        ends = [  # where a prompt's history ends (``GenerationRequest.checkpoint_at``)
+        ends = [  # where a prompt's history ends, snapshots (``checkpoint_at``, ``snapshots_at``)
             (seq, seq.group.windows(seq, self.layout))
             for seq, n in plan.prefill
-            if len(seq.tokens) + n == seq.request.checkpoint_at
+            if seq.is_checkpoint(len(seq.tokens) + n)
         ]
         updated += [held_arrays(x) for _, windows in ends if windows for x in windows.values()]
         mx.async_eval(*([] if sampled is None else [sampled]), *reported, updated)
@@ -209,8 +209,11 @@ class ModelRunner:
             seq.prompt = seq.prompt[n:]
         for seq, windows in ends:
             if windows:
-                nbytes = sum(layer_nbytes(x) for x in windows.values())
-                seq.prompt_end = Checkpoint(len(seq.tokens), windows, nbytes, prompt_end=True)
+                at, nbytes = len(seq.tokens), sum(layer_nbytes(x) for x in windows.values())
+                if at == seq.request.checkpoint_at:
+                    seq.prompt_end = Checkpoint(at, windows, nbytes, prompt_end=True)
+                else:
+                    seq.snapshots[at] = Checkpoint(at, windows, nbytes)
         for j, (_, seq) in enumerate(sampling):
             seq.pending = (sampled, j)
             seq.status = SeqStatus.DECODING

@@ -62,6 +62,7 @@ class Sequence:
     queued_step: int = 0  # the scheduler's step count when it last went into the queue
     preemptions: int = 0
     prompt_end: Any = None  # engine.request.Checkpoint where its history ended (checkpoint_at)
+    snapshots: dict[int, Any] = field(default_factory=dict)  # position -> Checkpoint there
     max_tokens: int = 1  # its request's max_tokens, within the context and the KV budget
     spec: Speculation | None = None  # its drafting, when it may draft (engine.speculative)
     verify: tuple[mx.array, int] | None = None  # (samples, first row) of its drafted step
@@ -70,11 +71,11 @@ class Sequence:
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start
         from: where it joined the engine, a multiple of ``block_tokens``, one of its request's
-        ``cache_points`` (a q8 batch reads no float copy across it)."""
+        ``cache_points`` or ``snapshots_at`` (a q8 batch reads no float copy across it)."""
         fence = self.stats.cached_tokens
         if block_tokens:
             fence = max(fence, position // block_tokens * block_tokens)
-        for point in self.request.cache_points:
+        for point in (*self.request.cache_points, *self.request.snapshots_at):
             if fence < point <= position:
                 fence = point
         if self.prompt_end is not None and fence < self.prompt_end.num_tokens <= position:
@@ -96,11 +97,20 @@ class Sequence:
 
     def chunk_to_checkpoint(self, n: int) -> int:
         """A prompt chunk of ``n`` tokens, cut to end where the sequence keeps a checkpoint
-        (``GenerationRequest.checkpoint_at``) when it would pass it."""
-        at = self.request.checkpoint_at
-        if at is not None and len(self.tokens) < at < len(self.tokens) + n:
-            return at - len(self.tokens)
-        return n
+        (``GenerationRequest.checkpoint_at``, ``snapshots_at``) when it would pass one."""
+        have, request = len(self.tokens), self.request
+        points = (*request.snapshots_at, request.checkpoint_at or 0)
+        return min((at - have for at in points if have < at < have + n), default=n)
+
+    def checkpoints(self) -> tuple[Any, ...]:
+        """The checkpoints it took (its snapshots, where its history ended), latest first."""
+        points = [*self.snapshots.values(), *([self.prompt_end] if self.prompt_end else [])]
+        return tuple(sorted(points, key=lambda point: -point.num_tokens))
+
+    def is_checkpoint(self, position: int) -> bool:
+        """Whether the sequence keeps a checkpoint after ``position`` tokens."""
+        request = self.request
+        return position == request.checkpoint_at or position in request.snapshots_at
 
     def tokens_after(self, steps: int = 1) -> int:
         """Tokens its KV holds after its whole prompt and ``steps`` more decode steps (and

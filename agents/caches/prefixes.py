@@ -100,11 +100,14 @@ class Prefixes(Part):
         """Prefill the whole blocks of ``tokens[:end]`` (a shared head) after ``start`` (a
         cache of a prefix of them, left intact; None: from the first token) and store them as
         blocks plus a window, for the turns that follow; a turn storing the same head now is
-        waited for instead. Returns ``start`` when there is no whole block more to store.
-        ``points``: the shared heads' ends (see :meth:`extend`)."""
+        waited for instead. A ``start`` that ends where the whole blocks do (another
+        conversation's snapshot there) is stored as it is. Returns ``start`` when there is no
+        whole block more to store. ``points``: the shared heads' ends (see :meth:`extend`)."""
         size = self._layout.block_tokens
         n = min(end // size, self._usable(tokens))
-        if n * size - (start.num_tokens if start else 0) < 2:  # (a request prefills one at least)
+        have = start.num_tokens if start else 0
+        # (a request prefills one token at least)
+        if n * size - have < 2 and not (have and have == n * size):
             return start, 0, None
         keys = self._layout.keys(tokens[: n * size])
         pending = self.heads.get(keys[-1])  # another turn began storing it meanwhile
@@ -158,7 +161,10 @@ class Prefixes(Part):
         release = self._janitor.pin(keys)
         cache = None
         try:
-            cache = await self.extend(start, tokens, priority, points)
+            if start is not None and start.num_tokens == len(tokens):
+                cache = start
+            else:
+                cache = await self.extend(start, tokens, priority, points)
             if cache is None:
                 release()
                 return start, 0, None

@@ -12,7 +12,10 @@ prefills exactly to, once, and keeps as a checkpoint for the conversations that 
 whose prompt begins the way another conversation's began, past what it can resume (workers
 handed one brief), treats the point where they part as a shared head of its own: prefilled
 alone, stored as blocks and a window, kept as a checkpoint, so the conversations that follow
-resume the shared start instead of prefilling it each.
+resume the shared start instead of prefilling it each. The conversation it parts from, new
+then, kept snapshots at its last block boundaries (:meth:`CacheTiers.snapshots`): the turn
+that parts from it resumes the latest one before the parting point, and prefills less than a
+block of the shared start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from agentkv.store import CacheRecord, Registry
 
 log = logging.getLogger(__name__)
 
+SNAPSHOTS = 4
+"""Block boundaries before its history's end at which a new conversation's prefill keeps
+snapshots, on a model whose cache cannot be cut back anywhere (``CacheTiers.snapshots``)."""
 RECENT_TOKENS = 262_144
 """Tokens of the recent prompts remembered (about 9 MB at most) for where new conversations
 part from them (``CacheTiers.prefix``)."""
@@ -90,8 +96,10 @@ class Start:
 
     def grown(self, cache: PromptCache, added: int, release: Callable[[], None] | None) -> Start:
         """This start, now ``cache``: ``added`` more tokens prefilled after it, or (0) a head
-        another turn prefilled meanwhile."""
+        another turn prefilled meanwhile, or (itself) this start stored as it is."""
         release = release or self.release
+        if cache is self.cache:
+            return Start(cache, self.fresh, self.borrowed, release)
         if added:
             return Start(cache, self.fresh + added, self.borrowed, release)
         # What this turn prefilled itself before it took the head stays its own.
@@ -224,8 +232,7 @@ class CacheTiers:
                     cache, added, release = await self.disk.prefixes.store_head(
                         tokens, cuts[-1], priority, start.cache, points
                     )
-                    if cache is not start.cache:
-                        start = start.grown(cache, added, release)
+                    start = start.grown(cache, added, release)
                 if not self.disk.windowed:
                     continue  # every layer global: a cache in memory is cut at any token
                 at = start.cache.num_tokens if start.cache else 0
@@ -265,6 +272,21 @@ class CacheTiers:
             self._prefilling.remove(entry)
             pending.set_result(cache)
         return None if cache is None else start.grown(cache, len(tokens) - at, None)
+
+    def snapshots(self, cache: PromptCache | None, end: int) -> tuple[int, ...]:
+        """Where a new conversation's prefill after ``cache`` keeps snapshots (the engine's
+        ``snapshots_at``): the last :data:`SNAPSHOTS` block boundaries before ``end``, where
+        its prompt ends, on a model with sliding-window layers or recurrent state. A second
+        conversation that begins the same way and parts from it there (workers of a fan-out
+        handed one brief, each its own task after it) resumes from the latest one before it
+        parts instead of prefilling the shared start again; () where prefixes are not shared
+        or any cache can be cut back anywhere."""
+        disk = self.disk
+        if not (disk.windowed and disk.shares_prefixes):
+            return ()
+        block, have = disk.block_tokens, cache.num_tokens if cache else 0
+        last = (end - 1) // block * block
+        return tuple(sorted(range(last, have, -block)[:SNAPSHOTS]))
 
     def keep(
         self,
