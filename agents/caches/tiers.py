@@ -35,9 +35,12 @@ from agentkv.store import CacheRecord, Registry
 
 log = logging.getLogger(__name__)
 
-SNAPSHOTS = 4
-"""Block boundaries before its history's end at which a new conversation's prefill keeps
-snapshots, on a model whose cache cannot be cut back anywhere (``CacheTiers.snapshots``)."""
+SNAPSHOTS = 2
+"""Block boundaries before its prompt's end at which a new conversation's prefill keeps
+snapshots, on a model whose cache cannot be cut back anywhere (``CacheTiers.snapshots``):
+each holds the sliding-window layers' windows (or the recurrent state), 15.7 MB on the trained
+Gemma 3 270M, so a second conversation parting from it within the last 256 to 511 tokens
+(a fan-out worker's own task after a shared brief) resumes nearly all that it shares."""
 RECENT_TOKENS = 262_144
 """Tokens of the recent prompts remembered (about 9 MB at most) for where new conversations
 part from them (``CacheTiers.prefix``)."""
