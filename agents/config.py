@@ -66,8 +66,12 @@ class RuntimeConfig(BaseModel):
             stored yet, it prefills them first and stores them for the agents that follow.
         speculative: ``"lookup"``: replies feed drafts from the agent's own history, several
             tokens a step where they restate it (the same tokens greedy, the same
-            distribution sampled: ``agentkv.engine.speculative``); ``"off"``: one a step;
-            None (the default): ``agentkv.engine.speculative``'s (``"lookup"``).
+            distribution sampled: ``agentkv.engine.speculative``); ``"draft"``: those, and
+            where the history has none, ``draft_model``'s (``agentkv.engine.drafter``);
+            ``"off"``: one a step; None (the default): ``"draft"`` when a ``draft_model`` is
+            given, else ``"lookup"``.
+        draft_model: a small model of the same tokenizer drafting replies' next tokens (a
+            Hugging Face id, a local directory, ``tiny:<name>``; attention layers only).
         default_max_tokens: max_tokens of a turn when the call does not say; None (the
             default): a turn runs until the model stops or its context (or the KV budget, for
             it alone) is full, as OpenAI's API does without ``max_tokens``.
@@ -99,7 +103,8 @@ class RuntimeConfig(BaseModel):
     disk_budget_bytes: Bytes | Literal["auto"] | None = "auto"
     kv_block_tokens: int = Field(default=DEFAULT_BLOCK_TOKENS, ge=16, le=65536)
     share_prefixes: bool = True
-    speculative: Literal["off", "lookup"] | None = None
+    speculative: Literal["off", "lookup", "draft"] | None = None
+    draft_model: str | None = Field(default=None, min_length=1)
     default_max_tokens: int | None = Field(default=None, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     worker_id: str | None = Field(default=None, pattern=WORKER_ID_PATTERN)
@@ -112,6 +117,17 @@ class RuntimeConfig(BaseModel):
         if mine is not None and engine is not None and mine != engine:
             raise ValueError(
                 f"batch_kv_bits ({mine}) and engine.batch_kv_bits ({engine}) disagree; set one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model_given(self) -> RuntimeConfig:
+        draft = self.draft_model or self.engine.draft_model
+        mode = self.speculative or ("draft" if self.draft_model else self.engine.speculative)
+        if (mode == "draft") != (draft is not None):
+            raise ValueError(
+                "speculative='draft' needs a draft_model, and a draft_model needs "
+                f"speculative='draft' (got speculative={mode!r}, draft_model={draft!r})"
             )
         return self
 
@@ -129,6 +145,9 @@ class RuntimeConfig(BaseModel):
             update["cache_block_tokens"] = self.kv_block_tokens
         if self.speculative is not None:
             update["speculative"] = self.speculative
+        if self.draft_model is not None:
+            update["draft_model"] = self.draft_model
+            update.setdefault("speculative", "draft")
         return EngineConfig.model_validate(self.engine.model_dump() | update)
 
     @property

@@ -19,14 +19,24 @@ and repeated ``--repeats`` times; the figure is the median decode tok/s of all a
 (generated tokens over the time from the first token to the last) and the ratio lookup / off,
 with the drafts fed and kept (the acceptance rate). Both runs generate the same tokens (checked).
 Writes benchmarks/results/speculative.json and .png.
+
+With ``--draft-model SPEC`` (or ``--draft-layers L``: the model's first L layers, its own
+embedding and head, a draft that costs what they cost and drafts what they predict), each N
+also runs ``"draft"``: drafts from the history, else the draft model's
+(``agentkv.engine.drafter``), reported beside the others (``draft_tps``, ``draft_speedup``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import platform
+import re
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,7 +87,12 @@ async def decode(
     model: str, mode: str, prompts: list[list[int]], tokens: int
 ) -> tuple[float, list[list[int]], int, int]:
     """Decode tok/s of all agents together, their tokens, drafts fed and kept."""
-    config = EngineConfig(speculative=mode, completion_batch_size=max(16, len(prompts)))
+    drafter = None
+    if mode.startswith("draft:"):
+        mode, drafter = "draft", mode.removeprefix("draft:")
+    config = EngineConfig(
+        speculative=mode, draft_model=drafter, completion_batch_size=max(16, len(prompts))
+    )
     eng = await Engine.open(model, config)
     try:
         requests = [GenerationRequest(p, max_tokens=tokens, ignore_eos=True) for p in prompts]
@@ -107,9 +122,9 @@ async def run(args: argparse.Namespace) -> dict:
     for name, make in workloads.items():
         for n in args.agents:
             prompts = [tokenizer.encode(make(a)) for a in range(n)]
-            runs = {"off": [], "lookup": []}
+            runs = {"off": [], "lookup": [], "draft": []}
             same = True
-            drafted = accepted = 0
+            drafted = accepted = drafted_d = accepted_d = 0
             for _ in range(args.repeats):
                 off, off_tokens, _, _ = await decode(args.model, "off", prompts, args.tokens)
                 on, on_tokens, fed, kept = await decode(args.model, "lookup", prompts, args.tokens)
@@ -117,6 +132,12 @@ async def run(args: argparse.Namespace) -> dict:
                 runs["lookup"].append(on)
                 same = same and on_tokens == off_tokens
                 drafted, accepted = drafted + fed, accepted + kept
+                if args.draft_model:
+                    mode = f"draft:{args.draft_model}"
+                    tps, got, fed, kept = await decode(args.model, mode, prompts, args.tokens)
+                    runs["draft"].append(tps)
+                    same = same and got == off_tokens
+                    drafted_d, accepted_d = drafted_d + fed, accepted_d + kept
             row = {
                 "workload": name,
                 "agents": n,
@@ -130,6 +151,11 @@ async def run(args: argparse.Namespace) -> dict:
                 "kept_per_token": accepted / (args.repeats * n * (args.tokens - 1)),
             }
             row["speedup"] = row["lookup_tps"] / row["off_tps"]
+            if runs["draft"]:
+                row["draft_tps"] = statistics.median(runs["draft"])
+                row["draft_speedup"] = row["draft_tps"] / row["off_tps"]
+                row["draft_drafted"], row["draft_accepted"] = drafted_d, accepted_d
+                print(f"  with the draft model: {row['draft_speedup']:.2f}x", flush=True)
             rows.append(row)
             print(
                 f"{name:>9} N={n:>2}: {row['off_tps']:.1f} -> {row['lookup_tps']:.1f} tok/s "
@@ -150,7 +176,8 @@ async def run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "tokens": args.tokens,
         "repeats": args.repeats,
-        "command": "python -m benchmarks.bench_speculative" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m benchmarks.bench_speculative", *args.argv]),
+        "draft_model": args.draft_label,
         "targets": TARGETS,
         "targets_met": met,
         "rows": rows,
@@ -187,8 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lines", type=int, default=6, help="functions in the file read")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny:llama, N = 1 and 2, 24 tokens")
+    parser.add_argument("--draft-model", help="also run with this draft model")
+    parser.add_argument("--draft-layers", type=int, help="draft: the model's first L layers")
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.draft_label = args.draft_model
     if args.quick:
         args.model, args.agents, args.tokens, args.repeats, args.lines = (
             "tiny:llama",
@@ -197,9 +228,42 @@ def main(argv: list[str] | None = None) -> dict:
             1,
             2,
         )
-    report = asyncio.run(run(args))
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.draft_layers:
+            args.draft_model = str(first_layers(args.model, args.draft_layers, Path(scratch)))
+            args.draft_label = f"{args.model}, its first {args.draft_layers} layers"
+        report = asyncio.run(run(args))
     write_report(report, args.out, plot)
     return report
+
+
+def first_layers(spec: str, layers: int, out: Path) -> Path:
+    """A copy of ``spec``'s model keeping its first ``layers`` decoder layers (and its
+    embedding, final norm and head): a draft model of its tokenizer."""
+    import mlx.core as mx
+
+    from agentkv.models.directory import resolve_model_path
+
+    source = Path(resolve_model_path(spec))
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out / path.name)
+    config = json.loads((source / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["num_hidden_layers"] = layers
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:layers]
+    (out / "config.json").write_text(json.dumps(config))
+    weights = {}
+    for path in sorted(source.glob("*.safetensors")):
+        weights.update(mx.load(str(path)))
+    kept = {
+        name: w
+        for name, w in weights.items()
+        if not (m := re.search(r"layers\.(\d+)\.", name)) or int(m.group(1)) < layers
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), kept)
+    return out
 
 
 if __name__ == "__main__":

@@ -89,8 +89,15 @@ class EngineConfig(BaseModel):
             where turns joined and at their requests' ``cache_points``.
         speculative: ``"lookup"``: decoding sequences feed drafts taken from their own
             history, several tokens a step where the model restates it
-            (``agentkv.engine.speculative``); ``"off"``: one token a step.
+            (``agentkv.engine.speculative``); ``"draft"``: those, and where the history has
+            none, the draft model's (``draft_model``, ``agentkv.engine.drafter``); ``"off"``:
+            one token a step.
         speculative_tokens: the most drafts a sequence feeds in one step.
+        draft_model: the draft model (``speculative="draft"``): a spec as the main model's
+            (a Hugging Face id, a local directory, ``tiny:<name>``), of the same tokenizer,
+            much smaller, attention layers only.
+        draft_cache_bytes: draft KVs of finished turns kept for their conversations' next
+            turns (``agentkv.engine.drafter``; least recently used dropped first).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -107,8 +114,10 @@ class EngineConfig(BaseModel):
     batch_kv_bits: Literal[8, 4] | None = None
     batch_kv_group_size: Literal[32, 64, 128] | None = None
     cache_block_tokens: int | None = Field(default=None, ge=1)
-    speculative: Literal["off", "lookup"] = "lookup"
+    speculative: Literal["off", "lookup", "draft"] = "lookup"
     speculative_tokens: int = Field(default=8, ge=1, le=64)
+    draft_model: str | None = Field(default=None, min_length=1)
+    draft_cache_bytes: int = Field(default=512 * 2**20, ge=0)
 
     @property
     def batch_group_size(self) -> int:
@@ -126,6 +135,16 @@ class EngineConfig(BaseModel):
             if 1 <= completion < 8:
                 return {**data, "prefill_batch_size": completion}
         return data
+
+    @model_validator(mode="after")
+    def _draft_model_given(self) -> EngineConfig:
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative='draft' needs a draft_model, and a draft_model needs "
+                f"speculative='draft' (got speculative={self.speculative!r}, "
+                f"draft_model={self.draft_model!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _prefill_fits(self) -> EngineConfig:

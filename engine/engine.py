@@ -278,7 +278,9 @@ class Engine:
             if request.prediction:
                 start = len(seq.tokens) + len(seq.prompt)  # where the reply begins
                 prediction = Prediction.of(request.prediction, start)
-            seq.spec = Speculation(self.config.speculative_tokens, prediction)
+            seq.spec = Speculation(
+                self.config.speculative_tokens, prediction, drafter=self._thread.drafter
+            )
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 
@@ -287,7 +289,7 @@ class Engine:
         the request want them, the model's layers can be cut back, and every token it
         generates is chosen from the model's logits alone (no processor, no logprobs)."""
         return (
-            self.config.speculative == "lookup"
+            self.config.speculative != "off"
             and request.speculative
             and self._thread.runner.can_draft
             and not seq.logits_processors

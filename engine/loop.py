@@ -23,6 +23,7 @@ from agentkv.engine.batch.budget import default_budget_bytes
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import EngineConfig
+from agentkv.engine.drafter import DraftModel, load_drafter
 from agentkv.engine.errors import EngineClosedError, KVBudgetError
 from agentkv.engine.meter import EngineStats, Meter
 from agentkv.engine.models.loading import LoadedModel, load_model
@@ -36,13 +37,7 @@ from agentkv.engine.request import (
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import SeqStatus, Sequence
-from agentkv.engine.step import (
-    StepPlan,
-    count_steps,
-    logprob_values,
-    token_values,
-    verify,
-)
+from agentkv.engine.step import StepPlan, count_steps, logprob_values, token_values, verify
 
 log = logging.getLogger(__name__)
 CLEAR_CACHE_STEPS = 256  # hand MLX's freed buffers back this often (and after prefill)
@@ -70,11 +65,11 @@ class GenerationLoop(threading.Thread):
         self._outbox: dict[object, list[tuple[object, object]]] = {}
         self.meter = Meter(config.stats_window_s)
         self._steps = 0
-        # The step queued last (its plan, the arrays to wait on) and when the tokens of the
-        # step before were reported.
+        # The step queued last (its plan, arrays to wait on); when the step before reported.
         self._in_flight: tuple[StepPlan, list] | None = None
         self._done_at: float | None = None
         self.runner: ModelRunner | None = None
+        self.drafter: DraftModel | None = None  # (EngineConfig.draft_model)
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -118,6 +113,7 @@ class GenerationLoop(threading.Thread):
                 self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
             )
             self.runner.block_tokens = self.config.cache_block_tokens
+            self.drafter = load_drafter(self.config, self.model, self.runner.can_draft)
             self.scheduler = Scheduler(
                 self.config, self.runner.layout, self._budget(), self.runner.first_positions
             )
@@ -333,13 +329,9 @@ class GenerationLoop(threading.Thread):
     # ---- leaving -----------------------------------------------------------------------------
 
     def _cache(self, layers: list, tokens: list[int]) -> PromptCache:
-        """A finished sequence's cache as the batch held it: rows held quantized stay packed
-        (the hot tier keeps them so, and the disk codec stores their words as they are). A q8
-        row's float copies of its newest positions served the turn that wrote them and end
-        with it: its cache is its words, what a q8 file stores, so the next turn resumes alike
-        from the hot tier, a file or a shared head (reading none across where it joined).
-        A q4 row's float first position goes too: the batch computes it again from the first
-        token wherever the row joins (``ModelRunner.first_positions``)."""
+        """A finished sequence's cache as the batch held it: rows held quantized stay packed,
+        without a q8 row's float copies of its newest positions or a q4 row's float first
+        one (a file stores neither; every tier resumes alike: ``ModelRunner.first_positions``)."""
         packing = self.runner.layout.packing
         packed = packing is not None and any(is_packed(row) for row in layers)
         if packed:
@@ -383,6 +375,8 @@ class GenerationLoop(threading.Thread):
     ) -> None:
         seq.status = SeqStatus.FINISHED
         seq.stats.finished_at = time.perf_counter()
+        if seq.spec is not None and error is None:  # its draft KV, for its next turn
+            seq.spec.release(seq.tokens)
         # A cancel passes a cache only when the caller asked for it back.
         if reason is not FinishReason.CANCELLED and not seq.request.return_cache:
             cache = None

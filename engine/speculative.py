@@ -37,8 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from agentkv.engine.drafter import DraftCache, DraftModel
 
 NGRAMS = (4, 3)
 """Lengths of the trailing n-gram looked up, longest first (a shorter one drafts mostly what
@@ -82,14 +86,19 @@ class PromptLookup:
 
     def follow(self, tail: np.ndarray, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``tail`` (not the
-        history's end itself); [] when it never occurred."""
+        history's end itself); [] when it never occurred. Where they reach the history's end
+        (a run that repeats itself: a row of dashes, a loop), the run goes on repeating."""
         held, n = self.tokens[: self.size], tail.size
         # (an occurrence starting at size - n would be the end itself)
         found = occurrences(held, tail, self.size - n)
         if not found.size:
             return []
         start = int(found[-1]) + n
-        return held[start : start + k].tolist()
+        got = held[start : start + k].tolist()
+        period = self.size - start
+        while len(got) < k:
+            got.append(got[len(got) - period])
+        return got
 
     def draft(self, k: int, last: int | None) -> list[int]:
         """What is expected to follow the history and the token about to be fed: ``last``
@@ -197,6 +206,8 @@ class Speculation:
     accepted: int = 0
     predicted: bool = False  # the drafts fed last came from the prediction
     accepted_predicted: int = 0  # drafts from the prediction kept
+    drafter: DraftModel | None = None  # the engine's draft model, if it has one
+    draft_cache: DraftCache | None = None  # the sequence's draft KV, once it drafts with it
 
     def __post_init__(self) -> None:
         self.k = min(self.k, self.max_tokens)
@@ -205,21 +216,42 @@ class Speculation:
         """Drafts to feed after the pending token (``pending``, or None while the step in
         flight computes it: then the first of the returned tokens is the one expected, and
         the drafts follow it), at most ``room`` drafts (the tokens the sequence may still
-        generate after its pending one); [] when it has none, or has stopped drafting."""
+        generate after its pending one); [] when it has none, or has stopped drafting.
+
+        They come from the prediction, else the lookup, else the draft model (a step its
+        draft KV spends catching up with the history drafts nothing and is no chance)."""
         if not self.active or room < 1:
+            return []
+        k = min(self.k, room)
+        got = self._drafts(history, pending, k)
+        if got is None:
             return []
         self.chances += 1
         if self.chances >= TRIAL_CHANCES and self.accepted < SAVING * self.chances:
             self.active, self.stopped = False, True
             return []
-        k = min(self.k, room)
+        return got
+
+    def _drafts(self, history: list[int], pending: int | None, k: int) -> list[int] | None:
         if self.prediction is not None:
             got = self.prediction.draft(history, pending, k)
             self.predicted = bool(got)
             if got:
                 return got
         self.lookup.extend(history)
-        return self.lookup.draft(k, pending)
+        got = self.lookup.draft(k, pending)
+        if len(got) > (pending is None) or self.drafter is None:  # (more than the expected)
+            return got
+        if self.draft_cache is None:
+            self.draft_cache = self.drafter.take(history)
+        return self.drafter.draft(self.draft_cache, history, pending, k)
+
+    def release(self, history: list[int]) -> None:
+        """The turn ended with ``history``: its draft KV goes back to the draft model, for
+        the conversation's next turn."""
+        if self.draft_cache is not None:
+            self.drafter.keep(self.draft_cache, history)
+            self.draft_cache = None
 
     def settle(self, drafted: int, kept: int) -> None:
         """Account for a step that fed ``drafted`` drafts and kept ``kept`` of them: the next

@@ -308,11 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--speculative",
-        choices=("off", "lookup"),
-        default="lookup",
+        choices=("off", "lookup", "draft"),
         help="lookup: replies feed drafts from the agent's own history, several tokens a step "
-        "where they restate it (the same tokens greedy, the same distribution sampled; "
-        "default); off: one token a step",
+        "where they restate it (the same tokens greedy, the same distribution sampled; the "
+        "default without --draft-model); draft: those, and --draft-model's where the history "
+        "has none (the default with it); off: one token a step",
+    )
+    serve.add_argument(
+        "--draft-model",
+        metavar="ID",
+        help="a small model of the same tokenizer that drafts replies' next tokens (a Hugging "
+        "Face id, a local directory; attention layers only)",
     )
     serve.add_argument(
         "--default-max-tokens",
@@ -372,6 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    drafts = getattr(args, "speculative", None)
+    if (drafts == "draft" and not args.draft_model) or (
+        drafts in ("off", "lookup") and getattr(args, "draft_model", None)
+    ):
+        parser.error("--speculative draft and --draft-model go together")
     try:
         return args.func(args)
     except BAD_INPUT as exc:

@@ -49,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         default_max_tokens=args.default_max_tokens,
         speculative=args.speculative,
+        draft_model=args.draft_model,
         **lease,
     ).resolved()
     print(f"{PROG}: {_budgets(config, given_budget is None)}", file=sys.stderr)

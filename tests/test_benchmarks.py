@@ -294,6 +294,20 @@ def test_speculative_quick(tmp_path):
     assert set(report["targets_met"]) == set(report["targets"])
 
 
+def test_speculative_quick_with_a_draft_of_the_models_first_layers(tmp_path):
+    out = tmp_path / "x.json"
+    module = importlib.import_module("benchmarks.bench_speculative")
+    report = module.main(["--quick", "--draft-layers", "2", "--out", str(out)])
+
+    assert report["draft_model"] == "tiny:llama, its first 2 layers"
+    assert report["command"].endswith("--quick --draft-layers 2 --out " + str(out))
+    for row in report["rows"]:
+        assert row["same_tokens"] and row["draft_tps"] > 0
+        assert row["draft_speedup"] == row["draft_tps"] / row["off_tps"]
+        assert 0 <= row["draft_accepted"] <= row["draft_drafted"]
+    assert sum(r["draft_drafted"] for r in report["rows"]) > 0
+
+
 def test_budget_mix_quick(tmp_path):
     out = tmp_path / "x.json"
     report = importlib.import_module("benchmarks.bench_budget").main(
