@@ -20,6 +20,13 @@ recently used dropped first) and the conversation's next turn, whose history con
 takes it back: only the new turn is fed to the draft model. After a restart it is rebuilt
 from the tokens.
 
+A sequence stops drafting with the draft model for its turn when its drafts do not pay for
+what they cost (``agentkv.engine.speculative.Speculation``): each draft is a forward pass
+through it, :attr:`DraftModel.cost` of one through the main model (their weights' bytes).
+Where the last sequences' drafts all failed to pay (a workload it cannot predict), only one
+sequence in :data:`RETRY` tries it, so its draft KVs' prefill is not paid for nothing. A new
+sequence's draft KV starts from the last :data:`CATCH_UP` tokens of its history.
+
 A draft model whose layers hold recurrent state (a hybrid) cannot be cut back after a rejected
 draft and is refused, as is one whose tokenizer differs from the main model's.
 """
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from agentkv.engine.config import EngineConfig
@@ -44,6 +52,10 @@ CATCH_UP = 256
 """The most history tokens a draft KV takes in one step."""
 CONTEXT = 2048
 """The most tokens a draft KV holds; past it, it starts again from the last ``CONTEXT // 2``."""
+TRIALS = 4
+"""Sequences' trials of the draft model remembered: when the last ones all failed to pay,
+only one sequence in :data:`RETRY` tries it (its draft KV costs a prefill of its history)."""
+RETRY = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -89,8 +101,12 @@ class DraftModel:
         self.kept_limit = kept_bytes
         self.model = draft.model
         self.vocab_size = main.vocab_size  # (a draft id past it is no token of the main model)
+        # A token through it against one through the main model: decoding reads the weights.
+        self.cost = weight_bytes(draft.model) / max(1, weight_bytes(main.model))
         self.kept: collections.OrderedDict[int, DraftCache] = collections.OrderedDict()
         self.fed_tokens = 0  # tokens fed to the draft model since it was loaded
+        self.trials: collections.deque[bool] = collections.deque(maxlen=TRIALS)  # paid or not
+        self.asked = 0  # sequences that could try it
 
     # ---- a sequence's draft KV across turns -----------------------------------------------
 
@@ -103,9 +119,17 @@ class DraftModel:
             longer = end <= len(history) and (best is None or end > best[1])
             if longer and cache.tokens == history[cache.start : end]:
                 best = (key, end)
-        if best is None:
-            return DraftCache([KVCache() for _ in make_prompt_cache(self.model)])
+        if best is None:  # (from its last tokens: a draft needs the recent past)
+            start = max(0, len(history) - CATCH_UP)
+            return DraftCache([KVCache() for _ in make_prompt_cache(self.model)], start)
         return self.kept.pop(best[0])
+
+    def worth_trying(self) -> bool:
+        """Whether a sequence tries drafting with it: unless the last :data:`TRIALS`
+        sequences' trials all failed to pay, when only one in :data:`RETRY` does."""
+        self.asked += 1
+        failing = len(self.trials) == TRIALS and not any(self.trials)
+        return not failing or self.asked % RETRY == 0
 
     def keep(self, cache: DraftCache, history: list[int]) -> None:
         """Keep ``cache`` (cut to where it agrees with ``history``) for the turn that
@@ -187,6 +211,10 @@ def load_drafter(config: EngineConfig, main: LoadedModel, can_draft: bool) -> Dr
         )
         return None
     return DraftModel(load_model(spec), main, config.draft_cache_bytes)
+
+
+def weight_bytes(model: Any) -> int:
+    return sum(x.nbytes for _, x in tree_flatten(model.parameters()))
 
 
 def refuse_unless_drafting(draft: LoadedModel, main: LoadedModel) -> None:

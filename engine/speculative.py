@@ -60,6 +60,11 @@ SAVING = 0.5
 keeps a length group of its own, one attention call more a layer."""
 FIRST_DRAFT = 4
 """Draft length a sequence starts with (at most ``EngineConfig.speculative_tokens``)."""
+MODEL_TRIAL = 3
+"""Steps drafted by the draft model over which its drafts must pay for their cost."""
+VERIFY_COST = 0.25
+"""What a drafted step costs beyond a plain one, in plain steps (its rows, its tokens read
+at once): a draft model's drafts must keep more than this and their own cost a step."""
 
 
 @dataclass(slots=True)
@@ -208,6 +213,11 @@ class Speculation:
     accepted_predicted: int = 0  # drafts from the prediction kept
     drafter: DraftModel | None = None  # the engine's draft model, if it has one
     draft_cache: DraftCache | None = None  # the sequence's draft KV, once it drafts with it
+    from_model: bool = False  # the drafts fed last came from the draft model
+    model_steps: int = 0  # steps fed the draft model's drafts
+    model_drafted: int = 0
+    model_kept: int = 0
+    model_off: bool = False  # it stopped drafting with the draft model for its turn
 
     def __post_init__(self) -> None:
         self.k = min(self.k, self.max_tokens)
@@ -240,11 +250,30 @@ class Speculation:
                 return got
         self.lookup.extend(history)
         got = self.lookup.draft(k, pending)
-        if len(got) > (pending is None) or self.drafter is None:  # (more than the expected)
+        self.from_model = False
+        if len(got) > (pending is None) or self.drafter is None or self.model_off:
             return got
         if self.draft_cache is None:
+            if not self.drafter.worth_trying():
+                self.model_off = True
+                return got
             self.draft_cache = self.drafter.take(history)
-        return self.drafter.draft(self.draft_cache, history, pending, k)
+        got = self.drafter.draft(self.draft_cache, history, pending, k)
+        self.from_model = bool(got)
+        return got
+
+    def _settle_model(self, drafted: int, kept: int) -> None:
+        """Stop drafting with the draft model for the turn once its drafts have not paid for
+        themselves over :data:`MODEL_TRIAL` steps (the history's drafts go on)."""
+        self.model_steps += 1
+        self.model_drafted += drafted
+        self.model_kept += kept
+        cost = self.model_drafted * self.drafter.cost + VERIFY_COST * self.model_steps
+        paid = self.model_kept > cost
+        if self.model_steps == MODEL_TRIAL:
+            self.drafter.trials.append(paid)
+        if self.model_steps >= MODEL_TRIAL and not paid:
+            self.model_off = True  # (its draft KV stays, for the next turn to catch up)
 
     def release(self, history: list[int]) -> None:
         """The turn ended with ``history``: its draft KV goes back to the draft model, for
@@ -262,6 +291,8 @@ class Speculation:
         self.accepted += kept
         if self.predicted:
             self.accepted_predicted += kept
+        if self.from_model:
+            self._settle_model(drafted, kept)
         if kept == drafted:
             self.k = min(self.k * 2, self.max_tokens)
         else:

@@ -15,10 +15,11 @@ from pydantic import ValidationError
 from agentkv import AgentKVError, AgentRuntime, RuntimeConfig, UnsupportedModelError
 from agentkv.engine import drafter as drafter_module
 from agentkv.engine.config import EngineConfig
+from agentkv.engine.drafter import RETRY, TRIALS
 from agentkv.engine.engine import Engine
 from agentkv.engine.request import GenerationRequest
 from agentkv.engine.sampling import SamplingParams
-from agentkv.engine.speculative import PromptLookup
+from agentkv.engine.speculative import MODEL_TRIAL, PromptLookup
 from agentkv.server.cli import main
 from tests.architectures import build_architecture
 
@@ -32,8 +33,10 @@ sinks, MLA, layers reading another layer's KV."""
 @pytest.fixture
 def no_lookup(monkeypatch):
     """Drafts come from the draft model alone (random models repeat tokens the lookup would
-    draft first)."""
+    draft first), and it costs nothing: its acceptance alone decides whether it drafts on (a
+    tiny model drafting for itself costs as much as it saves)."""
     monkeypatch.setattr(PromptLookup, "draft", lambda self, k, last: [])
+    monkeypatch.setattr(drafter_module, "weight_bytes", lambda model: 0)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def second_history(first, second) -> list[int]:
 async def test_a_draft_kv_catches_up_in_chunks_and_starts_again_past_its_context(
     no_lookup, monkeypatch
 ):
-    monkeypatch.setattr(drafter_module, "CATCH_UP", 16)
+    monkeypatch.setattr(drafter_module, "CATCH_UP", 24)
     monkeypatch.setattr(drafter_module, "CONTEXT", 64)
     plain, plain_after, _, _, _ = await two_turns("tiny:llama", EngineConfig(speculative="off"))
     config = EngineConfig(speculative="draft", draft_model="tiny:llama")
@@ -201,3 +204,33 @@ async def test_sampled_replies_keep_their_distribution_with_a_draft_model(no_loo
     tokens = [t for t, n in without.items() if n >= 8]  # (a chi-square over the common ones)
     chi = sum((drafted[t] - without[t]) ** 2 / (drafted[t] + without[t]) for t in tokens)
     assert chi < 3 * len(tokens) + 10
+
+
+async def test_a_draft_model_whose_drafts_do_not_pay_for_their_cost_stops(monkeypatch):
+    # Drafting for itself, a draft costs what it saves (its cost is 1): after MODEL_TRIAL
+    # steps of its drafts the turn goes on without them.
+    monkeypatch.setattr(PromptLookup, "draft", lambda self, k, last: [])
+    config = EngineConfig(speculative="draft", draft_model="tiny:llama", speculative_tokens=4)
+    plain, _, _, _, _ = await two_turns("tiny:llama", EngineConfig(speculative="off"))
+    got, after, _, _, drafter = await two_turns("tiny:llama", config)
+    assert drafter.cost == 1.0
+    assert got.token_ids == plain.token_ids
+    for turn in (got, after):
+        assert 0 < turn.stats.drafted_tokens <= MODEL_TRIAL * 4
+
+
+async def test_a_draft_model_that_has_not_paid_is_tried_by_one_sequence_in_eight(monkeypatch):
+    monkeypatch.setattr(PromptLookup, "draft", lambda self, k, last: [])
+    config = EngineConfig(speculative="draft", draft_model="tiny:llama", speculative_tokens=4)
+    eng = await Engine.open("tiny:llama", config)
+    try:
+        drafted = []
+        for i in range(TRIALS + 2 * RETRY):
+            prompt = [16 + i, *PROMPT]  # (each its own: no kept draft KV continues it)
+            reply = await eng.generate(GenerationRequest(prompt, max_tokens=16, ignore_eos=True))
+            drafted.append(reply.stats.drafted_tokens > 0)
+        assert list(eng._thread.drafter.trials) == [False] * TRIALS
+    finally:
+        await eng.close()
+    assert drafted[:TRIALS] == [True] * TRIALS  # each tried it, and it did not pay (cost 1)
+    assert sum(drafted[TRIALS:]) == 2  # then one in RETRY
