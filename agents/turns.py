@@ -155,6 +155,7 @@ class TurnRunner:
             agent = await self.registry.get_agent(agent_id)
             transcript = await self.registry.transcript(agent_id)
             plan = await turn.plan(agent, transcript, options.priority)
+            result: GenerationResult | None = None
             try:
                 async for event in self._generate(agent, plan, options):
                     if isinstance(event, (TextDelta, ReasoningDelta)):
@@ -173,6 +174,10 @@ class TurnRunner:
                 if plan.release:  # idempotent: a save already scheduled calls it again, harmless
                     plan.release()
                 raise
+            finally:
+                if plan.flight is not None:  # (its cache is kept by now, unless it failed)
+                    left = result.cache if result is not None else None
+                    self.caches.flights.landed(plan.flight, left)
             self.sources[plan.source] += 1
             reply = finished_reply(
                 agent_id, plan, result, started, self.reasoning, self.opened(plan)
@@ -230,11 +235,17 @@ class TurnRunner:
         them) or, where they hold more, other conversations' caches and shared heads
         (``heads``: their ends; :meth:`CacheTiers.prefix`). Without ``own`` (a new
         conversation) the plan keeps snapshots (:meth:`CacheTiers.snapshots`)."""
-        limit = self.engine.model.max_context
+        limit, flight = self.engine.model.max_context, None
         if limit and len(tokens) >= limit:  # refused when it runs: store no head for it
             begin = Start(own)
         else:
-            begin = await self.caches.prefix(tokens, heads, priority, own)
+            flight = self.caches.fly(tokens) if own is None else None
+            try:
+                begin = await self.caches.prefix(tokens, heads, priority, own, flight)
+            except BaseException:
+                if flight is not None:
+                    self.caches.flights.landed(flight, None)
+                raise
         n = begin.cache.num_tokens if begin.cache else 0
         points = await self.cache_points(heads, n)
         return TurnPlan(
@@ -247,6 +258,7 @@ class TurnRunner:
             cache_points=points,
             # A new conversation keeps snapshots where others may part from it.
             snapshots_at=self.caches.snapshots(begin.cache, len(tokens)) if own is None else (),
+            flight=flight,
         )
 
     # ---- generating and storing --------------------------------------------------------------
@@ -289,6 +301,8 @@ class TurnRunner:
         if self.reasoning is not None:
             splitter = self.reasoning.splitter(self.opened(plan))
         async with self.engine.submit(request) as handle:
+            if plan.flight is not None:  # new conversations arriving meanwhile cut from it
+                plan.flight.started(handle, plan.snapshots_at)
             async for event in handle:
                 if event.logprob is not None:
                     held.append(event.logprob)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from agentkv.caches.flights import Flight
 from agentkv.engine.grammar import Grammar
 from agentkv.engine.request import PromptCache, TokenLogprob
 from agentkv.engine.sampling import SamplingParams
@@ -128,6 +129,7 @@ class TurnPlan:
     cache_points: tuple[int, ...] = ()  # shared heads' ends it prefills past (engine's request)
     checkpoint_at: int | None = None  # keep a checkpoint there (engine's request)
     snapshots_at: tuple[int, ...] = ()  # and these (engine's request)
+    flight: Flight | None = None  # a new conversation's first turn in flight (caches.flights)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
 from agentkv.engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
 from agentkv.engine.grammar import Grammars
+from agentkv.engine.handle import RequestHandle
 from agentkv.engine.loop import GenerationLoop
 from agentkv.engine.meter import EngineStats, StepRecord
 from agentkv.engine.models.loading import LoadedModel
@@ -28,7 +28,6 @@ from agentkv.engine.request import (
     GenerationResult,
     PromptCache,
     RequestStats,
-    TokenEvent,
 )
 from agentkv.engine.sequence import Sequence
 from agentkv.engine.speculative import Prediction, Speculation
@@ -77,62 +76,6 @@ def _forcing(token: int) -> Callable[[object, object], object]:
         return mx.broadcast_to(forced, logits.shape)
 
     return force
-
-
-class RequestHandle:
-    """A submitted request: iterate it for TokenEvents, then ``await result()``.
-
-    Dropping the handle, leaving ``async with``, or ``cancel()`` before it finishes removes the
-    sequence from the batch at the next step boundary.
-    """
-
-    def __init__(self, thread: GenerationLoop, seq: Sequence, events: asyncio.Queue):
-        self._thread = thread
-        self._seq = seq
-        self._events = events
-        self._result: GenerationResult | None = None
-        self._finalizer = weakref.finalize(self, thread.cancel, seq)
-
-    @property
-    def done(self) -> bool:
-        return self._result is not None
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._result is not None:
-            raise StopAsyncIteration
-        item = await self._events.get()
-        if isinstance(item, GenerationResult):
-            self._result = item
-            self._finalizer.detach()
-            raise StopAsyncIteration
-        return item
-
-    async def result(self) -> GenerationResult:
-        """Wait for the end (consuming any unread events) and return the result."""
-        async for _ in self:
-            pass
-        assert self._result is not None
-        return self._result
-
-    def cancel(self, keep_cache: bool = False) -> None:
-        """Ask the engine to stop this request; ``result()`` then reports ``cancelled``.
-
-        Args:
-            keep_cache: hand back the partial cache (prompt + tokens so far) in the result.
-        """
-        if self._result is None:
-            self._thread.cancel(self._seq, keep_cache)
-
-    async def __aenter__(self) -> RequestHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._result is None:
-            self.cancel(keep_cache=self._seq.request.keep_cache_on_cancel)
-            await asyncio.shield(self.result())
 
 
 class Engine:

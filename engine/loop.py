@@ -19,12 +19,13 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from agentkv.engine.batch.budget import default_budget_bytes
+from agentkv.engine.batch.budget import budget_bytes
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import EngineConfig
+from agentkv.engine.cuts import Cuts
 from agentkv.engine.drafter import DraftModel, load_drafter
-from agentkv.engine.errors import EngineClosedError, KVBudgetError
+from agentkv.engine.errors import EngineClosedError
 from agentkv.engine.meter import EngineStats, Meter
 from agentkv.engine.models.loading import LoadedModel, load_model
 from agentkv.engine.request import (
@@ -70,6 +71,7 @@ class GenerationLoop(threading.Thread):
         self._done_at: float | None = None
         self.runner: ModelRunner | None = None
         self.drafter: DraftModel | None = None  # (EngineConfig.draft_model)
+        self.cuts = Cuts()  # cuts asked of running requests (RequestHandle.cut)
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -115,7 +117,10 @@ class GenerationLoop(threading.Thread):
             self.runner.block_tokens = self.config.cache_block_tokens
             self.drafter = load_drafter(self.config, self.model, self.runner.can_draft)
             self.scheduler = Scheduler(
-                self.config, self.runner.layout, self._budget(), self.runner.first_positions
+                self.config,
+                self.runner.layout,
+                budget_bytes(self.config.kv_budget_bytes, self.runner.layout),
+                self.runner.first_positions,
             )
         except BaseException as exc:  # surfaced to the opener by wait_ready()
             self._load_error = exc
@@ -133,25 +138,13 @@ class GenerationLoop(threading.Thread):
             self._fail_everything(exc)
             self._run_commands()  # pending run() calls and cancels still get their answer
         finally:
+            self.cuts.drop()
             self._flush_outbox()
-
-    def _budget(self) -> int:
-        layout = self.runner.layout
-        budget = self.config.kv_budget_bytes or default_budget_bytes()
-        smallest = layout.reservation(2, overhang=1)
-        if budget < smallest:
-            raise KVBudgetError(
-                f"kv_budget_bytes={budget} is smaller than the smallest turn of this model "
-                f"needs ({smallest} bytes for one prompt token and one generated token); "
-                "raise kv_budget_bytes",
-                needed_bytes=smallest,
-                budget_bytes=budget,
-            )
-        return budget
 
     def _serve(self) -> None:
         while True:
             self._run_commands()
+            self.cuts.serve(self._whole)
             if self._stopping == "cancel" or (self._stopping and not self._has_work()):
                 self._cancel_everything()
                 return
@@ -340,6 +333,15 @@ class GenerationLoop(threading.Thread):
                     row.recent = None
                 row.first_kv = None
         return PromptCache(layers, tokens, packing=packing if packed else None)
+
+    def _whole(self, seq: Sequence) -> PromptCache | None:
+        """``seq``'s cache as it is now, with its checkpoints: a copy (it runs on)."""
+        layers = seq.group.extract(seq) if seq.in_batch else seq.cache
+        if not layers:
+            return None
+        mx.eval([x for layer in layers for x in held_arrays(layer)])
+        cache = self._cache(layers, list(seq.tokens))
+        return dataclasses.replace(cache, checkpoints=seq.checkpoints())
 
     def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
         if seq.is_finished:  # it ended between the cancel call and this step boundary

@@ -3,7 +3,8 @@ each with a task of its own) share the prefill of that start on sliding-window a
 models: a new conversation keeps snapshots at its last block boundaries, the conversation that
 parts from it resumes the latest one before that and stores the shared start as a head of its
 own (blocks and a window), and those that follow resume it, in one process and after a
-restart.
+restart; those that arrive while the first is prefilled take the shared start out of the batch
+from it.
 Real SQLite files, real tiny models, real block files."""
 
 from __future__ import annotations
@@ -109,13 +110,17 @@ async def test_workers_handed_one_brief_share_its_prefill(tmp_path, model):
         assert [r.token_ids for r in replies] == alone[3:]
 
 
-@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid"])
-async def test_workers_that_arrive_together_prefill_the_brief_twice_at_most(tmp_path, model):
-    # All at once: the first prefills its whole prompt; the one that parts from it stores the
-    # shared start, and the others wait for its whole blocks instead of prefilling them again
-    # (and for the rest of it up to where they part, when it is being prefilled then).
+@pytest.mark.parametrize("model", ["tiny:gemma3", "tiny:hybrid", "tiny:llama"])
+async def test_workers_that_arrive_together_prefill_the_brief_once(tmp_path, model):
+    # All at once: the first prefills its whole prompt, keeping snapshots at its last block
+    # boundaries; the others, arriving while it runs, take the shared start out of the batch
+    # from it (at the latest snapshot within it; anywhere, on full attention) once its prefill
+    # has passed there (agentkv.caches.flights), and prefill less than a block of it again.
     start = shared_start(model)
-    async with await AgentRuntime.open(config(tmp_path, model)) as rt:
+    alone_config = config(tmp_path / "alone", model, share_prefixes=False)
+    async with await AgentRuntime.open(alone_config) as rt:
+        alone = [(await ask(rt, task)).token_ids for task in TASKS]
+    async with await AgentRuntime.open(config(tmp_path / "shared", model)) as rt:
         fed: list[int] = []  # the prompt tokens each step of the engine prefilled
         rt.engine.add_step_listener(lambda step: fed.append(step.prefill_tokens))
         replies = await asyncio.gather(*(ask(rt, task) for task in TASKS))
@@ -124,11 +129,11 @@ async def test_workers_that_arrive_together_prefill_the_brief_twice_at_most(tmp_
     # prefilled alone (forced, not prefilled: at most four heads a turn).
     assert 0 <= prefilled - sum(fed) <= 4 * len(TASKS)
     own = sum(r.usage.prompt_tokens - start for r in replies)
-    # The start twice at most, and each of the others a partial block or two of it again at
-    # most (its end, when it took the blocks before that was prefilled; the system prompt's
-    # head, when it had prefilled that itself before it found the shared start).
-    assert prefilled <= 2 * start + own + (len(TASKS) - 2) * 2 * BLOCK
+    assert prefilled <= start + own + (len(TASKS) - 1) * BLOCK
     assert start > 4 * BLOCK  # (so that this is less than each prefilling the start)
+    assert [r.cache_source for r in replies].count("prefix") == len(TASKS) - 1
+    assert sorted(r.usage.cached_tokens for r in replies)[1] >= start // BLOCK * BLOCK
+    assert [r.token_ids for r in replies] == alone
 
 
 class Head:

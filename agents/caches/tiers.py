@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentkv.caches.disk import DiskCaches
+from agentkv.caches.flights import Flight, Flights
 from agentkv.caches.hot import HotTier, longest_shared, shared_length
 from agentkv.engine.request import PromptCache
 from agentkv.store import CacheRecord, Registry
@@ -118,6 +119,7 @@ class CacheTiers:
         self._registry = registry
         self._recent: collections.deque[list[int]] = collections.deque()  # prompts, newest last
         self._recent_tokens = 0
+        self.flights = Flights()
         # Heads being prefilled to a token that is no block boundary: (tokens, their cache).
         self._prefilling: list[tuple[list[int], asyncio.Future[PromptCache | None]]] = []
 
@@ -151,11 +153,12 @@ class CacheTiers:
         heads: Callable[[], list[int]],
         priority: float,
         own: PromptCache | None = None,
+        flight: Flight | None = None,
     ) -> Start:
         """The longest cache for the start of ``tokens`` (at least one token left to prefill):
-        ``own`` (the turn's own cache, cut back) unless other conversations' caches hold more,
-        carried on to the ends of the shared heads (``heads()``, ascending) it falls short of.
-        See the module docstring."""
+        ``own`` (the turn's own cache, cut back) unless other conversations' caches hold more
+        (a new conversation's ``flight``: those in flight too), carried on to the ends of the
+        shared heads (``heads()``, ascending) it falls short of. See the module docstring."""
         start = Start(own)
         if not self.disk.shares_prefixes or len(tokens) < 2:
             return start
@@ -163,12 +166,16 @@ class CacheTiers:
         stats.prefix_lookups += 1
         # Like a stored prefix, at least a block: merging less saves less than it costs.
         have = max(own.num_tokens if own else 0, block - 1)
+        if flight is not None:  # (first: one that lands meanwhile is in the hot tier by then)
+            cut = await self.flights.cut(tokens, limit, have, flight, self.disk.windowed)
+            if cut is not None:
+                start, have = Start(cut, borrowed=cut.num_tokens), cut.num_tokens
         hot, alike = await asyncio.to_thread(longest_shared, self.hot.entries(), tokens, limit)
         if hot is not None and hot.num_tokens > have:
             start, have = Start(hot, borrowed=hot.num_tokens), hot.num_tokens
         stored = await self.disk.prefixes.stored(tokens, have)
         if stored is not None:
-            start = Start(stored, borrowed=stored.num_tokens)
+            start, have = Start(stored, borrowed=stored.num_tokens), stored.num_tokens
         store = stored is None
         at = start.cache.num_tokens if start.cache else 0
         # Where a new conversation (no cache of its own) parts from another: a head.
@@ -275,6 +282,11 @@ class CacheTiers:
             self._prefilling.remove(entry)
             pending.set_result(cache)
         return None if cache is None else start.grown(cache, len(tokens) - at, None)
+
+    def fly(self, tokens: list[int]) -> Flight | None:
+        """Register a new conversation's first turn, prompting ``tokens``, as in flight (None
+        where prefixes are not shared); ``flights.landed`` once it is over."""
+        return self.flights.add(tokens) if self.disk.shares_prefixes else None
 
     def snapshots(self, cache: PromptCache | None, end: int) -> tuple[int, ...]:
         """Where a new conversation's prefill after ``cache`` keeps snapshots (the engine's
