@@ -49,10 +49,17 @@ class CutAsked:
 
 
 class Cuts:
-    """The cuts asked of running requests (generation thread)."""
+    """The cuts asked of running requests, answered on the generation thread."""
 
     def __init__(self) -> None:
         self.asked: list[CutAsked] = []
+        self.closed = False
+
+    def ask(self, asked: CutAsked) -> None:
+        """Ask a cut (from any thread; answered None at once once the engine has stopped)."""
+        self.asked.append(asked)
+        if self.closed:
+            asked.answer(None)
 
     def serve(self, whole: Callable[[Sequence], PromptCache | None]) -> None:
         """Answer the cuts whose requests are past their point (``whole``: a request's cache
@@ -74,6 +81,7 @@ class Cuts:
 
     def drop(self) -> None:
         """The engine stops: no cut will be had."""
-        for asked in self.asked:
+        self.closed = True
+        for asked in list(self.asked):
             asked.answer(None)
         self.asked.clear()

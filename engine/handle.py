@@ -4,6 +4,7 @@ its cache while it runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from typing import TYPE_CHECKING
 
@@ -72,10 +73,9 @@ class RequestHandle:
             return None
         loop = asyncio.get_running_loop()
         asked = CutAsked(self._seq, at, loop, loop.create_future())
-        try:
-            self._thread.call_soon(lambda: self._thread.cuts.asked.append(asked))
-        except EngineClosedError:
-            return None
+        self._thread.cuts.ask(asked)
+        with contextlib.suppress(EngineClosedError):
+            self._thread.call_soon(lambda: None)  # (wakes it)
         return await asked.future
 
     async def __aenter__(self) -> RequestHandle:

@@ -55,3 +55,10 @@ async def test_a_cut_of_a_request_that_ends_first_is_none():
             assert await beyond is None
     finally:
         await eng.close()
+
+
+async def test_a_cut_asked_of_a_closed_engine_is_none():
+    eng = await Engine.open("tiny:llama", EngineConfig(speculative="off"))
+    handle = eng.submit(GenerationRequest(PROMPT, max_tokens=400, ignore_eos=True))
+    await eng.close(drain=False)
+    assert await asyncio.wait_for(handle.cut(10), timeout=10) is None
