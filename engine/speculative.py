@@ -5,7 +5,8 @@ call repeats paths and ids, code comes back with small changes. :class:`PromptLo
 the tokens that followed the latest earlier occurrence of the sequence's last few tokens, in
 everything its KV holds (its whole conversation, earlier turns included: prompt lookup), at no
 cost but a search. A request may also give the text its reply is expected to restate
-(:class:`Prediction`, OpenAI's Predicted Outputs), drafted from first.
+(:class:`Prediction`, OpenAI's Predicted Outputs), drafted from first. Where neither has
+anything, an engine with a draft model drafts its continuation (``agentkv.engine.drafter``).
 
 A sequence with drafts feeds its pending token and the drafts as one span of rows in the step
 (its own length group, like a prompt's chunk), and the step computes the logits at every one
@@ -243,6 +244,7 @@ class Speculation:
         return got
 
     def _drafts(self, history: list[int], pending: int | None, k: int) -> list[int] | None:
+        self.from_model = False
         if self.prediction is not None:
             got = self.prediction.draft(history, pending, k)
             self.predicted = bool(got)
@@ -250,7 +252,6 @@ class Speculation:
                 return got
         self.lookup.extend(history)
         got = self.lookup.draft(k, pending)
-        self.from_model = False
         if len(got) > (pending is None) or self.drafter is None or self.model_off:
             return got
         if self.draft_cache is None:
