@@ -116,6 +116,9 @@ async def test_workers_that_arrive_together_prefill_the_brief_once(tmp_path, mod
     # boundaries; the others, arriving while it runs, take the shared start out of the batch
     # from it (at the latest snapshot within it; anywhere, on full attention) once its prefill
     # has passed there (agentkv.caches.flights), and prefill less than a block of it again.
+    # The first is the shortest task, so that its last block boundaries fall within the
+    # shared start (a first whose own task runs past them leaves no snapshot there: the
+    # others then part from it as when one follows another, storing the start once more).
     start = shared_start(model)
     alone_config = config(tmp_path / "alone", model, share_prefixes=False)
     async with await AgentRuntime.open(alone_config) as rt:
@@ -123,12 +126,16 @@ async def test_workers_that_arrive_together_prefill_the_brief_once(tmp_path, mod
     async with await AgentRuntime.open(config(tmp_path / "shared", model)) as rt:
         fed: list[int] = []  # the prompt tokens each step of the engine prefilled
         rt.engine.add_step_listener(lambda step: fed.append(step.prefill_tokens))
-        replies = await asyncio.gather(*(ask(rt, task) for task in TASKS))
+        first = asyncio.ensure_future(ask(rt, TASKS[0]))
+        while not rt._caches.flights.flying:  # (its turn is in flight)
+            await asyncio.sleep(0.005)
+        replies = [await first, *await asyncio.gather(*(ask(rt, t) for t in TASKS[1:]))]
     prefilled = sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in replies)
     # What the turns report is what the engine prefilled, but for the last token of each head
     # prefilled alone (forced, not prefilled: at most four heads a turn).
     assert 0 <= prefilled - sum(fed) <= 4 * len(TASKS)
     own = sum(r.usage.prompt_tokens - start for r in replies)
+    assert min(map(len, (prompt(model, t) for t in TASKS))) == len(prompt(model, TASKS[0]))
     assert prefilled <= start + own + (len(TASKS) - 1) * BLOCK
     assert start > 4 * BLOCK  # (so that this is less than each prefilling the start)
     assert [r.cache_source for r in replies].count("prefix") == len(TASKS) - 1
