@@ -17,7 +17,12 @@ from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import is_packed
 from agentkv.engine.config import KEY_BITS, KEY_GROUP_SIZE, EngineConfig
-from agentkv.engine.errors import EngineClosedError, InvalidCacheError, KVBudgetError
+from agentkv.engine.errors import (
+    EngineClosedError,
+    InvalidCacheError,
+    KVBudgetError,
+    UnsupportedModelError,
+)
 from agentkv.engine.grammar import Grammars
 from agentkv.engine.handle import RequestHandle
 from agentkv.engine.loop import GenerationLoop
@@ -33,6 +38,7 @@ from agentkv.engine.sequence import Sequence
 from agentkv.engine.speculative import Prediction, Speculation
 from agentkv.engine.stopping import StopStrings
 from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
+from agentkv.engine.vision import IMAGE_BASE, image_tokens_in
 
 T = TypeVar("T")
 
@@ -206,9 +212,7 @@ class Engine:
             cache=request.cache.layers if request.cache else None,
         )
         if max(request.prompt_tokens) >= vocab_size:  # in C: submit runs on the event loop
-            raise ValueError(
-                f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
-            )
+            self._check_images(request)
         if request.prediction and max(request.prediction) >= vocab_size:
             raise ValueError(f"prediction contains ids outside the vocabulary (size {vocab_size})")
         if request.forced_token is not None and request.forced_token >= vocab_size:
@@ -227,6 +231,22 @@ class Engine:
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 
+    def _check_images(self, request: GenerationRequest) -> None:
+        """Raise unless every prompt token outside the vocabulary is an image's, with its
+        bytes, for a model that takes images (UnsupportedModelError naming it if it does not)."""
+        vocab_size, images = self.model.vocab_size, image_tokens_in(request.prompt_tokens)
+        if not images or any(vocab_size <= t < IMAGE_BASE for t in request.prompt_tokens):
+            raise ValueError(
+                f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
+            )
+        if self.model.vision is None:
+            raise UnsupportedModelError(
+                f"images: {self.model.spec} is not a vision-language model; it reads text only"
+            )
+        self.model.vision.check()
+        if missing := sorted(images - request.images.keys()):
+            raise ValueError(f"images: no bytes for image tokens {missing[:8]}")
+
     def _drafts(self, request: GenerationRequest, seq: Sequence) -> bool:
         """Whether ``seq`` may feed drafts (``agentkv.engine.speculative``): the engine and
         the request want them, the model's layers can be cut back, and every token it
@@ -237,6 +257,8 @@ class Engine:
             and self._thread.runner.can_draft
             and not seq.logits_processors
             and request.logprobs is None
+            and not request.images  # (drafts would be ids: an image's tokens are not)
+            and not image_tokens_in(seq.tokens)
         )
 
     def _check_packing(self, cache: PromptCache) -> None:

@@ -115,6 +115,7 @@ class GenerationLoop(threading.Thread):
                 self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
             )
             self.runner.block_tokens = self.config.cache_block_tokens
+            self.runner.vision = self.model.vision
             self.drafter = load_drafter(self.config, self.model, self.runner.can_draft)
             self.scheduler = Scheduler(
                 self.config,

@@ -84,6 +84,9 @@ class GenerationRequest:
         prediction: tokens the reply is expected to restate (OpenAI's Predicted Outputs),
             drafted from first where the sequence drafts (``agentkv.engine.speculative``);
             they change no token generated.
+        images: the encoded bytes (PNG, JPEG, WebP, GIF) of each image whose token
+            (``agentkv.engine.vision.image_token``) the prompt holds, by token; a
+            vision-language model's vision tower reads them where its prompt is fed.
     """
 
     prompt_tokens: list[int]
@@ -104,6 +107,7 @@ class GenerationRequest:
     reasoning_budget: int | None = None
     speculative: bool = True
     prediction: tuple[int, ...] = ()
+    images: dict[int, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

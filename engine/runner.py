@@ -27,6 +27,7 @@ from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.request import Checkpoint, layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan
+from agentkv.engine.vision import IMAGE_BASE, Vision, image_rows, text_tokens
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class ModelRunner:
         precision, with a warning."""
         self.model = model
         self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
+        self.vision: Vision | None = None  # a vision-language model's images
         self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
         name = type(model).__module__
         installed = install(model)
@@ -167,12 +169,15 @@ class ModelRunner:
             drafting.append((seq, len(sampling)))
             sampling += [(row + j, seq) for j in range(n)]
             row += n
+        images: list[tuple[int, int, int]] = []  # (row, image token, index in the image)
         for seq, n in plan.prefill:
             fences = self._fences([(seq, len(seq.tokens), n)])
             for i, layer in enumerate(seq.group.layers):
                 spans[i].append(Span(layer, row, n, prefill=True, fences=fences))
             positions.append(seq.group.positions + mx.arange(n))
             chunks.append(seq.prompt[:n])
+            if seq.request.images:
+                images += image_rows(seq.tokens, chunks[-1], row)
             feeds.append((seq, row, n))
             row += n
             if n == len(seq.prompt):
@@ -180,10 +185,11 @@ class ModelRunner:
         inputs = _join_inputs([p for _, p in plan.fed[:decoded]], chunks)
         caches = self._step_caches(spans, mx.concatenate(positions))
         sampled, reported = None, ()
+        embedded = self._embedded(inputs, images, [s for s, _ in plan.prefill]) if images else None
         if any(s.logits_processors for s, _, _ in feeds):
-            _extend_contexts(feeds, inputs)
+            _extend_contexts(feeds, inputs, self._placeholder)
         if sampling:
-            logits = self._logits(inputs, caches, [r for r, _ in sampling], row)
+            logits = self._logits(inputs, caches, [r for r, _ in sampling], row, embedded)
             seqs = [s for _, s in sampling]
             raw = logits
             if any(s.logits_processors for s in seqs):
@@ -195,7 +201,7 @@ class ModelRunner:
                 for n, (_, seq) in enumerate(asked):
                     seq.pending_logprob = (reported, n)
         else:  # prefill chunks only: run the layers for their caches, skip the head
-            self._hidden(inputs, caches)
+            self._hidden(inputs, caches, embedded)
         updated = [held_arrays(c) for s, _ in plan.prefill for c in s.group.layers]
         ends = [  # where a prompt's history ends, snapshots (``checkpoint_at``, ``snapshots_at``)
             (seq, seq.group.windows(seq, self.layout))
@@ -234,22 +240,46 @@ class ModelRunner:
             for seq, first, n in rows
         )
 
-    def _hidden(self, inputs: mx.array, caches: list[StepCache]) -> None:
+    @property
+    def _placeholder(self) -> int | None:
+        """The model's image token, which stands for an image's tokens where ids are read."""
+        return (
+            None
+            if self.vision is None or self.vision.rule is None
+            else self.vision.rule.placeholder
+        )
+
+    def _embedded(
+        self, inputs: mx.array, images: list[tuple[int, int, int]], seqs: list[Sequence]
+    ) -> mx.array:
+        """The input embeddings of a step whose ``images`` rows take images' features."""
+        assert self.vision is not None  # (Engine.submit refuses image tokens otherwise)
+        sources = {t: b for seq in seqs for t, b in seq.request.images.items()}
+        return self.vision.embeddings(inputs, images, sources)[:, None, :]
+
+    def _hidden(self, inputs: mx.array, caches: list[StepCache], embedded: Any = None) -> None:
         """Run a step whose rows need no logits (its caches are what it updates)."""
+        extra = {} if embedded is None else {"input_embeddings": embedded}
         if self._head is None:
-            self.model(inputs[:, None], cache=caches)
+            self.model(inputs[:, None], cache=caches, **extra)
         else:
-            self._backbone(inputs[:, None], cache=caches)
+            self._backbone(inputs[:, None], cache=caches, **extra)
 
     def _logits(
-        self, inputs: mx.array, caches: list[StepCache], rows: list[int], total: int
+        self,
+        inputs: mx.array,
+        caches: list[StepCache],
+        rows: list[int],
+        total: int,
+        embedded: Any = None,
     ) -> mx.array:
         x = inputs[:, None]
+        extra = {} if embedded is None else {"input_embeddings": embedded}
         subset = None if len(rows) == total else mx.array(rows)
         if self._head is None:
-            out = self.model(x, cache=caches)
+            out = self.model(x, cache=caches, **extra)
             return (out if subset is None else out[subset])[:, -1, :]
-        hidden = self._backbone(x, cache=caches)
+        hidden = self._backbone(x, cache=caches, **extra)
         return self._head(hidden if subset is None else hidden[subset])[:, -1, :]
 
     def _split_head(self) -> tuple[Any, Any]:
@@ -269,10 +299,12 @@ class ModelRunner:
                 f"{type(model).__module__}: a step of one-token rows does not reproduce the "
                 "model's logits (it mixes tokens outside attention); agentkv cannot batch it"
             )
-        backbone = getattr(model, "model", None)
+        # A vision-language checkpoint's text half sits under ``language_model``.
+        inner = model if hasattr(model, "model") else getattr(model, "language_model", model)
+        backbone = getattr(inner, "model", None)
         if not isinstance(backbone, nn.Module):
             return None, None
-        heads = [getattr(model, "lm_head", None)]
+        heads = [getattr(inner, "lm_head", None)]
         heads.append(getattr(getattr(backbone, "embed_tokens", None), "as_linear", None))
         for head in heads:
             if not callable(head):
@@ -313,13 +345,21 @@ class ModelRunner:
         return out
 
 
-def _extend_contexts(feeds: list[tuple[Sequence, int, int]], inputs: mx.array) -> None:
+def _extend_contexts(
+    feeds: list[tuple[Sequence, int, int]], inputs: mx.array, placeholder: int | None
+) -> None:
     """Add this step's input tokens to what each sequence's logits processors look back at
-    (every step, sampled or not, so the context always equals what the KV holds)."""
+    (every step, sampled or not, so the context always equals what the KV holds); an image's
+    tokens as the model's ``placeholder``, which has an id in the vocabulary."""
+    if placeholder is not None:
+        inputs = mx.where(inputs >= IMAGE_BASE, mx.array(placeholder, inputs.dtype), inputs)
     for seq, first, n in feeds:
         if seq.logits_processors:
             if seq.context is None:
-                seq.context = TokenBuffer(seq.tokens)
+                history = (
+                    seq.tokens if placeholder is None else text_tokens(seq.tokens, placeholder)
+                )
+                seq.context = TokenBuffer(history)
             seq.context.update_and_fetch(inputs[first : first + n])
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
-from agentkv.models.chat_formats import CHATML_TOOLS, GEMMA, LLAMA, QWEN3, ChatFormat
+from agentkv.models.chat_formats import CHATML_TOOLS, GEMMA, GEMMA_VL, LLAMA, QWEN3, ChatFormat
 from agentkv.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
@@ -79,6 +79,11 @@ class TinySpec:
     fields: tuple[tuple[str, object], ...] = ()
     """``config.json`` fields of the architecture beyond :class:`Shape` (a hybrid's recurrent
     layers)."""
+    vision: tuple[tuple[str, object], ...] = ()
+    """A vision-language model's ``vision_config`` (its weights built from mlx-vlm's classes,
+    the text model's fields under ``text_config``); empty for a text model."""
+    image_tokens: int = 16
+    """A vision-language model's tokens per image."""
 
     @property
     def vocab_size(self) -> int:
@@ -88,11 +93,21 @@ class TinySpec:
     def definition_hash(self) -> str:
         """Short hash of everything that shapes the files, including the building libraries."""
         definition = asdict(self)
-        defaults = {"eos_scale": 1.0, "dtype": "float32", "weight_bits": None, "fields": ()}
+        defaults = {
+            "eos_scale": 1.0,
+            "dtype": "float32",
+            "weight_bits": None,
+            "fields": (),
+            "vision": (),
+            "image_tokens": 16,
+        }
         for field, default in defaults.items():  # leave older models' hashes as they were
             if definition[field] == default:
                 del definition[field]
-        blob = json.dumps([BUILDER_VERSION, _library_versions(), definition], sort_keys=True)
+        versions = _library_versions()
+        if self.vision:
+            versions = versions | {"mlx-vlm": importlib.metadata.version("mlx-vlm")}
+        blob = json.dumps([BUILDER_VERSION, versions, definition], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     @property
@@ -117,7 +132,7 @@ class TinySpec:
         }
         if self.weight_bits is not None:
             config["quantization"] = {"group_size": 64, "bits": self.weight_bits}
-        if self.model_type == "gemma3_text":
+        if self.model_type in ("gemma3_text", "gemma3"):
             global_layer = s.pattern - 1
             config |= {
                 "architectures": ["Gemma3ForCausalLM"],
@@ -139,7 +154,29 @@ class TinySpec:
         else:
             config |= {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5}
             config |= {"rope_theta": 500_000.0, "attention_bias": False, "mlp_bias": False}
-        return config | dict(self.fields)
+        config |= dict(self.fields)
+        if self.vision:  # Gemma 3's: the language model's fields under text_config
+            chat = self.chat
+            text = config | {"rope_global_base_freq": config["rope_theta"]}
+            text |= {"mm_tokens_per_image": self.image_tokens}
+            config = {
+                key: config[key]
+                for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+            }
+            config |= {
+                "model_type": self.model_type,
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "text_config": text,
+                "vision_config": dict(self.vision),
+                "hidden_size": text["hidden_size"],
+                "mm_tokens_per_image": self.image_tokens,
+                "boi_token_index": chat.id_of("<start_of_image>"),
+                "eoi_token_index": chat.id_of("<end_of_image>"),
+                "image_token_index": chat.id_of("<image_soft_token>"),
+                "tie_word_embeddings": True,
+                "torch_dtype": self.dtype,
+            }
+        return config
 
 
 def _qwen3_next(layers: int, key_heads: int, head_dim: int, moe: int) -> tuple:
@@ -175,6 +212,27 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 5, 4, 2, 64, 256, vocab=512, max_pos=8192, window=32, pattern=2),
             corpus_words=20_000,
             lexicon_size=2_000,
+        ),
+        TinySpec(
+            name="tiny:gemma3-vl",
+            description=(
+                "gemma3 vision-language model (mlx-vlm's classes): tiny:gemma3's text model and "
+                "a 2-layer SigLIP vision tower; 64x64 images, 16 tokens each"
+            ),
+            model_type="gemma3",
+            chat=GEMMA_VL,
+            shape=Shape(64, 5, 4, 2, 64, 256, vocab=512, max_pos=8192, window=32, pattern=2),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            vision=(
+                ("model_type", "siglip_vision_model"),
+                ("num_hidden_layers", 2),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("num_attention_heads", 2),
+                ("patch_size", 8),
+                ("image_size", 64),
+            ),
         ),
         TinySpec(
             name="tiny:llama",
@@ -392,10 +450,28 @@ def _write_model(definition: TinySpec, out: Path) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
+        "model_max_length": definition.shape.max_pos,
         "chat_template": chat.chat_template,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
+    if definition.vision:  # as Gemma 3's checkpoints describe their image processor
+        size = dict(definition.vision)["image_size"]
+        _write_json(
+            out / "preprocessor_config.json",
+            {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "size": {"height": size, "width": size},
+                "do_resize": True,
+                "resample": 2,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_convert_rgb": True,
+                "do_pan_and_scan": False,
+            },
+        )
     _write_weights(definition, out / "model.safetensors")
     _write_json(out / MARKER_FILE, _marker(definition))
 
@@ -424,13 +500,27 @@ def _write_weights(definition: TinySpec, path: Path) -> None:
     from mlx.utils import tree_flatten, tree_unflatten
 
     config = definition.config
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(definition.seed)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if definition.vision:
+        from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+        arch, _ = get_model_and_args(config=config)
+        args = update_module_configs(
+            arch.ModelConfig.from_dict(config), arch, config, ["text", "vision"]
+        )
+        embed = "language_model.model.embed_tokens.weight"
+    else:
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+        args = arch.ModelArgs.from_dict(config)
+        embed = "model.embed_tokens.weight"
+    model = arch.Model(args)
     dtype = getattr(mx, definition.dtype)
     params = {k: _initial(k, v).astype(dtype) for k, v in tree_flatten(model.parameters())}
+    projection = "multi_modal_projector.mm_input_projection_weight"
+    if projection in params:  # (mlx-vlm starts it at ones: every image would look alike)
+        rows = params[projection].shape[0]
+        params[projection] = mx.random.normal(params[projection].shape, dtype) * rows**-0.5
     if definition.eos_scale != 1.0:
-        embed = "model.embed_tokens.weight"
         eos = definition.chat.id_of(definition.chat.eos)
         params[embed][eos] = params[embed][eos] * definition.eos_scale
     if definition.weight_bits is not None:
@@ -438,7 +528,7 @@ def _write_weights(definition: TinySpec, path: Path) -> None:
         nn.quantize(model, **config["quantization"])
         params = dict(tree_flatten(model.parameters()))
     if config.get("tie_word_embeddings"):  # mlx_lm's sanitize drops the head when absent
-        params = {k: v for k, v in params.items() if not k.startswith("lm_head.")}
+        params = {k: v for k, v in params.items() if "lm_head." not in k}
     for value in params.values():  # one at a time: a quantized model's float weights never
         mx.eval(value)  # all exist at once
     mx.save_safetensors(str(path), params, metadata={"format": "mlx"})

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.caches import is_state, model_caches
+from agentkv.engine.vision import Vision
 from agentkv.models.directory import model_fingerprint, resolve_model_path
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class LoadedModel:
     fingerprint: str
     config: dict[str, Any]
     on_gpu: bool = False
+    vision: Vision | None = None
+    """A vision-language model's images (``agentkv.engine.vision``); None for a text model."""
 
     @property
     def vocab_size(self) -> int:
@@ -113,4 +116,5 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
             f"mlx-lm cannot load {os.fspath(spec)!r} ({type(exc).__name__}: {first})"
         ) from exc
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu)
+    vision = Vision.of(path, config, tokenizer, model)
+    return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu, vision)

@@ -1,0 +1,218 @@
+"""Images in a vision-language model's prompt: its vision half (mlx-vlm's classes), the tokens
+an image stands for, and the features that replace their embeddings.
+
+An image's positions in a token list are not the model's placeholder token but a token of the
+image itself: :data:`IMAGE_BASE` plus the image's number (its row in the registry, the same for
+the same bytes). Every cache key, block hash and prefix match therefore tells two images apart
+while the model's placeholders would not, and a conversation that shows an image again, or
+another one that shows it, reuses its KV without the vision tower. Only the rows a step feeds
+see the model's embeddings: an image token's row takes the image's features (its ``k``-th,
+counting from the first of the run of that token), every other row the token's embedding.
+
+Families whose image positions are the token positions (Gemma 3) take images in the batch;
+those that give images positions of their own (Qwen's multimodal rotary positions) read text
+only and refuse an image by name.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentkv.engine.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+IMAGE_BASE = 1 << 24
+"""The token of image number ``n`` is ``IMAGE_BASE + n`` (above any vocabulary; int32 on disk)."""
+MAX_IMAGE_NUMBER = (1 << 31) - 1 - IMAGE_BASE
+FEATURES_KEPT = 32
+"""Images whose features stay in memory after their prompt is fed (least recently used go)."""
+
+
+def image_token(number: int) -> int:
+    """The token that stands for image ``number`` at each of its positions."""
+    if not 0 <= number <= MAX_IMAGE_NUMBER:
+        raise ValueError(f"image number {number} is outside 0..{MAX_IMAGE_NUMBER}")
+    return IMAGE_BASE + number
+
+
+def image_tokens_in(tokens: list[int]) -> set[int]:
+    """The image tokens among ``tokens``."""
+    return {t for t in tokens if t >= IMAGE_BASE} if tokens and max(tokens) >= IMAGE_BASE else set()
+
+
+def text_tokens(tokens: list[int], placeholder: int) -> list[int]:
+    """``tokens`` with every image token as the model's ``placeholder`` (what penalties and a
+    draft model, which see ids and not images, are given)."""
+    return [placeholder if t >= IMAGE_BASE else t for t in tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRule:
+    """Where an image goes in rendered text: the chat template writes ``marker`` for each
+    image part; it is replaced by ``expansion``, which holds ``tokens`` placeholders."""
+
+    marker: str
+    expansion: str
+    placeholder: int  # the model's image token id
+    tokens: int
+
+
+def image_rule(config: dict[str, Any], tokenizer: Any) -> ImageRule | None:
+    """The image rule of a model family whose image positions are its token positions, else
+    None."""
+    if config.get("model_type") != "gemma3":
+        return None
+    text = config.get("text_config", {})
+    count = config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
+    boi, eoi, image = (
+        tokenizer.convert_ids_to_tokens(config[key])
+        for key in ("boi_token_index", "eoi_token_index", "image_token_index")
+    )
+    # As Gemma 3's processor writes an image (transformers' Gemma3Processor, no pan and scan).
+    expansion = f"\n\n{boi}{image * count}{eoi}\n\n"
+    return ImageRule(boi, expansion, config["image_token_index"], count)
+
+
+class Vision:
+    """A vision-language model's images: its rule and, loaded on the first image (a
+    text-only conversation never loads or runs it), its vision tower. Features are computed
+    on the generation thread and the last :data:`FEATURES_KEPT` images' are kept."""
+
+    def __init__(self, path: Path, config: dict[str, Any], tokenizer: Any, embed: Any):
+        self.path = path
+        self.family = config.get("model_type", "?")
+        self.rule = image_rule(config, tokenizer)
+        self._embed = embed  # the language model's token embedding (shared, not copied)
+        self._model: Any = None
+        self._processor: Any = None
+        self._features: OrderedDict[int, mx.array] = OrderedDict()
+
+    @classmethod
+    def of(cls, path: Path, config: dict[str, Any], tokenizer: Any, model: Any) -> Vision | None:
+        """The vision half of the model at ``path`` (None for a text model)."""
+        if not config.get("vision_config"):
+            return None
+        inner = getattr(model, "language_model", model)
+        embed = getattr(getattr(inner, "model", inner), "embed_tokens", None)
+        return cls(path, config, tokenizer, embed)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this model takes no images (None: it does)."""
+        if self.rule is None:
+            return (
+                f"{self.family} gives image tokens positions of their own, which agentkv's "
+                "batch does not feed yet; it reads text only"
+            )
+        if self._embed is None:
+            return f"{self.family}: its token embedding was not found"
+        return None
+
+    def check(self) -> ImageRule:
+        """The image rule; raises UnsupportedModelError naming the model when it takes none."""
+        if (why := self.refusal) is not None:
+            raise UnsupportedModelError(f"images: {self.path.name}: {why}")
+        assert self.rule is not None
+        return self.rule
+
+    def features(self, token: int, data: bytes) -> mx.array:
+        """The image's ``(tokens, hidden)`` input embeddings, as the model merges them."""
+        import mlx.core as mx
+
+        if (kept := self._features.get(token)) is not None:
+            self._features.move_to_end(token)
+            return kept
+        rule = self.check()
+        model, processor = self._loaded()
+        pixels = processor(images=[_decoded(data)], return_tensors="np")["pixel_values"]
+        ids = mx.full((1, rule.tokens), rule.placeholder, dtype=mx.int32)
+        got = model.get_input_embeddings(
+            ids, mx.array(pixels), mask=mx.ones((1, rule.tokens), dtype=mx.int32)
+        ).inputs_embeds[0]
+        mx.eval(got)
+        if got.shape[0] != rule.tokens:
+            raise UnsupportedModelError(
+                f"images: {self.path.name}: {got.shape[0]} features for {rule.tokens} tokens"
+            )
+        self._features[token] = got
+        while len(self._features) > FEATURES_KEPT:
+            self._features.popitem(last=False)
+        return got
+
+    def embeddings(
+        self, inputs: mx.array, rows: list[tuple[int, int, int]], images: Any
+    ) -> mx.array:
+        """The input embeddings of a step's ``inputs`` (one token a row): ``rows`` are the
+        image rows, each ``(row, image token, index within the image)``; ``images`` maps an
+        image token to its encoded bytes."""
+        import mlx.core as mx
+
+        rule = self.check()
+        placeholder = mx.array(rule.placeholder, inputs.dtype)
+        h = self._embed(mx.where(inputs >= IMAGE_BASE, placeholder, inputs))
+        pieces, at = [], []
+        for token in dict.fromkeys(t for _, t, _ in rows):
+            mine = [(r, k) for r, t, k in rows if t == token]
+            features = self.features(token, images[token])
+            pieces.append(features[mx.array([k % features.shape[0] for _, k in mine])])
+            at += [r for r, _ in mine]
+        h[mx.array(at)] = mx.concatenate(pieces).astype(h.dtype)
+        return h
+
+    def _loaded(self) -> tuple[Any, Any]:
+        if self._model is None:
+            from mlx_vlm.utils import load_model
+            from transformers import AutoImageProcessor
+
+            try:
+                model = load_model(self.path, lazy=True)
+                processor = AutoImageProcessor.from_pretrained(str(self.path))
+            except Exception as exc:
+                raise UnsupportedModelError(
+                    f"images: mlx-vlm cannot load the vision half of {self.path.name} "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
+            # Its language model's weights stay unread: embeddings come from the one in use.
+            model.language_model.model.embed_tokens = self._embed
+            self._model, self._processor = model, processor
+            log.info("%s: vision tower loaded for images", self.path.name)
+        return self._model, self._processor
+
+
+def _decoded(data: bytes) -> Any:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.seek(0)  # a GIF's first frame
+    return image.convert("RGB")
+
+
+def image_rows(history: list[int], chunk: list[int], first_row: int) -> list[tuple[int, int, int]]:
+    """The image rows of a prefill ``chunk`` fed after ``history``, starting at step row
+    ``first_row``: ``(row, image token, index within its run)``."""
+    rows = []
+    run_token, run = None, 0
+    if chunk and chunk[0] >= IMAGE_BASE:  # a run the previous chunk began
+        run_token = chunk[0]
+        i = len(history)
+        while i and history[i - 1] == run_token:
+            i -= 1
+        run = len(history) - i
+    for j, token in enumerate(chunk):
+        if token < IMAGE_BASE:
+            run_token, run = None, 0
+            continue
+        if token != run_token:
+            run_token, run = token, 0
+        rows.append((first_row + j, token, run))
+        run += 1
+    return rows
