@@ -1,5 +1,5 @@
 """ORM tables of the agent registry: ``agents``, ``messages``, ``kv_caches``, ``kv_blocks``,
-``kv_cache_blocks``, ``responses`` and ``agent_leases``.
+``kv_cache_blocks``, ``responses``, ``agent_leases`` and ``images``.
 
 The schema changes only through Alembic revisions under ``migrations/versions``; edit these
 classes, then autogenerate a revision (see ``migrations/env.py``). Nothing here is returned to
@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -186,8 +187,24 @@ class Message(Base):
     content: Mapped[str] = mapped_column(StoredText, nullable=False)
     token_count: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    parts: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    """A message with images: its content parts in order, ``{"type": "text", "text": …}`` and
+    ``{"type": "image", "image": <images.id>}`` (``content`` holds its text); NULL for text."""
 
     agent: Mapped[Agent] = relationship(back_populates="messages", lazy="raise")
+
+
+class Image(Base):
+    """An image some message shows, stored once by content (``sha256`` of its bytes)."""
+
+    __tablename__ = "images"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sha256: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    media_type: Mapped[str] = mapped_column(String(32), nullable=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
 
 
 class KVCache(Base):

@@ -79,6 +79,9 @@ class NewMessage:
     role: str
     content: str
     token_count: int | None = None
+    parts: tuple[dict[str, Any], ...] | None = None
+    """A message with images: its content parts in order (``Message.parts``); ``content``
+    then holds its text."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,6 +95,8 @@ class MessageRecord:
     content: str
     token_count: int | None
     created_at: datetime
+    parts: tuple[dict[str, Any], ...] | None = None
+    """A message with images: its content parts in order, images by ``images.id``."""
 
     @classmethod
     def from_row(cls, row: Message) -> MessageRecord:
@@ -103,6 +108,7 @@ class MessageRecord:
             content=row.content,
             token_count=row.token_count,
             created_at=row.created_at,
+            parts=None if row.parts is None else tuple(row.parts),
         )
 
 
@@ -349,6 +355,7 @@ def message_rows(
             "content": message.content,
             "token_count": message.token_count,
             "created_at": now,
+            "parts": None if message.parts is None else list(message.parts),
         }
         for offset, message in enumerate(batch)
     ]
@@ -356,12 +363,22 @@ def message_rows(
 
 def transcript_records(rows: Iterable[Any]) -> list[MessageRecord]:
     """Records of the ``messages`` rows read in :class:`MessageRecord`'s field order."""
-    return [MessageRecord(*row[:3], Role(row[3]), *row[4:]) for row in rows]
+    return [
+        MessageRecord(*row[:3], Role(row[3]), *row[4:7], None if row[7] is None else tuple(row[7]))
+        for row in rows
+    ]
 
 
 def message_records(ids: Iterable[int], rows: list[dict[str, Any]]) -> list[MessageRecord]:
     """Records of rows :func:`message_rows` made, stored with these ids."""
     return [
-        MessageRecord(id=i, **row | {"role": Role(row["role"])})
+        MessageRecord(
+            id=i,
+            **row
+            | {
+                "role": Role(row["role"]),
+                "parts": None if row["parts"] is None else tuple(row["parts"]),
+            },
+        )
         for i, row in zip(ids, rows, strict=True)
     ]

@@ -28,6 +28,7 @@ from agentkv.store import database, validation
 from agentkv.store.cache_index import CacheIndex, current_cache, require_agent
 from agentkv.store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
 from agentkv.store.ids import new_agent_id, validate_agent_id
+from agentkv.store.images import ImageIndex
 from agentkv.store.leases import LeaseIndex
 from agentkv.store.models import Agent, Message, UTCDateTime, utcnow
 from agentkv.store.records import (
@@ -66,6 +67,7 @@ class Registry:
         self.responses = ResponseIndex(db)
         """Stored Responses API responses (what ``previous_response_id`` continues)."""
         self.leases = LeaseIndex(db)
+        self.images = ImageIndex(db)
         """Which worker runs each agent's turns now (workers sharing this registry)."""
 
     @classmethod
@@ -244,10 +246,17 @@ class Registry:
                 copied = [Message.position, Message.role, Message.content, Message.token_count]
                 await session.execute(
                     insert(Message.__table__).from_select(
-                        ["agent_id", "position", "role", "content", "token_count", "created_at"],
-                        select(sa_literal(agent_id), *copied, sa_literal(now, UTCDateTime)).where(
-                            Message.agent_id == source_id
-                        ),
+                        [
+                            "agent_id",
+                            *("position", "role", "content", "token_count", "created_at"),
+                            "parts",
+                        ],
+                        select(
+                            sa_literal(agent_id),
+                            *copied,
+                            sa_literal(now, UTCDateTime),
+                            Message.parts,
+                        ).where(Message.agent_id == source_id),
                     )
                 )
         except IntegrityError as exc:

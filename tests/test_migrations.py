@@ -55,7 +55,12 @@ SCHEMA = {
     ],
     # added by 0007
     "agent_leases": ["agent_id", "holder", "worker_id", "token", "acquired_at", "expires_at"],
-    "messages": ["id", "agent_id", "position", "role", "content", "token_count", "created_at"],
+    "messages": [
+        *("id", "agent_id", "position", "role", "content", "token_count", "created_at"),
+        "parts",  # added by 0009
+    ],
+    # added by 0009
+    "images": ["id", "sha256", "media_type", "data", "created_at"],
     "kv_caches": [
         "id",
         "agent_id",
@@ -187,7 +192,7 @@ async def schema_of(target: str) -> dict[str, dict[str, Any]]:
         await engine.dispose()
 
 
-HEAD = "0008"
+HEAD = "0009"
 NEXT = "9000"
 
 
