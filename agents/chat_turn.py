@@ -21,6 +21,7 @@ from agentkv.conversations import Conversations
 from agentkv.document import CachedReply, generated_reply, render_document
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, check_text
+from agentkv.images import checked_images, image_parts, images_of
 from agentkv.messages import (
     Message,
     checked_history,
@@ -30,6 +31,7 @@ from agentkv.messages import (
 )
 from agentkv.prompt import ChatRenderer
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
+from agentkv.store.images import NewImage
 from agentkv.turns import TurnRunner
 from agentkv.types import Reply, TurnPlan
 
@@ -47,8 +49,11 @@ class ChatTurn:
     """Generated replies by agent: borrowed from, and this turn's recorded (None: neither)."""
     renderer: ChatRenderer | None = None
     """The runner's renderer with the turn's template variables (None: the runner's)."""
+    images: list[NewImage] = field(default_factory=list)
+    """The images the new message shows, before its text (checked, not stored yet)."""
     message_id: int | None = field(default=None, init=False)
     _replies: list[CachedReply] = field(default_factory=list, init=False)  # in its cache
+    _content: str | list[dict[str, Any]] | None = field(default=None, init=False)
 
     @classmethod
     async def checked(
@@ -58,14 +63,30 @@ class ChatTurn:
         history: Sequence[Message],
         conversations: Conversations | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        images: Sequence[bytes] = (),
     ) -> ChatTurn:
-        """A turn of ``message`` (some text) after ``history`` (user/assistant messages);
-        ``template_kwargs``: variables for the chat template (``ChatRenderer.using``)."""
-        if check_text(message, "message").strip() == "":
+        """A turn of ``message`` (some text, or none beside ``images``) after ``history``
+        (user/assistant messages); ``template_kwargs``: variables for the chat template
+        (``ChatRenderer.using``); ``images``: encoded images the message shows before its
+        text. Raises UnsupportedModelError for images to a model that takes none."""
+        if check_text(message, "message").strip() == "" and not images:
             raise EmptyMessageError("message is empty: a turn needs some text")
+        checked = []
+        if images:
+            runner.engine.check_images()
+            checked = await asyncio.to_thread(checked_images, images)  # (decodes each)
         renderer = runner.renderer.using(template_kwargs)
         history = await off_loop(checked_history, history)
-        return cls(runner, message, history, conversations, renderer)
+        return cls(runner, message, history, conversations, renderer, checked)
+
+    async def content(self) -> str | list[dict[str, Any]]:
+        """The new message's content: its text, or its images (stored, by number) and text."""
+        if self._content is None:
+            self._content = self.message
+            if self.images:
+                numbers = await self.runner.registry.images.add(self.images)
+                self._content = image_parts(numbers, self.message)
+        return self._content
 
     async def plan(
         self, agent: AgentRecord, transcript: list[MessageRecord], priority: float
@@ -76,7 +97,7 @@ class ChatTurn:
         messages = [
             *transcript_messages(agent, transcript),
             *self.history,
-            {"role": "user", "content": self.message},
+            {"role": "user", "content": await self.content()},
         ]
         n_history = len(transcript) + len(self.history)  # the messages before the new one
         start = time.perf_counter()
@@ -92,7 +113,9 @@ class ChatTurn:
                 if conversations is not None:
                     self._replies = list(conversations.replies.get(agent.id, []))
                 return TurnPlan(delta, resumed.cache, resumed.source, time.perf_counter() - start)
-        others = conversations.borrowed(messages, agent.id) if conversations else []
+        others = []  # (replies are spliced into text-only conversations)
+        if conversations is not None and not images_of(messages):
+            others = conversations.borrowed(messages, agent.id)
         if others:
             document = await asyncio.to_thread(render_document, renderer, messages, None, others)
             tokens, self._replies = document.tokens, document.replies
@@ -145,11 +168,13 @@ class ChatTurn:
         plan: TurnPlan,
         result: GenerationResult,
     ) -> None:
+        content = await self.content()
+        parts = None if isinstance(content, str) else tuple(content)
         stored = await self.runner.registry.append_messages(
             agent.id,
             [
                 *(NewMessage(m["role"], m["content"]) for m in self.history),
-                NewMessage("user", self.message, len(plan.prompt_tokens)),
+                NewMessage("user", self.message, len(plan.prompt_tokens), parts),
                 NewMessage("assistant", result.text, len(result.token_ids)),
             ],
             expected_version=agent.version,
@@ -157,7 +182,7 @@ class ChatTurn:
         messages = [
             *transcript_messages(agent, transcript),
             *self.history,
-            {"role": "user", "content": self.message},
+            {"role": "user", "content": content},
             {"role": "assistant", "content": result.text},
         ]
         await self.runner.keep(agent, result, plan, messages, stored[-1].position + 1)

@@ -20,7 +20,6 @@ from typing import Any
 from agentkv.document import (
     CachedReply,
     DocumentPrompt,
-    common_prefix,
     generated_reply,
     recover_replies,
     render_document,
@@ -28,7 +27,7 @@ from agentkv.document import (
 )
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, ToolsUnsupportedError, check_text
-from agentkv.messages import Message, checked_texts, off_loop
+from agentkv.messages import Message, checked_texts, common_prefix, off_loop
 from agentkv.prompt import ChatRenderer
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
 from agentkv.tool_calls import ParsedReply, ToolFormat

@@ -140,15 +140,6 @@ def render_document(
     return DocumentPrompt(tokens, placed, dict(zip(at, placed, strict=True)))
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def recover_replies(
     renderer: ChatRenderer,
     parse: Callable[[str, bool], ParsedReply],

@@ -6,7 +6,8 @@ comes from::
     AgentKVError
     ├── InvalidMessageError (also ValueError)   a message's text cannot be used (lone UTF-16
     │   │                                       surrogates, not a string)
-    │   └── EmptyMessageError                   a turn with no text
+    │   ├── EmptyMessageError                   a turn with no text
+    │   └── InvalidImageError                   an image that cannot be read, or too large
     ├── ContextLengthError (also ValueError)    the turn would not fit the model's context
     ├── ChatTemplateError (also ValueError)     the model's chat template refused the messages
     ├── ToolsUnsupportedError (also ValueError) tools sent to a model that cannot call them
@@ -34,6 +35,7 @@ __all__ = [
     "ChatTemplateError",
     "ContextLengthError",
     "EmptyMessageError",
+    "InvalidImageError",
     "InvalidMessageError",
     "RuntimeClosedError",
     "ToolsUnsupportedError",
@@ -48,6 +50,11 @@ class InvalidMessageError(AgentKVError, ValueError):
 
 class EmptyMessageError(InvalidMessageError):
     """The message is empty or only whitespace."""
+
+
+class InvalidImageError(InvalidMessageError):
+    """An image that is not a PNG, JPEG, WebP or GIF, cannot be decoded, or is too large
+    (bytes, pixels, images in one message). The message names which and why."""
 
 
 class ContextLengthError(AgentKVError, ValueError):

@@ -85,7 +85,10 @@ def checked_history(messages: Sequence[Message]) -> list[Message]:
 def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> list[Message]:
     """The agent's system prompt and stored messages, as chat-template messages."""
     system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []
-    return system + [{"role": str(m.role), "content": m.content} for m in transcript]
+    return system + [
+        {"role": str(m.role), "content": m.content if m.parts is None else list(m.parts)}
+        for m in transcript
+    ]
 
 
 async def off_loop(
@@ -96,3 +99,20 @@ async def off_loop(
     if len(messages) < OFF_LOOP_MESSAGES:
         return check(messages)
     return await asyncio.to_thread(check, messages)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def text_chars(value: Any) -> int:
+    """Characters of the text in ``value`` (text, or lists and dicts of it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_chars(v) for v in value)
+    return 0

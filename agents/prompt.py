@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv.engine.models.vision import ImageRule
 from agentkv.errors import ChatTemplateError, ContextLengthError, InvalidMessageError, check_text
 from agentkv.escapes import (
     ESC,
@@ -37,7 +38,8 @@ from agentkv.escapes import (
     control_pattern,
     placeholder_at,
 )
-from agentkv.messages import Message, checked_template_kwargs
+from agentkv.images import image_tokens, images_of
+from agentkv.messages import Message, checked_template_kwargs, common_prefix, text_chars
 
 HEADS_REMEMBERED = 64
 """System messages and tool sets whose shared heads a renderer remembers (see shared_heads)."""
@@ -57,6 +59,9 @@ class ChatRenderer:
     harmony: Any = None
     """``agentkv.harmony.Harmony`` for a model that speaks OpenAI's harmony (gpt-oss): it
     writes the prompts in place of the chat template."""
+    images: ImageRule | None = None
+    """How a vision-language model's template writes an image and what it stands for
+    (``agentkv.engine.models.vision``); None: the model takes no images."""
     controls: tuple[str, ...] = field(init=False)
     """The tokenizer's special tokens: what message text may not produce."""
     _control_ids: frozenset[int] = field(init=False)
@@ -153,9 +158,12 @@ class ChatRenderer:
                 f"the model's chat template refused the conversation: {exc}"
             ) from exc
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, images: Sequence[int] = ()) -> list[int]:
         """Tokens of rendered text: control strings the template wrote become control tokens,
-        escaped ones (from message text) the tokens of their characters."""
+        escaped ones (from message text) the tokens of their characters, and the images it
+        shows (their numbers, in order) their tokens (:func:`agentkv.images.image_tokens`)."""
+        if images:
+            return image_tokens(self.encode, text, images, self.images)
         # The template writes special tokens (BOS included) itself.
         if ESC not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -207,7 +215,7 @@ class ChatRenderer:
         multi-megabyte message is refused before any C code scans it holding the GIL."""
         if self.max_context is None:
             return
-        chars = _text_chars(messages) + _text_chars(tools)
+        chars = text_chars(messages) + text_chars(tools)
         if chars <= self.max_context:  # a token is at least one character
             return
         at_least = -(-chars // self._token_chars())
@@ -263,7 +271,8 @@ class ChatRenderer:
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """Tokens of the whole conversation, ready for the assistant to answer."""
-        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
+        return self.encode(text, images_of(messages))
 
     def shared_heads(
         self,
@@ -301,7 +310,7 @@ class ChatRenderer:
             for pair in (probes[:2], probes[2:]):  # two probes: either text may follow
                 if pair:
                     ends.append(
-                        min(_common_prefix(tokens, self.full_prompt(m, tools)) for m in pair)
+                        min(common_prefix(tokens, self.full_prompt(m, tools)) for m in pair)
                     )
         except ChatTemplateError:
             return []
@@ -380,21 +389,5 @@ class ChatRenderer:
             eos_text = self.tokenizer.decode([last_cached_token])
             if tail.startswith(eos_text):
                 tail = tail[len(eos_text) :]
-        tokens = self.encode(tail)
+        tokens = self.encode(tail, images_of(messages[covered:]))
         return tokens or None
-
-
-def _text_chars(value: Any) -> int:
-    """Characters of the text in ``value`` (text, or lists and dicts of it)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_text_chars(v) for v in value)
-    return 0
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -72,8 +72,13 @@ class AgentRuntime:
         """The configuration, its "auto" budgets resolved to bytes."""
         self._registry = registry
         self._engine = engine
+        vision = engine.model.vision
         self._renderer = ChatRenderer(
-            engine.tokenizer, engine.model.eos_token_ids, engine.model.max_context, harmony=harmony
+            engine.tokenizer,
+            engine.model.eos_token_ids,
+            engine.model.max_context,
+            harmony=harmony,
+            images=None if vision is None else vision.rule,
         )
         self.tool_format: ToolFormat | Harmony | None = harmony or ToolFormat.of(engine.tokenizer)
         """The model's tool-call markers and parser; None when it cannot call tools."""
@@ -326,7 +331,10 @@ class AgentRuntime:
                 are the same either way: ``agentkv.engine.speculative``), ``prediction``
                 (text the reply is expected to restate, such as a file it rewrites with small
                 changes: drafted from first, changing no token; ``Reply.usage`` counts its
-                tokens accepted and rejected). A reasoning model's
+                tokens accepted and rejected), ``images`` (encoded PNG, JPEG, WebP or GIF
+                images the message shows before its text, for a vision-language model: stored
+                once by content, their KV reused wherever a conversation shows them again). A
+                reasoning model's
                 thinking comes apart from the answer: ``Reply.reasoning`` (streamed as
                 ``ReasoningDelta`` pieces), ``Reply.text`` the answer.
 
@@ -356,6 +364,7 @@ class AgentRuntime:
         reasoning_budget: int | None = None,
         speculative: bool = True,
         prediction: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> AsyncIterator[TextDelta | ReasoningDelta | Reply]:
         """Like :meth:`chat`, yielding TextDelta (and ReasoningDelta) pieces as they are
         generated, then the Reply.
@@ -367,7 +376,7 @@ class AgentRuntime:
         """
         self._check_open()
         turn = await ChatTurn.checked(
-            self._turns, message, history, self._conversations, template_kwargs
+            self._turns, message, history, self._conversations, template_kwargs, images
         )
         grammar = await self._grammar(response_format)
         options = TurnOptions(

@@ -34,7 +34,7 @@ from datetime import date
 from pathlib import Path
 
 from agentkv import AgentRuntime, RuntimeConfig
-from agentkv.document import common_prefix
+from agentkv.messages import common_prefix
 from benchmarks.plots import save_plot, write_report
 
 RESULTS = Path(__file__).parent / "results"

@@ -28,6 +28,7 @@ from agentkv.engine.handle import RequestHandle
 from agentkv.engine.loop import GenerationLoop
 from agentkv.engine.meter import EngineStats, StepRecord
 from agentkv.engine.models.loading import LoadedModel
+from agentkv.engine.models.vision import IMAGE_BASE, image_tokens_in
 from agentkv.engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -38,7 +39,6 @@ from agentkv.engine.sequence import Sequence
 from agentkv.engine.speculative import Prediction, Speculation
 from agentkv.engine.stopping import StopStrings
 from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
-from agentkv.engine.vision import IMAGE_BASE, image_tokens_in
 
 T = TypeVar("T")
 
@@ -231,6 +231,14 @@ class Engine:
         self._thread.submit(seq)
         return RequestHandle(self._thread, seq, events)
 
+    def check_images(self) -> None:
+        """Raise UnsupportedModelError, naming the model and why, unless it takes images."""
+        if self.model.vision is None:
+            raise UnsupportedModelError(
+                f"images: {self.model.spec} is not a vision-language model; it reads text only"
+            )
+        self.model.vision.check()
+
     def _check_images(self, request: GenerationRequest) -> None:
         """Raise unless every prompt token outside the vocabulary is an image's, with its
         bytes, for a model that takes images (UnsupportedModelError naming it if it does not)."""
@@ -239,11 +247,7 @@ class Engine:
             raise ValueError(
                 f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
             )
-        if self.model.vision is None:
-            raise UnsupportedModelError(
-                f"images: {self.model.spec} is not a vision-language model; it reads text only"
-            )
-        self.model.vision.check()
+        self.check_images()
         if missing := sorted(images - request.images.keys()):
             raise ValueError(f"images: no bytes for image tokens {missing[:8]}")
 

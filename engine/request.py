@@ -85,7 +85,7 @@ class GenerationRequest:
             drafted from first where the sequence drafts (``agentkv.engine.speculative``);
             they change no token generated.
         images: the encoded bytes (PNG, JPEG, WebP, GIF) of each image whose token
-            (``agentkv.engine.vision.image_token``) the prompt holds, by token; a
+            (``agentkv.engine.models.vision.image_token``) the prompt holds, by token; a
             vision-language model's vision tower reads them where its prompt is fed.
     """
 

@@ -24,10 +24,10 @@ from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
+from agentkv.engine.models.vision import IMAGE_BASE, Vision, image_rows, text_tokens
 from agentkv.engine.request import Checkpoint, layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
-from agentkv.engine.step import StepPlan
-from agentkv.engine.vision import IMAGE_BASE, Vision, image_rows, text_tokens
+from agentkv.engine.step import StepPlan, join_inputs
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +182,15 @@ class ModelRunner:
             row += n
             if n == len(seq.prompt):
                 sampling.append((row - 1, seq))
-        inputs = _join_inputs([p for _, p in plan.fed[:decoded]], chunks)
+        inputs = join_inputs([p for _, p in plan.fed[:decoded]], chunks)
         caches = self._step_caches(spans, mx.concatenate(positions))
         sampled, reported = None, ()
-        embedded = self._embedded(inputs, images, [s for s, _ in plan.prefill]) if images else None
+        embedded = None
+        if images:  # (Engine.submit refuses image tokens to a model without vision)
+            sources = {t: b for seq, _ in plan.prefill for t, b in seq.request.images.items()}
+            embedded = self.vision.embeddings(inputs, images, sources)[:, None, :]
         if any(s.logits_processors for s, _, _ in feeds):
-            _extend_contexts(feeds, inputs, self._placeholder)
+            _extend_contexts(feeds, inputs, self.vision and self.vision.placeholder)
         if sampling:
             logits = self._logits(inputs, caches, [r for r, _ in sampling], row, embedded)
             seqs = [s for _, s in sampling]
@@ -239,23 +242,6 @@ class ModelRunner:
             tuple(seq.fence(p, self.block_tokens) for p in range(first, first + n))
             for seq, first, n in rows
         )
-
-    @property
-    def _placeholder(self) -> int | None:
-        """The model's image token, which stands for an image's tokens where ids are read."""
-        return (
-            None
-            if self.vision is None or self.vision.rule is None
-            else self.vision.rule.placeholder
-        )
-
-    def _embedded(
-        self, inputs: mx.array, images: list[tuple[int, int, int]], seqs: list[Sequence]
-    ) -> mx.array:
-        """The input embeddings of a step whose ``images`` rows take images' features."""
-        assert self.vision is not None  # (Engine.submit refuses image tokens otherwise)
-        sources = {t: b for seq in seqs for t, b in seq.request.images.items()}
-        return self.vision.embeddings(inputs, images, sources)[:, None, :]
 
     def _hidden(self, inputs: mx.array, caches: list[StepCache], embedded: Any = None) -> None:
         """Run a step whose rows need no logits (its caches are what it updates)."""
@@ -402,39 +388,3 @@ def _logprobs(
         return (chosen,)
     top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
     return chosen, top, mx.take_along_axis(logprobs, top, axis=-1)
-
-
-def _join_inputs(pending: list[Any], chunks: list[list[Any]]) -> mx.array:
-    """The step's input tokens: each decode row's pending token (a row of the array it was
-    sampled in, or an int), then the drafting rows' and the prefill chunks' tokens (a
-    drafting row's first: its pending token). Runs of one array are sliced once."""
-    parts: list[mx.array] = []
-    run: tuple[mx.array, int, int] | None = None  # (array, first index, last index)
-    ints: list[int] = []
-
-    def flush() -> None:
-        nonlocal run
-        if ints:
-            parts.append(mx.array(ints, dtype=mx.uint32))
-            ints.clear()
-        if run is not None:
-            array, first, last = run
-            parts.append(
-                array if first == 0 and last == array.size - 1 else array[first : last + 1]
-            )
-            run = None
-
-    for p in [*pending, *(t for chunk in chunks for t in chunk)]:
-        if isinstance(p, int):
-            if run is not None:
-                flush()
-            ints.append(p)
-            continue
-        array, index = p
-        if run is not None and run[0] is array and run[2] == index - 1:
-            run = (array, run[1], index)
-            continue
-        flush()
-        run = (array, index, index)
-    flush()
-    return parts[0] if len(parts) == 1 else mx.concatenate([p.astype(mx.uint32) for p in parts])

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from agentkv.engine.mlxlm import drop_newest
 from agentkv.engine.request import TokenLogprob
 from agentkv.engine.speculative import kept_drafts
@@ -149,3 +151,39 @@ def drop_newest_of(seq: Sequence, n: int) -> None:
     if n:
         for layer in seq.group.layers:
             drop_newest(layer, n)
+
+
+def join_inputs(pending: list[Any], chunks: list[list[Any]]) -> mx.array:
+    """The step's input tokens: each decode row's pending token (a row of the array it was
+    sampled in, or an int), then the drafting rows' and the prefill chunks' tokens (a
+    drafting row's first: its pending token). Runs of one array are sliced once."""
+    parts: list[mx.array] = []
+    run: tuple[mx.array, int, int] | None = None  # (array, first index, last index)
+    ints: list[int] = []
+
+    def flush() -> None:
+        nonlocal run
+        if ints:
+            parts.append(mx.array(ints, dtype=mx.uint32))
+            ints.clear()
+        if run is not None:
+            array, first, last = run
+            parts.append(
+                array if first == 0 and last == array.size - 1 else array[first : last + 1]
+            )
+            run = None
+
+    for p in [*pending, *(t for chunk in chunks for t in chunk)]:
+        if isinstance(p, int):
+            if run is not None:
+                flush()
+            ints.append(p)
+            continue
+        array, index = p
+        if run is not None and run[0] is array and run[2] == index - 1:
+            run = (array, run[1], index)
+            continue
+        flush()
+        run = (array, index, index)
+    flush()
+    return parts[0] if len(parts) == 1 else mx.concatenate([p.astype(mx.uint32) for p in parts])

@@ -1,7 +1,7 @@
 """Images messages show: stored once by content, numbered by their row.
 
 An image's number (``images.id``) is what the rest of agentkv knows it by: a message's parts
-name it, and its tokens in a KV cache are made of it (``agentkv.engine.vision``), so the same
+name it, and its tokens in a KV cache are made of it (``agentkv.engine.models.vision``), so the same
 bytes shown by any conversation, before or after a restart, are the same tokens.
 
 :class:`ImageIndex` runs on the registry's database (``Registry.images``); each call runs in

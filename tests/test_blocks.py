@@ -23,8 +23,8 @@ from agentkv.caches.layout import CacheLayout
 from agentkv.caches.save import Saver
 from agentkv.caches.shared import Shared
 from agentkv.caches.writes import Writes
-from agentkv.document import common_prefix
 from agentkv.engine.request import Checkpoint, PromptCache
+from agentkv.messages import common_prefix
 from agentkv.models.tiny import tiny_model_dir
 from agentkv.store import Registry
 from agentkv.store.cache_files import read_cache_file

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig, SamplingParams
-from agentkv.document import common_prefix
+from agentkv.messages import common_prefix
 from agentkv.models.tiny import tiny_model_dir
 
 

@@ -13,7 +13,7 @@ import openai
 from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, Reply, RuntimeConfig
-from agentkv.document import common_prefix
+from agentkv.messages import common_prefix
 from agentkv.models.tiny import tiny_model_dir
 from agentkv.server.background import serve_in_thread
 from agentkv.server.conversation import TurnRequest

@@ -18,7 +18,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agentkv import AgentRuntime, RuntimeConfig
 from agentkv.caches.tiers import CacheTiers, Start
-from agentkv.document import common_prefix
+from agentkv.messages import common_prefix
 from agentkv.models.tiny import tiny_model_dir
 
 BLOCK = 16

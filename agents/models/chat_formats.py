@@ -101,7 +101,7 @@ QWEN3_TEMPLATE = (
     "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 # Gemma 3's own templates write each image part as <start_of_image>, which its processor
-# expands into the image's tokens (``agentkv.engine.vision``).
+# expands into the image's tokens (``agentkv.engine.models.vision``).
 GEMMA_VL_TEMPLATE = GEMMA_TEMPLATE.replace(
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
     "{% if part['type'] == 'text' %}{{ part['text'] }}"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.caches import is_state, model_caches
-from agentkv.engine.vision import Vision
+from agentkv.engine.models.vision import Vision
 from agentkv.models.directory import model_fingerprint, resolve_model_path
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class LoadedModel:
     config: dict[str, Any]
     on_gpu: bool = False
     vision: Vision | None = None
-    """A vision-language model's images (``agentkv.engine.vision``); None for a text model."""
+    """A vision-language model's images (``agentkv.engine.models.vision``); None: text."""
 
     @property
     def vocab_size(self) -> int:

@@ -95,6 +95,8 @@ class Vision:
         self._model: Any = None
         self._processor: Any = None
         self._features: OrderedDict[int, mx.array] = OrderedDict()
+        self.encoded = 0
+        """Images the vision tower has run on (each distinct image once while it is kept)."""
 
     @classmethod
     def of(cls, path: Path, config: dict[str, Any], tokenizer: Any, model: Any) -> Vision | None:
@@ -104,6 +106,11 @@ class Vision:
         inner = getattr(model, "language_model", model)
         embed = getattr(getattr(inner, "model", inner), "embed_tokens", None)
         return cls(path, config, tokenizer, embed)
+
+    @property
+    def placeholder(self) -> int | None:
+        """The model's image token, which stands for an image's tokens where ids are read."""
+        return None if self.rule is None else self.rule.placeholder
 
     @property
     def refusal(self) -> str | None:
@@ -139,6 +146,7 @@ class Vision:
             ids, mx.array(pixels), mask=mx.ones((1, rule.tokens), dtype=mx.int32)
         ).inputs_embeds[0]
         mx.eval(got)
+        self.encoded += 1
         if got.shape[0] != rule.tokens:
             raise UnsupportedModelError(
                 f"images: {self.path.name}: {got.shape[0]} features for {rule.tokens} tokens"
