@@ -85,7 +85,7 @@ class ChatTurn:
             self._content = self.message
             if self.images:
                 numbers = await self.runner.registry.images.add(self.images)
-                self._content = image_parts(numbers, self.message)
+                self._content = image_parts(numbers, self.images, self.message)
         return self._content
 
     async def plan(

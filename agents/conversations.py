@@ -27,9 +27,11 @@ from agentkv.document import (
 )
 from agentkv.engine.request import GenerationResult
 from agentkv.errors import EmptyMessageError, ToolsUnsupportedError, check_text
+from agentkv.images import shows_images, unnamed_images, with_stored_images
 from agentkv.messages import Message, checked_texts, common_prefix, off_loop
 from agentkv.prompt import ChatRenderer
 from agentkv.store import AgentRecord, MessageRecord, NewMessage
+from agentkv.store.images import parts_text
 from agentkv.tool_calls import ParsedReply, ToolFormat
 from agentkv.turns import TurnRunner
 from agentkv.types import CacheSource, Reply, TurnPlan
@@ -58,6 +60,9 @@ class Conversations:
         messages = await off_loop(checked_texts, messages)
         if not messages or messages[-1]["role"] == "assistant":
             raise EmptyMessageError("the conversation must end with a non-assistant message")
+        if shows_images(messages):
+            self.runner.engine.check_images()
+            messages = await with_stored_images(self.runner.registry.images, messages)
         return DocumentTurn(self, messages, tools, renderer)
 
     async def count_tokens(
@@ -67,6 +72,9 @@ class Conversations:
         self.check_tools(tools)
         head = [{"role": "system", "content": check_text(system, "system")}] if system else []
         conversation = [*head, *await off_loop(checked_texts, messages)]
+        if shows_images(conversation):  # (counted as any image of the model: not stored)
+            self.runner.engine.check_images()
+            conversation = [unnamed_images(m) for m in conversation]
         renderer = self.runner.renderer
         return len(await asyncio.to_thread(renderer.full_prompt, conversation, tools))
 
@@ -142,6 +150,8 @@ class Conversations:
     def stored_text(self, message: Message) -> str:
         """A message as transcripts store it: its text, then its tool calls' markup."""
         text = message.get("content") or ""
+        if isinstance(text, list):  # content parts (images): their text
+            text = parts_text(text)
         calls = tool_calls_of(message)
         if calls and self.tool_format is not None:
             text += self.tool_format.markup(calls)
@@ -175,8 +185,10 @@ class DocumentTurn:
         cache = resumed.cache if resumed else None
         source: CacheSource = resumed.source if resumed else "none"
         known = conversations.replies.get(agent.id)
-        # No cache of its own: other conversations' replies, for a prefix of theirs.
-        others = [] if cache else conversations.borrowed(self.messages, agent.id)
+        # No cache of its own: other conversations' replies, for a prefix of theirs (text).
+        others = []
+        if not cache and not shows_images(self.messages):
+            others = conversations.borrowed(self.messages, agent.id)
 
         def render() -> tuple[DocumentPrompt, int]:
             replies = [r for r in known or [] if cache and r.is_in(cache.tokens)] or others
@@ -251,6 +263,7 @@ class DocumentTurn:
                 m["role"],
                 conversations.stored_text(m),
                 len(document.spliced[i].tokens) if i in document.spliced else None,
+                tuple(m["content"]) if isinstance(m["content"], list) else None,
             )
             for i, m in enumerate(messages)
             if i >= first
@@ -262,8 +275,8 @@ class DocumentTurn:
                 len(reply.tokens),
             )
         )
-        old = [(str(m.role), m.content, m.token_count) for m in transcript]
-        keep = common_prefix(old, [(m.role, m.content, m.token_count) for m in stored])
+        old = [(str(m.role), m.content, m.token_count, m.parts) for m in transcript]
+        keep = common_prefix(old, [(m.role, m.content, m.token_count, m.parts) for m in stored])
         keep = min(keep, len(stored) - 1)  # the reply is always (re)written
         records = await conversations.runner.registry.append_messages(
             agent.id,
@@ -274,7 +287,10 @@ class DocumentTurn:
         )
         self.message_id = records[-1].id
         head = [{"role": "system", "content": system}] if system else []
-        covered = [*head, *({"role": m.role, "content": m.content} for m in stored)]
+        covered = [
+            *head,
+            *({"role": m.role, "content": list(m.parts or ()) or m.content} for m in stored),
+        ]
         # Clients that resend whole conversations rewrite their last turn: keep its start.
         await conversations.runner.keep(
             agent, result, plan, covered, len(stored), self.tools, checkpoint=True

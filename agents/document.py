@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.escapes import PLACEHOLDER_CHARS, placeholder_at
+from agentkv.images import images_of
 from agentkv.prompt import ChatRenderer, Message
 from agentkv.tool_calls import ParsedReply, ToolCall
 
@@ -124,8 +125,10 @@ def render_document(
     tokens: list[int] = []
     placed: list[CachedReply] = []
     start = 0
-    for end, reply in zip([*where, len(rendered)], [*spliced, None], strict=True):
-        tokens += renderer.encode(rendered[start:end])
+    bounds = [0, *(i + 1 for i in at), len(messages)]  # each piece's messages, images and all
+    for k, (end, reply) in enumerate(zip([*where, len(rendered)], [*spliced, None], strict=True)):
+        shown = images_of(messages[bounds[k] : bounds[k + 1]])
+        tokens += renderer.encode(rendered[start:end], shown)
         if reply is None:
             break
         placed.append(CachedReply(len(tokens), reply.tokens, reply.parsed, at[len(placed)]))

@@ -4,6 +4,8 @@ registry (``Registry.images``) inside the message's content parts, as chat templ
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import io
 import warnings
 from collections.abc import Callable, Sequence
@@ -12,7 +14,7 @@ from typing import Any
 from agentkv.engine.models.vision import ImageRule, image_token
 from agentkv.errors import ChatTemplateError, InvalidImageError
 from agentkv.messages import Message
-from agentkv.store.images import NewImage
+from agentkv.store.images import ImageIndex, NewImage
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 """The largest encoded image a message may hold (Anthropic's API takes at most 5 MB a request's
@@ -20,7 +22,9 @@ image, OpenAI's 20 MB)."""
 MAX_IMAGE_PIXELS = 50_000_000
 """The most pixels an image may decode to (a larger one is refused before it is decoded)."""
 MAX_IMAGES = 32
-"""The most images one message may show."""
+"""The most images one message may show (``chat(images=)``)."""
+MAX_CONVERSATION_IMAGES = 500
+"""The most images one resent conversation may show (OpenAI's API takes 500 a request)."""
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 
 
@@ -70,10 +74,68 @@ def checked_image(data: Any, where: str) -> NewImage:
     return NewImage(data, FORMATS[kind])
 
 
-def image_parts(numbers: Sequence[int], text: str) -> list[dict[str, Any]]:
-    """A user message's content parts: its images (by number), then its text."""
-    parts: list[dict[str, Any]] = [{"type": "image", "image": n} for n in numbers]
+def image_part(number: int, sha256: str) -> dict[str, Any]:
+    """A stored image as a content part: its number and the SHA-256 of its bytes."""
+    return {"type": "image", "image": number, "sha256": sha256}
+
+
+def image_parts(numbers: Sequence[int], images: Sequence[NewImage], text: str) -> list[dict]:
+    """A user message's content parts: its images (stored, by number), then its text."""
+    parts = [image_part(n, image.sha256) for n, image in zip(numbers, images, strict=True)]
     return parts + ([{"type": "text", "text": text}] if text else [])
+
+
+async def with_stored_images(index: ImageIndex, messages: list[Message]) -> list[Message]:
+    """``messages`` with each image part that holds its bytes (``{"type": "image", "data":
+    <bytes>}``, as the HTTP APIs give them) stored and named by number instead (an image
+    stored before is not decoded again). Raises InvalidImageError naming the part."""
+    found = [
+        (i, j, part["data"])
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), list)
+        for j, part in enumerate(m["content"])
+        if isinstance(part, dict) and part.get("type") == "image" and "data" in part
+    ]
+    if not found:
+        return messages
+    if len(found) > MAX_CONVERSATION_IMAGES:
+        raise InvalidImageError(
+            f"{len(found)} images in one conversation; at most {MAX_CONVERSATION_IMAGES}"
+        )
+    digests = await asyncio.to_thread(lambda: [hashlib.sha256(d).hexdigest() for *_, d in found])
+    known = await index.numbers(digests)
+    new = {
+        d: (i, j, data) for d, (i, j, data) in zip(digests, found, strict=True) if d not in known
+    }
+    checked = await asyncio.to_thread(
+        lambda: [checked_image(data, f"messages[{i}].content[{j}]") for i, j, data in new.values()]
+    )
+    numbers = dict(known) | dict(zip(new, await index.add(checked), strict=True))
+    out = [dict(m) for m in messages]
+    for (i, j, _), digest in zip(found, digests, strict=True):
+        if out[i]["content"] is messages[i]["content"]:
+            out[i]["content"] = list(out[i]["content"])
+        out[i]["content"][j] = image_part(numbers[digest], digest)
+    return out
+
+
+def shows_images(messages: Sequence[Message]) -> bool:
+    """Whether some message has an image part."""
+    return any(
+        isinstance(part, dict) and part.get("type") == "image"
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+    )
+
+
+def unnamed_images(message: Message) -> Message:
+    """``message`` with its image parts as any image (number 0): what counting tokens needs."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [image_part(0, "") if p.get("type") == "image" else p for p in content]
+    return {**message, "content": parts}
 
 
 def images_of(messages: Sequence[Message]) -> list[int]:

@@ -128,6 +128,28 @@ def text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return TEXT_JOINER.join(texts)
 
 
+def content_of(content: str | list[dict[str, Any]] | None, where: str) -> str | list[dict]:
+    """A user message's content given as a string or a list of text and ``image_url`` parts:
+    its text, or its parts where it holds an image (``agentkv.server.api.image_blocks``)."""
+    from agentkv.server.api.image_blocks import joined, openai_image
+
+    if not isinstance(content, list):
+        return text_of(content, where)
+    parts = []
+    for i, block in enumerate(content):
+        at = f"{where}.content.{i}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image_url":
+            parts.append(openai_image(block, at))
+        elif kind == "text":
+            parts.append({"type": "text", "text": text_field(block.get("text"), f"{at}.text")})
+        else:
+            raise APIError.invalid(
+                f"{at}: only text and image_url parts are supported, got type {kind!r}", at
+            )
+    return joined(parts, TEXT_JOINER)
+
+
 def text_field(text: object, where: str) -> str:
     """A text block's ``text``: a 400 naming ``where`` unless it is a string UTF-8 can encode."""
     if not isinstance(text, str):

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 from agentkv.server.conversation import ChatMessage
-from agentkv.store import MessageRecord
+from agentkv.store import MessageRecord, content_key
 
 
 def extend_digest(digest: bytes, role: str, content: str) -> bytes:
@@ -33,7 +33,10 @@ def prefix_digests(system: str, messages: Sequence[ChatMessage]) -> list[bytes]:
 
 def as_chat(transcript: Iterable[MessageRecord]) -> list[ChatMessage]:
     """Stored messages as the chat messages digests are taken of."""
-    return [ChatMessage(str(m.role), m.content) for m in transcript]
+    return [
+        ChatMessage(str(m.role), m.content if m.parts is None else content_key(m.parts))
+        for m in transcript
+    ]
 
 
 class ConversationIndex:

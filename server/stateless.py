@@ -58,6 +58,7 @@ from agentkv.server.claims import AgentHolds, Claim
 from agentkv.server.conversation import ChatMessage, TurnRequest
 from agentkv.server.conversation_index import ConversationIndex, as_chat, prefix_digests
 from agentkv.server.sessions import STATELESS_PREFIX
+from agentkv.store import content_key
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,14 @@ class StatelessAgents:
         document, system = request.document, ""
         if document[0]["role"] == "system":  # the runtime keeps it as the system prompt
             system, document = document[0]["content"], document[1:]
-        stored = [ChatMessage(m["role"], self._runtime.stored_text(m)) for m in document]
+        stored = [ChatMessage(m["role"], self._stored(m)) for m in document]
         return _system_key(system, request.tools), stored
+
+    def _stored(self, message: Message) -> str:
+        """A message as transcripts store it, images named (``content_key``)."""
+        if isinstance(message["content"], list):
+            return content_key(message["content"])
+        return self._runtime.stored_text(message)
 
     def _digested(self, request: TurnRequest) -> tuple[list[ChatMessage], list[bytes]]:
         """The request's messages as transcripts store them, and the digests of their

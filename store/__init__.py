@@ -47,6 +47,7 @@ from agentkv.store.errors import (
     StoreError,
 )
 from agentkv.store.ids import AGENT_ID_PATTERN, is_valid_agent_id, new_agent_id, validate_agent_id
+from agentkv.store.images import content_key
 from agentkv.store.leases import Lease, LeaseIndex
 from agentkv.store.records import (
     MAX_NAME_CHARS,
@@ -104,6 +105,7 @@ __all__ = [
     "Role",
     "StoreError",
     "StoredBlock",
+    "content_key",
     "is_valid_agent_id",
     "new_agent_id",
     "read_cache_file",

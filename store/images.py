@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -47,7 +48,7 @@ class ImageIndex:
             if not isinstance(image.data, bytes) or not image.data:
                 raise InvalidRecordError("an image's data must be non-empty bytes")
         digests = [image.sha256 for image in images]
-        numbers = await self._numbers(digests)
+        numbers = await self.numbers(digests)
         missing = {d: i for d, i in zip(digests, images, strict=True) if d not in numbers}
         if missing:
             try:
@@ -61,7 +62,7 @@ class ImageIndex:
                     await session.flush()
                     numbers |= {row.sha256: row.id for row in rows}
             except IntegrityError:  # another writer stored one of them first: theirs stand
-                numbers = await self._numbers(digests)
+                numbers = await self.numbers(digests)
         return [numbers[d] for d in digests]
 
     async def data(self, numbers: Iterable[int]) -> dict[int, bytes]:
@@ -73,9 +74,33 @@ class ImageIndex:
             rows = await session.execute(select(Image.id, Image.data).where(Image.id.in_(wanted)))
             return {number: data for number, data in rows}
 
-    async def _numbers(self, digests: list[str]) -> dict[str, int]:
+    async def numbers(self, digests: Sequence[str]) -> dict[str, int]:
+        """The numbers of the stored images among ``digests`` (SHA-256 in hex), by digest."""
+        if not digests:
+            return {}
         async with self._db.read() as session:
             rows = await session.execute(
                 select(Image.sha256, Image.id).where(Image.sha256.in_(set(digests)))
             )
             return dict(rows.all())
+
+
+PART_JOINER = "\n"
+"""Joins a message's text parts into the text ``Message.content`` holds."""
+
+
+def parts_text(parts: Sequence[dict[str, Any]]) -> str:
+    """The text a message of content ``parts`` stores as its ``content``: its text parts."""
+    return PART_JOINER.join(p["text"] for p in parts if p.get("type") == "text")
+
+
+def content_key(content: str | Sequence[dict[str, Any]] | None) -> str:
+    """A message's content as one string that also names its images (by the SHA-256 of their
+    bytes): what a conversation's digest is taken of, the same before and after its images
+    are stored."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(
+        p.get("text", "") if p.get("type") == "text" else f"\0image:{p.get('sha256')}\0"
+        for p in content
+    )

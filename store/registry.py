@@ -28,7 +28,7 @@ from agentkv.store import database, validation
 from agentkv.store.cache_index import CacheIndex, current_cache, require_agent
 from agentkv.store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
 from agentkv.store.ids import new_agent_id, validate_agent_id
-from agentkv.store.images import ImageIndex
+from agentkv.store.images import ImageIndex, content_key
 from agentkv.store.leases import LeaseIndex
 from agentkv.store.models import Agent, Message, UTCDateTime, utcnow
 from agentkv.store.records import (
@@ -359,16 +359,18 @@ class Registry:
 
     async def transcripts(self, id_prefix: str = "") -> dict[str, list[tuple[Role, str]]]:
         """(role, content) of every message of every agent whose id starts with ``id_prefix``,
-        by agent, in order: one query, whatever the number of agents."""
+        by agent, in order: one query, whatever the number of agents. A message with images
+        gives its :func:`~agentkv.store.images.content_key` (its images named by SHA-256)."""
         query = (
-            select(Message.agent_id, Message.role, Message.content)
+            select(Message.agent_id, Message.role, Message.content, Message.parts)
             .where(Message.agent_id.startswith(id_prefix, autoescape=True))
             .order_by(Message.agent_id, Message.position)
         )
         out: dict[str, list[tuple[Role, str]]] = {}
         async with self._db.read() as session:
-            for agent_id, role, content in await session.execute(query):
-                out.setdefault(agent_id, []).append((Role(role), content))
+            for agent_id, role, content, parts in await session.execute(query):
+                text = content if parts is None else content_key(parts)
+                out.setdefault(agent_id, []).append((Role(role), text))
         return out
 
     async def message_count(self, agent_id: str) -> int:

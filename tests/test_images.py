@@ -63,8 +63,12 @@ async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it():
     engine = await Engine.open(MODEL)
     try:
         rule = engine.model.vision.rule
-        text = f"<bos><start_of_turn>user\n{rule.expansion}What is it?<end_of_turn>\n"
-        ids = engine.tokenizer.encode(text + "<start_of_turn>model\n", add_special_tokens=False)
+        shown = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": shown}], add_generation_prompt=True, tokenize=False
+        )
+        text = text.replace(rule.marker, rule.expansion)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
         got = {}
         for number, color in ((1, RED), (2, BLUE)):
             token = image_token(number)

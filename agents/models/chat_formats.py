@@ -100,13 +100,6 @@ QWEN3_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
-# Gemma 3's own templates write each image part as <start_of_image>, which its processor
-# expands into the image's tokens (``agentkv.engine.models.vision``).
-GEMMA_VL_TEMPLATE = GEMMA_TEMPLATE.replace(
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}<start_of_image>{% endif %}",
-)
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
@@ -144,20 +137,6 @@ GEMMA = ChatFormat(
     unk="<unk>",
     stop_tokens=("<eos>", "<end_of_turn>"),
     chat_template=GEMMA_TEMPLATE,
-)
-GEMMA_VL = ChatFormat(
-    special_tokens=(
-        *GEMMA.special_tokens,
-        "<start_of_image>",
-        "<end_of_image>",
-        "<image_soft_token>",
-    ),
-    bos="<bos>",
-    eos="<eos>",
-    pad="<pad>",
-    unk="<unk>",
-    stop_tokens=("<eos>", "<end_of_turn>"),
-    chat_template=GEMMA_VL_TEMPLATE,
 )
 LLAMA = ChatFormat(
     special_tokens=(
@@ -238,4 +217,25 @@ PLAIN_TEMPLATE = (
     "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}{% endfor %}{% endif %}{{ '\n\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+# A vision-language model's ChatML with tools: each image part is written as Gemma 3's marker,
+# <start_of_image>, which its processor expands into the image's tokens
+# (``agentkv.engine.models.vision``).
+CHATML_TOOLS_VL = ChatFormat(
+    special_tokens=(
+        *CHATML_TOOLS.special_tokens,
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    pad="<|pad|>",
+    stop_tokens=("<|endoftext|>", "<|im_end|>"),
+    chat_template=CHATML_TOOLS_TEMPLATE.replace(
+        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] == 'image' %}<start_of_image>{% endif %}",
+    ),
 )

@@ -29,7 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
-from agentkv.models.chat_formats import CHATML_TOOLS, GEMMA, GEMMA_VL, LLAMA, QWEN3, ChatFormat
+from agentkv.models.chat_formats import (
+    CHATML_TOOLS,
+    CHATML_TOOLS_VL,
+    GEMMA,
+    LLAMA,
+    QWEN3,
+    ChatFormat,
+)
 from agentkv.models.tiny_tokenizer import write_tokenizer
 
 BUILDER_VERSION = 1
@@ -217,10 +224,10 @@ TINY_SPECS: dict[str, TinySpec] = {
             name="tiny:gemma3-vl",
             description=(
                 "gemma3 vision-language model (mlx-vlm's classes): tiny:gemma3's text model and "
-                "a 2-layer SigLIP vision tower; 64x64 images, 16 tokens each"
+                "a 2-layer SigLIP vision tower, 64x64 images of 16 tokens; ChatML with tool calling"
             ),
             model_type="gemma3",
-            chat=GEMMA_VL,
+            chat=CHATML_TOOLS_VL,
             shape=Shape(64, 5, 4, 2, 64, 256, vocab=512, max_pos=8192, window=32, pattern=2),
             corpus_words=20_000,
             lexicon_size=2_000,

@@ -4,8 +4,9 @@ Blocks: ``text`` is rendered; ``tool_use`` (assistant) becomes a tool call and `
 (user) a ``tool`` message, in the order they come; an assistant's ``thinking`` blocks become
 its ``reasoning_content`` (the chat template renders it where it keeps earlier reasoning: a
 reasoning model's own thinking, sent back), ``redacted_thinking`` (encrypted) is dropped;
-``cache_control`` and other block fields are ignored. ``image`` and ``document`` blocks are
-refused: the models served read text.
+``cache_control`` and other block fields are ignored. ``image`` blocks (base64) in user
+messages and tool results become image parts for a vision-language model
+(``agentkv.server.api.image_blocks``); ``document`` blocks are refused.
 ``role: "system"`` messages may appear anywhere, the last place included: Anthropic's API has
 no such role, but Claude Code sends one (its list of agent types) after the first user message.
 A user or assistant message with empty content (``""``, ``[]``) is refused, as Anthropic does.
@@ -17,10 +18,11 @@ import json
 from typing import Any
 
 from agentkv.prompt import Message
+from agentkv.server.api.image_blocks import anthropic_image, joined
 from agentkv.server.conversation import TEXT_JOINER, checked_text, refuse_empty, text_field
 from agentkv.server.errors import APIError
 
-UNREADABLE_BLOCKS = ("image", "document", "search_result", "container_upload")
+UNREADABLE_BLOCKS = ("document", "search_result", "container_upload")
 DROPPED_BLOCKS = ("redacted_thinking",)  # encrypted by Anthropic: nothing to read
 
 
@@ -38,20 +40,23 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text_field(block.get("text"), f"{where}.text")
 
 
-def _result_text(content: Any, where: str) -> str:
+def _result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     if content is None:
         return ""
     if isinstance(content, str):
         return checked_text(content, f"{where}.content")
     if not isinstance(content, list):
         raise APIError.invalid(f"{where}.content: must be a string or a list of blocks", where)
-    texts = []
+    parts = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text":
+        if kind == "text":
+            parts.append({"type": "text", "text": _text(block, f"{where}.content.{i}")})
+        elif kind == "image":
+            parts.append(anthropic_image(block, f"{where}.content.{i}"))
+        else:
             raise _refuse(f"{where}.content.{i}", kind)
-        texts.append(_text(block, f"{where}.content.{i}"))
-    return TEXT_JOINER.join(texts)
+    return joined(parts, TEXT_JOINER)
 
 
 def template_messages(role: str, content: str | list[dict[str, Any]], where: str) -> list[Message]:
@@ -61,20 +66,22 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
     if isinstance(content, str):
         return [{"role": role, "content": checked_text(content, where)}]
     out: list[Message] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text (and a user's images)
     calls: list[dict[str, Any]] = []
     thoughts: list[str] = []
 
     def flush_text() -> None:
-        if texts:
-            out.append({"role": role, "content": TEXT_JOINER.join(texts)})
-            texts.clear()
+        if parts:
+            out.append({"role": role, "content": joined(parts, TEXT_JOINER)})
+            parts.clear()
 
     for i, block in enumerate(content):
         at = f"{where}.content.{i}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_text(block, at))
+            parts.append({"type": "text", "text": _text(block, at)})
+        elif kind == "image" and role == "user":
+            parts.append(anthropic_image(block, at))
         elif kind in DROPPED_BLOCKS:
             continue
         elif kind == "thinking" and role == "assistant":
@@ -95,14 +102,14 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
             out.append(
                 {
                     "role": "tool",
-                    "content": _result_text(block.get("content"), at),
+                    "content": _result_content(block.get("content"), at),
                     "tool_call_id": str(block.get("tool_use_id", "")),
                 }
             )
         else:
             raise _refuse(at, kind)
     if role == "assistant":
-        message: Message = {"role": "assistant", "content": TEXT_JOINER.join(texts)}
+        message: Message = {"role": "assistant", "content": joined(parts, TEXT_JOINER)}
         if calls:
             message["tool_calls"] = calls
         if thoughts:  # the template renders it where it keeps it (Qwen3: within a tool loop)
@@ -114,7 +121,12 @@ def template_messages(role: str, content: str | list[dict[str, Any]], where: str
 
 def is_plain(messages: list[Message]) -> bool:
     """Whether a conversation is only user and assistant text (the transcript-document path)."""
-    return all(m["role"] in ("user", "assistant") and "tool_calls" not in m for m in messages)
+    return all(
+        m["role"] in ("user", "assistant")
+        and "tool_calls" not in m
+        and isinstance(m["content"], str)
+        for m in messages
+    )
 
 
 def template_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict] | None:

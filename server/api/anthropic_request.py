@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from agentkv.prompt import Message
 from agentkv.server.api.anthropic_content import is_plain, template_messages, template_tools
+from agentkv.server.api.image_blocks import merged
 from agentkv.server.bodies import FieldPolicy
 from agentkv.server.conversation import (
     TEXT_JOINER,
@@ -116,7 +117,7 @@ class CountTokensRequest(BaseModel):
                     and last["role"] == message["role"] != "assistant"
                     and message["role"] != "tool"
                 ):
-                    last["content"] = TEXT_JOINER.join((last["content"], message["content"]))
+                    last["content"] = merged(last["content"], message["content"], TEXT_JOINER)
                 else:
                     messages.append(message)
         return system, messages, template_tools(self.tools, self.tool_choice)

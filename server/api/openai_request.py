@@ -24,6 +24,7 @@ from agentkv.server.conversation import (
     StopString,
     TurnRequest,
     checked_text,
+    content_of,
     refuse_empty,
     sampling_from,
     split_turn,
@@ -56,7 +57,8 @@ class InputMessage(BaseModel):
         else:
             if not calls and not (role == "assistant" and self.content == ""):
                 refuse_empty(role, self.content, where)  # "": an empty reply, as clients replay it
-            message = {"role": role, "content": text_of(self.content, where)}
+            read = content_of if role == "user" else text_of
+            message = {"role": role, "content": read(self.content, where)}
         if role == "tool":
             if not self.tool_call_id:
                 raise APIError.invalid(

@@ -8,8 +8,9 @@ parts), ``function_call`` (an assistant's call: ``call_id``, ``name``, JSON ``ar
 item are the system prompt; later ones are rendered where they are. A ``reasoning`` item's
 text (its ``reasoning_text`` content, else its summary) becomes the ``reasoning_content`` of the
 assistant turn after it, which the chat template renders where it keeps earlier reasoning; one
-with only encrypted content (another server's) is left out. Anything else (images, files, item
-references) is refused, naming the item.
+with only encrypted content (another server's) is left out. ``input_image`` parts (data URLs)
+of user messages and function outputs are images. Anything else (files, item references) is
+refused, naming the item.
 
 Function tools (and the functions inside a ``namespace`` tool, whose calls come back with the
 namespace's name) are offered to the model; other tool types (``web_search``, ``file_search``,
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.prompt import Message
+from agentkv.server.api.image_blocks import joined, responses_image
 from agentkv.server.bodies import arguments_value
 from agentkv.server.conversation import TEXT_JOINER, checked_text
 from agentkv.server.errors import APIError
@@ -123,7 +125,7 @@ class _Reader:
                 f"{where}.role: {role!r} is not one of user, assistant, system, developer",
                 f"{where}.role",
             )
-        text = _text(item.get("content"), f"{where}.content")
+        text = _text(item.get("content"), f"{where}.content", images=role == "user")
         if role in ("system", "developer"):
             if not self.messages:
                 self.systems.append(text)
@@ -169,28 +171,33 @@ class _Reader:
                 f"{where}.call_id",
             )
         output = item.get("output")
-        text = output if isinstance(output, str) else _text(output, f"{where}.output")
+        text = output if isinstance(output, str) else _text(output, f"{where}.output", True)
         self.messages.append({"role": "tool", "content": text, "tool_call_id": call_id})
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or text parts joined; anything else is refused."""
+def _text(content: Any, where: str, images: bool = False) -> Any:
+    """A message's text: a string, or text parts joined; with ``images`` (a user message, a
+    function's output) its parts where it holds ``input_image`` parts. Anything else is
+    refused."""
     if isinstance(content, str):
         return checked_text(content, where)
     if not isinstance(content, list):
         raise APIError.invalid(f"{where}: must be a string or a list of text parts", where)
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         text = part.get("text") if isinstance(part, dict) else None
+        if images and kind == "input_image":
+            parts.append(responses_image(part, f"{where}.{j}"))
+            continue
         if not isinstance(kind, str) or kind not in TEXT_PARTS or not isinstance(text, str):
+            readable = "input_text, output_text" + (", input_image" if images else "")
             raise APIError.invalid(
-                f"{where}.{j}: {kind!r} parts are not supported (this server reads text: "
-                "input_text, output_text)",
+                f"{where}.{j}: {kind!r} parts are not supported (this server reads {readable})",
                 f"{where}.{j}",
             )
-        texts.append(checked_text(text, f"{where}.{j}.text"))
-    return TEXT_JOINER.join(texts)
+        parts.append({"type": "text", "text": checked_text(text, f"{where}.{j}.text")})
+    return joined(parts, TEXT_JOINER)
 
 
 def function_tools(tools: list[Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
