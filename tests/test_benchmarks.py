@@ -625,3 +625,17 @@ def test_gpu_skips_the_parts_once_the_budget_is_spent(tmp_path):
     assert statuses["batching"] == statuses["mixed"] == "skipped"
     assert summary["parts"]["mixed"]["reason"] == "budget of 0 s spent"
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_images_quick(tmp_path):
+    report = run_quick("bench_images", tmp_path)
+
+    images, text = report["rows"]["images"], report["rows"]["text"]
+    image_tokens = 2 * 16  # tiny:gemma3-vl's 16 an image
+    assert images["prompt"] > text["prompt"] + image_tokens
+    # Each follow-up resumes all its history: the images' tokens in memory, then from disk.
+    assert images["hot_cached"] - text["hot_cached"] == images["prompt"] - text["prompt"]
+    assert images["disk_cached"] - text["disk_cached"] == images["prompt"] - text["prompt"]
+    assert report["vision_runs"] == [2] and report["vision_runs_after_restart"] == 0
+    ratio = images["hot_ttft_s"] / text["hot_ttft_s"]
+    assert report["follow_up_hot_ratio"] == ratio

@@ -242,6 +242,28 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
+            name="tiny:gemma3-vl-bench",
+            description=(
+                "gemma3 vision-language benchmark model: tiny:gemma3-bench's text model and a "
+                "6-layer SigLIP vision tower (hidden 384), 224x224 images of 64 tokens"
+            ),
+            model_type="gemma3",
+            chat=CHATML_TOOLS_VL,
+            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+            vision=(
+                ("model_type", "siglip_vision_model"),
+                ("num_hidden_layers", 6),
+                ("hidden_size", 384),
+                ("intermediate_size", 1536),
+                ("num_attention_heads", 6),
+                ("patch_size", 14),
+                ("image_size", 224),
+            ),
+            image_tokens=64,
+        ),
+        TinySpec(
             name="tiny:llama",
             description="llama, 4 full-attention layers",
             model_type="llama",

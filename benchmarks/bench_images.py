@@ -1,0 +1,160 @@
+"""A follow-up turn in a conversation that holds images costs what it costs without them.
+
+    python -m benchmarks.bench_images [--model tiny:gemma3-vl-bench] [--images 4]
+                                      [--repeats 3] [--quick]
+
+Two agents of a vision-language model get the same first message, one with ``--images``
+screenshot-sized images (random pixels, PNG) before its text and one without; each answers,
+then gets a follow-up. The follow-up's time to first token is measured with the cache in
+memory (hot) and, after a restart of the runtime, from disk. The images' tokens are their own
+(``agentkv.engine.models.vision``), so a follow-up resumes them with the rest of the history
+and the vision tower does not run again: the target is a follow-up with images within 1.2x of
+one without. The first turn's time (vision tower and the images' prefill) is reported beside
+it. Runs alternate between the two agents; medians of ``--repeats`` runs, each with a data
+directory of its own. Writes benchmarks/results/images.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import platform
+import statistics
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from agentkv import AgentRuntime, RuntimeConfig
+from benchmarks.plots import bar_labels, save_plot, write_report
+
+RESULTS = Path(__file__).parent / "results"
+SYSTEM = "You look at screenshots of a web application and say what to do next."
+FIRST = (
+    "These are the screens of the checkout flow after the last deploy. The payment step shows "
+    "an empty card form and the button is greyed out. What should I check first?"
+)
+FOLLOW_UP = "And after that?"
+TARGET = 1.2
+
+
+def screenshots(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` distinct 1280x800 PNGs of random blocks (a screenshot's size and entropy)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        blocks = rng.integers(0, 256, (50, 80, 3), dtype=np.uint8)
+        image = Image.fromarray(blocks.repeat(16, axis=0).repeat(16, axis=1))
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+async def one_run(model: str, images: list[bytes], tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = RuntimeConfig(model=model, data_dir=Path(tmp))
+        out: dict = {}
+        async with await AgentRuntime.open(config) as rt:
+            agents = {}
+            for kind, shown in (("images", images), ("text", [])):
+                agent = await rt.create_agent(system_prompt=SYSTEM)
+                first = await rt.chat(agent.id, FIRST, images=shown, max_tokens=tokens)
+                agents[kind] = agent.id
+                out[kind] = {"first_s": first.timings.total_s, "prompt": first.usage.prompt_tokens}
+            for kind, agent_id in agents.items():
+                hot = await rt.chat(agent_id, FOLLOW_UP, max_tokens=tokens)
+                assert hot.cache_source == "hot", hot.cache_source
+                out[kind] |= {
+                    "hot_ttft_s": hot.timings.ttft_s,
+                    "hot_cached": hot.usage.cached_tokens,
+                }
+            out["encoded"] = rt.engine.model.vision.encoded
+        async with await AgentRuntime.open(config) as rt:
+            for kind, agent_id in agents.items():
+                disk = await rt.chat(agent_id, FOLLOW_UP, max_tokens=tokens)
+                assert disk.cache_source == "disk", disk.cache_source
+                out[kind] |= {
+                    "disk_ttft_s": disk.timings.ttft_s,
+                    "disk_cached": disk.usage.cached_tokens,
+                }
+            out["encoded_after_restart"] = rt.engine.model.vision.encoded
+        return out
+
+
+async def run(args: argparse.Namespace) -> dict:
+    images = screenshots(args.images)
+    await one_run(args.model, images[:1], args.tokens)  # warm-up: kernels, model files
+    runs = [await one_run(args.model, images, args.tokens) for _ in range(args.repeats)]
+
+    def median(kind: str, key: str) -> float:
+        return statistics.median(r[kind][key] for r in runs)
+
+    rows = {kind: {key: median(kind, key) for key in runs[0][kind]} for kind in ("images", "text")}
+    hot = rows["images"]["hot_ttft_s"] / rows["text"]["hot_ttft_s"]
+    disk = rows["images"]["disk_ttft_s"] / rows["text"]["disk_ttft_s"]
+    return {
+        "benchmark": "images",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+        "model": args.model,
+        "weights": "random" if args.model.startswith("tiny:") else "trained",
+        "images": args.images,
+        "image_bytes": [len(i) for i in images],
+        "repeats": args.repeats,
+        "rows": rows,
+        "runs": runs,
+        "follow_up_hot_ratio": hot,
+        "follow_up_disk_ratio": disk,
+        "vision_runs": [r["encoded"] for r in runs],  # a run shows each image once
+        "vision_runs_after_restart": max(r["encoded_after_restart"] for r in runs),
+        "target": f"follow-up with images <= {TARGET}x without (hot)",
+        "target_met": hot <= TARGET,
+        "command": "python -m benchmarks.bench_images" + (" --quick" if args.quick else ""),
+    }
+
+
+def plot(report: dict, path: Path) -> Path:
+    rows = report["rows"]
+
+    def ttft(ax):
+        kinds = ["hot_ttft_s", "disk_ttft_s"]
+        x = np.arange(len(kinds))
+        for i, kind in enumerate(("images", "text")):
+            bars = ax.bar(x + i * 0.4, [rows[kind][k] * 1000 for k in kinds], 0.4, label=kind)
+            bar_labels(ax, bars, "{:.0f}")
+        ax.set_xticks(x + 0.2, ["follow-up (hot)", "follow-up (disk)"])
+        ax.set_ylabel("time to first token (ms)")
+        ax.legend(title=f"first turn with {report['images']} images or none", fontsize=8)
+
+    def first(ax):
+        bars = ax.bar(["images", "text"], [rows[k]["first_s"] for k in ("images", "text")])
+        bar_labels(ax, bars, "{:.2f}")
+        ax.set_ylabel("first turn (s): vision tower and prefill")
+
+    title = f"{report['model']} ({report['weights']} weights), {report['date']}"
+    return save_plot(path, [ttft, first], title)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny:gemma3-vl-bench")
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="tiny:gemma3-vl, 2 images, 1 run")
+    parser.add_argument("--out", type=Path, default=RESULTS / "images.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.images, args.repeats, args.tokens = "tiny:gemma3-vl", 2, 1, 4
+    report = asyncio.run(run(args))
+    write_report(report, args.out, plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
