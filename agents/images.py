@@ -11,7 +11,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentkv.engine.models.vision import ImageRule, image_token
+from agentkv.engine.models.image_rules import ImageRule
+from agentkv.engine.models.vision import IMAGE_BASE, image_token, image_tokens_in
+from agentkv.engine.request import PromptCache
 from agentkv.errors import ChatTemplateError, InvalidImageError
 from agentkv.messages import Message
 from agentkv.store.images import ImageIndex, NewImage
@@ -71,17 +73,20 @@ def checked_image(data: Any, where: str) -> NewImage:
         raise InvalidImageError(f"{where}: too many pixels ({exc})") from None
     if kind not in FORMATS:
         raise InvalidImageError(f"{where}: a {kind} image; PNG, JPEG, WebP and GIF are read")
-    return NewImage(data, FORMATS[kind])
+    return NewImage(data, FORMATS[kind], image.width, image.height)
 
 
-def image_part(number: int, sha256: str) -> dict[str, Any]:
-    """A stored image as a content part: its number and the SHA-256 of its bytes."""
-    return {"type": "image", "image": number, "sha256": sha256}
+def image_part(number: int, sha256: str, size: tuple[int, int]) -> dict[str, Any]:
+    """A stored image as a content part: its number, the SHA-256 of its bytes, its size."""
+    return {"type": "image", "image": number, "sha256": sha256, "width": size[0], "height": size[1]}
 
 
 def image_parts(numbers: Sequence[int], images: Sequence[NewImage], text: str) -> list[dict]:
     """A user message's content parts: its images (stored, by number), then its text."""
-    parts = [image_part(n, image.sha256) for n, image in zip(numbers, images, strict=True)]
+    parts = [
+        image_part(n, image.sha256, (image.width, image.height))
+        for n, image in zip(numbers, images, strict=True)
+    ]
     return parts + ([{"type": "text", "text": text}] if text else [])
 
 
@@ -111,11 +116,14 @@ async def with_stored_images(index: ImageIndex, messages: list[Message]) -> list
         lambda: [checked_image(data, f"messages[{i}].content[{j}]") for i, j, data in new.values()]
     )
     numbers = dict(known) | dict(zip(new, await index.add(checked), strict=True))
+    sizes = await index.sizes(known.values())
+    sizes |= {numbers[d]: (i.width, i.height) for d, i in zip(new, checked, strict=True)}
     out = [dict(m) for m in messages]
     for (i, j, _), digest in zip(found, digests, strict=True):
         if out[i]["content"] is messages[i]["content"]:
             out[i]["content"] = list(out[i]["content"])
-        out[i]["content"][j] = image_part(numbers[digest], digest)
+        number = numbers[digest]
+        out[i]["content"][j] = image_part(number, digest, sizes[number])
     return out
 
 
@@ -130,18 +138,29 @@ def shows_images(messages: Sequence[Message]) -> bool:
 
 
 def unnamed_images(message: Message) -> Message:
-    """``message`` with its image parts as any image (number 0): what counting tokens needs."""
+    """``message`` with its image parts as images of their size (number 0): what counting
+    tokens needs. Raises InvalidImageError for one whose size cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    parts = [image_part(0, "") if p.get("type") == "image" else p for p in content]
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") == "image" and "data" in part:
+            try:
+                size = Image.open(io.BytesIO(part["data"])).size  # (its header only)
+            except (UnidentifiedImageError, OSError) as exc:
+                raise InvalidImageError(f"content[{j}]: not a readable image ({exc})") from None
+            part = image_part(0, "", size)
+        parts.append(part)
     return {**message, "content": parts}
 
 
-def images_of(messages: Sequence[Message]) -> list[int]:
-    """The numbers of the images ``messages`` show, in the order they are rendered."""
+def images_of(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The image parts of ``messages``, in the order they are rendered."""
     return [
-        part["image"]
+        part
         for m in messages
         if isinstance(m.get("content"), list)
         for part in m["content"]
@@ -150,24 +169,52 @@ def images_of(messages: Sequence[Message]) -> list[int]:
 
 
 def image_tokens(
-    encode: Callable[[str], list[int]], text: str, numbers: Sequence[int], rule: ImageRule | None
+    encode: Callable[[str], list[int]],
+    text: str,
+    images: Sequence[dict[str, Any]],
+    rule: ImageRule | None,
 ) -> list[int]:
-    """``encode(text)`` of rendered text that shows the images ``numbers`` (in order), each
-    marker the template wrote expanded as the model's processor does and its placeholders
-    made the image's own tokens. Raises ChatTemplateError when the template wrote another
-    count of images."""
+    """``encode(text)`` of rendered text that shows ``images`` (stored image parts, in order):
+    each marker the template wrote expanded as the model's processor does for that image and
+    its placeholders made the image's own tokens. Raises ChatTemplateError when the template
+    wrote another count of images."""
     if rule is None:  # (AgentRuntime refuses images for such a model before rendering)
         raise ChatTemplateError("the model takes no images")
-    tokens = encode(text.replace(rule.marker, rule.expansion))
+    pieces = text.split(rule.marker)
+    if len(pieces) != len(images) + 1:
+        raise ChatTemplateError(
+            f"the model's chat template wrote {len(pieces) - 1} images for the {len(images)} shown"
+        )
+    expanded = [pieces[0]]
+    for image, piece in zip(images, pieces[1:], strict=True):
+        expanded += [rule.expansion((image["width"], image["height"])), piece]
+    tokens = encode("".join(expanded))
     runs, previous = 0, None
     for i, token in enumerate(tokens):
         if token == rule.placeholder:
             runs += previous != rule.placeholder
-            if runs <= len(numbers):
-                tokens[i] = image_token(numbers[runs - 1])
+            if runs <= len(images):
+                tokens[i] = image_token(images[runs - 1]["image"])
         previous = token
-    if runs != len(numbers):
+    if runs != len(images):
         raise ChatTemplateError(
-            f"the model's chat template wrote {runs} images for the {len(numbers)} shown"
+            f"the model's chat template wrote {runs} images for the {len(images)} shown"
         )
     return tokens
+
+
+async def request_images(
+    index: ImageIndex, prompt: list[int], cache: PromptCache | None
+) -> dict[str, Any]:
+    """A turn's request ``images`` (the bytes of those its prompt shows) and ``image_sizes``
+    (of those its cache holds too), by token; nothing where it shows none."""
+    shown = image_tokens_in(prompt)
+    held = image_tokens_in(cache.tokens) if cache is not None else set()
+    if not shown and not held:
+        return {}
+    data = await index.data(t - IMAGE_BASE for t in shown)
+    sizes = await index.sizes(t - IMAGE_BASE for t in shown | held)
+    return {
+        "images": {IMAGE_BASE + n: b for n, b in data.items()},
+        "image_sizes": {IMAGE_BASE + n: size for n, size in sizes.items()},
+    }

@@ -158,10 +158,10 @@ class ChatRenderer:
                 f"the model's chat template refused the conversation: {exc}"
             ) from exc
 
-    def encode(self, text: str, images: Sequence[int] = ()) -> list[int]:
+    def encode(self, text: str, images: Sequence[dict[str, Any]] = ()) -> list[int]:
         """Tokens of rendered text: control strings the template wrote become control tokens,
         escaped ones (from message text) the tokens of their characters, and the images it
-        shows (their numbers, in order) their tokens (:func:`agentkv.images.image_tokens`)."""
+        shows (their parts, in order) their tokens (:func:`agentkv.images.image_tokens`)."""
         if images:
             return image_tokens(self.encode, text, images, self.images)
         # The template writes special tokens (BOS included) itself.

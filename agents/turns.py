@@ -23,7 +23,6 @@ from typing import Any, Protocol
 from agentkv.caches.tiers import CacheTiers, Start
 from agentkv.config import RuntimeConfig
 from agentkv.engine.engine import Engine
-from agentkv.engine.models.vision import IMAGE_BASE, image_tokens_in
 from agentkv.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -33,6 +32,7 @@ from agentkv.engine.request import (
 )
 from agentkv.engine.sampling import SamplingParams
 from agentkv.errors import ContextLengthError, TurnFailedError
+from agentkv.images import request_images
 from agentkv.leases import Leases
 from agentkv.messages import Message, conversation_digest, transcript_messages
 from agentkv.prompt import ChatRenderer
@@ -273,14 +273,6 @@ class TurnRunner:
             tail = plan.cache.tokens[len(tail) - PROMPT_TAIL :] + tail
         return self.reasoning.opened(tail)
 
-    async def _images(self, tokens: list[int]) -> dict[int, bytes]:
-        """The bytes of the images ``tokens`` show (read only where some do), by token."""
-        shown = image_tokens_in(tokens)
-        if not shown:
-            return {}
-        data = await self.registry.images.data(t - IMAGE_BASE for t in shown)
-        return {IMAGE_BASE + n: b for n, b in data.items()}
-
     async def _generate(
         self, agent: AgentRecord, plan: TurnPlan, options: TurnOptions
     ) -> AsyncIterator[TextDelta | ReasoningDelta | GenerationResult]:
@@ -303,7 +295,7 @@ class TurnRunner:
             reasoning_budget=options.reasoning_budget,
             speculative=options.speculative,
             prediction=options.prediction,
-            images=await self._images(plan.prompt_tokens),
+            **await request_images(self.registry.images, plan.prompt_tokens, plan.cache),
         )
         self._check_context(request)
         held: list[TokenLogprob] = []  # of tokens whose text is still pending

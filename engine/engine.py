@@ -213,6 +213,9 @@ class Engine:
         )
         if max(request.prompt_tokens) >= vocab_size:  # in C: submit runs on the event loop
             self._check_images(request)
+        vision = self.model.vision
+        if vision is not None and vision.rule is not None and vision.rule.positioned:
+            self._check_sizes(request)
         if request.prediction and max(request.prediction) >= vocab_size:
             raise ValueError(f"prediction contains ids outside the vocabulary (size {vocab_size})")
         if request.forced_token is not None and request.forced_token >= vocab_size:
@@ -250,6 +253,15 @@ class Engine:
         self.check_images()
         if missing := sorted(images - request.images.keys()):
             raise ValueError(f"images: no bytes for image tokens {missing[:8]}")
+
+    def _check_sizes(self, request: GenerationRequest) -> None:
+        """Raise unless every image the cache and the prompt hold has its size: where image
+        tokens take positions of their own, the positions of all that follows depend on it."""
+        shown = image_tokens_in(request.prompt_tokens)
+        if request.cache is not None:
+            shown |= image_tokens_in(request.cache.tokens)
+        if missing := sorted(shown - request.image_sizes.keys()):
+            raise ValueError(f"images: no sizes for image tokens {missing[:8]}")
 
     def _drafts(self, request: GenerationRequest, seq: Sequence) -> bool:
         """Whether ``seq`` may feed drafts (``agentkv.engine.speculative``): the engine and

@@ -87,6 +87,9 @@ class GenerationRequest:
         images: the encoded bytes (PNG, JPEG, WebP, GIF) of each image whose token
             (``agentkv.engine.models.vision.image_token``) the prompt holds, by token; a
             vision-language model's vision tower reads them where its prompt is fed.
+        image_sizes: (width, height) of every image whose token the cache or the prompt
+            holds, by token: where image tokens take positions of their own
+            (``agentkv.engine.models.mrope``), what those positions are made of.
     """
 
     prompt_tokens: list[int]
@@ -108,6 +111,7 @@ class GenerationRequest:
     speculative: bool = True
     prediction: tuple[int, ...] = ()
     images: dict[int, bytes] = field(default_factory=dict)
+    image_sizes: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

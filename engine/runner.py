@@ -24,6 +24,7 @@ from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
+from agentkv.engine.models.mrope import decode_positions, prefill_positions, step_offsets
 from agentkv.engine.models.vision import IMAGE_BASE, Vision, image_rows, text_tokens
 from agentkv.engine.request import Checkpoint, layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
@@ -148,7 +149,7 @@ class ModelRunner:
             fences = self._fences([(seq, len(seq.tokens), 1) for seq in group.seqs])
             for i, layer in enumerate(group.layers):
                 spans[i].append(Span(layer, row, n, False, group.padded, fences))
-            positions.append(group.positions)
+            positions.append(decode_positions(group))
             for seq in group.seqs:
                 plan.fed.append((seq, seq.pending))
                 plan.fed_logprobs.append(seq.pending_logprob)
@@ -170,11 +171,12 @@ class ModelRunner:
             sampling += [(row + j, seq) for j in range(n)]
             row += n
         images: list[tuple[int, int, int]] = []  # (row, image token, index in the image)
+        positioned: list[tuple[int, int, int, int]] = []  # (row, t, h, w): multimodal rotary
         for seq, n in plan.prefill:
             fences = self._fences([(seq, len(seq.tokens), n)])
             for i, layer in enumerate(seq.group.layers):
                 spans[i].append(Span(layer, row, n, prefill=True, fences=fences))
-            positions.append(seq.group.positions + mx.arange(n))
+            positions.append(prefill_positions(seq, n, row, self.vision, positioned))
             chunks.append(seq.prompt[:n])
             if seq.request.images:
                 images += image_rows(seq.tokens, chunks[-1], row)
@@ -183,7 +185,7 @@ class ModelRunner:
             if n == len(seq.prompt):
                 sampling.append((row - 1, seq))
         inputs = join_inputs([p for _, p in plan.fed[:decoded]], chunks)
-        caches = self._step_caches(spans, mx.concatenate(positions))
+        caches = self._step_caches(spans, step_offsets(positions, positioned))
         sampled, reported = None, ()
         embedded = None
         if images:  # (Engine.submit refuses image tokens to a model without vision)
@@ -230,7 +232,7 @@ class ModelRunner:
             seq.verify, seq.pending = (sampled, first), None
         return sampled
 
-    def _step_caches(self, spans: list[list[Span]], positions: mx.array) -> list[Any]:
+    def _step_caches(self, spans: list[list[Span]], positions: Any) -> list[Any]:
         return step_views(self.layout.windows, self.layout.nested, spans, positions)
 
     def _fences(self, rows: list[tuple[Sequence, int, int]]) -> tuple[tuple[int, ...], ...] | None:

@@ -67,6 +67,8 @@ class Sequence:
     spec: Speculation | None = None  # its drafting, when it may draft (engine.speculative)
     verify: tuple[mx.array, int] | None = None  # (samples, first row) of its drafted step
     reserved_tokens: int = 0  # the tokens ``reserved`` covers (it grows as the turn decodes)
+    rope_scan: Any = None  # engine.models.mrope.Scanned of its tokens (images' positions)
+    rope_shift: int = 0  # what its images shift the rotary position of its next token by
 
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start

@@ -25,10 +25,13 @@ from agentkv.store.models import Image, utcnow
 
 @dataclass(slots=True, frozen=True)
 class NewImage:
-    """An image to store: its encoded bytes and their media type (``image/png``, …)."""
+    """An image to store: its encoded bytes, their media type (``image/png``, …) and its size
+    in pixels."""
 
     data: bytes
     media_type: str
+    width: int
+    height: int
 
     @property
     def sha256(self) -> str:
@@ -55,7 +58,14 @@ class ImageIndex:
                 async with self._db.write() as session:
                     now = utcnow()
                     rows = [
-                        Image(sha256=d, media_type=i.media_type, data=i.data, created_at=now)
+                        Image(
+                            sha256=d,
+                            media_type=i.media_type,
+                            data=i.data,
+                            width=i.width,
+                            height=i.height,
+                            created_at=now,
+                        )
                         for d, i in missing.items()
                     ]
                     session.add_all(rows)
@@ -73,6 +83,15 @@ class ImageIndex:
         async with self._db.read() as session:
             rows = await session.execute(select(Image.id, Image.data).where(Image.id.in_(wanted)))
             return {number: data for number, data in rows}
+
+    async def sizes(self, numbers: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """(width, height) of the stored images among ``numbers``, by number."""
+        wanted = sorted(set(numbers))
+        if not wanted:
+            return {}
+        query = select(Image.id, Image.width, Image.height).where(Image.id.in_(wanted))
+        async with self._db.read() as session:
+            return {number: (w, h) for number, w, h in await session.execute(query)}
 
     async def numbers(self, digests: Sequence[str]) -> dict[str, int]:
         """The numbers of the stored images among ``digests`` (SHA-256 in hex), by digest."""

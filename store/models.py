@@ -204,6 +204,8 @@ class Image(Base):
     sha256: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
     media_type: Mapped[str] = mapped_column(String(32), nullable=False)
     data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    width: Mapped[int] = mapped_column(Integer, nullable=False)
+    height: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
 
 

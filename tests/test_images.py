@@ -7,6 +7,7 @@ Real SQLite files, a real tiny VLM built from mlx-vlm's gemma3 classes."""
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,12 +17,14 @@ from PIL import Image
 from agentkv import AgentRuntime, RuntimeConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import UnsupportedModelError
+from agentkv.engine.models.mrope import Scanned, chunk_positions, scan
 from agentkv.engine.models.vision import IMAGE_BASE, image_rows, image_token
 from agentkv.engine.request import GenerationRequest
 from agentkv.errors import EmptyMessageError, InvalidImageError
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
+MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl"]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
 
@@ -35,39 +38,47 @@ def config(data_dir: Path, model: str = MODEL, **kw) -> RuntimeConfig:
     return RuntimeConfig(model=model, data_dir=data_dir, **kw)
 
 
-def reference(prompt: list[int], data: bytes, n: int) -> list[int]:
-    """Greedy tokens of mlx-vlm's own gemma3 model (vision tower, merge, language model)."""
-    from mlx_lm.models.cache import make_prompt_cache
+def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[int]:
+    """Greedy tokens of mlx-vlm's own model (vision tower, merge, its positions, language
+    model), ``n`` of them whatever it samples."""
     from mlx_vlm.utils import load_model
     from transformers import AutoImageProcessor
 
-    path = tiny_model_dir(MODEL)
+    path = tiny_model_dir(model_name)
     model = load_model(path)
     image = Image.open(io.BytesIO(data)).convert("RGB")
-    pixels = AutoImageProcessor.from_pretrained(str(path))(images=[image], return_tensors="np")
+    processed = AutoImageProcessor.from_pretrained(str(path))(images=[image], return_tensors="np")
+    extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
     placeholder = model.config.image_token_index
     x = mx.array([[placeholder if t >= IMAGE_BASE else t for t in prompt]])
-    embeds = model.get_input_embeddings(
-        x, mx.array(pixels["pixel_values"]), mask=mx.ones_like(x)
-    ).inputs_embeds
-    cache = make_prompt_cache(model.language_model)
-    logits = model.language_model(x, inputs_embeds=embeds, cache=cache).logits
-    out = []
+    pixels = mx.array(processed["pixel_values"])
+    got = model.get_input_embeddings(x, pixels, mask=mx.ones_like(x), **extra)
+    positions = {}
+    if getattr(got, "position_ids", None) is not None:  # multimodal rotary positions
+        positions = {"position_ids": got.position_ids, "rope_deltas": got.rope_deltas}
+    cache = model.language_model.make_cache()
+    logits = model.language_model(x, inputs_embeds=got.inputs_embeds, cache=cache, **positions)
+    logits, out = logits.logits, []
     for _ in range(n):
         out.append(int(mx.argmax(logits[0, -1]).item()))
         logits = model.language_model(mx.array([[out[-1]]]), cache=cache).logits
     return out
 
 
-async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it():
-    engine = await Engine.open(MODEL)
+@pytest.mark.parametrize("model_name", MODELS)
+async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it(model_name):
+    engine = await Engine.open(model_name)
     try:
-        rule = engine.model.vision.rule
-        shown = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+        rule, size = engine.model.vision.rule, (100, 80)
+        shown = [
+            {"type": "text", "text": "Look."},
+            {"type": "image"},
+            {"type": "text", "text": "What?"},
+        ]
         text = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": shown}], add_generation_prompt=True, tokenize=False
         )
-        text = text.replace(rule.marker, rule.expansion)
+        text = text.replace(rule.marker, rule.expansion(size))
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         got = {}
         for number, color in ((1, RED), (2, BLUE)):
@@ -75,11 +86,18 @@ async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it():
             prompt = [token if t == rule.placeholder else t for t in ids]
             # Beside a text-only row, the image split across two prefill chunks.
             other = engine.submit(GenerationRequest(ids[:9], max_tokens=4))
-            request = GenerationRequest(prompt, max_tokens=10, images={token: encoded(color)})
+            request = GenerationRequest(
+                prompt,
+                max_tokens=10,
+                images={token: encoded(color)},
+                image_sizes={token: size},
+            )
             result = await engine.generate(request)
             await other.result()
             got[color] = result.token_ids
-            assert got[color] == reference(prompt, encoded(color), 10)
+            expected = reference(model_name, prompt, encoded(color), 10)
+            assert got[color] == expected[: len(got[color])]
+            assert len(got[color]) == 10 or got[color][-1] in engine.model.eos_token_ids
         assert got[RED] != got[BLUE]
     finally:
         await engine.close()
@@ -97,9 +115,11 @@ def test_image_rows_count_within_each_image_across_chunks():
     assert image_rows([1], [2, 3], 0) == []
 
 
-async def test_an_image_turn_resumes_in_process_and_after_a_restart(tmp_path):
+@pytest.mark.parametrize("model_name", MODELS)
+async def test_an_image_turn_resumes_in_process_and_after_a_restart(tmp_path, model_name):
     data = tmp_path / "data"
-    async with await AgentRuntime.open(config(data)) as rt:
+    async with await AgentRuntime.open(config(data, model_name)) as rt:
+        vision = rt.engine.model.vision
         agent = await rt.create_agent(system_prompt="Describe images briefly.")
         first = await rt.chat(agent.id, "What is this?", images=[encoded(RED)], max_tokens=6)
         assert first.usage.cached_tokens == 0
@@ -109,17 +129,23 @@ async def test_an_image_turn_resumes_in_process_and_after_a_restart(tmp_path):
         assert follow.usage.cached_tokens == held
         # Shown again later in the conversation: the same image, other positions.
         again = await rt.chat(agent.id, "Once more.", images=[encoded(RED)], max_tokens=6)
-        assert again.usage.prompt_tokens - again.usage.cached_tokens > 16
-        assert rt._engine.model.vision.encoded == 1  # its features were kept
+        assert again.usage.prompt_tokens - again.usage.cached_tokens > vision.rule.tokens((100, 80))
+        assert vision.encoded == 1  # its features were kept
         stored = await rt.transcript(agent.id)
-    async with await AgentRuntime.open(config(data)) as rt:
+    async with await AgentRuntime.open(config(data, model_name)) as rt:
         assert await rt.transcript(agent.id) == stored
         resumed = await rt.chat(agent.id, "Thanks.", max_tokens=6)
         assert resumed.cache_source == "disk"
         assert resumed.usage.cached_tokens == again.usage.prompt_tokens + len(again.token_ids)
-        assert rt._engine.model.vision.encoded == 0  # the images' KV came from disk
-    # Rebuilt from the transcript (no cache): the stored images render the same tokens.
-    async with await AgentRuntime.open(config(tmp_path / "alone")) as rt:
+        assert rt.engine.model.vision.encoded == 0  # the images' KV came from disk
+    shutil.rmtree(config(data).caches_path)
+    async with await AgentRuntime.open(config(data, model_name)) as rt:
+        # No cache left: the transcript re-renders with its stored images.
+        rebuilt = await rt.chat(agent.id, "Bye.", max_tokens=6)
+        assert rebuilt.cache_source == "rebuilt"
+        assert rebuilt.usage.prompt_tokens > resumed.usage.prompt_tokens
+        assert rt.engine.model.vision.encoded == 1
+    async with await AgentRuntime.open(config(tmp_path / "alone", model_name)) as rt:
         alone = await rt.create_agent(system_prompt="Describe images briefly.")
         replay = await rt.chat(alone.id, "What is this?", images=[encoded(RED)], max_tokens=6)
         assert replay.token_ids == first.token_ids
@@ -149,3 +175,23 @@ async def test_bad_images_and_text_models_are_refused_by_name(tmp_path):
         agent = await rt.create_agent()
         with pytest.raises(UnsupportedModelError, match="not a vision-language model"):
             await rt.chat(agent.id, "Look.", images=[encoded(RED)])
+
+
+def test_multimodal_positions_are_qwens_and_the_same_fed_in_any_chunks():
+    a, b = image_token(1), image_token(2)
+    grids = {a: (2, 3), b: (1, 2)}  # (rows, columns) of tokens
+    tokens = [10, 11, *[a] * 6, 12, 13, *[b] * 2, 14]
+    positions, images, end = chunk_positions([], tokens, grids.__getitem__, Scanned())
+    # Text counts on from where an image starts plus its longer side (Qwen's get_rope_index).
+    assert positions == [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7, 7, 9]
+    assert images == [
+        (2, 2, 2, 2), (3, 2, 2, 3), (4, 2, 2, 4), (5, 2, 3, 2), (6, 2, 3, 3), (7, 2, 3, 4),
+        (10, 7, 7, 7), (11, 7, 7, 8),
+    ]  # fmt: skip
+    assert end == Scanned(13, -3) == scan(tokens, grids.__getitem__, Scanned())
+    fed, history, since = [], [], Scanned()
+    for cut in ((0, 4), (4, 9), (9, 11), (11, 13)):  # mid-image, across an image's end
+        piece = tokens[slice(*cut)]
+        got, _, since = chunk_positions(history, piece, grids.__getitem__, since)
+        fed, history = fed + got, history + piece
+    assert fed == positions and since == end

@@ -60,7 +60,7 @@ SCHEMA = {
         "parts",  # added by 0009
     ],
     # added by 0009
-    "images": ["id", "sha256", "media_type", "data", "created_at"],
+    "images": ["id", "sha256", "media_type", "data", "width", "height", "created_at"],
     "kv_caches": [
         "id",
         "agent_id",

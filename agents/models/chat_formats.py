@@ -239,3 +239,26 @@ CHATML_TOOLS_VL = ChatFormat(
         "{% elif part['type'] == 'image' %}<start_of_image>{% endif %}",
     ),
 )
+
+# Qwen 3.5's vision markers in ChatML with tools: each image part is written as
+# <|vision_start|><|image_pad|><|vision_end|>, and the processor repeats <|image_pad|> once per
+# image token.
+CHATML_TOOLS_QWEN_VL = ChatFormat(
+    special_tokens=(
+        *CHATML_TOOLS.special_tokens,
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    pad="<|pad|>",
+    stop_tokens=("<|endoftext|>", "<|im_end|>"),
+    chat_template=CHATML_TOOLS_TEMPLATE.replace(
+        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% endif %}",
+    ),
+)

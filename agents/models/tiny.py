@@ -31,6 +31,7 @@ from pathlib import Path
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
 from agentkv.models.chat_formats import (
     CHATML_TOOLS,
+    CHATML_TOOLS_QWEN_VL,
     CHATML_TOOLS_VL,
     GEMMA,
     LLAMA,
@@ -155,35 +156,44 @@ class TinySpec:
                 "rope_local_base_freq": 10_000.0,
                 "hidden_activation": "gelu_pytorch_tanh",
             }
-        elif self.model_type == "qwen3_next":
+        elif self.model_type in ("qwen3_next", "qwen3_5"):
             config |= {"architectures": ["Qwen3NextForCausalLM"], "rms_norm_eps": 1e-6}
             config |= {"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
         else:
             config |= {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5}
             config |= {"rope_theta": 500_000.0, "attention_bias": False, "mlp_bias": False}
         config |= dict(self.fields)
-        if self.vision:  # Gemma 3's: the language model's fields under text_config
-            chat = self.chat
-            text = config | {"rope_global_base_freq": config["rope_theta"]}
-            text |= {"mm_tokens_per_image": self.image_tokens}
-            config = {
-                key: config[key]
-                for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
-            }
-            config |= {
-                "model_type": self.model_type,
+        return self._vision_config(config) if self.vision else config
+
+    def _vision_config(self, text: dict) -> dict:
+        """A vision-language model's config: the language model's fields under text_config,
+        the vision tower's under vision_config, the image tokens' ids."""
+        chat = self.chat
+        keys = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+        config = {key: text[key] for key in keys}
+        config |= {"model_type": self.model_type, "torch_dtype": self.dtype}
+        config |= {"vision_config": dict(self.vision)}
+        if self.model_type == "gemma3":
+            text |= {"rope_global_base_freq": text["rope_theta"]}
+            return config | {
                 "architectures": ["Gemma3ForConditionalGeneration"],
-                "text_config": text,
-                "vision_config": dict(self.vision),
+                "text_config": text | {"mm_tokens_per_image": self.image_tokens},
                 "hidden_size": text["hidden_size"],
                 "mm_tokens_per_image": self.image_tokens,
                 "boi_token_index": chat.id_of("<start_of_image>"),
                 "eoi_token_index": chat.id_of("<end_of_image>"),
                 "image_token_index": chat.id_of("<image_soft_token>"),
-                "tie_word_embeddings": True,
-                "torch_dtype": self.dtype,
             }
-        return config
+        rope = {"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 100_000.0}
+        rope |= {"partial_rotary_factor": 0.25, "mrope_interleaved": True}
+        return config | {  # Qwen 3.5's
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": text | {"model_type": "qwen3_5_text", "rope_parameters": rope},
+            "image_token_id": chat.id_of("<|image_pad|>"),
+            "video_token_id": chat.id_of("<|video_pad|>"),
+            "vision_start_token_id": chat.id_of("<|vision_start|>"),
+            "vision_end_token_id": chat.id_of("<|vision_end|>"),
+        }
 
 
 def _qwen3_next(layers: int, key_heads: int, head_dim: int, moe: int) -> tuple:
@@ -262,6 +272,41 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("image_size", 224),
             ),
             image_tokens=64,
+        ),
+        TinySpec(
+            name="tiny:qwen3_5-vl",
+            description=(
+                "qwen3_5 vision-language model (mlx-vlm's classes): tiny:hybrid's text model "
+                "(3 gated-delta layers, 1 global) with multimodal rotary positions and a "
+                "2-layer vision tower; 16-pixel patches merged 2x2, images up to 128x128"
+            ),
+            model_type="qwen3_5",
+            chat=CHATML_TOOLS_QWEN_VL,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            fields=(  # Qwen3-Next's linear attention fields, dense MLPs
+                ("linear_num_value_heads", 4),
+                ("linear_num_key_heads", 2),
+                ("linear_key_head_dim", 32),
+                ("linear_value_head_dim", 32),
+                ("linear_conv_kernel_dim", 4),
+                ("full_attention_interval", 4),
+            ),
+            vision=(
+                ("model_type", "qwen3_5"),
+                ("depth", 2),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("out_hidden_size", 64),
+                ("num_heads", 2),
+                ("patch_size", 16),
+                ("spatial_merge_size", 2),
+                ("temporal_patch_size", 2),
+                ("num_position_embeddings", 64),
+                ("in_channels", 3),
+            ),
         ),
         TinySpec(
             name="tiny:llama",
@@ -483,26 +528,34 @@ def _write_model(definition: TinySpec, out: Path) -> None:
         "chat_template": chat.chat_template,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
-    if definition.vision:  # as Gemma 3's checkpoints describe their image processor
-        size = dict(definition.vision)["image_size"]
-        _write_json(
-            out / "preprocessor_config.json",
-            {
-                "image_processor_type": "Gemma3ImageProcessor",
-                "size": {"height": size, "width": size},
-                "do_resize": True,
-                "resample": 2,
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
-                "do_convert_rgb": True,
-                "do_pan_and_scan": False,
-            },
-        )
+    if definition.vision:
+        _write_json(out / "preprocessor_config.json", _image_processor(definition))
     _write_weights(definition, out / "model.safetensors")
     _write_json(out / MARKER_FILE, _marker(definition))
+
+
+def _image_processor(definition: TinySpec) -> dict:
+    """The image processor's config, as the family's checkpoints describe it."""
+    vision = dict(definition.vision)
+    common = {"do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True}
+    common |= {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_convert_rgb": True}
+    if definition.model_type == "gemma3":
+        size = vision["image_size"]
+        return common | {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "size": {"height": size, "width": size},
+            "do_resize": True,
+            "resample": 2,
+            "do_pan_and_scan": False,
+        }
+    return common | {  # Qwen's: images resized to multiples of patch x merge, pixels bounded
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": vision["patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+        "do_resize": True,
+    }
 
 
 def _initial(key: str, value):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.caches import is_state, model_caches
+from agentkv.engine.models.mrope import install_multimodal_rope
 from agentkv.engine.models.vision import Vision
 from agentkv.models.directory import model_fingerprint, resolve_model_path
 
@@ -117,4 +118,6 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
         ) from exc
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     vision = Vision.of(path, config, tokenizer, model)
+    if vision is not None and vision.rule is not None and vision.rule.positioned:
+        install_multimodal_rope(model, vision.rule)
     return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu, vision)

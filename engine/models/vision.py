@@ -9,9 +9,9 @@ another one that shows it, reuses its KV without the vision tower. Only the rows
 see the model's embeddings: an image token's row takes the image's features (its ``k``-th,
 counting from the first of the run of that token), every other row the token's embedding.
 
-Families whose image positions are the token positions (Gemma 3) take images in the batch;
-those that give images positions of their own (Qwen's multimodal rotary positions) read text
-only and refuse an image by name.
+Each family's rule (``agentkv.engine.models.image_rules``) says how its prompt writes an image;
+those that give image tokens positions of their own (Qwen 3.5) get them from
+``agentkv.engine.models.mrope``. Other families read text only and refuse an image by name.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import io
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
+from agentkv.engine.models.image_rules import ImageRule, image_rule
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -55,33 +55,6 @@ def text_tokens(tokens: list[int], placeholder: int) -> list[int]:
     return [placeholder if t >= IMAGE_BASE else t for t in tokens]
 
 
-@dataclass(frozen=True, slots=True)
-class ImageRule:
-    """Where an image goes in rendered text: the chat template writes ``marker`` for each
-    image part; it is replaced by ``expansion``, which holds ``tokens`` placeholders."""
-
-    marker: str
-    expansion: str
-    placeholder: int  # the model's image token id
-    tokens: int
-
-
-def image_rule(config: dict[str, Any], tokenizer: Any) -> ImageRule | None:
-    """The image rule of a model family whose image positions are its token positions, else
-    None."""
-    if config.get("model_type") != "gemma3":
-        return None
-    text = config.get("text_config", {})
-    count = config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
-    boi, eoi, image = (
-        tokenizer.convert_ids_to_tokens(config[key])
-        for key in ("boi_token_index", "eoi_token_index", "image_token_index")
-    )
-    # As Gemma 3's processor writes an image (transformers' Gemma3Processor, no pan and scan).
-    expansion = f"\n\n{boi}{image * count}{eoi}\n\n"
-    return ImageRule(boi, expansion, config["image_token_index"], count)
-
-
 class Vision:
     """A vision-language model's images: its rule and, loaded on the first image (a
     text-only conversation never loads or runs it), its vision tower. Features are computed
@@ -90,11 +63,12 @@ class Vision:
     def __init__(self, path: Path, config: dict[str, Any], tokenizer: Any, embed: Any):
         self.path = path
         self.family = config.get("model_type", "?")
-        self.rule = image_rule(config, tokenizer)
+        self.rule = image_rule(config, tokenizer, path)
         self._embed = embed  # the language model's token embedding (shared, not copied)
         self._model: Any = None
         self._processor: Any = None
         self._features: OrderedDict[int, mx.array] = OrderedDict()
+        self._grids: dict[tuple[int, int], tuple[int, int]] = {}
         self.encoded = 0
         """Images the vision tower has run on (each distinct image once while it is kept)."""
 
@@ -107,6 +81,12 @@ class Vision:
         embed = getattr(getattr(inner, "model", inner), "embed_tokens", None)
         return cls(path, config, tokenizer, embed)
 
+    def grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(rows, columns) of the tokens of an image of ``size`` (width, height)."""
+        if (known := self._grids.get(size)) is None:
+            known = self._grids[size] = self.check().grid(size)
+        return known
+
     @property
     def placeholder(self) -> int | None:
         """The model's image token, which stands for an image's tokens where ids are read."""
@@ -116,10 +96,7 @@ class Vision:
     def refusal(self) -> str | None:
         """Why this model takes no images (None: it does)."""
         if self.rule is None:
-            return (
-                f"{self.family} gives image tokens positions of their own, which agentkv's "
-                "batch does not feed yet; it reads text only"
-            )
+            return f"agentkv feeds no images to {self.family} models; they read text only"
         if self._embed is None:
             return f"{self.family}: its token embedding was not found"
         return None
@@ -140,16 +117,22 @@ class Vision:
             return kept
         rule = self.check()
         model, processor = self._loaded()
-        pixels = processor(images=[_decoded(data)], return_tensors="np")["pixel_values"]
-        ids = mx.full((1, rule.tokens), rule.placeholder, dtype=mx.int32)
+        image = _decoded(data)
+        n = rule.tokens(image.size)
+        processed = processor(images=[image], return_tensors="np")
+        extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
+        ids = mx.full((1, n), rule.placeholder, dtype=mx.int32)
         got = model.get_input_embeddings(
-            ids, mx.array(pixels), mask=mx.ones((1, rule.tokens), dtype=mx.int32)
+            ids,
+            mx.array(processed["pixel_values"]),
+            mask=mx.ones((1, n), dtype=mx.int32),
+            **extra,
         ).inputs_embeds[0]
         mx.eval(got)
         self.encoded += 1
-        if got.shape[0] != rule.tokens:
+        if got.shape[0] != n:
             raise UnsupportedModelError(
-                f"images: {self.path.name}: {got.shape[0]} features for {rule.tokens} tokens"
+                f"images: {self.path.name}: {got.shape[0]} features for {n} tokens"
             )
         self._features[token] = got
         while len(self._features) > FEATURES_KEPT:

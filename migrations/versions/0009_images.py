@@ -28,6 +28,8 @@ def upgrade() -> None:
         sa.Column("sha256", sa.String(length=64), nullable=False),
         sa.Column("media_type", sa.String(length=32), nullable=False),
         sa.Column("data", sa.LargeBinary(), nullable=False),
+        sa.Column("width", sa.Integer(), nullable=False),
+        sa.Column("height", sa.Integer(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_images")),
         sa.UniqueConstraint("sha256", name=op.f("uq_images_sha256")),

@@ -1,0 +1,133 @@
+"""How each vision-language family writes an image into its prompt: peers of one small protocol,
+one class a family (``agentkv.engine.models.vision`` uses them).
+
+A chat template writes ``marker`` for each image part; :meth:`ImageRule.expansion` is the text
+the family's processor puts there instead, holding :meth:`ImageRule.tokens` placeholders (the
+model's image token) for an image of that size. A family whose image tokens take positions of
+their own (Qwen's multimodal rotary positions) also gives each image's grid of merged patches,
+from which those positions are computed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Size = tuple[int, int]
+"""An image's (width, height) in pixels."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRule:
+    """An image in a family's prompt (see the module docstring)."""
+
+    marker: str
+    placeholder: int  # the model's image token id
+
+    def tokens(self, size: Size) -> int:
+        raise NotImplementedError
+
+    def expansion(self, size: Size) -> str:
+        raise NotImplementedError
+
+    @property
+    def positioned(self) -> bool:
+        """Whether image tokens take positions of their own (:meth:`grid`)."""
+        return False
+
+    def grid(self, size: Size) -> Size:
+        """(rows, columns) of the image's tokens."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaImages(ImageRule):
+    """Gemma 3: a fixed count of image tokens between ``<start_of_image>`` and
+    ``<end_of_image>``, blank lines around (transformers' Gemma3Processor, no pan and scan)."""
+
+    image: str = ""
+    end: str = ""
+    count: int = 256
+
+    def tokens(self, size: Size) -> int:
+        return self.count
+
+    def expansion(self, size: Size) -> str:
+        return f"\n\n{self.marker}{self.image * self.count}{self.end}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class QwenImages(ImageRule):
+    """Qwen 3.5 / Qwen3-VL: the template writes ``<|vision_start|><|image_pad|><|vision_end|>``
+    and the processor repeats ``<|image_pad|>`` once per merged patch of the resized image
+    (``smart_resize``: sides multiples of patch x merge, pixels within the bounds). The tokens
+    take multimodal rotary positions: (t, row, column) offsets from where the image starts, and
+    text after it continues from the start plus its longer side."""
+
+    patch: int = 16
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    theta: float = 100_000.0
+    rotary_dims: int = 64
+
+    def grid(self, size: Size) -> Size:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        width, height = size
+        factor = self.patch * self.merge
+        h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        return h // factor, w // factor
+
+    def tokens(self, size: Size) -> int:
+        rows, columns = self.grid(size)
+        return rows * columns
+
+    def expansion(self, size: Size) -> str:
+        return self.marker * self.tokens(size)
+
+    @property
+    def positioned(self) -> bool:
+        return True
+
+
+def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule | None:
+    """The image rule of the model at ``path`` (None: a family agentkv feeds no images)."""
+    family = config.get("model_type")
+    text = config.get("text_config", {})
+    if family == "gemma3":
+        boi, eoi, image = (
+            tokenizer.convert_ids_to_tokens(config[key])
+            for key in ("boi_token_index", "eoi_token_index", "image_token_index")
+        )
+        count = config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
+        return GemmaImages(boi, config["image_token_index"], image, eoi, count)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        processor = _processor_config(path)
+        size = processor.get("size") or {}
+        rope = text.get("rope_parameters") or {}
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        placeholder = config.get("image_token_id", config.get("image_token_index"))
+        return QwenImages(
+            tokenizer.convert_ids_to_tokens(placeholder),
+            placeholder,
+            patch=processor.get("patch_size", 16),
+            merge=processor.get("merge_size", 2),
+            min_pixels=size.get("shortest_edge", processor.get("min_pixels", 56 * 56)),
+            max_pixels=size.get("longest_edge", processor.get("max_pixels", 28 * 28 * 1280)),
+            mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+            theta=float(rope.get("rope_theta", 100_000.0)),
+            rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        )
+    return None
+
+
+def _processor_config(path: Path) -> dict[str, Any]:
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (path / name).is_file():
+            data = json.loads((path / name).read_text())
+            return data.get("image_processor", data)
+    return {}
