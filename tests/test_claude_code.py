@@ -7,7 +7,9 @@ SDKs, and the real ``claude`` CLI when it is installed, against a real server on
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +26,8 @@ from test_server import metric
 from agentkv import RuntimeConfig
 from agentkv.server.app import DEFAULT_STATELESS_TTL_S
 from agentkv.server.background import serve_in_thread
+from agentkv.store import Registry
+from tests.conftest import scripted_tool_replies
 from tests.test_document import generation_prompt
 
 MODEL = "tiny:tools"
@@ -327,12 +331,15 @@ def test_openai_sdk_tool_call_round_trip(server, force_tool_call):
 def claude_env(server: str, tmp_path) -> dict[str, str]:
     """What a user sets to point the claude CLI at agentkv: the base URL and a key (plus a
     fresh HOME and TMPDIR, so nothing is shared with another claude process or the user's)."""
+    return claude_env_of(tmp_path) | {"ANTHROPIC_BASE_URL": server}
+
+
+def claude_env_of(tmp_path) -> dict[str, str]:
     (tmp_path / "home").mkdir()
     return {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path / "home"),
         "TMPDIR": str(tmp_path),
-        "ANTHROPIC_BASE_URL": server,
         "ANTHROPIC_API_KEY": "sk-local",
     }
 
@@ -398,3 +405,63 @@ def test_claude_cli_runs_the_tool_the_model_calls(server, http, tmp_path, force_
     ]
     assert sum("the answer is 42" in content for content in results) == 1
     assert metric(http, "agentkv_input_tokens_total", kind="cached") - cached > 50_000
+
+
+@pytest.mark.skipif(shutil.which("claude") is None, reason="the claude CLI is not installed")
+def test_claude_cli_reads_a_screenshot_and_its_follow_up_resumes_it(tmp_path, monkeypatch):
+    """The model calls Read on a PNG; Claude Code sends the image back in the tool result
+    (an image block); a vision-language model reads it, and the next turn resumes it all."""
+    from PIL import Image
+
+    say = scripted_tool_replies(monkeypatch, "tiny:tools-vl")
+    project = tmp_path / "project"
+    project.mkdir()
+    shot = project / "screen.png"
+    Image.new("RGB", (120, 90), (30, 140, 220)).save(shot)
+    call = json.dumps(
+        {"name": "Read", "arguments": {"file_path": str(shot)}}, separators=(",", ":")
+    )
+    say(f"<tool_call>\n{call}\n</tool_call>")
+    say("A blue screen.")
+    say("Nothing else.")
+    config = RuntimeConfig(model="tiny:tools-vl", data_dir=tmp_path / "data")
+    env = claude_env_of(tmp_path)
+
+    def claude(url: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["claude", "-p", *args],
+            cwd=project,
+            env=env | {"ANTHROPIC_BASE_URL": url},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=60) as http:
+        first = claude(url, "What does screen.png show?")
+        assert first.returncode == 0, first.stderr
+        assert first.stdout.strip() == "A blue screen."
+        cached = metric(http, "agentkv_input_tokens_total", kind="cached")
+        prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled")
+        follow_up = claude(url, "--continue", "Anything else?")
+        assert follow_up.returncode == 0, follow_up.stderr
+        assert follow_up.stdout.strip() == "Nothing else."
+        cached = metric(http, "agentkv_input_tokens_total", kind="cached") - cached
+        prefilled = metric(http, "agentkv_input_tokens_total", kind="prefilled") - prefilled
+        assert cached / (cached + prefilled) >= 0.95
+    digest = hashlib.sha256(shot.read_bytes()).hexdigest()
+
+    async def stored() -> tuple[list[str], list[tuple]]:
+        async with await Registry.open(config.database) as registry:
+            agents = [a.id for a in await registry.list_agents()]
+            parts = [
+                m.parts
+                for agent_id in agents
+                for m in await registry.transcript(agent_id)
+                if m.role == "tool" and m.parts
+            ]
+            return agents, parts
+
+    _, parts = asyncio.run(stored())
+    # The screenshot reached the model as an image part of the tool's result, stored once.
+    assert [[p["sha256"] for p in ps if p["type"] == "image"] for ps in parts] == [[digest]]

@@ -252,6 +252,28 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
+            name="tiny:tools-vl",
+            description=(
+                "tiny:tools (ChatML tool calling, a 128K context, 2 layers) as a gemma3 "
+                "vision-language model: a 2-layer SigLIP vision tower, 64x64 images of 16 tokens"
+            ),
+            model_type="gemma3",
+            chat=CHATML_TOOLS_VL,
+            shape=Shape(64, 2, 1, 1, 64, 128, vocab=512, max_pos=131_072, window=128, pattern=2),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            vision=(
+                ("model_type", "siglip_vision_model"),
+                ("num_hidden_layers", 2),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("num_attention_heads", 2),
+                ("patch_size", 8),
+                ("image_size", 64),
+            ),
+        ),
+        TinySpec(
             name="tiny:gemma3-vl-bench",
             description=(
                 "gemma3 vision-language benchmark model: tiny:gemma3-bench's text model and a "
