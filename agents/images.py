@@ -187,7 +187,13 @@ def image_tokens(
         )
     expanded = [pieces[0]]
     for image, piece in zip(images, pieces[1:], strict=True):
-        expanded += [rule.expansion((image["width"], image["height"])), piece]
+        size = (image["width"], image["height"])
+        try:
+            expanded += [rule.expansion(size), piece]
+        except ValueError as exc:  # (Qwen's processor: a side 200 times the other)
+            raise InvalidImageError(
+                f"an image of {size[0]}x{size[1]} pixels: the model's processor refuses it ({exc})"
+            ) from None
     tokens = encode("".join(expanded))
     runs, previous = 0, None
     for i, token in enumerate(tokens):

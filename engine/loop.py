@@ -28,6 +28,7 @@ from agentkv.engine.drafter import DraftModel, load_drafter
 from agentkv.engine.errors import EngineClosedError
 from agentkv.engine.meter import EngineStats, Meter
 from agentkv.engine.models.loading import LoadedModel, load_model
+from agentkv.engine.models.vision import encode_images
 from agentkv.engine.request import (
     FinishReason,
     GenerationResult,
@@ -154,6 +155,7 @@ class GenerationLoop(threading.Thread):
             except Exception as exc:  # e.g. out of memory copying a group: as a failed step
                 self._fail_batch(exc, "scheduling a step failed")
                 continue
+            self.scheduler.rejected += encode_images(plan, self.model.vision, self.scheduler)
             for seq, exc in self.scheduler.rejected:
                 self._finish(seq, FinishReason.ERROR, error=exc)
             self.scheduler.rejected.clear()

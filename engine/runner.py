@@ -191,6 +191,8 @@ class ModelRunner:
         if images:  # (Engine.submit refuses image tokens to a model without vision)
             sources = {t: b for seq, _ in plan.prefill for t, b in seq.request.images.items()}
             embedded = self.vision.embeddings(inputs, images, sources)[:, None, :]
+            placeholder = mx.array(self.vision.placeholder, inputs.dtype)
+            inputs = mx.where(inputs >= IMAGE_BASE, placeholder, inputs)  # (what it may read)
         if any(s.logits_processors for s, _, _ in feeds):
             _extend_contexts(feeds, inputs, self.vision and self.vision.placeholder)
         if sampling:

@@ -103,6 +103,22 @@ async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it(model_name):
         await engine.close()
 
 
+async def test_an_image_the_model_cannot_read_fails_its_turn_not_the_batch():
+    engine = await Engine.open(MODEL)
+    try:
+        rule = engine.model.vision.rule
+        token = image_token(7)
+        prompt = [1, 2, *[token] * rule.tokens((64, 64)), 3]
+        other = engine.submit(GenerationRequest([1, 2, 3, 4], max_tokens=6))
+        bad = GenerationRequest(prompt, max_tokens=4, images={token: b"not an image"})
+        failed = await engine.generate(bad)
+        assert failed.finish_reason == "error" and failed.error is not None
+        assert len((await other.result()).token_ids) == 6  # the other turn ran on
+        assert engine.model.vision.encoded == 0
+    finally:
+        await engine.close()
+
+
 def test_image_rows_count_within_each_image_across_chunks():
     a, b = image_token(3), image_token(4)
     history = [1, 2, a, a]
@@ -171,6 +187,11 @@ async def test_bad_images_and_text_models_are_refused_by_name(tmp_path):
         # An image alone is a message; a GIF's first frame is read.
         reply = await rt.chat(agent.id, "", images=[encoded(BLUE, "GIF")], max_tokens=3)
         assert reply.usage.prompt_tokens > 16
+    async with await AgentRuntime.open(config(tmp_path / "qwen", "tiny:qwen3_5-vl")) as rt:
+        agent = await rt.create_agent()
+        with pytest.raises(InvalidImageError, match="an image of 2000x8 pixels"):
+            await rt.chat(agent.id, "Look.", images=[encoded(RED, size=(2000, 8))])
+        assert await rt.transcript(agent.id) == []
     async with await AgentRuntime.open(config(tmp_path / "text", "tiny:gemma3")) as rt:
         agent = await rt.create_agent()
         with pytest.raises(UnsupportedModelError, match="not a vision-language model"):

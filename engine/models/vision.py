@@ -207,3 +207,22 @@ def image_rows(history: list[int], chunk: list[int], first_row: int) -> list[tup
         rows.append((first_row + j, token, run))
         run += 1
     return rows
+
+
+def encode_images(plan: Any, vision: Vision | None, scheduler: Any) -> list[tuple[Any, Exception]]:
+    """Run the vision tower on the images ``plan``'s prefill chunks show (before the step, so
+    that an image the model cannot read fails its own turn, not the batch): a sequence whose
+    image fails leaves the plan and the batch. Returns those, each with its error."""
+    failed = []
+    for seq, n in list(plan.prefill):
+        if not seq.request.images:
+            continue
+        try:
+            for token in image_tokens_in(seq.prompt[:n]):
+                vision.features(token, seq.request.images[token])
+        except Exception as exc:
+            log.warning("images: a turn's image cannot be read: %s", exc)
+            plan.prefill.remove((seq, n))
+            scheduler.leave([seq])
+            failed.append((seq, exc))
+    return failed
