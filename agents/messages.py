@@ -66,6 +66,14 @@ def checked_texts(messages: Sequence[Message]) -> list[Message]:
         for key in ("content", "reasoning_content"):
             if isinstance(m.get(key), str):
                 check_text(m[key], f"messages[{i}].{key}")
+        if isinstance(m.get("content"), list):  # content parts: text and images
+            for j, part in enumerate(m["content"]):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                    raise InvalidMessageError(
+                        f"messages[{i}].content[{j}]: a part is a text or an image"
+                    )
+                if part["type"] == "text":
+                    check_text(part.get("text"), f"messages[{i}].content[{j}].text")
     return list(messages)
 
 

@@ -20,7 +20,7 @@ from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.mrope import Scanned, chunk_positions, scan
 from agentkv.engine.models.vision import IMAGE_BASE, image_rows, image_token
 from agentkv.engine.request import GenerationRequest
-from agentkv.errors import EmptyMessageError, InvalidImageError
+from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageError
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
@@ -216,3 +216,20 @@ def test_multimodal_positions_are_qwens_and_the_same_fed_in_any_chunks():
         got, _, since = chunk_positions(history, piece, grids.__getitem__, since)
         fed, history = fed + got, history + piece
     assert fed == positions and since == end
+
+
+async def test_resent_conversations_name_their_parts(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        agent = await rt.create_agent()
+        for content, says in (
+            ([{"type": "text", "text": "\ud800"}], r"messages\[0\].content\[0\].text"),
+            ([{"type": "audio"}], r"messages\[0\].content\[0\]: a part is a text or an image"),
+        ):
+            with pytest.raises(InvalidMessageError, match=says):
+                async for _ in rt.respond(agent.id, [{"role": "user", "content": content}]):
+                    pass
+        shown = [{"type": "image", "data": encoded(BLUE)}, {"type": "text", "text": "Which?"}]
+        async for _ in rt.respond(agent.id, [{"role": "user", "content": shown}], max_tokens=3):
+            pass
+        (stored, _) = await rt.transcript(agent.id)
+        assert stored.content == "Which?" and stored.parts[0]["type"] == "image"
