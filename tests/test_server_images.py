@@ -7,6 +7,7 @@ SDK clients, a tiny VLM built from mlx-vlm's gemma3 classes."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 
 import httpx
@@ -98,6 +99,17 @@ def test_a_screenshot_mid_session_is_seen_and_cached_then_resumed_from_disk(data
         thanks = session.ask(srv, {"role": "user", "content": "Thanks."})
         with srv.http() as http:
             assert metric(http, "agentkv_turns_total", cache_source="hot") == 2
+    with serve(config) as srv, srv.http() as http:  # the transcript names the images
+        agent_id = next(
+            a["id"] for a in http.get("/v1/agents").json()["data"] if "claude-code" in a["id"]
+        )
+        listed = http.get(f"/v1/agents/{agent_id}/messages").json()["data"]
+    images = [p for m in listed for p in m.get("parts", []) if p["type"] == "image"]
+    red, green = (hashlib.sha256(png(c)).hexdigest() for c in ((200, 10, 30), (10, 200, 30)))
+    assert [(p["sha256"], p["width"], p["height"]) for p in images] == [
+        (red, 90, 70),
+        (green, 90, 70),
+    ]
     assert shot.usage.input_tokens > 16  # the image's tokens were prefilled
     assert other.usage.input_tokens > 16  # and the new one's
     with serve(config) as srv:  # the same session continued after a restart

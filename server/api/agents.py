@@ -62,13 +62,16 @@ def agent_body(agent: AgentRecord, **extra: Any) -> dict[str, Any]:
 
 
 def message_body(message: MessageRecord) -> dict[str, Any]:
-    return {
+    body = {
         "position": message.position,
         "role": str(message.role),
         "content": message.content,
         "token_count": message.token_count,
         "created_at": message.created_at.isoformat(),
     }
+    if message.parts is not None:  # its text and images in order (images by SHA-256 and size)
+        body["parts"] = [{k: v for k, v in part.items() if k != "image"} for part in message.parts]
+    return body
 
 
 def page(data: list[dict[str, Any]], limit: int, key: str) -> dict[str, Any]:
