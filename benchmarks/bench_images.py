@@ -1,6 +1,6 @@
 """A follow-up turn in a conversation that holds images costs what it costs without them.
 
-    python -m benchmarks.bench_images [--model tiny:gemma3-vl-bench] [--images 4]
+    python -m benchmarks.bench_images [--model tiny:gemma3-bench-vl] [--images 4]
                                       [--repeats 3] [--quick]
 
 Two agents of a vision-language model get the same first message, one with ``--images``
@@ -142,7 +142,7 @@ def plot(report: dict, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny:gemma3-vl-bench")
+    parser.add_argument("--model", default="tiny:gemma3-bench-vl")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8)

@@ -274,7 +274,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
-            name="tiny:gemma3-vl-bench",
+            name="tiny:gemma3-bench-vl",
             description=(
                 "gemma3 vision-language benchmark model: tiny:gemma3-bench's text model and a "
                 "6-layer SigLIP vision tower (hidden 384), 224x224 images of 64 tokens"
