@@ -24,7 +24,7 @@ from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageE
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
-MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl"]
+MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl", "tiny:qwen2_5-vl"]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
 
@@ -41,6 +41,7 @@ def config(data_dir: Path, model: str = MODEL, **kw) -> RuntimeConfig:
 def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[int]:
     """Greedy tokens of mlx-vlm's own model (vision tower, merge, its positions, language
     model), ``n`` of them whatever it samples."""
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load_model
     from transformers import AutoImageProcessor
 
@@ -49,14 +50,17 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     image = Image.open(io.BytesIO(data)).convert("RGB")
     processed = AutoImageProcessor.from_pretrained(str(path))(images=[image], return_tensors="np")
     extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
-    placeholder = model.config.image_token_index
+    placeholder = getattr(model.config, "image_token_index", None) or model.config.image_token_id
     x = mx.array([[placeholder if t >= IMAGE_BASE else t for t in prompt]])
     pixels = mx.array(processed["pixel_values"])
     got = model.get_input_embeddings(x, pixels, mask=mx.ones_like(x), **extra)
     positions = {}
     if getattr(got, "position_ids", None) is not None:  # multimodal rotary positions
         positions = {"position_ids": got.position_ids, "rope_deltas": got.rope_deltas}
-    cache = model.language_model.make_cache()
+    language = model.language_model
+    cache = (
+        language.make_cache() if hasattr(language, "make_cache") else make_prompt_cache(language)
+    )
     logits = model.language_model(x, inputs_embeds=got.inputs_embeds, cache=cache, **positions)
     logits, out = logits.logits, []
     for _ in range(n):

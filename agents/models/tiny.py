@@ -184,15 +184,22 @@ class TinySpec:
                 "eoi_token_index": chat.id_of("<end_of_image>"),
                 "image_token_index": chat.id_of("<image_soft_token>"),
             }
+        qwen = {
+            "image_token_id": chat.id_of("<|image_pad|>"),
+            "video_token_id": chat.id_of("<|video_pad|>"),
+            "vision_start_token_id": chat.id_of("<|vision_start|>"),
+            "vision_end_token_id": chat.id_of("<|vision_end|>"),
+        }
+        if self.model_type == "qwen2_5_vl":  # Qwen2.5-VL's: the text fields at the top
+            mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}  # (8 frequencies a head)
+            text |= {"rope_theta": 1_000_000.0, "rope_scaling": mrope}
+            return text | config | qwen | {"architectures": ["Qwen2_5_VLForConditionalGeneration"]}
         rope = {"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 100_000.0}
         rope |= {"partial_rotary_factor": 0.25, "mrope_interleaved": True}
         return config | {  # Qwen 3.5's
             "architectures": ["Qwen3_5ForConditionalGeneration"],
             "text_config": text | {"model_type": "qwen3_5_text", "rope_parameters": rope},
-            "image_token_id": chat.id_of("<|image_pad|>"),
-            "video_token_id": chat.id_of("<|video_pad|>"),
-            "vision_start_token_id": chat.id_of("<|vision_start|>"),
-            "vision_end_token_id": chat.id_of("<|vision_end|>"),
+            **qwen,
         }
 
 
@@ -327,6 +334,35 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("spatial_merge_size", 2),
                 ("temporal_patch_size", 2),
                 ("num_position_embeddings", 64),
+                ("in_channels", 3),
+            ),
+        ),
+        TinySpec(
+            name="tiny:qwen2_5-vl",
+            description=(
+                "qwen2_5_vl vision-language model (mlx-vlm's classes): a 4-layer Qwen2 text "
+                "model with multimodal rotary positions (sections in order) and a 2-layer "
+                "vision tower; 14-pixel patches merged 2x2, images up to 112x112"
+            ),
+            model_type="qwen2_5_vl",
+            chat=CHATML_TOOLS_QWEN_VL,
+            shape=Shape(64, 4, 4, 2, 16, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            vision=(
+                ("model_type", "qwen2_5_vl"),
+                ("depth", 2),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("out_hidden_size", 64),
+                ("num_heads", 2),
+                ("patch_size", 14),
+                ("spatial_patch_size", 14),
+                ("spatial_merge_size", 2),
+                ("temporal_patch_size", 2),
+                ("window_size", 56),
+                ("fullatt_block_indexes", [1]),
                 ("in_channels", 3),
             ),
         ),
@@ -575,7 +611,7 @@ def _image_processor(definition: TinySpec) -> dict:
         "patch_size": vision["patch_size"],
         "merge_size": vision["spatial_merge_size"],
         "temporal_patch_size": vision["temporal_patch_size"],
-        "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+        "size": {"shortest_edge": 32 * 32, "longest_edge": (8 * vision["patch_size"]) ** 2},
         "do_resize": True,
     }
 

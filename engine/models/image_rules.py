@@ -60,7 +60,7 @@ class GemmaImages(ImageRule):
 
 @dataclass(frozen=True, slots=True)
 class QwenImages(ImageRule):
-    """Qwen 3.5 / Qwen3-VL: the template writes ``<|vision_start|><|image_pad|><|vision_end|>``
+    """Qwen 3.5 / Qwen2.5-VL: the template writes ``<|vision_start|><|image_pad|><|vision_end|>``
     and the processor repeats ``<|image_pad|>`` once per merged patch of the resized image
     (``smart_resize``: sides multiples of patch x merge, pixels within the bounds). The tokens
     take multimodal rotary positions: (t, row, column) offsets from where the image starts, and
@@ -73,6 +73,7 @@ class QwenImages(ImageRule):
     mrope_section: tuple[int, ...] = (11, 11, 10)
     theta: float = 100_000.0
     rotary_dims: int = 64
+    style: str = "interleaved"  # how the frequencies read the three positions (mlx-vlm's)
 
     def grid(self, size: Size) -> Size:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -105,11 +106,17 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
         )
         count = config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
         return GemmaImages(boi, config["image_token_index"], image, eoi, count)
-    if family in ("qwen3_5", "qwen3_5_moe"):
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl"):
         processor = _processor_config(path)
         size = processor.get("size") or {}
-        rope = text.get("rope_parameters") or {}
+        text = text or config  # (Qwen2-VL's keep the language model's fields at the top)
         head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        if family.startswith("qwen2"):  # all of each head rotated, sections in order
+            rope = text.get("rope_scaling") or {}
+            rope = rope | {"rope_theta": text.get("rope_theta", 1_000_000.0)}
+            rope |= {"partial_rotary_factor": 1.0, "style": "chunked"}
+        else:
+            rope = text.get("rope_parameters") or {}
         placeholder = config.get("image_token_id", config.get("image_token_index"))
         return QwenImages(
             tokenizer.convert_ids_to_tokens(placeholder),
@@ -121,6 +128,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
             theta=float(rope.get("rope_theta", 100_000.0)),
             rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+            style=rope.get("style", "interleaved"),
         )
     return None
 

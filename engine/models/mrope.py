@@ -114,8 +114,9 @@ class MultimodalRope(nn.Module):
             rule.rotary_dims,
             base=rule.theta,
             mrope_section=list(rule.mrope_section),
-            style="interleaved",
+            style=rule.style,
         )
+        self._style = rule.style
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not isinstance(offset, MultimodalPositions):
@@ -125,7 +126,7 @@ class MultimodalRope(nn.Module):
         out = self._rope(x, offset=offset.text)
         rows = x[offset.rows]
         cos, sin = self._multimodal(rows, offset.thw)
-        rotated, _ = apply_multimodal_rotary_pos_emb(rows, rows, cos, sin)
+        rotated, _ = apply_multimodal_rotary_pos_emb(rows, rows, cos, sin, style=self._style)
         out[offset.rows] = rotated
         return out
 
