@@ -103,6 +103,10 @@ async def with_stored_images(index: ImageIndex, messages: list[Message]) -> list
     ]
     if not found:
         return messages
+    for i, j, data in found:
+        if not isinstance(data, bytes | bytearray):
+            where = f"messages[{i}].content[{j}].data"
+            raise InvalidImageError(f"{where}: an image must be bytes, got {type(data).__name__}")
     if len(found) > MAX_CONVERSATION_IMAGES:
         raise InvalidImageError(
             f"{len(found)} images in one conversation; at most {MAX_CONVERSATION_IMAGES}"

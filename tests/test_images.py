@@ -228,6 +228,7 @@ async def test_resent_conversations_name_their_parts(tmp_path):
         for content, says in (
             ([{"type": "text", "text": "\ud800"}], r"messages\[0\].content\[0\].text"),
             ([{"type": "audio"}], r"messages\[0\].content\[0\]: a part is a text or an image"),
+            ([{"type": "image", "data": "aGk="}], r"content\[0\].data: an image must be bytes"),
         ):
             with pytest.raises(InvalidMessageError, match=says):
                 async for _ in rt.respond(agent.id, [{"role": "user", "content": content}]):
