@@ -317,8 +317,8 @@ def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(http
         ({"truncation": "auto"}, "truncation", "not cut"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input.0.content.0",
-            "'input_image' parts are not supported",
+            "input.0.content.0.image_url",
+            "image URLs are not fetched by this server",
         ),
         (
             {"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import itertools
 import json
 import logging
@@ -22,6 +24,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import EngineConfig, RuntimeConfig
@@ -642,7 +645,14 @@ def test_bad_requests_are_400_in_each_api_shape(claude, gpt, http):
     with pytest.raises(anthropic.BadRequestError, match="last message must be a user"):
         claude.messages.create(model="m", max_tokens=4, messages=[user("x"), assistant("y")])
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="the image's base64 data is missing"):
+        claude.messages.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}]
+        )
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    image["source"]["data"] = base64.b64encode(png.getvalue()).decode()
+    with pytest.raises(anthropic.BadRequestError, match="not a vision-language model"):
         claude.messages.create(
             model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
