@@ -129,7 +129,11 @@ def plot(report: dict, path: Path) -> Path:
             bar_labels(ax, bars, "{:.0f}")
         ax.set_xticks(x + 0.2, ["follow-up (hot)", "follow-up (disk)"])
         ax.set_ylabel("time to first token (ms)")
-        ax.legend(title=f"first turn with {report['images']} images or none", fontsize=8)
+        ax.legend(
+            title=f"first turn with {report['images']} images or none",
+            fontsize=8,
+            loc="lower center",
+        )
 
     def first(ax):
         bars = ax.bar(["images", "text"], [rows[k]["first_s"] for k in ("images", "text")])
