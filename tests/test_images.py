@@ -238,3 +238,18 @@ async def test_resent_conversations_name_their_parts(tmp_path):
             pass
         (stored, _) = await rt.transcript(agent.id)
         assert stored.content == "Which?" and stored.parts[0]["type"] == "image"
+
+
+@pytest.mark.parametrize("model_name", MODELS[:2])
+async def test_an_image_turn_in_a_batch_that_holds_its_kv_at_8_bits(tmp_path, model_name):
+    settings = config(tmp_path, model_name, batch_kv_bits=8)
+    async with await AgentRuntime.open(settings) as rt:
+        agent = await rt.create_agent()
+        first = await rt.chat(agent.id, "What?", images=[encoded(RED)], max_tokens=5)
+        follow = await rt.chat(agent.id, "More.", max_tokens=5)
+        assert follow.cache_source == "hot"
+        assert follow.usage.cached_tokens == first.usage.prompt_tokens + len(first.token_ids)
+    async with await AgentRuntime.open(settings) as rt:
+        again = await rt.chat(agent.id, "Again.", max_tokens=5)
+        assert again.cache_source == "disk"
+        assert again.usage.cached_tokens == follow.usage.prompt_tokens + len(follow.token_ids)
