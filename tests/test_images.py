@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.mrope import Scanned, chunk_positions, scan
@@ -71,7 +72,8 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
 
 @pytest.mark.parametrize("model_name", MODELS)
 async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it(model_name):
-    engine = await Engine.open(model_name)
+    # 16 prompt tokens a step: an image's tokens are fed across steps (and chunks).
+    engine = await Engine.open(model_name, EngineConfig(prefill_step_size=16))
     try:
         rule, size = engine.model.vision.rule, (100, 80)
         shown = [
@@ -88,7 +90,7 @@ async def test_an_image_reaches_the_model_as_mlx_vlm_feeds_it(model_name):
         for number, color in ((1, RED), (2, BLUE)):
             token = image_token(number)
             prompt = [token if t == rule.placeholder else t for t in ids]
-            # Beside a text-only row, the image split across two prefill chunks.
+            # Beside a text-only row.
             other = engine.submit(GenerationRequest(ids[:9], max_tokens=4))
             request = GenerationRequest(
                 prompt,
