@@ -219,46 +219,31 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 )
 
-# A vision-language model's ChatML with tools: each image part is written as Gemma 3's marker,
-# <start_of_image>, which its processor expands into the image's tokens
-# (``agentkv.engine.models.vision``).
-CHATML_TOOLS_VL = ChatFormat(
-    special_tokens=(
-        *CHATML_TOOLS.special_tokens,
-        "<start_of_image>",
-        "<end_of_image>",
-        "<image_soft_token>",
-    ),
-    bos="<|endoftext|>",
-    eos="<|im_end|>",
-    pad="<|pad|>",
-    stop_tokens=("<|endoftext|>", "<|im_end|>"),
-    chat_template=CHATML_TOOLS_TEMPLATE.replace(
-        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
-        "{% if part['type'] == 'text' %}{{ part['text'] }}"
-        "{% elif part['type'] == 'image' %}<start_of_image>{% endif %}",
-    ),
-)
 
-# Qwen 3.5's vision markers in ChatML with tools: each image part is written as
-# <|vision_start|><|image_pad|><|vision_end|>, and the processor repeats <|image_pad|> once per
-# image token.
-CHATML_TOOLS_QWEN_VL = ChatFormat(
-    special_tokens=(
-        *CHATML_TOOLS.special_tokens,
-        "<|vision_start|>",
-        "<|vision_end|>",
-        "<|image_pad|>",
-        "<|video_pad|>",
-    ),
-    bos="<|endoftext|>",
-    eos="<|im_end|>",
-    pad="<|pad|>",
-    stop_tokens=("<|endoftext|>", "<|im_end|>"),
-    chat_template=CHATML_TOOLS_TEMPLATE.replace(
-        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
-        "{% if part['type'] == 'text' %}{{ part['text'] }}"
-        "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-        "{% endif %}",
-    ),
+def _chatml_tools_with_images(markers: tuple[str, ...], written: str) -> ChatFormat:
+    """ChatML with tools and a vision-language family's ``markers`` as special tokens; the
+    template writes each image part as ``written``, which the family's processor expands into
+    the image's tokens (``agentkv.engine.models.image_rules``)."""
+    return ChatFormat(
+        special_tokens=(*CHATML_TOOLS.special_tokens, *markers),
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        pad="<|pad|>",
+        stop_tokens=("<|endoftext|>", "<|im_end|>"),
+        chat_template=CHATML_TOOLS_TEMPLATE.replace(
+            "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}",
+            "{% if part['type'] == 'text' %}{{ part['text'] }}"
+            f"{{% elif part['type'] == 'image' %}}{written}{{% endif %}}",
+        ),
+    )
+
+
+# Gemma 3's: <start_of_image>, expanded to its image tokens between it and <end_of_image>.
+CHATML_TOOLS_VL = _chatml_tools_with_images(
+    ("<start_of_image>", "<end_of_image>", "<image_soft_token>"), "<start_of_image>"
+)
+# Qwen's: <|image_pad|> between the vision markers, repeated once per image token.
+CHATML_TOOLS_QWEN_VL = _chatml_tools_with_images(
+    ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "<|vision_start|><|image_pad|><|vision_end|>",
 )

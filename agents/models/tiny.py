@@ -203,6 +203,20 @@ class TinySpec:
         }
 
 
+def _siglip(layers: int, hidden: int, ffn: int, heads: int, patch: int, image: int) -> tuple:
+    """Gemma 3's vision tower (SigLIP) fields: ``layers`` of ``hidden`` (MLP ``ffn`` wide),
+    ``image`` pixels a side in ``patch``-pixel patches."""
+    return (
+        ("model_type", "siglip_vision_model"),
+        ("num_hidden_layers", layers),
+        ("hidden_size", hidden),
+        ("intermediate_size", ffn),
+        ("num_attention_heads", heads),
+        ("patch_size", patch),
+        ("image_size", image),
+    )
+
+
 def _qwen3_next(layers: int, key_heads: int, head_dim: int, moe: int) -> tuple:
     """Qwen3-Next's fields beyond :class:`Shape`: gated-delta layers with twice as many value
     heads as key heads, a global attention layer every 4th, and dense MLPs in every layer (the
@@ -248,15 +262,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 5, 4, 2, 64, 256, vocab=512, max_pos=8192, window=32, pattern=2),
             corpus_words=20_000,
             lexicon_size=2_000,
-            vision=(
-                ("model_type", "siglip_vision_model"),
-                ("num_hidden_layers", 2),
-                ("hidden_size", 32),
-                ("intermediate_size", 64),
-                ("num_attention_heads", 2),
-                ("patch_size", 8),
-                ("image_size", 64),
-            ),
+            vision=_siglip(layers=2, hidden=32, ffn=64, heads=2, patch=8, image=64),
         ),
         TinySpec(
             name="tiny:tools-vl",
@@ -270,15 +276,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             corpus_words=20_000,
             lexicon_size=2_000,
             eos_scale=4.0,
-            vision=(
-                ("model_type", "siglip_vision_model"),
-                ("num_hidden_layers", 2),
-                ("hidden_size", 32),
-                ("intermediate_size", 64),
-                ("num_attention_heads", 2),
-                ("patch_size", 8),
-                ("image_size", 64),
-            ),
+            vision=_siglip(layers=2, hidden=32, ffn=64, heads=2, patch=8, image=64),
         ),
         TinySpec(
             name="tiny:gemma3-bench-vl",
@@ -291,15 +289,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
             corpus_words=300_000,
             lexicon_size=40_000,
-            vision=(
-                ("model_type", "siglip_vision_model"),
-                ("num_hidden_layers", 6),
-                ("hidden_size", 384),
-                ("intermediate_size", 1536),
-                ("num_attention_heads", 6),
-                ("patch_size", 14),
-                ("image_size", 224),
-            ),
+            vision=_siglip(layers=6, hidden=384, ffn=1536, heads=6, patch=14, image=224),
             image_tokens=64,
         ),
         TinySpec(
