@@ -112,11 +112,9 @@ class GenerationLoop(threading.Thread):
     def run(self) -> None:
         try:
             self.model = load_model(self._model_spec)
-            self.runner = ModelRunner(
-                self.model.model, self.config.batch_kv_bits, self.config.batch_group_size
-            )
+            kv = (self.config.batch_kv_bits, self.config.batch_group_size)
+            self.runner = ModelRunner(self.model.model, *kv, self.model.vision)
             self.runner.block_tokens = self.config.cache_block_tokens
-            self.runner.vision = self.model.vision
             self.drafter = load_drafter(self.config, self.model, self.runner.can_draft)
             self.scheduler = Scheduler(
                 self.config,

@@ -23,6 +23,7 @@ from agentkv.engine.attention.spans import install_spans, step_views
 from agentkv.engine.attention.step import Span, StepCache, install
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.layout import KVLayout, first_positions
+from agentkv.engine.deepstack import install_deepstack
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.models.mrope import decode_positions, prefill_positions, step_offsets
 from agentkv.engine.models.vision import IMAGE_BASE, Vision, image_rows, text_tokens
@@ -40,14 +41,20 @@ FIRST_TOKENS_KEPT = 16  # first tokens whose first-position keys and values are 
 class ModelRunner:
     """Runs steps of the batch through one model (on the generation thread)."""
 
-    def __init__(self, model: nn.Module, kv_bits: int | None = None, group_size: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_bits: int | None = None,
+        group_size: int | None = None,
+        vision: Vision | None = None,
+    ):
         """``kv_bits``: hold the layers' KV quantized in the batch (see
         ``agentkv.engine.batch``), in groups of ``group_size`` (None: the precision's own); a
         model whose attention cannot take quantized keys (attention sinks) keeps them in its
-        precision, with a warning."""
+        precision, with a warning. ``vision``: a vision-language model's images."""
         self.model = model
         self.block_tokens: int | None = None  # EngineConfig.cache_block_tokens
-        self.vision: Vision | None = None  # a vision-language model's images
+        self.vision: Vision | None = vision
         self._firsts: dict[int, list] = {}  # first_positions' by token, oldest first
         name = type(model).__module__
         installed = install(model)
@@ -78,6 +85,7 @@ class ModelRunner:
                 f"{name}: its layers fail as a step of agentkv's batch, even span by span "
                 f"({type(failure).__name__}: {first})"
             ) from failure
+        install_deepstack(model, vision)  # (over the span calls: it adds to the step's rows)
         if self.spans_attention:
             log.info("%s: attention reads its cache itself; its layers run span by span", name)
         if kv_bits is not None and not any(w != 0 for w in self.layout.windows):
@@ -340,16 +348,13 @@ def _extend_contexts(
 ) -> None:
     """Add this step's input tokens to what each sequence's logits processors look back at
     (every step, sampled or not, so the context always equals what the KV holds); an image's
-    tokens as the model's ``placeholder``, which has an id in the vocabulary."""
-    if placeholder is not None:
-        inputs = mx.where(inputs >= IMAGE_BASE, mx.array(placeholder, inputs.dtype), inputs)
+    tokens as the model's ``placeholder``, which has an id in the vocabulary (``inputs`` hold
+    it already)."""
     for seq, first, n in feeds:
         if seq.logits_processors:
             if seq.context is None:
-                history = (
-                    seq.tokens if placeholder is None else text_tokens(seq.tokens, placeholder)
-                )
-                seq.context = TokenBuffer(history)
+                held = seq.tokens if placeholder is None else text_tokens(seq.tokens, placeholder)
+                seq.context = TokenBuffer(held)
             seq.context.update_and_fetch(inputs[first : first + n])
 
 

@@ -25,7 +25,7 @@ from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageE
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
-MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl", "tiny:qwen2_5-vl"]
+MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl", "tiny:qwen2_5-vl", "tiny:qwen3-vl"]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
 
@@ -40,8 +40,8 @@ def config(data_dir: Path, model: str = MODEL, **kw) -> RuntimeConfig:
 
 
 def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[int]:
-    """Greedy tokens of mlx-vlm's own model (vision tower, merge, its positions, language
-    model), ``n`` of them whatever it samples."""
+    """Greedy tokens of mlx-vlm's own model (vision tower, merge, its positions, deepstack,
+    language model), ``n`` of them whatever it samples."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load_model
     from transformers import AutoImageProcessor
@@ -58,6 +58,9 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     positions = {}
     if getattr(got, "position_ids", None) is not None:  # multimodal rotary positions
         positions = {"position_ids": got.position_ids, "rope_deltas": got.rope_deltas}
+    if getattr(got, "deepstack_visual_embeds", None) is not None:  # Qwen3-VL's early layers
+        positions |= {"deepstack_visual_embeds": got.deepstack_visual_embeds}
+        positions |= {"visual_pos_masks": got.visual_pos_masks}
     language = model.language_model
     cache = (
         language.make_cache() if hasattr(language, "make_cache") else make_prompt_cache(language)

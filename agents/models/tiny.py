@@ -190,6 +190,14 @@ class TinySpec:
             "vision_start_token_id": chat.id_of("<|vision_start|>"),
             "vision_end_token_id": chat.id_of("<|vision_end|>"),
         }
+        if self.model_type == "qwen3_vl":  # Qwen3-VL's: Qwen3's text model, sections interleaved
+            rope = {"rope_type": "default", "mrope_section": [12, 10, 10]}  # (32 frequencies)
+            text |= {"model_type": "qwen3_vl_text", "rope_theta": 5_000_000.0}
+            return config | {
+                "architectures": ["Qwen3VLForConditionalGeneration"],
+                "text_config": text | {"rope_scaling": rope | {"mrope_interleaved": True}},
+                **qwen,
+            }
         if self.model_type == "qwen2_5_vl":  # Qwen2.5-VL's: the text fields at the top
             mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}  # (8 frequencies a head)
             text |= {"rope_theta": 1_000_000.0, "rope_scaling": mrope}
@@ -353,6 +361,35 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("temporal_patch_size", 2),
                 ("window_size", 56),
                 ("fullatt_block_indexes", [1]),
+                ("in_channels", 3),
+            ),
+        ),
+        TinySpec(
+            name="tiny:qwen3-vl",
+            description=(
+                "qwen3_vl vision-language model (mlx-vlm's classes): a 4-layer Qwen3 text model "
+                "with multimodal rotary positions (interleaved) and a 3-layer vision tower whose "
+                "first two layers' features are added after the text model's first two layers "
+                "(deepstack); 16-pixel patches merged 2x2, images up to 128x128"
+            ),
+            model_type="qwen3_vl",
+            chat=CHATML_TOOLS_QWEN_VL,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            vision=(
+                ("model_type", "qwen3_vl"),
+                ("depth", 3),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("out_hidden_size", 64),
+                ("num_heads", 2),
+                ("patch_size", 16),
+                ("spatial_merge_size", 2),
+                ("temporal_patch_size", 2),
+                ("num_position_embeddings", 64),
+                ("deepstack_visual_indexes", [0, 1]),
                 ("in_channels", 3),
             ),
         ),

@@ -60,8 +60,9 @@ class GemmaImages(ImageRule):
 
 @dataclass(frozen=True, slots=True)
 class QwenImages(ImageRule):
-    """Qwen 3.5 / Qwen2.5-VL: the template writes ``<|vision_start|><|image_pad|><|vision_end|>``
-    and the processor repeats ``<|image_pad|>`` once per merged patch of the resized image
+    """Qwen 3.5 / Qwen3-VL / Qwen2.5-VL: the template writes
+    ``<|vision_start|><|image_pad|><|vision_end|>`` and the processor repeats
+    ``<|image_pad|>`` once per merged patch of the resized image
     (``smart_resize``: sides multiples of patch x merge, pixels within the bounds). The tokens
     take multimodal rotary positions: (t, row, column) offsets from where the image starts, and
     text after it continues from the start plus its longer side."""
@@ -106,7 +107,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
         )
         count = config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
         return GemmaImages(boi, config["image_token_index"], image, eoi, count)
-    if family in ("qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl"):
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl"):
         processor = _processor_config(path)
         size = processor.get("size") or {}
         text = text or config  # (Qwen2-VL's keep the language model's fields at the top)
@@ -115,6 +116,10 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             rope = text.get("rope_scaling") or {}
             rope = rope | {"rope_theta": text.get("rope_theta", 1_000_000.0)}
             rope |= {"partial_rotary_factor": 1.0, "style": "chunked"}
+        elif family.startswith("qwen3_vl"):  # all of each head rotated, interleaved
+            rope = text.get("rope_scaling") or {}
+            rope |= {"rope_theta": text.get("rope_theta", 5_000_000.0)}
+            rope |= {"partial_rotary_factor": 1.0}
         else:
             rope = text.get("rope_parameters") or {}
         placeholder = config.get("image_token_id", config.get("image_token_index"))

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 IMAGE_BASE = 1 << 24
 """The token of image number ``n`` is ``IMAGE_BASE + n`` (above any vocabulary; int32 on disk)."""
 MAX_IMAGE_NUMBER = (1 << 31) - 1 - IMAGE_BASE
+Features = tuple["mx.array", tuple["mx.array", ...]]
+"""An image's features: the input embeddings of its tokens and its deepstack levels'."""
 FEATURES_KEPT = 32
 """Images whose features stay in memory after their prompt is fed (least recently used go)."""
 
@@ -55,6 +57,27 @@ def text_tokens(tokens: list[int], placeholder: int) -> list[int]:
     return [placeholder if t >= IMAGE_BASE else t for t in tokens]
 
 
+class Staged:
+    """The deepstack additions of the step about to run (``agentkv.engine.deepstack``): per
+    level, the step's image rows and their features."""
+
+    def __init__(self) -> None:
+        self._levels: list[tuple[mx.array, mx.array] | None] = []
+
+    def put(self, rows: mx.array, levels: list[mx.array]) -> None:
+        self._levels = [(rows, features) for features in levels]
+
+    def clear(self) -> None:
+        self._levels = []
+
+    def take(self, level: int) -> tuple[mx.array, mx.array] | None:
+        """Level ``level``'s addition, once (None: nothing staged for it)."""
+        if level >= len(self._levels):
+            return None
+        got, self._levels[level] = self._levels[level], None
+        return got
+
+
 class Vision:
     """A vision-language model's images: its rule and, loaded on the first image (a
     text-only conversation never loads or runs it), its vision tower. Features are computed
@@ -62,12 +85,16 @@ class Vision:
 
     def __init__(self, path: Path, config: dict[str, Any], tokenizer: Any, embed: Any):
         self.path = path
-        self.family = config.get("model_type", "?")
+        self.family = family = config.get("model_type", "?")
         self.rule = image_rule(config, tokenizer, path)
         self._embed = embed  # the language model's token embedding (shared, not copied)
         self._model: Any = None
         self._processor: Any = None
-        self._features: OrderedDict[int, mx.array] = OrderedDict()
+        self._features: OrderedDict[int, Features] = OrderedDict()
+        deepstack = config["vision_config"].get("deepstack_visual_indexes") or ()
+        self.levels = len(deepstack) if family.startswith("qwen3_vl") else 0
+        """Deepstack levels: features added after the first decoder layers (Qwen3-VL)."""
+        self.staged = Staged()
         self._grids: dict[tuple[int, int], tuple[int, int]] = {}
         self.encoded = 0
         """Images the vision tower has run on (each distinct image once while it is kept)."""
@@ -108,8 +135,9 @@ class Vision:
         assert self.rule is not None
         return self.rule
 
-    def features(self, token: int, data: bytes) -> mx.array:
-        """The image's ``(tokens, hidden)`` input embeddings, as the model merges them."""
+    def features(self, token: int, data: bytes) -> Features:
+        """The image's ``(tokens, hidden)`` input embeddings, as the model merges them, and
+        its deepstack levels' (each ``(tokens, hidden)``; none for most families)."""
         import mlx.core as mx
 
         if (kept := self._features.get(token)) is not None:
@@ -127,12 +155,18 @@ class Vision:
             mx.array(processed["pixel_values"]),
             mask=mx.ones((1, n), dtype=mx.int32),
             **extra,
-        ).inputs_embeds[0]
+        )
+        levels = tuple(getattr(got, "deepstack_visual_embeds", None) or ())[: self.levels]
+        got = (got.inputs_embeds[0], levels)
         mx.eval(got)
         self.encoded += 1
-        if got.shape[0] != n:
+        if got[0].shape[0] != n or any(x.shape[0] != n for x in levels):
             raise UnsupportedModelError(
-                f"images: {self.path.name}: {got.shape[0]} features for {n} tokens"
+                f"images: {self.path.name}: {got[0].shape[0]} features for {n} tokens"
+            )
+        if len(levels) != self.levels:
+            raise UnsupportedModelError(
+                f"images: {self.path.name}: {len(levels)} deepstack levels, not {self.levels}"
             )
         self._features[token] = got
         while len(self._features) > FEATURES_KEPT:
@@ -144,19 +178,25 @@ class Vision:
     ) -> mx.array:
         """The input embeddings of a step's ``inputs`` (one token a row): ``rows`` are the
         image rows, each ``(row, image token, index within the image)``; ``images`` maps an
-        image token to its encoded bytes."""
+        image token to its encoded bytes. The rows' deepstack features are staged for the
+        step's layers (``agentkv.engine.deepstack``)."""
         import mlx.core as mx
 
         rule = self.check()
         placeholder = mx.array(rule.placeholder, inputs.dtype)
         h = self._embed(mx.where(inputs >= IMAGE_BASE, placeholder, inputs))
-        pieces, at = [], []
+        pieces: list[list[mx.array]] = [[] for _ in range(1 + self.levels)]
+        at = []
         for token in dict.fromkeys(t for _, t, _ in rows):
             mine = [(r, k) for r, t, k in rows if t == token]
-            features = self.features(token, images[token])
-            pieces.append(features[mx.array([k % features.shape[0] for _, k in mine])])
+            main, levels = self.features(token, images[token])
+            which = mx.array([k % main.shape[0] for _, k in mine])
+            for kept, features in zip(pieces, (main, *levels), strict=True):
+                kept.append(features[which])
             at += [r for r, _ in mine]
-        h[mx.array(at)] = mx.concatenate(pieces).astype(h.dtype)
+        rows_at = mx.array(at)
+        h[rows_at] = mx.concatenate(pieces[0]).astype(h.dtype)
+        self.staged.put(rows_at, [mx.concatenate(level) for level in pieces[1:]])
         return h
 
     def _loaded(self) -> tuple[Any, Any]:
@@ -214,6 +254,8 @@ def encode_images(plan: Any, vision: Vision | None, scheduler: Any) -> list[tupl
     that an image the model cannot read fails its own turn, not the batch): a sequence whose
     image fails leaves the plan and the batch. Returns those, each with its error."""
     failed = []
+    if vision is not None:
+        vision.staged.clear()  # (what a step that failed left)
     for seq, n in list(plan.prefill):
         if not seq.request.images:
             continue
