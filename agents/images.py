@@ -199,10 +199,10 @@ def image_tokens(
                 f"an image of {size[0]}x{size[1]} pixels: the model's processor refuses it ({exc})"
             ) from None
     tokens = encode("".join(expanded))
-    runs, previous = 0, None
+    runs, previous = 0, -1  # (an image's rows of placeholders may have a joiner between)
     for i, token in enumerate(tokens):
         if token == rule.placeholder:
-            runs += previous != rule.placeholder
+            runs += previous not in (rule.placeholder, rule.joiner)
             if runs <= len(images):
                 tokens[i] = image_token(images[runs - 1]["image"])
         previous = token

@@ -25,7 +25,13 @@ from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageE
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
-MODELS = ["tiny:gemma3-vl", "tiny:qwen3_5-vl", "tiny:qwen2_5-vl", "tiny:qwen3-vl"]
+MODELS = [
+    "tiny:gemma3-vl",
+    "tiny:qwen3_5-vl",
+    "tiny:qwen2_5-vl",
+    "tiny:qwen3-vl",
+    "tiny:mistral3-vl",
+]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
 
@@ -49,7 +55,13 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     path = tiny_model_dir(model_name)
     model = load_model(path)
     image = Image.open(io.BytesIO(data)).convert("RGB")
-    processed = AutoImageProcessor.from_pretrained(str(path))(images=[image], return_tensors="np")
+    config = model.config
+    kwargs = {}  # (transformers' PixtralProcessor asks for patches of merged patches)
+    if config.model_type == "mistral3":
+        side = config.vision_config.patch_size * config.spatial_merge_size
+        kwargs = {"patch_size": {"height": side, "width": side}}
+    processor = AutoImageProcessor.from_pretrained(str(path))
+    processed = processor(images=[image], return_tensors="np", **kwargs)
     extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
     placeholder = getattr(model.config, "image_token_index", None) or model.config.image_token_id
     x = mx.array([[placeholder if t >= IMAGE_BASE else t for t in prompt]])
@@ -138,6 +150,13 @@ def test_image_rows_count_within_each_image_across_chunks():
         (14, b, 1),
     ]
     assert image_rows([1], [2, 3], 0) == []
+    # Pixtral's rows of one image, a break (9) between them: one count across rows and chunks.
+    assert image_rows([1, a, a, 9], [a, a, 9, a, 8, a], 0, joiner=9) == [
+        (0, a, 2),
+        (1, a, 3),
+        (3, a, 4),
+        (5, a, 0),
+    ]
 
 
 @pytest.mark.parametrize("model_name", MODELS)

@@ -247,3 +247,5 @@ CHATML_TOOLS_QWEN_VL = _chatml_tools_with_images(
     ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "<|vision_start|><|image_pad|><|vision_end|>",
 )
+# Mistral 3's (Pixtral's): [IMG], expanded to rows of [IMG] with [IMG_BREAK] between, [IMG_END].
+CHATML_TOOLS_MISTRAL_VL = _chatml_tools_with_images(("[IMG]", "[IMG_BREAK]", "[IMG_END]"), "[IMG]")

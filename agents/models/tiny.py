@@ -31,6 +31,7 @@ from pathlib import Path
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
 from agentkv.models.chat_formats import (
     CHATML_TOOLS,
+    CHATML_TOOLS_MISTRAL_VL,
     CHATML_TOOLS_QWEN_VL,
     CHATML_TOOLS_VL,
     GEMMA,
@@ -183,6 +184,16 @@ class TinySpec:
                 "boi_token_index": chat.id_of("<start_of_image>"),
                 "eoi_token_index": chat.id_of("<end_of_image>"),
                 "image_token_index": chat.id_of("<image_soft_token>"),
+            }
+        if self.model_type == "mistral3":  # Mistral 3's: a Mistral text model, Pixtral's tower
+            return config | {
+                "architectures": ["Mistral3ForConditionalGeneration"],
+                "text_config": text | {"model_type": "mistral"},
+                "image_token_index": chat.id_of("[IMG]"),
+                "spatial_merge_size": 2,
+                "vision_feature_layer": -1,
+                "multimodal_projector_bias": False,
+                "projector_hidden_act": "gelu",
             }
         qwen = {
             "image_token_id": chat.id_of("<|image_pad|>"),
@@ -391,6 +402,30 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("num_position_embeddings", 64),
                 ("deepstack_visual_indexes", [0, 1]),
                 ("in_channels", 3),
+            ),
+        ),
+        TinySpec(
+            name="tiny:mistral3-vl",
+            description=(
+                "mistral3 vision-language model (mlx-vlm's classes): a 4-layer Mistral text "
+                "model and a 2-layer Pixtral vision tower; 8-pixel patches merged 2x2, images up "
+                "to 64 pixels a side, a row of image tokens per row of merged patches"
+            ),
+            model_type="mistral3",
+            chat=CHATML_TOOLS_MISTRAL_VL,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            vision=(
+                ("model_type", "pixtral"),
+                ("num_hidden_layers", 2),
+                ("hidden_size", 32),
+                ("head_dim", 16),
+                ("intermediate_size", 64),
+                ("num_attention_heads", 2),
+                ("patch_size", 8),
+                ("image_size", 64),
+                ("rope_theta", 10_000.0),
             ),
         ),
         TinySpec(
@@ -632,6 +667,14 @@ def _image_processor(definition: TinySpec) -> dict:
             "do_resize": True,
             "resample": 2,
             "do_pan_and_scan": False,
+        }
+    if definition.model_type == "mistral3":  # Pixtral's: scaled to fit, sides in patches
+        return common | {
+            "image_processor_type": "PixtralImageProcessor",
+            "patch_size": {"height": vision["patch_size"], "width": vision["patch_size"]},
+            "size": {"longest_edge": vision["image_size"]},
+            "do_resize": True,
+            "resample": 3,
         }
     return common | {  # Qwen's: images resized to multiples of patch x merge, pixels bounded
         "image_processor_type": "Qwen2VLImageProcessor",

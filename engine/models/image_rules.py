@@ -41,6 +41,15 @@ class ImageRule:
         """(rows, columns) of the image's tokens."""
         raise NotImplementedError
 
+    @property
+    def joiner(self) -> int | None:
+        """A token between the rows of one image's placeholders (None: they are one run)."""
+        return None
+
+    def processing(self) -> dict[str, Any]:
+        """What the family's processor passes its image processor beyond its config."""
+        return {}
+
 
 @dataclass(frozen=True, slots=True)
 class GemmaImages(ImageRule):
@@ -96,6 +105,46 @@ class QwenImages(ImageRule):
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class PixtralImages(ImageRule):
+    """Mistral 3 (Pixtral's vision tower): the template writes ``[IMG]``; the image is scaled
+    down to fit ``longest_edge`` and its sides rounded up to whole merged patches, and the
+    processor writes a row of ``[IMG]`` a row of merged patches, ``[IMG_BREAK]`` after each
+    row but the last, ``[IMG_END]`` after that (transformers' PixtralProcessor)."""
+
+    row_break: str = "[IMG_BREAK]"
+    end: str = "[IMG_END]"
+    break_id: int = -1
+    patch: int = 14
+    merge: int = 2
+    longest_edge: int = 1540
+
+    def grid(self, size: Size) -> Size:
+        width, height = size
+        ratio = max(width, height) / self.longest_edge
+        if ratio > 1:
+            width, height = int(width / ratio), int(height / ratio)
+        side = self.patch * self.merge
+        return (height - 1) // side + 1, (width - 1) // side + 1
+
+    def tokens(self, size: Size) -> int:
+        rows, columns = self.grid(size)
+        return rows * columns
+
+    def expansion(self, size: Size) -> str:
+        rows, columns = self.grid(size)
+        row = self.marker * columns
+        return (row + self.row_break) * (rows - 1) + row + self.end
+
+    @property
+    def joiner(self) -> int | None:
+        return self.break_id
+
+    def processing(self) -> dict[str, Any]:
+        side = self.patch * self.merge
+        return {"patch_size": {"height": side, "width": side}}
+
+
 def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule | None:
     """The image rule of the model at ``path`` (None: a family agentkv feeds no images)."""
     family = config.get("model_type")
@@ -134,6 +183,18 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             theta=float(rope.get("rope_theta", 100_000.0)),
             rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
             style=rope.get("style", "interleaved"),
+        )
+    if family == "mistral3":
+        processor = _processor_config(path)
+        size = processor.get("size") or {}
+        placeholder = config.get("image_token_index", config.get("image_token_id"))
+        return PixtralImages(
+            tokenizer.convert_ids_to_tokens(placeholder),
+            placeholder,
+            break_id=tokenizer.convert_tokens_to_ids("[IMG_BREAK]"),
+            patch=config["vision_config"].get("patch_size", 14),
+            merge=config.get("spatial_merge_size", 2),
+            longest_edge=size.get("longest_edge", size.get("height", 1540)),
         )
     return None
 

@@ -147,7 +147,7 @@ class Vision:
         model, processor = self._loaded()
         image = _decoded(data)
         n = rule.tokens(image.size)
-        processed = processor(images=[image], return_tensors="np")
+        processed = processor(images=[image], return_tensors="np", **rule.processing())
         extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
         ids = mx.full((1, n), rule.placeholder, dtype=mx.int32)
         got = model.get_input_embeddings(
@@ -227,18 +227,23 @@ def _decoded(data: bytes) -> Any:
     return image.convert("RGB")
 
 
-def image_rows(history: list[int], chunk: list[int], first_row: int) -> list[tuple[int, int, int]]:
+def image_rows(
+    history: list[int], chunk: list[int], first_row: int, joiner: int | None = None
+) -> list[tuple[int, int, int]]:
     """The image rows of a prefill ``chunk`` fed after ``history``, starting at step row
-    ``first_row``: ``(row, image token, index within its run)``."""
+    ``first_row``: ``(row, image token, index within its image)``. An image is a run of its
+    token, ``joiner`` tokens between its rows counting as within it (Pixtral's breaks)."""
     rows = []
     run_token, run = None, 0
-    if chunk and chunk[0] >= IMAGE_BASE:  # a run the previous chunk began
-        run_token = chunk[0]
-        i = len(history)
-        while i and history[i - 1] == run_token:
-            i -= 1
-        run = len(history) - i
+    i = len(history)  # (an image the history began: its tokens there so far)
+    while i and (history[i - 1] >= IMAGE_BASE or history[i - 1] == joiner):
+        i -= 1
+    for token in history[i:]:
+        if token >= IMAGE_BASE:
+            run_token, run = token, run + 1 if token == run_token else 1
     for j, token in enumerate(chunk):
+        if token == joiner:
+            continue
         if token < IMAGE_BASE:
             run_token, run = None, 0
             continue
