@@ -30,6 +30,7 @@ MODELS = [
     "tiny:qwen3_5-vl",
     "tiny:qwen2_5-vl",
     "tiny:qwen3-vl",
+    "tiny:qwen3-moe-vl",
     "tiny:mistral3-vl",
 ]
 RED, BLUE = (200, 10, 30), (10, 20, 220)

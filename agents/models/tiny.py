@@ -201,11 +201,12 @@ class TinySpec:
             "vision_start_token_id": chat.id_of("<|vision_start|>"),
             "vision_end_token_id": chat.id_of("<|vision_end|>"),
         }
-        if self.model_type == "qwen3_vl":  # Qwen3-VL's: Qwen3's text model, sections interleaved
+        if self.model_type in ("qwen3_vl", "qwen3_vl_moe"):  # Qwen3's text model, interleaved
             rope = {"rope_type": "default", "mrope_section": [12, 10, 10]}  # (32 frequencies)
-            text |= {"model_type": "qwen3_vl_text", "rope_theta": 5_000_000.0}
+            text |= {"model_type": f"{self.model_type}_text", "rope_theta": 5_000_000.0}
+            moe = self.model_type.endswith("moe")
             return config | {
-                "architectures": ["Qwen3VLForConditionalGeneration"],
+                "architectures": [f"Qwen3VL{'Moe' if moe else ''}ForConditionalGeneration"],
                 "text_config": text | {"rope_scaling": rope | {"mrope_interleaved": True}},
                 **qwen,
             }
@@ -233,6 +234,25 @@ def _siglip(layers: int, hidden: int, ffn: int, heads: int, patch: int, image: i
         ("num_attention_heads", heads),
         ("patch_size", patch),
         ("image_size", image),
+    )
+
+
+def _qwen3_vl_tower(family: str) -> tuple:
+    """A 3-layer Qwen3-VL vision tower whose first two layers' features also enter the text
+    model after its first two layers (deepstack); 16-pixel patches merged 2x2."""
+    return (
+        ("model_type", family),
+        ("depth", 3),
+        ("hidden_size", 32),
+        ("intermediate_size", 64),
+        ("out_hidden_size", 64),
+        ("num_heads", 2),
+        ("patch_size", 16),
+        ("spatial_merge_size", 2),
+        ("temporal_patch_size", 2),
+        ("num_position_embeddings", 64),
+        ("deepstack_visual_indexes", [0, 1]),
+        ("in_channels", 3),
     )
 
 
@@ -389,20 +409,30 @@ TINY_SPECS: dict[str, TinySpec] = {
             corpus_words=20_000,
             lexicon_size=2_000,
             eos_scale=4.0,
-            vision=(
-                ("model_type", "qwen3_vl"),
-                ("depth", 3),
-                ("hidden_size", 32),
-                ("intermediate_size", 64),
-                ("out_hidden_size", 64),
-                ("num_heads", 2),
-                ("patch_size", 16),
-                ("spatial_merge_size", 2),
-                ("temporal_patch_size", 2),
-                ("num_position_embeddings", 64),
-                ("deepstack_visual_indexes", [0, 1]),
-                ("in_channels", 3),
+            vision=_qwen3_vl_tower("qwen3_vl"),
+        ),
+        TinySpec(
+            name="tiny:qwen3-moe-vl",
+            description=(
+                "qwen3_vl_moe vision-language model (mlx-vlm's classes): tiny:qwen3-vl with "
+                "4 experts (2 a token) in every layer's MLP"
             ),
+            model_type="qwen3_vl_moe",
+            chat=CHATML_TOOLS_QWEN_VL,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            fields=(
+                ("num_experts", 4),
+                ("num_experts_per_tok", 2),
+                ("moe_intermediate_size", 64),
+                ("decoder_sparse_step", 1),
+                ("mlp_only_layers", []),
+                ("norm_topk_prob", True),
+                ("tie_word_embeddings", False),  # (mlx-lm's class reads a head of its own)
+            ),
+            vision=_qwen3_vl_tower("qwen3_vl_moe"),
         ),
         TinySpec(
             name="tiny:mistral3-vl",
