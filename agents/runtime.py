@@ -289,7 +289,8 @@ class AgentRuntime:
 
     async def expire_agents(self) -> list[str]:
         """Delete the agents whose ``idle_ttl_s`` has passed since their last turn (transcript
-        and cache files); agents with a turn in flight are left for the next call.
+        and cache files); agents with a turn in flight are left for the next call. Then the
+        images no message shows are deleted (``agentkv.store.images.IMAGE_GRACE``).
 
         Returns:
             The ids deleted.
@@ -307,6 +308,8 @@ class AgentRuntime:
             expired.append(agent_id)
         if expired:
             log.info("expired %d idle agents", len(expired))
+        if collected := await self._registry.images.collect():
+            log.info("deleted %d images no message shows", collected)
         return expired
 
     # ---- turns -------------------------------------------------------------------------------

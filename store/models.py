@@ -207,6 +207,22 @@ class Image(Base):
     width: Mapped[int] = mapped_column(Integer, nullable=False)
     height: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=utcnow)
+    """When a turn last stored or reused it (an image no message shows is kept a while after:
+    a turn stores its images before its messages)."""
+
+
+class MessageImage(Base):
+    """A message that shows an image (one row per image it shows, whatever the count)."""
+
+    __tablename__ = "message_images"
+
+    message_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("messages.id", ondelete="CASCADE"), primary_key=True
+    )
+    image_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("images.id"), primary_key=True, index=True
+    )
 
 
 class KVCache(Base):

@@ -28,7 +28,7 @@ from agentkv.store import database, validation
 from agentkv.store.cache_index import CacheIndex, current_cache, require_agent
 from agentkv.store.errors import AgentChangedError, AgentExistsError, AgentNotFoundError
 from agentkv.store.ids import new_agent_id, validate_agent_id
-from agentkv.store.images import ImageIndex, content_key
+from agentkv.store.images import ImageIndex, collect_images, content_key, copy_links, link_images
 from agentkv.store.leases import LeaseIndex
 from agentkv.store.models import Agent, Message, UTCDateTime, utcnow
 from agentkv.store.records import (
@@ -208,6 +208,7 @@ class Registry:
             )
             if deleted is None:
                 raise AgentNotFoundError(agent_id)
+            await collect_images(session)  # (those only its messages showed, unused lately)
             return None if cache is None else CacheRecord.from_row(cache)
 
     async def fork_agent(
@@ -259,6 +260,7 @@ class Registry:
                         ).where(Message.agent_id == source_id),
                     )
                 )
+                await copy_links(session, source_id, agent_id)
         except IntegrityError as exc:
             raise AgentExistsError(agent_id) from exc
         return AgentRecord.from_row(row)
@@ -318,11 +320,16 @@ class Registry:
             # messages, and each chunk (a few ms of parameters) gives the event loop a turn.
             for i in range(0, len(rows), MESSAGE_CHUNK):
                 await session.execute(insert(Message.__table__), rows[i : i + MESSAGE_CHUNK])
-            ids = await session.scalars(
-                select(Message.__table__.c.id)
-                .where(Message.agent_id == agent_id, Message.position >= first)
-                .order_by(Message.position)
+            ids = list(
+                await session.scalars(
+                    select(Message.__table__.c.id)
+                    .where(Message.agent_id == agent_id, Message.position >= first)
+                    .order_by(Message.position)
+                )
             )
+            await link_images(session, [(i, r["parts"]) for i, r in zip(ids, rows, strict=True)])
+            if replace_from is not None:
+                await collect_images(session)  # (those only the replaced messages showed)
         return await _off_loop(len(rows), message_records, ids, rows)
 
     async def transcript(

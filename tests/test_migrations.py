@@ -60,7 +60,8 @@ SCHEMA = {
         "parts",  # added by 0009
     ],
     # added by 0009
-    "images": ["id", "sha256", "media_type", "data", "width", "height", "created_at"],
+    "images": ["id", "sha256", "media_type", "data", "width", "height", "created_at", "used_at"],
+    "message_images": ["message_id", "image_id"],  # added by 0010 (and images.used_at)
     "kv_caches": [
         "id",
         "agent_id",
@@ -192,7 +193,7 @@ async def schema_of(target: str) -> dict[str, dict[str, Any]]:
         await engine.dispose()
 
 
-HEAD = "0009"
+HEAD = "0010"
 NEXT = "9000"
 
 
