@@ -29,6 +29,7 @@ MODELS = [
     "tiny:gemma3-vl",
     "tiny:qwen3_5-vl",
     "tiny:qwen2_5-vl",
+    "tiny:qwen2-vl",
     "tiny:qwen3-vl",
     "tiny:qwen3-moe-vl",
     "tiny:mistral3-vl",

@@ -210,10 +210,16 @@ class TinySpec:
                 "text_config": text | {"rope_scaling": rope | {"mrope_interleaved": True}},
                 **qwen,
             }
-        if self.model_type == "qwen2_5_vl":  # Qwen2.5-VL's: the text fields at the top
+        if self.model_type in ("qwen2_vl", "qwen2_5_vl"):  # Qwen2(.5)-VL's: text fields at the top
             mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}  # (8 frequencies a head)
             text |= {"rope_theta": 1_000_000.0, "rope_scaling": mrope}
-            return text | config | qwen | {"architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+            architecture = "Qwen2_5_VL" if self.model_type == "qwen2_5_vl" else "Qwen2VL"
+            return (
+                text
+                | config
+                | qwen
+                | {"architectures": [f"{architecture}ForConditionalGeneration"]}
+            )
         rope = {"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 100_000.0}
         rope |= {"partial_rotary_factor": 0.25, "mrope_interleaved": True}
         return config | {  # Qwen 3.5's
@@ -456,6 +462,33 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("patch_size", 8),
                 ("image_size", 64),
                 ("rope_theta", 10_000.0),
+            ),
+        ),
+        TinySpec(
+            name="tiny:qwen2-vl",
+            description=(
+                "qwen2_vl vision-language model (mlx-vlm's classes): tiny:qwen2_5-vl's text "
+                "model and a 2-layer Qwen2-VL vision tower (full attention); 14-pixel patches "
+                "merged 2x2, images up to 112x112"
+            ),
+            model_type="qwen2_vl",
+            chat=CHATML_TOOLS_QWEN_VL,
+            shape=Shape(64, 4, 4, 2, 16, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            eos_scale=4.0,
+            vision=(
+                ("model_type", "qwen2_vl"),
+                ("depth", 2),
+                ("embed_dim", 32),
+                ("hidden_size", 64),
+                ("num_heads", 2),
+                ("mlp_ratio", 2),
+                ("patch_size", 14),
+                ("spatial_patch_size", 14),
+                ("spatial_merge_size", 2),
+                ("temporal_patch_size", 2),
+                ("in_channels", 3),
             ),
         ),
         TinySpec(
