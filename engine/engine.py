@@ -213,6 +213,7 @@ class Engine:
         )
         if max(request.prompt_tokens) >= vocab_size:  # in C: submit runs on the event loop
             self._check_images(request)
+            seq.whole_images = self.model.vision.check().bidirectional
         vision = self.model.vision
         if vision is not None and vision.rule is not None and vision.rule.positioned:
             self._check_sizes(request)

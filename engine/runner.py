@@ -26,7 +26,7 @@ from agentkv.engine.batch.layout import KVLayout, first_positions
 from agentkv.engine.deepstack import install_deepstack
 from agentkv.engine.errors import AgentKVError, UnsupportedModelError
 from agentkv.engine.models.mrope import decode_positions, prefill_positions, step_offsets
-from agentkv.engine.models.vision import IMAGE_BASE, Vision, image_rows, text_tokens
+from agentkv.engine.models.vision import IMAGE_BASE, Vision, image_blocks, image_rows, text_tokens
 from agentkv.engine.request import Checkpoint, layer_nbytes
 from agentkv.engine.sequence import SeqStatus, Sequence
 from agentkv.engine.step import StepPlan, join_inputs
@@ -182,8 +182,9 @@ class ModelRunner:
         positioned: list[tuple[int, int, int, int]] = []  # (row, t, h, w): multimodal rotary
         for seq, n in plan.prefill:
             fences = self._fences([(seq, len(seq.tokens), n)])
+            blocks = image_blocks(seq.prompt[:n]) if seq.whole_images else None
             for i, layer in enumerate(seq.group.layers):
-                spans[i].append(Span(layer, row, n, prefill=True, fences=fences))
+                spans[i].append(Span(layer, row, n, True, fences=fences, blocks=blocks))
             positions.append(prefill_positions(seq, n, row, self.vision, positioned))
             chunks.append(seq.prompt[:n])
             if seq.request.images:

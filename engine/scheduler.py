@@ -361,8 +361,7 @@ class Scheduler:
             chunks = [(s, min(len(s.prompt), step)) for s in prefilling]
         else:  # nobody decoding: one whole chunk a step, shared, so newcomers start soon
             chunks = self._paced_chunks(prefilling, self.pacer.budget() if decoding else step)
-        if self.layout.windowed:
-            chunks = [(s, s.chunk_to_checkpoint(n)) for s, n in chunks]
+        chunks = [(s, s.chunk_within(n, self.layout.windowed)) for s, n in chunks]
         if any(n == len(s.prompt) for s, n in chunks):
             self._regroup = True  # decoding next step: it may join a group
         return chunks

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from agentkv.engine.models.vision import IMAGE_BASE
 from agentkv.engine.request import GenerationRequest, RequestStats, TokenLogprob
 from agentkv.engine.sampling import LogitsProcessor, Sampler
 from agentkv.engine.speculative import Speculation
@@ -69,6 +70,7 @@ class Sequence:
     reserved_tokens: int = 0  # the tokens ``reserved`` covers (it grows as the turn decodes)
     rope_scan: Any = None  # engine.models.mrope.Scanned of its tokens (images' positions)
     rope_shift: int = 0  # what its images shift the rotary position of its next token by
+    whole_images: bool = False  # its images' tokens attend both ways: no chunk ends in one
 
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start
@@ -96,6 +98,21 @@ class Sequence:
     def final_tokens(self) -> int:
         """Tokens its KV holds when it ends at max_tokens."""
         return len(self.tokens) + len(self.prompt) + self.max_tokens - len(self.token_ids)
+
+    def chunk_within(self, n: int, checkpoints: bool) -> int:
+        """A prompt chunk of ``n`` tokens, cut where the sequence keeps a checkpoint
+        (``checkpoints``: its layers hold windows or state), then carried on to the end of an
+        image it would end inside (``whole_images``): the image's tokens attend to each other
+        both ways, so all of them are in the step that feeds the first. (A snapshot inside an
+        image is then not taken.)"""
+        if checkpoints:
+            n = self.chunk_to_checkpoint(n)
+        prompt = self.prompt
+        if not self.whole_images or not 0 < n < len(prompt) or prompt[n - 1] < IMAGE_BASE:
+            return n
+        while n < len(prompt) and prompt[n] == prompt[n - 1]:
+            n += 1
+        return n
 
     def chunk_to_checkpoint(self, n: int) -> int:
         """A prompt chunk of ``n`` tokens, cut to end where the sequence keeps a checkpoint

@@ -19,7 +19,7 @@ from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.mrope import Scanned, chunk_positions, scan
-from agentkv.engine.models.vision import IMAGE_BASE, image_rows, image_token
+from agentkv.engine.models.vision import IMAGE_BASE, image_blocks, image_rows, image_token
 from agentkv.engine.request import GenerationRequest
 from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageError
 from agentkv.models.tiny import tiny_model_dir
@@ -27,6 +27,7 @@ from agentkv.models.tiny import tiny_model_dir
 MODEL = "tiny:gemma3-vl"
 MODELS = [
     "tiny:gemma3-vl",
+    "tiny:gemma4-vl",
     "tiny:qwen3_5-vl",
     "tiny:qwen2_5-vl",
     "tiny:qwen2-vl",
@@ -72,6 +73,14 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     positions = {}
     if getattr(got, "position_ids", None) is not None:  # multimodal rotary positions
         positions = {"position_ids": got.position_ids, "rope_deltas": got.rope_deltas}
+    if "num_soft_tokens_per_image" in processed:  # (Gemma 4's processor counts them)
+        assert int(processed["num_soft_tokens_per_image"][0]) == sum(
+            t >= IMAGE_BASE for t in prompt
+        )
+    if getattr(got, "per_layer_inputs", None) is not None:  # Gemma 4's, image rows read as pad
+        positions |= {"per_layer_inputs": got.per_layer_inputs}
+    if getattr(config, "model_type", None) == "gemma4":  # its image tokens attend both ways
+        positions |= {"mm_token_type_ids": (x == config.image_token_id).astype(mx.int32)}
     if getattr(got, "deepstack_visual_embeds", None) is not None:  # Qwen3-VL's early layers
         positions |= {"deepstack_visual_embeds": got.deepstack_visual_embeds}
         positions |= {"visual_pos_masks": got.visual_pos_masks}
@@ -159,6 +168,17 @@ def test_image_rows_count_within_each_image_across_chunks():
         (3, a, 4),
         (5, a, 0),
     ]
+
+
+def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
+    from agentkv.engine.sequence import Sequence
+
+    a, b = image_token(3), image_token(4)
+    assert image_blocks([1, a, a, 2, b, b, a]) == (-1, 0, 0, -1, 1, 1, 2)
+    seq = Sequence(*[None] * 8, prompt=[1, a, a, a, 2, b, b, 3])
+    assert [seq.chunk_within(n, False) for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 6, 8]
+    seq.whole_images = True  # (Gemma 4's)
+    assert [seq.chunk_within(n, False) for n in (1, 2, 3, 4, 6, 8)] == [1, 4, 4, 4, 7, 8]
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -267,7 +287,8 @@ async def test_resent_conversations_name_their_parts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_name", ["tiny:gemma3-vl", "tiny:qwen3_5-vl", "tiny:qwen3-vl", "tiny:mistral3-vl"]
+    "model_name",
+    ["tiny:gemma3-vl", "tiny:gemma4-vl", "tiny:qwen3_5-vl", "tiny:qwen3-vl", "tiny:mistral3-vl"],
 )
 async def test_an_image_turn_in_a_batch_that_holds_its_kv_at_8_bits(tmp_path, model_name):
     settings = config(tmp_path, model_name, batch_kv_bits=8)

@@ -249,3 +249,7 @@ CHATML_TOOLS_QWEN_VL = _chatml_tools_with_images(
 )
 # Mistral 3's (Pixtral's): [IMG], expanded to rows of [IMG] with [IMG_BREAK] between, [IMG_END].
 CHATML_TOOLS_MISTRAL_VL = _chatml_tools_with_images(("[IMG]", "[IMG_BREAK]", "[IMG_END]"), "[IMG]")
+# Gemma 4's: <|image|>, expanded to its image tokens between <|image> and <image|>.
+CHATML_TOOLS_GEMMA4_VL = _chatml_tools_with_images(
+    ("<|image>", "<image|>", "<|image|>"), "<|image|>"
+)

@@ -31,6 +31,7 @@ from pathlib import Path
 from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
 from agentkv.models.chat_formats import (
     CHATML_TOOLS,
+    CHATML_TOOLS_GEMMA4_VL,
     CHATML_TOOLS_MISTRAL_VL,
     CHATML_TOOLS_QWEN_VL,
     CHATML_TOOLS_VL,
@@ -184,6 +185,16 @@ class TinySpec:
                 "boi_token_index": chat.id_of("<start_of_image>"),
                 "eoi_token_index": chat.id_of("<end_of_image>"),
                 "image_token_index": chat.id_of("<image_soft_token>"),
+            }
+        if self.model_type == "gemma4":  # Gemma 4's: a fixed token budget, aspect kept
+            return config | {
+                "architectures": ["Gemma4ForConditionalGeneration"],
+                "text_config": text | {"model_type": "gemma4_text"},
+                "hidden_size": text["hidden_size"],
+                "boi_token_id": chat.id_of("<|image>"),
+                "eoi_token_id": chat.id_of("<image|>"),
+                "image_token_id": chat.id_of("<|image|>"),
+                "vision_soft_tokens_per_image": self.image_tokens,
             }
         if self.model_type == "mistral3":  # Mistral 3's: a Mistral text model, Pixtral's tower
             return config | {
@@ -439,6 +450,61 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("tie_word_embeddings", False),  # (mlx-lm's class reads a head of its own)
             ),
             vision=_qwen3_vl_tower("qwen3_vl_moe"),
+        ),
+        TinySpec(
+            name="tiny:gemma4-vl",
+            description=(
+                "gemma4 vision-language model (mlx-vlm's classes): a 4-layer Gemma 4 text "
+                "model (sliding and global layers, per-layer inputs, image tokens attending "
+                "to each other both ways) and a 2-layer vision tower; 8-pixel patches pooled "
+                "2x2, at most 70 image tokens an image, aspect ratio kept"
+            ),
+            model_type="gemma4",
+            image_tokens=70,  # (the fewest transformers' Gemma 4 processor takes)
+            chat=CHATML_TOOLS_GEMMA4_VL,
+            shape=Shape(64, 4, 4, 2, 32, 128, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            fields=(
+                ("rms_norm_eps", 1e-6),
+                ("global_head_dim", 64),
+                ("vocab_size_per_layer_input", 512),
+                ("hidden_size_per_layer_input", 16),
+                ("num_kv_shared_layers", 0),
+                ("sliding_window", 16),
+                ("sliding_window_pattern", 2),
+                ("layer_types", ["sliding_attention", "full_attention"] * 2),
+                (
+                    "rope_parameters",
+                    {
+                        "full_attention": {
+                            "partial_rotary_factor": 0.25,
+                            "rope_theta": 1_000_000.0,
+                            "rope_type": "proportional",
+                        },
+                        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+                    },
+                ),
+                ("final_logit_softcapping", 30.0),
+                ("attention_k_eq_v", False),
+                ("use_double_wide_mlp", False),
+                ("enable_moe_block", False),
+                ("use_bidirectional_attention", "vision"),
+            ),
+            vision=(
+                ("model_type", "gemma4_vision"),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("num_hidden_layers", 2),
+                ("num_attention_heads", 2),
+                ("num_key_value_heads", 2),
+                ("head_dim", 16),
+                ("global_head_dim", 16),
+                ("patch_size", 8),
+                ("pooling_kernel_size", 2),
+                ("position_embedding_size", 64),
+                ("default_output_length", 70),
+            ),
         ),
         TinySpec(
             name="tiny:mistral3-vl",
@@ -730,6 +796,15 @@ def _image_processor(definition: TinySpec) -> dict:
             "do_resize": True,
             "resample": 2,
             "do_pan_and_scan": False,
+        }
+    if definition.model_type == "gemma4":  # scaled to a patch budget, aspect kept
+        return common | {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "patch_size": vision["patch_size"],
+            "max_soft_tokens": definition.image_tokens,
+            "pooling_kernel_size": vision["pooling_kernel_size"],
+            "do_resize": True,
+            "do_normalize": False,
         }
     if definition.model_type == "mistral3":  # Pixtral's: scaled to fit, sides in patches
         return common | {

@@ -49,6 +49,8 @@ class Span:
     of no sequence (it has held more than one), so even a decode step needs a mask.
     ``fences``: per row, each of its positions' fence (a q8 layer reads no float copy before
     it: ``agentkv.engine.batch.quantized.QuantizedLayer``; None where the layers are not q8).
+    ``blocks``: a prefill chunk's rows, each the number of the image it is a token of (-1:
+    text), where an image's tokens attend to each other both ways (Gemma 4); None otherwise.
     """
 
     cache: Any
@@ -57,6 +59,7 @@ class Span:
     prefill: bool
     padded: bool = True
     fences: tuple[tuple[int, ...], ...] | None = None
+    blocks: tuple[int, ...] | None = None
 
     @property
     def stop(self) -> int:
@@ -72,7 +75,14 @@ class Span:
         window = window_size is None or window_size == getattr(self.cache, "max_size", None)
         if window and not (self.prefill or self.padded):
             return None  # one sequence's own positions, all of them in its window
-        return self.cache.make_mask(self.rows if self.prefill else 1, window_size=window_size)
+        if self.blocks is None or max(self.blocks) < 0:
+            return self.cache.make_mask(self.rows if self.prefill else 1, window_size=window_size)
+        # The chunk's keys are the last of the step's: its image rows see all of their image.
+        mask = self.cache.make_mask(self.rows, window_size=window_size, return_array=True)
+        blocks = mx.array(self.blocks)
+        same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+        earlier = mx.zeros((self.rows, mask.shape[-1] - self.rows), dtype=mx.bool_)
+        return mask | mx.concatenate([earlier, same], axis=1)
 
 
 class SpanMasks(tuple):

@@ -11,6 +11,7 @@ from which those positions are computed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,23 @@ class ImageRule:
     def processing(self) -> dict[str, Any]:
         """What the family's processor passes its image processor beyond its config."""
         return {}
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways (Gemma 4): a prompt chunk
+        then never ends inside an image."""
+        return False
+
+    @property
+    def reads(self) -> int:
+        """The id the language model reads at an image's rows (beside its features)."""
+        return self.placeholder
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the language model multiplies its input embeddings by, where the family's
+        merged embeddings hold image features unscaled (Gemma 4): they are divided by it."""
+        return 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +121,56 @@ class QwenImages(ImageRule):
     @property
     def positioned(self) -> bool:
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Images(ImageRule):
+    """Gemma 4: the template writes ``<|image|>``; the image is resized, aspect ratio kept,
+    to the most ``patch``-pixel patches within ``budget`` tokens of ``pooling`` x ``pooling``
+    patches each, its sides whole tokens, and the processor writes that many ``<|image|>``
+    between ``<|image>`` and ``<image|>``. The image's tokens attend to each other both ways
+    (``use_bidirectional_attention: vision``) and its rows' per-layer inputs read token
+    ``pad`` (0, as mlx-vlm's model and transformers' feed them)."""
+
+    begin: str = "<|image>"
+    end: str = "<image|>"
+    patch: int = 16
+    pooling: int = 3
+    budget: int = 280
+    pad: int = 0
+    scale: float = 1.0
+
+    def grid(self, size: Size) -> Size:
+        width, height = size  # (transformers' get_aspect_ratio_preserving_size)
+        factor = math.sqrt(self.budget * self.pooling**2 * self.patch**2 / (height * width))
+        side = self.pooling * self.patch
+        rows, columns = int(factor * height / side), int(factor * width / side)
+        if rows == 0 and columns == 0:
+            raise ValueError("the image would be resized to 0 x 0 pixels")
+        if rows == 0:
+            rows, columns = 1, min(width // height, self.budget)
+        elif columns == 0:
+            rows, columns = min(height // width, self.budget), 1
+        return rows, columns
+
+    def tokens(self, size: Size) -> int:
+        rows, columns = self.grid(size)
+        return rows * columns
+
+    def expansion(self, size: Size) -> str:
+        return f"{self.begin}{self.marker * self.tokens(size)}{self.end}"
+
+    @property
+    def bidirectional(self) -> bool:
+        return True
+
+    @property
+    def reads(self) -> int:
+        return self.pad
+
+    @property
+    def embedding_scale(self) -> float:
+        return self.scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +251,22 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             theta=float(rope.get("rope_theta", 100_000.0)),
             rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
             style=rope.get("style", "interleaved"),
+        )
+    if family == "gemma4":
+        processor = _processor_config(path)
+        boi, eoi, image = (
+            tokenizer.convert_ids_to_tokens(config[key])
+            for key in ("boi_token_id", "eoi_token_id", "image_token_id")
+        )
+        return Gemma4Images(
+            image,
+            config["image_token_id"],
+            boi,
+            eoi,
+            patch=processor.get("patch_size", 16),
+            pooling=processor.get("pooling_kernel_size", 3),
+            budget=processor.get("max_soft_tokens", 280),
+            scale=text["hidden_size"] ** 0.5,
         )
     if family == "mistral3":
         processor = _processor_config(path)

@@ -116,8 +116,9 @@ class Vision:
 
     @property
     def placeholder(self) -> int | None:
-        """The model's image token, which stands for an image's tokens where ids are read."""
-        return None if self.rule is None else self.rule.placeholder
+        """The id that stands for an image's tokens where ids are read (the model's image
+        token, or what the family's model reads there: ``ImageRule.reads``)."""
+        return None if self.rule is None else self.rule.reads
 
     @property
     def refusal(self) -> str | None:
@@ -157,7 +158,10 @@ class Vision:
             **extra,
         )
         levels = tuple(getattr(got, "deepstack_visual_embeds", None) or ())[: self.levels]
-        got = (got.inputs_embeds[0], levels)
+        main = got.inputs_embeds[0]
+        if rule.embedding_scale != 1.0:  # (the language model scales them back)
+            main = main / rule.embedding_scale
+        got = (main, levels)
         mx.eval(got)
         self.encoded += 1
         if got[0].shape[0] != n or any(x.shape[0] != n for x in levels):
@@ -252,6 +256,17 @@ def image_rows(
         rows.append((first_row + j, token, run))
         run += 1
     return rows
+
+
+def image_blocks(chunk: list[int]) -> tuple[int, ...]:
+    """Per token of a prompt chunk, which of its runs of image tokens it is in (-1: text)."""
+    blocks, block, previous = [], -1, None
+    for token in chunk:
+        if token >= IMAGE_BASE and token != previous:
+            block += 1
+        blocks.append(block if token >= IMAGE_BASE else -1)
+        previous = token
+    return tuple(blocks)
 
 
 def encode_images(plan: Any, vision: Vision | None, scheduler: Any) -> list[tuple[Any, Exception]]:
