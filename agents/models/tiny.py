@@ -455,8 +455,9 @@ TINY_SPECS: dict[str, TinySpec] = {
             name="tiny:gemma4-vl",
             description=(
                 "gemma4 vision-language model (mlx-vlm's classes): a 4-layer Gemma 4 text "
-                "model (sliding and global layers, per-layer inputs, image tokens attending "
-                "to each other both ways) and a 2-layer vision tower; 8-pixel patches pooled "
+                "model (sliding and global layers, per-layer inputs, the last two layers "
+                "reusing earlier layers' KV, image tokens attending to each other both ways) "
+                "and a 2-layer vision tower; 8-pixel patches pooled "
                 "2x2, at most 70 image tokens an image, aspect ratio kept"
             ),
             model_type="gemma4",
@@ -470,7 +471,7 @@ TINY_SPECS: dict[str, TinySpec] = {
                 ("global_head_dim", 64),
                 ("vocab_size_per_layer_input", 512),
                 ("hidden_size_per_layer_input", 16),
-                ("num_kv_shared_layers", 0),
+                ("num_kv_shared_layers", 2),  # (E2B's: the last two reuse earlier KV)
                 ("sliding_window", 16),
                 ("sliding_window_pattern", 2),
                 ("layer_types", ["sliding_attention", "full_attention"] * 2),
