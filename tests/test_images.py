@@ -34,6 +34,7 @@ MODELS = [
     "tiny:qwen3-vl",
     "tiny:qwen3-moe-vl",
     "tiny:mistral3-vl",
+    "tiny:pixtral-vl",
 ]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
@@ -60,8 +61,8 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     image = Image.open(io.BytesIO(data)).convert("RGB")
     config = model.config
     kwargs = {}  # (transformers' PixtralProcessor asks for patches of merged patches)
-    if config.model_type == "mistral3":
-        side = config.vision_config.patch_size * config.spatial_merge_size
+    if config.model_type in ("mistral3", "pixtral"):
+        side = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
         kwargs = {"patch_size": {"height": side, "width": side}}
     processor = AutoImageProcessor.from_pretrained(str(path))
     processed = processor(images=[image], return_tensors="np", **kwargs)

@@ -196,6 +196,13 @@ class TinySpec:
                 "image_token_id": chat.id_of("<|image|>"),
                 "vision_soft_tokens_per_image": self.image_tokens,
             }
+        if self.model_type == "pixtral":  # Pixtral's: a Mistral text model, patches unmerged
+            return config | {
+                "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": text | {"model_type": "mistral"},
+                "image_token_index": chat.id_of("[IMG]"),
+                "vision_feature_layer": -1,
+            }
         if self.model_type == "mistral3":  # Mistral 3's: a Mistral text model, Pixtral's tower
             return config | {
                 "architectures": ["Mistral3ForConditionalGeneration"],
@@ -508,6 +515,32 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
+            name="tiny:pixtral-vl",
+            description=(
+                "pixtral vision-language model (mlx-vlm's classes): a 4-layer Mistral text "
+                "model with an output head of its own and a 2-layer Pixtral vision tower; "
+                "16-pixel patches, images up to 64 pixels a side, a row of image tokens per "
+                "row of patches"
+            ),
+            model_type="pixtral",
+            chat=CHATML_TOOLS_MISTRAL_VL,
+            shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            fields=(("tie_word_embeddings", False),),  # (mlx-lm's class reads a head)
+            vision=(
+                ("model_type", "pixtral"),
+                ("num_hidden_layers", 2),
+                ("hidden_size", 32),
+                ("head_dim", 16),
+                ("intermediate_size", 64),
+                ("num_attention_heads", 2),
+                ("patch_size", 16),
+                ("image_size", 64),
+                ("rope_theta", 10_000.0),
+            ),
+        ),
+        TinySpec(
             name="tiny:mistral3-vl",
             description=(
                 "mistral3 vision-language model (mlx-vlm's classes): a 4-layer Mistral text "
@@ -807,7 +840,7 @@ def _image_processor(definition: TinySpec) -> dict:
             "do_resize": True,
             "do_normalize": False,
         }
-    if definition.model_type == "mistral3":  # Pixtral's: scaled to fit, sides in patches
+    if definition.model_type in ("mistral3", "pixtral"):  # scaled to fit, sides in patches
         return common | {
             "image_processor_type": "PixtralImageProcessor",
             "patch_size": {"height": vision["patch_size"], "width": vision["patch_size"]},

@@ -175,7 +175,7 @@ class Gemma4Images(ImageRule):
 
 @dataclass(frozen=True, slots=True)
 class PixtralImages(ImageRule):
-    """Mistral 3 (Pixtral's vision tower): the template writes ``[IMG]``; the image is scaled
+    """Mistral 3 and Pixtral: the template writes ``[IMG]``; the image is scaled
     down to fit ``longest_edge`` and its sides rounded up to whole merged patches, and the
     processor writes a row of ``[IMG]`` a row of merged patches, ``[IMG_BREAK]`` after each
     row but the last, ``[IMG_END]`` after that (transformers' PixtralProcessor)."""
@@ -268,7 +268,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             budget=processor.get("max_soft_tokens", 280),
             scale=text["hidden_size"] ** 0.5,
         )
-    if family == "mistral3":
+    if family in ("mistral3", "pixtral"):
         processor = _processor_config(path)
         size = processor.get("size") or {}
         placeholder = config.get("image_token_index", config.get("image_token_id"))
@@ -277,7 +277,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             placeholder,
             break_id=tokenizer.convert_tokens_to_ids("[IMG_BREAK]"),
             patch=config["vision_config"].get("patch_size", 14),
-            merge=config.get("spatial_merge_size", 2),
+            merge=config.get("spatial_merge_size", 2 if family == "mistral3" else 1),
             longest_edge=size.get("longest_edge", size.get("height", 1540)),
         )
     return None
