@@ -261,6 +261,22 @@ def _siglip(layers: int, hidden: int, ffn: int, heads: int, patch: int, image: i
     )
 
 
+def _pixtral_tower(patch: int) -> tuple:
+    """A 2-layer Pixtral vision tower (Pixtral's, Mistral 3's) of ``patch``-pixel patches,
+    images up to 64 pixels a side."""
+    return (
+        ("model_type", "pixtral"),
+        ("num_hidden_layers", 2),
+        ("hidden_size", 32),
+        ("head_dim", 16),
+        ("intermediate_size", 64),
+        ("num_attention_heads", 2),
+        ("patch_size", patch),
+        ("image_size", 64),
+        ("rope_theta", 10_000.0),
+    )
+
+
 def _qwen3_vl_tower(family: str) -> tuple:
     """A 3-layer Qwen3-VL vision tower whose first two layers' features also enter the text
     model after its first two layers (deepstack); 16-pixel patches merged 2x2."""
@@ -528,17 +544,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             corpus_words=20_000,
             lexicon_size=2_000,
             fields=(("tie_word_embeddings", False),),  # (mlx-lm's class reads a head)
-            vision=(
-                ("model_type", "pixtral"),
-                ("num_hidden_layers", 2),
-                ("hidden_size", 32),
-                ("head_dim", 16),
-                ("intermediate_size", 64),
-                ("num_attention_heads", 2),
-                ("patch_size", 16),
-                ("image_size", 64),
-                ("rope_theta", 10_000.0),
-            ),
+            vision=_pixtral_tower(patch=16),
         ),
         TinySpec(
             name="tiny:mistral3-vl",
@@ -552,17 +558,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 4, 4, 2, 64, 256, vocab=512, max_pos=8192),
             corpus_words=20_000,
             lexicon_size=2_000,
-            vision=(
-                ("model_type", "pixtral"),
-                ("num_hidden_layers", 2),
-                ("hidden_size", 32),
-                ("head_dim", 16),
-                ("intermediate_size", 64),
-                ("num_attention_heads", 2),
-                ("patch_size", 8),
-                ("image_size", 64),
-                ("rope_theta", 10_000.0),
-            ),
+            vision=_pixtral_tower(patch=8),
         ),
         TinySpec(
             name="tiny:qwen2-vl",
