@@ -199,13 +199,14 @@ def image_tokens(
                 f"an image of {size[0]}x{size[1]} pixels: the model's processor refuses it ({exc})"
             ) from None
     tokens = encode("".join(expanded))
-    runs, previous = 0, -1  # (an image's rows of placeholders may have a joiner between)
+    runs, last = 0, -1  # (the last token not between an image's runs of placeholders)
     for i, token in enumerate(tokens):
         if token == rule.placeholder:
-            runs += previous not in (rule.placeholder, rule.joiner)
+            runs += last != rule.placeholder
             if runs <= len(images):
                 tokens[i] = image_token(images[runs - 1]["image"])
-        previous = token
+        if token not in rule.joiners:
+            last = token
     if runs != len(images):
         raise ChatTemplateError(
             f"the model's chat template wrote {runs} images for the {len(images)} shown"

@@ -188,7 +188,7 @@ class ModelRunner:
             positions.append(prefill_positions(seq, n, row, self.vision, positioned))
             chunks.append(seq.prompt[:n])
             if seq.request.images:
-                images += image_rows(seq.tokens, chunks[-1], row, self.vision.rule.joiner)
+                images += image_rows(seq.tokens, chunks[-1], row, self.vision.rule.joiners)
             feeds.append((seq, row, n))
             row += n
             if n == len(seq.prompt):

@@ -35,6 +35,7 @@ MODELS = [
     "tiny:qwen3-moe-vl",
     "tiny:mistral3-vl",
     "tiny:pixtral-vl",
+    "tiny:lfm2-vl",
 ]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
@@ -64,9 +65,15 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
     if config.model_type in ("mistral3", "pixtral"):
         side = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
         kwargs = {"patch_size": {"height": side, "width": side}}
-    processor = AutoImageProcessor.from_pretrained(str(path))
+    if config.model_type == "lfm2-vl":  # (mlx-vlm's own processor, its tiling)
+        from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
+
+        processor = Lfm2VlProcessor.from_pretrained(str(path)).image_processor
+    else:
+        processor = AutoImageProcessor.from_pretrained(str(path))
     processed = processor(images=[image], return_tensors="np", **kwargs)
-    extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
+    inputs = ("spatial_shapes", "pixel_attention_mask")  # (LFM2-VL's patch shapes and mask)
+    extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_") or k in inputs}
     placeholder = getattr(model.config, "image_token_index", None) or model.config.image_token_id
     x = mx.array([[placeholder if t >= IMAGE_BASE else t for t in prompt]])
     pixels = mx.array(processed["pixel_values"])
@@ -163,12 +170,45 @@ def test_image_rows_count_within_each_image_across_chunks():
     ]
     assert image_rows([1], [2, 3], 0) == []
     # Pixtral's rows of one image, a break (9) between them: one count across rows and chunks.
-    assert image_rows([1, a, a, 9], [a, a, 9, a, 8, a], 0, joiner=9) == [
+    assert image_rows([1, a, a, 9], [a, a, 9, a, 8, a], 0, frozenset({9})) == [
         (0, a, 2),
         (1, a, 3),
         (3, a, 4),
         (5, a, 0),
     ]
+
+
+def test_lfm2_vl_writes_an_image_as_mlx_vlm_processor_does():
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
+
+    from agentkv.engine.models.loading import load_model
+
+    model = load_model("tiny:lfm2-vl")
+    rule, tokenizer = model.vision.rule, model.tokenizer
+    processor = Lfm2VlProcessor.from_pretrained(str(model.path))
+    # Within the budget (one view), tiled in a grid beside its thumbnail, long and thin.
+    for size in [(40, 30), (64, 64), (20, 200), (100, 80), (300, 40), (1000, 10), (517, 333)]:
+        image = Image.new("RGB", size, RED)
+        got = processor(images=[image], text=["Look.<image>What?"], return_tensors="np")
+        mine = tokenizer.encode(f"Look.{rule.expansion(size)}What?", add_special_tokens=False)
+        assert list(got["input_ids"][0]) == mine, size
+        assert sum(t == rule.placeholder for t in mine) == rule.tokens(size)
+    assert rule.layout((100, 80))[:2] == (3, 3) and rule.layout((40, 30))[:2] == (1, 1)
+
+
+async def test_an_lfm2_vl_checkpoint_of_either_spelling_reads_images(tmp_path):
+    # transformers spells the family lfm2_vl, mlx-lm's module lfm2-vl: both load alike.
+    spelled = tmp_path / "lfm2_vl"
+    shutil.copytree(tiny_model_dir("tiny:lfm2-vl"), spelled)
+    written = (spelled / "config.json").read_text().replace('"lfm2-vl"', '"lfm2_vl"')
+    (spelled / "config.json").write_text(written)
+    replies = []
+    for model in ("tiny:lfm2-vl", str(spelled)):
+        async with await AgentRuntime.open(config(tmp_path / model[-7:], model)) as rt:
+            agent = await rt.create_agent()
+            replies.append(await rt.chat(agent.id, "What?", images=[encoded(RED)], max_tokens=6))
+            assert rt.engine.model.vision.encoded == 1
+    assert replies[0].token_ids == replies[1].token_ids
 
 
 def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
@@ -289,7 +329,14 @@ async def test_resent_conversations_name_their_parts(tmp_path):
 
 @pytest.mark.parametrize(
     "model_name",
-    ["tiny:gemma3-vl", "tiny:gemma4-vl", "tiny:qwen3_5-vl", "tiny:qwen3-vl", "tiny:mistral3-vl"],
+    [
+        "tiny:gemma3-vl",
+        "tiny:gemma4-vl",
+        "tiny:qwen3_5-vl",
+        "tiny:qwen3-vl",
+        "tiny:mistral3-vl",
+        "tiny:lfm2-vl",
+    ],
 )
 async def test_an_image_turn_in_a_batch_that_holds_its_kv_at_8_bits(tmp_path, model_name):
     settings = config(tmp_path, model_name, batch_kv_bits=8)

@@ -253,3 +253,16 @@ CHATML_TOOLS_MISTRAL_VL = _chatml_tools_with_images(("[IMG]", "[IMG_BREAK]", "[I
 CHATML_TOOLS_GEMMA4_VL = _chatml_tools_with_images(
     ("<|image>", "<image|>", "<|image|>"), "<|image|>"
 )
+# LFM2-VL's: <image>, expanded to its image tokens between <|image_start|> and <|image_end|>;
+# a large image's tiles each after its <|img_row_R_col_C|>, its thumbnail after <|img_thumbnail|>
+# (a grid of at most 10 tiles).
+CHATML_TOOLS_LFM2_VL = _chatml_tools_with_images(
+    (
+        "<image>",
+        "<|image_start|>",
+        "<|image_end|>",
+        "<|img_thumbnail|>",
+        *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11) if r * c <= 10),
+    ),
+    "<image>",
+)

@@ -32,6 +32,7 @@ from agentkv.engine.errors import OutputDirNotEmptyError, UnknownTinyModelError
 from agentkv.models.chat_formats import (
     CHATML_TOOLS,
     CHATML_TOOLS_GEMMA4_VL,
+    CHATML_TOOLS_LFM2_VL,
     CHATML_TOOLS_MISTRAL_VL,
     CHATML_TOOLS_QWEN_VL,
     CHATML_TOOLS_VL,
@@ -81,6 +82,9 @@ class TinySpec:
     """Scales the end-of-turn token's (tied) embedding, so the random model ends its replies
     after a few tokens instead of running to max_tokens (clients like Claude Code ask for up
     to 64,000 tokens)."""
+    embed_scale: float = 1.0
+    """Scales the token embeddings: a random model with tied embeddings whose hidden state is
+    mostly its input token's embedding (LFM2's) only repeats that token."""
     dtype: str = "float32"
     """The weights' floating-point type (and so the activations' and the KV cache's)."""
     weight_bits: int | None = None
@@ -105,6 +109,7 @@ class TinySpec:
         definition = asdict(self)
         defaults = {
             "eos_scale": 1.0,
+            "embed_scale": 1.0,
             "dtype": "float32",
             "weight_bits": None,
             "fields": (),
@@ -195,6 +200,16 @@ class TinySpec:
                 "eoi_token_id": chat.id_of("<image|>"),
                 "image_token_id": chat.id_of("<|image|>"),
                 "vision_soft_tokens_per_image": self.image_tokens,
+            }
+        if self.model_type == "lfm2-vl":  # LFM2-VL's: an LFM2 text model, patches unshuffled
+            return config | {
+                "architectures": ["Lfm2VlForConditionalGeneration"],
+                "text_config": text | {"model_type": "lfm2"},
+                "image_token_id": chat.id_of("<image>"),
+                "downsample_factor": 2,
+                "projector_hidden_size": 64,
+                "projector_use_layernorm": True,
+                "vision_feature_layer": -1,
             }
         if self.model_type == "pixtral":  # Pixtral's: a Mistral text model, patches unmerged
             return config | {
@@ -561,6 +576,45 @@ TINY_SPECS: dict[str, TinySpec] = {
             vision=_pixtral_tower(patch=8),
         ),
         TinySpec(
+            name="tiny:lfm2-vl",
+            description=(
+                "lfm2-vl vision-language model (mlx-vlm's classes): a 4-layer LFM2 text "
+                "model, hidden 128 (3 short-convolution layers, 1 global) and a 2-layer SigLIP2 "
+                "vision tower; "
+                "8-pixel patches unshuffled 2x2, at most 8 tokens an image, a larger image cut "
+                "into 32-pixel tiles of 4 tokens beside its thumbnail"
+            ),
+            model_type="lfm2-vl",
+            image_tokens=8,
+            chat=CHATML_TOOLS_LFM2_VL,
+            shape=Shape(128, 4, 2, 1, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            embed_scale=0.1,
+            fields=(
+                ("norm_eps", 1e-5),
+                ("conv_bias", False),
+                ("conv_L_cache", 3),
+                ("block_dim", 128),
+                ("block_ff_dim", 256),
+                ("block_multiple_of", 64),
+                ("block_ffn_dim_multiplier", 1.0),
+                ("block_auto_adjust_ff_dim", True),
+                ("layer_types", ["conv", "conv", "full_attention", "conv"]),
+                ("rope_theta", 1_000_000.0),
+            ),
+            vision=(
+                ("model_type", "siglip2_vision_model"),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("num_hidden_layers", 2),
+                ("num_attention_heads", 2),
+                ("patch_size", 8),
+                ("num_patches", 16),
+                ("num_channels", 3),
+            ),
+        ),
+        TinySpec(
             name="tiny:qwen2-vl",
             description=(
                 "qwen2_vl vision-language model (mlx-vlm's classes): tiny:qwen2_5-vl's text "
@@ -836,6 +890,21 @@ def _image_processor(definition: TinySpec) -> dict:
             "do_resize": True,
             "do_normalize": False,
         }
+    if definition.model_type == "lfm2-vl":  # a token budget; a larger image tiled
+        return common | {
+            "image_processor_type": "Lfm2VlImageProcessor",
+            "encoder_patch_size": vision["patch_size"],
+            "downsample_factor": 2,
+            "min_image_tokens": 2,
+            "max_image_tokens": definition.image_tokens,
+            "tile_size": 4 * vision["patch_size"],
+            "max_pixels_tolerance": 2.0,
+            "do_image_splitting": True,
+            "min_tiles": 2,
+            "max_tiles": 10,
+            "use_thumbnail": True,
+            "resample": 3,
+        }
     if definition.model_type in ("mistral3", "pixtral"):  # scaled to fit, sides in patches
         return common | {
             "image_processor_type": "PixtralImageProcessor",
@@ -898,6 +967,8 @@ def _write_weights(definition: TinySpec, path: Path) -> None:
     if projection in params:  # (mlx-vlm starts it at ones: every image would look alike)
         rows = params[projection].shape[0]
         params[projection] = mx.random.normal(params[projection].shape, dtype) * rows**-0.5
+    if definition.embed_scale != 1.0:
+        params[embed] = params[embed] * definition.embed_scale
     if definition.eos_scale != 1.0:
         eos = definition.chat.id_of(definition.chat.eos)
         params[embed][eos] = params[embed][eos] * definition.eos_scale

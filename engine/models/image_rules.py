@@ -10,6 +10,7 @@ from which those positions are computed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -43,13 +44,20 @@ class ImageRule:
         raise NotImplementedError
 
     @property
-    def joiner(self) -> int | None:
-        """A token between the rows of one image's placeholders (None: they are one run)."""
-        return None
+    def joiners(self) -> frozenset[int]:
+        """Tokens between the runs of one image's placeholders (Pixtral's row breaks, LFM2-VL's
+        tile markers); none: an image is one run."""
+        return frozenset()
 
     def processing(self) -> dict[str, Any]:
         """What the family's processor passes its image processor beyond its config."""
         return {}
+
+    def image_processor(self, path: Path) -> Any:
+        """The family's image processor for the model at ``path`` (transformers')."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(path))
 
     @property
     def bidirectional(self) -> bool:
@@ -205,12 +213,82 @@ class PixtralImages(ImageRule):
         return (row + self.row_break) * (rows - 1) + row + self.end
 
     @property
-    def joiner(self) -> int | None:
-        return self.break_id
+    def joiners(self) -> frozenset[int]:
+        return frozenset((self.break_id,))
 
     def processing(self) -> dict[str, Any]:
         side = self.patch * self.merge
         return {"patch_size": {"height": side, "width": side}}
+
+
+@dataclass(frozen=True, slots=True)
+class Lfm2Images(ImageRule):
+    """LFM2-VL: the template writes ``<image>``; the processor (mlx-vlm's, LFM2-VL's official
+    tiling) resizes the image to a token budget, each 2x2 patches one token, and writes that
+    many ``<image>`` between ``<|image_start|>`` and ``<|image_end|>``. An image too large for
+    the budget is cut into a grid of tiles instead, each written after its
+    ``<|img_row_R_col_C|>``, then the resized image after ``<|img_thumbnail|>``; the features
+    come in that order. ``settings`` is the image processor's configuration."""
+
+    begin: str = "<|image_start|>"
+    end: str = "<|image_end|>"
+    thumbnail: str = "<|img_thumbnail|>"
+    markers: frozenset[int] = frozenset()  # the tiles' and the thumbnail's marker ids
+    settings: str = "{}"  # (JSON)
+
+    def layout(self, size: Size) -> tuple[int, int, int, int]:
+        """(rows, columns) of the image's tiles (1, 1: not tiled), the tokens of a tile and
+        those of the whole image resized (alone, or as the thumbnail)."""
+        from mlx_vlm.models.lfm2_vl import processing_lfm2_vl as lfm2
+
+        p = _lfm2_processor(self.settings)
+        width, height = size
+        patch, factor = p.encoder_patch_size, p.downsample_factor
+        w, h = lfm2._smart_resize(
+            height, width, factor, p.min_image_tokens, p.max_image_tokens, patch
+        )
+        whole = lfm2._num_image_tokens_from_patch_grid(h // patch, w // patch, factor)
+        large = lfm2._is_image_too_large(
+            height, width, p.max_image_tokens, patch, factor, p.max_pixels_tolerance
+        )
+        if not (p.do_image_splitting and large):
+            return 1, 1, 0, whole
+        columns, rows, _, _ = lfm2._get_grid_layout(
+            height, width, p.min_tiles, p.max_tiles, p.tile_size
+        )
+        side = p.tile_size // patch
+        tile = lfm2._num_image_tokens_from_patch_grid(side, side, factor)
+        return rows, columns, tile, whole if p.use_thumbnail else 0
+
+    def tokens(self, size: Size) -> int:
+        rows, columns, tile, whole = self.layout(size)
+        return rows * columns * tile + whole
+
+    def expansion(self, size: Size) -> str:
+        rows, columns, tile, whole = self.layout(size)
+        text = self.begin
+        for row in range(1, rows + 1 if tile else 1):
+            for column in range(1, columns + 1):
+                text += f"<|img_row_{row}_col_{column}|>" + self.marker * tile
+        if whole:
+            text += self.thumbnail * (tile > 0) + self.marker * whole
+        return text + self.end
+
+    @property
+    def joiners(self) -> frozenset[int]:
+        return self.markers
+
+    def image_processor(self, path: Path) -> Any:
+        return _lfm2_processor(self.settings)
+
+
+@functools.lru_cache(maxsize=8)
+def _lfm2_processor(settings: str) -> Any:
+    """mlx-vlm's LFM2-VL image processor with ``settings`` (JSON; the official tiling on, as
+    mlx-vlm's processor loads it whatever the checkpoint says)."""
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlNumpyImageProcessor
+
+    return Lfm2VlNumpyImageProcessor(**json.loads(settings))
 
 
 def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule | None:
@@ -280,12 +358,32 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             merge=config.get("spatial_merge_size", 2 if family == "mistral3" else 1),
             longest_edge=size.get("longest_edge", size.get("height", 1540)),
         )
+    if family == "lfm2-vl":
+        settings = _processor_config(path) | _processor_config(path, "processor_config.json")
+        settings = {k: v for k, v in settings.items() if k not in _LFM2_TILING}
+        image = config.get("image_token_id", config.get("image_token_index"))
+        markers = [
+            f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11) if r * c <= 10
+        ]
+        ids = tokenizer.convert_tokens_to_ids([*markers, "<|img_thumbnail|>"])
+        return Lfm2Images(
+            tokenizer.convert_ids_to_tokens(image),
+            image,
+            markers=frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id),
+            settings=json.dumps(settings, sort_keys=True),
+        )
     return None
 
 
-def _processor_config(path: Path) -> dict[str, Any]:
-    for name in ("preprocessor_config.json", "processor_config.json"):
+_LFM2_TILING = ("do_image_splitting", "min_tiles", "max_tiles", "use_thumbnail")
+"""What mlx-vlm's LFM2-VL processor ignores in a checkpoint (its official tiling applies)."""
+
+
+def _processor_config(path: Path, *names: str) -> dict[str, Any]:
+    """The image processor's settings in the first of ``names`` the model has (by default
+    ``preprocessor_config.json``, else ``processor_config.json``)."""
+    for name in names or ("preprocessor_config.json", "processor_config.json"):
         if (path / name).is_file():
             data = json.loads((path / name).read_text())
-            return data.get("image_processor", data)
+            return dict(data.get("image_processor", data))
     return {}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +109,9 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
     import mlx.core as mx
 
     try:
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        model, tokenizer, config = mlx_lm.load(
+            str(path), model_config=_mlx_lm_spelling(path), return_config=True
+        )
     except MemoryError:
         raise
     except Exception as exc:  # an architecture or tokenizer mlx-lm (or transformers) refuses
@@ -121,3 +124,17 @@ def load_model(spec: str | os.PathLike) -> LoadedModel:
     if vision is not None and vision.rule is not None and vision.rule.positioned:
         install_multimodal_rope(model, vision.rule)
     return LoadedModel(model, tokenizer, path, os.fspath(spec), fingerprint, config, on_gpu, vision)
+
+
+MLX_LM_SPELLINGS = {"lfm2_vl": "lfm2-vl"}
+"""Model types transformers spells otherwise than mlx-lm's module names (LFM2-VL checkpoints
+carry either)."""
+
+
+def _mlx_lm_spelling(path: Path) -> dict[str, Any] | None:
+    """The config override that names the model's type as mlx-lm does (None: it does)."""
+    try:
+        family = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None  # (mlx-lm says what is wrong with it)
+    return {"model_type": MLX_LM_SPELLINGS[family]} if family in MLX_LM_SPELLINGS else None

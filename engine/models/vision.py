@@ -149,7 +149,7 @@ class Vision:
         image = _decoded(data)
         n = rule.tokens(image.size)
         processed = processor(images=[image], return_tensors="np", **rule.processing())
-        extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_")}
+        extra = {k: mx.array(v) for k, v in processed.items() if _is_pixel_input(k)}
         ids = mx.full((1, n), rule.placeholder, dtype=mx.int32)
         got = model.get_input_embeddings(
             ids,
@@ -206,11 +206,10 @@ class Vision:
     def _loaded(self) -> tuple[Any, Any]:
         if self._model is None:
             from mlx_vlm.utils import load_model
-            from transformers import AutoImageProcessor
 
             try:
                 model = load_model(self.path, lazy=True)
-                processor = AutoImageProcessor.from_pretrained(str(self.path))
+                processor = self.check().image_processor(self.path)
             except Exception as exc:
                 raise UnsupportedModelError(
                     f"images: mlx-vlm cannot load the vision half of {self.path.name} "
@@ -223,6 +222,12 @@ class Vision:
         return self._model, self._processor
 
 
+def _is_pixel_input(name: str) -> bool:
+    """Whether a processor's output ``name`` goes to the vision tower beside the pixels (the
+    image's grid, sizes, LFM2-VL's patch shapes and mask)."""
+    return name.startswith("image_") or name in ("spatial_shapes", "pixel_attention_mask")
+
+
 def _decoded(data: bytes) -> Any:
     from PIL import Image
 
@@ -232,21 +237,22 @@ def _decoded(data: bytes) -> Any:
 
 
 def image_rows(
-    history: list[int], chunk: list[int], first_row: int, joiner: int | None = None
+    history: list[int], chunk: list[int], first_row: int, joiners: frozenset[int] = frozenset()
 ) -> list[tuple[int, int, int]]:
     """The image rows of a prefill ``chunk`` fed after ``history``, starting at step row
     ``first_row``: ``(row, image token, index within its image)``. An image is a run of its
-    token, ``joiner`` tokens between its rows counting as within it (Pixtral's breaks)."""
+    token, ``joiners`` between its runs counting as within it (Pixtral's row breaks,
+    LFM2-VL's tile markers)."""
     rows = []
     run_token, run = None, 0
     i = len(history)  # (an image the history began: its tokens there so far)
-    while i and (history[i - 1] >= IMAGE_BASE or history[i - 1] == joiner):
+    while i and (history[i - 1] >= IMAGE_BASE or history[i - 1] in joiners):
         i -= 1
     for token in history[i:]:
         if token >= IMAGE_BASE:
             run_token, run = token, run + 1 if token == run_token else 1
     for j, token in enumerate(chunk):
-        if token == joiner:
+        if token in joiners:
             continue
         if token < IMAGE_BASE:
             run_token, run = None, 0
