@@ -3,14 +3,16 @@ time goes.
 
     python -m benchmarks.bench_ready [--model gemma3-270m] [--repeats 3] [--quick]
 
-Each repeat, interleaved: a fresh ``agentkv serve`` subprocess (an empty data directory) timed
+First one ``agentkv serve`` start with the model's saved tokenizer index deleted (a
+tokenizer's first start: the index is built and saved; ``first_ready_s``). Then each repeat,
+interleaved: a fresh ``agentkv serve`` subprocess (an empty data directory) timed
 from its start until ``GET /ready`` answers 200; and a fresh Python process that imports mlx-lm
 and calls ``mlx_lm.load`` on the same model directory, timed from its start until it exits
 (the time any MLX tool takes before it can generate). Then one process times the steps a
 server takes before it is ready, one after another: imports, ``mlx_lm.load`` (its weights and
 its tokenizer apart), the batch's probes (``ModelRunner``), the constrained-decoding index
-(``Grammars.warm``) and the registry. Figures are medians, in seconds. ``--quick``: tiny:llama,
-once.
+(``Grammars.warm``: read back from disk) and the registry. Figures are medians, in seconds.
+``--quick``: tiny:llama, once.
 Writes benchmarks/results/ready.json and .png (or --out and its .png).
 """
 
@@ -86,6 +88,18 @@ def time_serve(model: str, logs: Path) -> float:
             server.stop()
 
 
+def forget_token_index(path: Path) -> None:
+    """Delete the model's saved tokenizer index (``agentkv.engine.token_index``), so that the
+    next start builds it as a tokenizer's first start does."""
+    from transformers import AutoTokenizer
+
+    from agentkv.engine.token_index import _saved_path
+
+    saved = _saved_path(AutoTokenizer.from_pretrained(str(path)))
+    if saved is not None:
+        saved.unlink(missing_ok=True)
+
+
 def steps(model: str) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", STEPS, model], check=True, capture_output=True, text=True
@@ -126,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model_path(args.model)  # installed or converted before anything is timed
     ready, load = [], []
     with tempfile.TemporaryDirectory() as logs:
+        forget_token_index(path)  # the tokenizer's first start: its index built and saved
+        first = time_serve(args.model, Path(logs))
+        print(f"first start (the token index built): serve ready {first:.2f} s")
         for i in range(args.repeats):
             ready.append(time_serve(args.model, Path(logs)))
             load.append(time_load(path))
@@ -136,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "command": "python -m benchmarks.bench_ready " + " ".join(argv or sys.argv[1:]),
+        "first_ready_s": first,
         "ready_s": statistics.median(ready),
         "load_s": statistics.median(load),
         "ready_runs_s": ready,

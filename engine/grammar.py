@@ -10,8 +10,9 @@ stall in blank space). Unconstrained sequences in the same batch are not touched
 :meth:`Grammars.json_schema` compiles and checks a schema (in a worker thread: large schemas
 take milliseconds); what it cannot compile raises :class:`GrammarError` naming the problem.
 The matcher itself is made on the generation thread, on the sequence's first step. The
-tokenizer's index the library needs is built once, in a background thread when the engine
-opens (about 5 s for Gemma 3's 262K-token vocabulary on 2 CPU cores).
+tokenizer's index the library needs is made once, in a background thread when the engine
+opens (``agentkv.engine.token_index``: built and saved on a tokenizer's first start, read back
+on later ones).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from agentkv.engine.call_formats import TOOL_CALL_STYLES, JsonArguments, Tagged, call_format
 from agentkv.engine.thinking import ThinkingMarkers, ThinkingState
+from agentkv.engine.token_index import token_index
 
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
@@ -65,9 +67,7 @@ class Grammars:
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+                self._tokenizer = token_index(self._hf)
             return self._tokenizer
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:

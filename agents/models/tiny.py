@@ -751,10 +751,15 @@ def get_tiny_spec(spec: str) -> TinySpec:
         raise UnknownTinyModelError(f"unknown tiny model {spec!r}; known: {known}") from None
 
 
+def agentkv_home() -> Path:
+    """``$AGENTKV_HOME``, by default ``~/.cache/agentkv``: what agentkv builds once per machine
+    (tiny models, tokenizer indexes)."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "agentkv").expanduser()
+
+
 def models_home() -> Path:
     """``$AGENTKV_HOME/models``, by default ``~/.cache/agentkv/models``."""
-    home = os.environ.get(HOME_ENV) or Path.home() / ".cache" / "agentkv"
-    return Path(home).expanduser() / "models"
+    return agentkv_home() / "models"
 
 
 def tiny_model_dir(spec: str) -> Path:
