@@ -36,6 +36,7 @@ MODELS = [
     "tiny:mistral3-vl",
     "tiny:pixtral-vl",
     "tiny:lfm2-vl",
+    "tiny:llava-vl",
 ]
 RED, BLUE = (200, 10, 30), (10, 20, 220)
 
@@ -336,6 +337,7 @@ async def test_resent_conversations_name_their_parts(tmp_path):
         "tiny:qwen3-vl",
         "tiny:mistral3-vl",
         "tiny:lfm2-vl",
+        "tiny:llava-vl",
     ],
 )
 async def test_an_image_turn_in_a_batch_that_holds_its_kv_at_8_bits(tmp_path, model_name):

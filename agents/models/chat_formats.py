@@ -266,3 +266,5 @@ CHATML_TOOLS_LFM2_VL = _chatml_tools_with_images(
     ),
     "<image>",
 )
+# LLaVA's: <image>, repeated once per image token.
+CHATML_TOOLS_LLAVA_VL = _chatml_tools_with_images(("<image>",), "<image>")

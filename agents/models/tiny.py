@@ -33,6 +33,7 @@ from agentkv.models.chat_formats import (
     CHATML_TOOLS,
     CHATML_TOOLS_GEMMA4_VL,
     CHATML_TOOLS_LFM2_VL,
+    CHATML_TOOLS_LLAVA_VL,
     CHATML_TOOLS_MISTRAL_VL,
     CHATML_TOOLS_QWEN_VL,
     CHATML_TOOLS_VL,
@@ -200,6 +201,15 @@ class TinySpec:
                 "eoi_token_id": chat.id_of("<image|>"),
                 "image_token_id": chat.id_of("<|image|>"),
                 "vision_soft_tokens_per_image": self.image_tokens,
+            }
+        if self.model_type == "llava":  # LLaVA's: a Llama text model, a CLIP tower
+            return config | {
+                "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": text | {"model_type": "llama"},
+                "image_token_index": chat.id_of("<image>"),
+                "vision_feature_select_strategy": "default",
+                "vision_feature_layer": -2,
+                "projector_hidden_act": "gelu",
             }
         if self.model_type == "lfm2-vl":  # LFM2-VL's: an LFM2 text model, patches unshuffled
             return config | {
@@ -615,6 +625,31 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
+            name="tiny:llava-vl",
+            description=(
+                "llava vision-language model (mlx-vlm's classes): a 4-layer Llama text model, "
+                "hidden 128, and a 2-layer CLIP vision tower; 32x32 center-cropped images of "
+                "16 tokens (8-pixel patches, the class token dropped)"
+            ),
+            model_type="llava",
+            chat=CHATML_TOOLS_LLAVA_VL,
+            shape=Shape(128, 4, 2, 1, 64, 256, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            image_tokens=16,
+            embed_scale=0.1,
+            vision=(
+                ("model_type", "clip_vision_model"),
+                ("num_hidden_layers", 2),
+                ("hidden_size", 32),
+                ("intermediate_size", 64),
+                ("num_attention_heads", 2),
+                ("image_size", 32),
+                ("patch_size", 8),
+                ("projection_dim", 32),
+            ),
+        ),
+        TinySpec(
             name="tiny:qwen2-vl",
             description=(
                 "qwen2_vl vision-language model (mlx-vlm's classes): tiny:qwen2_5-vl's text "
@@ -894,6 +929,16 @@ def _image_processor(definition: TinySpec) -> dict:
             "pooling_kernel_size": vision["pooling_kernel_size"],
             "do_resize": True,
             "do_normalize": False,
+        }
+    if definition.model_type == "llava":  # CLIP's: the short side resized, center-cropped
+        size = vision["image_size"]
+        return common | {
+            "image_processor_type": "CLIPImageProcessor",
+            "size": {"shortest_edge": size},
+            "crop_size": {"height": size, "width": size},
+            "do_resize": True,
+            "do_center_crop": True,
+            "resample": 3,
         }
     if definition.model_type == "lfm2-vl":  # a token budget; a larger image tiled
         return common | {

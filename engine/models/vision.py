@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
-from agentkv.engine.models.image_rules import ImageRule, image_rule
+from agentkv.engine.models.image_configs import image_rule
+from agentkv.engine.models.image_rules import ImageRule
 
 if TYPE_CHECKING:
     import mlx.core as mx
