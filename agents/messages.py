@@ -90,6 +90,26 @@ def checked_history(messages: Sequence[Message]) -> list[Message]:
     return checked
 
 
+def checked_appended(messages: Sequence[Message]) -> list[Message]:
+    """:func:`checked_history`, where a user message's content may also be a list of text
+    parts and image parts holding their bytes (``{"type": "image", "data": <bytes>}``)."""
+    texts = [{**m, "content": ""} if isinstance(m.get("content"), list) else m for m in messages]
+    checked = checked_history(texts)
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), list):
+            continue
+        if m["role"] != "user":
+            raise InvalidMessageError(f"messages[{i}]: only a user message shows images")
+        checked_texts([m])  # (each part a text or an image)
+        for j, part in enumerate(m["content"]):
+            if part["type"] == "image" and not isinstance(part.get("data"), bytes | bytearray):
+                raise InvalidMessageError(
+                    f"messages[{i}].content[{j}]: an image part holds its bytes as 'data'"
+                )
+        checked[i]["content"] = list(m["content"])
+    return checked
+
+
 def transcript_messages(agent: AgentRecord, transcript: list[MessageRecord]) -> list[Message]:
     """The agent's system prompt and stored messages, as chat-template messages."""
     system = [{"role": "system", "content": agent.system_prompt}] if agent.system_prompt else []

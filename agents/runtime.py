@@ -28,8 +28,9 @@ from agentkv.errors import (
 )
 from agentkv.formats import FREE, schema_of
 from agentkv.harmony import Harmony
+from agentkv.images import shows_images, with_stored_images
 from agentkv.leases import Leases, WorkerClaim
-from agentkv.messages import Message, checked_history, off_loop
+from agentkv.messages import Message, checked_appended, off_loop
 from agentkv.prompt import ChatRenderer
 from agentkv.reasoning import ReasoningFormat
 from agentkv.store import (
@@ -215,13 +216,26 @@ class AgentRuntime:
 
         Args:
             agent_id: the agent.
-            messages: ``{"role": "user" | "assistant", "content": str}`` dicts, in order.
+            messages: ``{"role": "user" | "assistant", "content": str}`` dicts, in order; a
+                user message's content may instead be a list of parts, ``{"type": "text",
+                "text": str}`` and ``{"type": "image", "data": bytes}`` (an encoded PNG, JPEG,
+                WebP or GIF image, for a vision-language model: stored as ``chat`` stores
+                its images).
+
+        Raises:
+            InvalidMessageError: a message or part is malformed (named by its index).
+            InvalidImageError: an image cannot be read or is too large (named by its index).
+            UnsupportedModelError: images for a model that takes none.
 
         The agent's cache stays valid: the next turn prefills these messages as part of its delta.
         To import history and run a turn atomically, pass it as ``chat(..., history=...)``.
         """
         self._check_open()
-        await self._turns.append(agent_id, await off_loop(checked_history, messages))
+        messages = await off_loop(checked_appended, messages)
+        if shows_images(messages):
+            self._engine.check_images()
+            messages = await with_stored_images(self._registry.images, messages)
+        await self._turns.append(agent_id, messages)
 
     async def count_tokens(
         self,

@@ -39,6 +39,7 @@ from agentkv.prompt import ChatRenderer
 from agentkv.reasoning import PROMPT_TAIL, ReasoningFormat
 from agentkv.replies import finished_reply, log_turn
 from agentkv.store import AgentRecord, MessageRecord, NewMessage, Registry, validate_agent_id
+from agentkv.store.images import parts_text
 from agentkv.types import (
     CacheSource,
     ReasoningDelta,
@@ -208,7 +209,12 @@ class TurnRunner:
             await asyncio.to_thread(self.renderer.check, conversation)
             await self.registry.append_messages(
                 agent_id,
-                [NewMessage(m["role"], m["content"]) for m in messages],
+                [
+                    NewMessage(m["role"], parts_text(m["content"]), parts=tuple(m["content"]))
+                    if isinstance(m["content"], list)  # (images, stored: by number)
+                    else NewMessage(m["role"], m["content"])
+                    for m in messages
+                ],
                 expected_version=agent.version,
             )
             self.caches.advanced(agent_id, agent.version)  # its caches still cover a prefix

@@ -115,6 +115,7 @@ class ServerProcess:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = None
+    cwd: Path = ROOT
 
     @property
     def base_url(self) -> str:
@@ -136,7 +137,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
-                cwd=ROOT,
+                cwd=self.cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -639,3 +639,38 @@ def test_images_quick(tmp_path):
     assert report["vision_runs"] == [2] and report["vision_runs_after_restart"] == 0
     ratio = images["hot_ttft_s"] / text["hot_ttft_s"]
     assert report["follow_up_hot_ratio"] == ratio
+
+
+def test_agents_quick(tmp_path):
+    report = run_quick("bench_agents", tmp_path)
+
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert report["model"] == "tiny:gemma3" and list(report["servers"]) == ["agentkv", "mlx_lm"]
+    w = report["workload"]
+    # Per conversation: the opening, a tool round (two requests) and a follow-up; after the
+    # restart one more tool round.
+    expected = {"steady": w["conversations"] * 4, "restart": w["conversations"] * 2}
+    for server in report["servers"].values():
+        assert [s["phase"] for s in server["sessions"]] == ["steady", "restart"]
+        for phase, count in expected.items():
+            requests = server["requests"][phase]
+            assert len(requests) == count == server["phases"][phase]["requests"]
+            kinds = [r["kind"] for r in requests if r["conversation"] == "conv-0"]
+            assert kinds == (
+                ["first", "tool_call", "tool_result", "follow_up"]
+                if phase == "steady"
+                else ["tool_call", "tool_result"]
+            )
+            for r in requests:
+                assert 0 < r["ttft_s"] <= r["total_s"] and r["completion_tokens"] >= 1
+                assert r["prompt_tokens"] > w["first"] and r["cached_tokens"] is not None
+            summary = server["phases"][phase]
+            assert summary["ttft_p50_s"] <= summary["ttft_p90_s"]
+            assert 0 <= summary["cached_share"] <= 1 and summary["requests_per_s"] > 0
+    # agentkv continued every conversation from its cache on disk after the restart: all but
+    # the new user message (the tool call's request) or the reply the client rewrote as a
+    # tool call and the tool's result (and the template's tokens around them) cached.
+    for r in report["servers"]["agentkv"]["requests"]["restart"]:
+        prefilled = r["prompt_tokens"] - r["cached_tokens"]
+        assert prefilled < (64 if r["kind"] == "tool_call" else w["tool"] + 128)
+    assert set(report["ratios"]) == {"mlx_lm"}

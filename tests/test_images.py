@@ -266,6 +266,56 @@ async def test_an_image_turn_resumes_in_process_and_after_a_restart(tmp_path, mo
         assert other.token_ids != first.token_ids  # another image, other tokens
 
 
+async def test_appended_messages_show_images_as_a_turn_does(tmp_path):
+    async with await AgentRuntime.open(config(tmp_path)) as rt:
+        shown = await rt.create_agent()
+        await rt.chat(shown.id, "What is this?", images=[encoded(RED)], max_tokens=2)
+        replies = {}
+        for color in (RED, BLUE):  # the same exchange imported, with each image
+            imported = await rt.create_agent()
+            picture = {"type": "image", "data": encoded(color)}
+            await rt.append_messages(
+                imported.id,
+                [
+                    {"role": "user", "content": [picture, {"type": "text", "text": "What?"}]},
+                    {"role": "assistant", "content": "Fine."},
+                ],
+            )
+            stored = await rt.transcript(imported.id)
+            assert stored[0].content == "What?" and stored[1].content == "Fine."
+            replies[color] = await rt.chat(imported.id, "And?", max_tokens=6)
+            held = replies[color].usage.prompt_tokens
+            assert held > rt.engine.model.vision.rule.tokens((100, 80))
+        # The image is stored as chat stores it (the same number, by content); the model read
+        # it (encoded once: the first turn's features were kept) and each gives other tokens.
+        red = (await rt.transcript(shown.id))[0].parts[0]
+        assert [p for p in stored[0].parts if p["type"] == "image"] != [red]
+        assert rt.engine.model.vision.encoded == 2
+        assert replies[RED].token_ids != replies[BLUE].token_ids
+        first = await rt.create_agent()
+        await rt.append_messages(
+            first.id, [{"role": "user", "content": [{"type": "image", "data": encoded(RED)}]}]
+        )
+        assert (await rt.transcript(first.id))[0].parts == (red,)
+        # Bad parts are named and store nothing.
+        before = await rt.transcript(imported.id)
+        for content, says in [
+            ([{"type": "image", "data": "not bytes"}], r"messages\[0\]\.content\[0\]"),
+            ([{"type": "image", "data": b"not an image"}], r"messages\[0\]\.content\[0\]"),
+            ([{"type": "audio"}], r"messages\[0\]\.content\[0\]: a part is a text or an image"),
+        ]:
+            with pytest.raises((InvalidMessageError, InvalidImageError), match=says):
+                await rt.append_messages(imported.id, [{"role": "user", "content": content}])
+        with pytest.raises(InvalidMessageError, match=r"messages\[0\]: only a user message"):
+            await rt.append_messages(imported.id, [{"role": "assistant", "content": [picture]}])
+        assert await rt.transcript(imported.id) == before
+    async with await AgentRuntime.open(config(tmp_path / "text", "tiny:gemma3")) as rt:
+        agent = await rt.create_agent()
+        with pytest.raises(UnsupportedModelError, match="images"):
+            await rt.append_messages(agent.id, [{"role": "user", "content": [picture]}])
+        assert await rt.transcript(agent.id) == []
+
+
 async def test_bad_images_and_text_models_are_refused_by_name(tmp_path):
     async with await AgentRuntime.open(config(tmp_path / "vl")) as rt:
         agent = await rt.create_agent()
