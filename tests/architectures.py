@@ -997,6 +997,29 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     # Llama 4 (text of the multimodal checkpoint): chunked local attention (ChunkedKVCache) in
     # three layers of four, global attention without rotary positions in the fourth.
+    "gemma3n": _multimodal(  # (mlx-lm's class reads the multimodal config only)
+        "gemma3n",
+        _config(
+            "gemma3n_text",
+            _ATTENTION,
+            rms_norm_eps=1e-6,
+            num_kv_shared_layers=2,  # (E2B's: the last layers reuse earlier KV)
+            vocab_size_per_layer_input=512,
+            hidden_size_per_layer_input=16,
+            sliding_window=WINDOW,
+            rope_local_base_freq=10_000.0,
+            rope_theta=1_000_000.0,
+            final_logit_softcapping=30.0,
+            layer_types=_SLIDING_FULL,
+            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+            altup_num_inputs=4,
+            altup_coef_clip=120.0,
+            altup_correct_scale=True,
+            altup_active_idx=0,
+            laurel_rank=16,
+            tie_word_embeddings=True,
+        ),
+    ),
     "llama4": _multimodal(
         "llama4",
         _config(
