@@ -25,11 +25,17 @@ Servers, one at a time on 127.0.0.1 (never two at once: none takes another's cor
 - ``agentkv``: ``agentkv serve --model DIR --data-dir D`` (as shipped);
 - ``mlx_lm``: ``mlx_lm.server --model DIR`` with OpenBLAS preloaded as agentkv does
   (``benchmarks.bench_peer``), its prompt cache sized to hold every conversation;
-- ``llama_cpp``: llama-cpp-python's OpenAI server (``pip install 'llama-cpp-python[server]'``,
-  built with ``CMAKE_ARGS=-DGGML_NATIVE=OFF`` so it runs on any x86-64 CPU) on the GGUF file
+- ``llama_cpp``: llama-cpp-python's OpenAI server (the ``peers`` extra:
+  ``CMAKE_ARGS=-DGGML_NATIVE=OFF pip install -e '.[peers]'``, built for any x86-64 CPU with
+  AVX2 rather than for this one) on the GGUF file
   the model directory was converted from (the packaged model's own Q4_K_M file, or
-  ``--gguf``), its prompt cache on (``--llama-cache disk``, the default, keeps it in a
-  directory that survives the restart; ``ram`` keeps it in memory).
+  ``--gguf``), requests queued rather than cut short by the next one. Its own prompt reuse:
+  a request resumes the longest prefix it shares with the previous one, in the one context
+  the server keeps. Its prompt caches are off by default (``--llama-cache none``): in
+  llama-cpp-python 0.3.36 on this model the cache in memory (``ram``) took the server down
+  mid-run in both runs tried (its process gone, no error logged), and the one
+  on disk (``disk``) never served a prompt (every lookup a miss) while each request still
+  paid to save its state.
 
 Every request: the official ``openai`` SDK, streaming, ``temperature=0``, ``max_tokens``
 ``--max-tokens``, ``user=<conversation>`` (agentkv's agent identity; the others ignore it), the
@@ -37,13 +43,15 @@ whole conversation as ``messages``. Each session begins with a throwaway request
 conversation. Per request the JSON records when it started, its time to first token (queueing
 and prefill: what a client cannot tell apart), the rest of its stream (decoding), the tokens
 each server reports (prompt, cached where it reports them, completion; chunks counted where it
-reports none) and how many other requests were in flight when it started. Per server and phase
+reports none), how many other requests were in flight when it started, and whether the server
+dropped its stream (sent again once, its time counted from the first attempt; a second drop
+fails the run). Per server and phase
 (``steady``: the first session; ``restart``: after the restart): TTFT and TPOT percentiles,
 requests per second (requests over the phase's wall time), the cached share of prompt tokens
 where reported, and the phase's time summed over requests: waiting for the first token,
 decoding.
 
-Writes benchmarks/results/agents.json and .png (or --out and its .png).
+Writes benchmarks/results/agentic.json and .png (or --out and its .png).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import asyncio
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import shutil
@@ -65,7 +74,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 
 from agentkv.models.directory import resolve_model_path
 from agentkv.models.packaged import PACKAGED_MODELS
@@ -102,6 +111,7 @@ class Request:
     cached_tokens: int | None  # None: the server does not report them
     completion_tokens: int
     in_flight: int  # other requests in flight when this one started
+    retried: int  # the server dropped its stream and it was sent again (0 or 1)
     text: str
 
 
@@ -111,13 +121,13 @@ class Workload:
     def __init__(self, args: argparse.Namespace, model_dir: Path):
         count = chat_token_counter(model_dir)
         rng = np.random.default_rng(0)
-        self.system = self._sized(count, rng, args.prefix, "system")
-        self.tasks = [self._sized(count, rng, args.first, "user") for _ in self.names(args)]
+        self.system = self._sized(count, rng, args.prefix)
+        self.tasks = [self._sized(count, rng, args.first) for _ in self.names(args)]
         self.tools = [
-            [self._sized(count, rng, args.tool, "user") for _ in range(args.rounds + 9)]
+            [self._sized(count, rng, args.tool) for _ in range(args.rounds + 9)]
             for _ in self.names(args)
         ]
-        self.follow = [words(rng, max(1, args.follow * 3 // 4)) for _ in self.names(args)]
+        self.follow = [self._sized(count, rng, args.follow) for _ in self.names(args)]
         self.args = args
 
     @staticmethod
@@ -125,12 +135,21 @@ class Workload:
         return [f"conv-{i}" for i in range(args.conversations)]
 
     @staticmethod
-    def _sized(count: Any, rng: np.random.Generator, tokens: int, role: str) -> str:
-        """About ``tokens`` tokens of text (as the model's template counts a message of it)."""
-        text = words(rng, max(1, tokens // 2))
-        while count([{"role": role, "content": text}]) < tokens:
-            text += " " + words(rng, max(1, tokens // 8))
-        return text
+    def _sized(count: Any, rng: np.random.Generator, tokens: int) -> str:
+        """Random words, ``tokens`` tokens of them or just under (as the model's template
+        counts a user message of them, less the template's own)."""
+        empty = count([{"role": "user", "content": ""}])
+        pool = words(rng, 2 * tokens).split()
+        low, high = 1, len(pool)
+        while low < high:
+            mid = (low + high + 1) // 2
+            text = " ".join(pool[:mid])
+            low, high = (
+                (mid, high)
+                if count([{"role": "user", "content": text}]) - empty <= tokens
+                else (low, mid - 1)
+            )
+        return " ".join(pool[:low])
 
     def opening(self, i: int) -> list[dict]:
         return [
@@ -174,7 +193,10 @@ class Run:
             gguf = str(self.bench.gguf)
             argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, *common]
             argv += ["--n_ctx", str(self.args.context), "--n_threads", str(os.cpu_count())]
-            argv += ["--cache", "true", "--cache_type", self.args.llama_cache]
+            if self.args.llama_cache != "none":
+                argv += ["--cache", "true", "--cache_type", self.args.llama_cache]
+            # Queued, not cut short by the next request; its chat template's format.
+            argv += ["--interrupt_requests", "false", "--chat_format", self.args.llama_format]
             ready = "/v1/models"
         self.argv = [a if a != str(port) else "PORT" for a in argv]
         log = self.bench.root / f"{self.name}.log"
@@ -257,25 +279,33 @@ class Run:
     ) -> Request:
         in_flight, self._in_flight = self._in_flight, self._in_flight + 1
         start = time.perf_counter()
-        ttft, text, chunks, usage = None, [], 0, None
+        retried = 0
         try:
-            stream = await client.chat.completions.create(
-                model=str(self.bench.model_dir),
-                messages=messages,
-                max_tokens=self.args.max_tokens if phase else 2,
-                temperature=0,
-                user=name,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            async for chunk in stream:
-                usage = chunk.usage or usage
-                for choice in chunk.choices:
-                    if ttft is None and (choice.delta.content or choice.finish_reason):
-                        ttft = time.perf_counter() - start
-                    if choice.delta.content:
-                        text.append(choice.delta.content)
-                        chunks += 1
+            while True:
+                ttft, text, chunks, usage = None, [], 0, None
+                try:
+                    stream = await client.chat.completions.create(
+                        model=str(self.bench.model_dir),
+                        messages=messages,
+                        max_tokens=self.args.max_tokens if phase else 2,
+                        temperature=0,
+                        user=name,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                    async for chunk in stream:
+                        usage = chunk.usage or usage
+                        for choice in chunk.choices:
+                            if ttft is None and (choice.delta.content or choice.finish_reason):
+                                ttft = time.perf_counter() - start
+                            if choice.delta.content:
+                                text.append(choice.delta.content)
+                                chunks += 1
+                    break
+                except APIConnectionError:  # (a stream the server dropped: sent again, once;
+                    if retried:  # its time counts from the first attempt)
+                        raise
+                    retried += 1
         finally:
             self._in_flight -= 1
         total = time.perf_counter() - start
@@ -294,6 +324,7 @@ class Run:
             cached_tokens=getattr(details, "cached_tokens", None),
             completion_tokens=usage.completion_tokens if usage else chunks,
             in_flight=in_flight,
+            retried=retried,
             text="".join(text),
         )
         if phase is not None:
@@ -314,6 +345,11 @@ class Bench:
         self.args, self.root = args, root
         self.model_dir = resolve_model_path(args.model)
         self.work = Workload(args, self.model_dir)
+        if "llama_cpp" in args.servers and importlib.util.find_spec("llama_cpp") is None:
+            raise BenchError(
+                "llama_cpp: llama-cpp-python is not installed (pip install -e '.[peers]'); "
+                "or leave it out: --servers agentkv,mlx_lm"
+            )
         self.gguf = self.find_gguf() if "llama_cpp" in args.servers else None
         self.runs = {name: Run(name, self) for name in args.servers}
 
@@ -354,6 +390,7 @@ def phase_summary(run: Run, phase: str) -> dict:
         "tpot_p90_s": percentile(tpot, 90),
         "cached_share": sum(r.cached_tokens for r in reported) / prompt if prompt else None,
         "completion_tokens": sum(r.completion_tokens for r in requests),
+        "retried": sum(r.retried for r in requests),
         "waiting_for_first_token_s": sum(ttft),
         "decoding_s": sum(r.decode_s for r in requests),
     }
@@ -478,12 +515,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--follow", type=int, default=100, help="each follow-up's tokens")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192, help="llama.cpp's n_ctx")
-    parser.add_argument("--llama-cache", choices=("disk", "ram"), default="disk")
+    parser.add_argument("--llama-cache", choices=("none", "ram", "disk"), default="none")
+    parser.add_argument(
+        "--llama-format", default="gemma", help="llama-cpp-python's chat format (the model's)"
+    )
     parser.add_argument("--start-timeout", type=float, default=300)
     parser.add_argument("--request-timeout", type=float, default=900)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs)")
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3, agentkv and mlx_lm")
-    parser.add_argument("--out", type=Path, default=RESULTS / "agents.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "agentic.json")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:

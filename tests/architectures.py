@@ -1020,6 +1020,7 @@ ARCHITECTURES: dict[str, dict] = {
             tie_word_embeddings=True,
         ),
     ),
+    "kimi_vl": _multimodal("kimi_vl", _deepseek_v3("deepseek_v3")),  # (its text half)
     "llama4": _multimodal(
         "llama4",
         _config(

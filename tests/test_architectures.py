@@ -87,6 +87,7 @@ RUN = [
     "kimi_k2",
     "glm4_moe_lite",
     "kimi_linear",
+    "kimi_vl",  # Kimi-VL's language model: DeepSeek V3's
     "mistral4",  # with an attention scale per position, computed before the layers
     "gemma2",
     # two caches a layer (CacheList): attention and state, MLA and a sparse-attention index
