@@ -123,12 +123,11 @@ class Workload:
         rng = np.random.default_rng(0)
         self.system = self._sized(count, rng, args.prefix)
         self.tasks = [self._sized(count, rng, args.first) for _ in self.names(args)]
+        rounds = args.rounds + args.after_restart + 1  # (a tool result for round n at [n])
         self.tools = [
-            [self._sized(count, rng, args.tool) for _ in range(args.rounds + 9)]
-            for _ in self.names(args)
+            [self._sized(count, rng, args.tool) for _ in range(rounds)] for _ in self.names(args)
         ]
         self.follow = [self._sized(count, rng, args.follow) for _ in self.names(args)]
-        self.args = args
 
     @staticmethod
     def names(args: argparse.Namespace) -> list[str]:
