@@ -182,7 +182,7 @@ class Run:
         model = str(self.bench.model_dir)
         if self.name == "agentkv":
             argv = [sys.executable, "-m", "agentkv.server.cli", "serve", "--model", model]
-            argv += [*common, "--data-dir", str(data)]
+            argv += [*common, "--data-dir", str(data), *self.args.agentkv_args.split()]
             ready = "/v1/models"
         elif self.name == "mlx_lm":
             argv = [sys.executable, "-c", MLX_LM_WRAPPER, "--model", model, *common]
@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--llama-format", default="gemma", help="llama-cpp-python's chat format (the model's)"
     )
+    parser.add_argument("--agentkv-args", default="", help="more `agentkv serve` arguments")
     parser.add_argument("--start-timeout", type=float, default=300)
     parser.add_argument("--request-timeout", type=float, default=900)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs)")

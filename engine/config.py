@@ -69,6 +69,11 @@ class EngineConfig(BaseModel):
         max_decode_stall: while prompts prefill beside decoding turns (``fair`` and
             ``latency_first``), each step's prefill tokens are sized so a decoding turn's
             inter-token gap stays within this multiple of a decode-only step.
+        max_prefill_step_s: a step that only prefills (nobody decoding; ``fair`` and
+            ``latency_first``) holds about this many seconds of prompt tokens, as measured
+            (between 64 and ``prefill_step_size``), so a turn that arrives while a long prompt
+            prefills joins within about this long; where a whole ``prefill_step_size`` chunk
+            takes less (a GPU), nothing changes.
         max_queue_size: waiting requests beyond this are refused with EngineOverloadedError.
         priority_aging_per_s: priority a waiting request gains per second of waiting.
         stats_window_s: window of the aggregate decode tok/s.
@@ -108,6 +113,7 @@ class EngineConfig(BaseModel):
     kv_budget_bytes: int | None = Field(default=None, ge=1)
     policy: Policy = Policy.FAIR
     max_decode_stall: float = Field(default=2.0, ge=1.1, le=100.0)
+    max_prefill_step_s: float = Field(default=0.5, gt=0.0, le=3600.0)
     max_queue_size: int = Field(default=1024, ge=1)
     priority_aging_per_s: float = Field(default=0.1, ge=0.0)
     stats_window_s: float = Field(default=10.0, gt=0.0)

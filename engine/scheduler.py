@@ -3,8 +3,7 @@
 Every step the scheduler (1) admits waiting turns while a slot and the KV budget allow,
 pausing lower-priority turns when a higher-priority one needs their room (``fair`` also
 rotates turns that used up their time slice), (2) merges sequences that finished their
-prefill into a length group, and (3) picks the prefill chunks that run beside the decode rows,
-sized by :class:`PrefillPacer` so decoding turns are not stalled.
+prefill into a length group, and (3) picks the prefill chunks, sized by :class:`PrefillPacer`.
 
 Policies (``EngineConfig.policy``):
     fair: turns wait in arrival order; every turn gets its share of steps: prefill tokens are
@@ -72,7 +71,7 @@ class Scheduler:
         self.queue: AdmissionQueue[Sequence] = AdmissionQueue(
             config.max_queue_size, config.priority_aging_per_s, clock
         )
-        self.pacer = PrefillPacer(config.prefill_step_size, config.max_decode_stall)
+        self.pacer = PrefillPacer(config)
         self.running: list[Sequence] = []
         self.groups: list[KVGroup] = []
         self.rejected: list[tuple[Sequence, Exception]] = []  # failed to join; the loop ends them
@@ -356,11 +355,10 @@ class Scheduler:
         prefilling = [s for s in self.running if s.status is SeqStatus.PREFILLING]
         if not prefilling:
             return []
-        step = self.config.prefill_step_size
         if self.policy is Policy.THROUGHPUT_FIRST:  # every prompt a whole chunk each step
-            chunks = [(s, min(len(s.prompt), step)) for s in prefilling]
-        else:  # nobody decoding: one whole chunk a step, shared, so newcomers start soon
-            chunks = self._paced_chunks(prefilling, self.pacer.budget() if decoding else step)
+            chunks = [(s, min(len(s.prompt), self.config.prefill_step_size)) for s in prefilling]
+        else:  # paced beside decoders; alone ~max_prefill_step_s, so newcomers start soon
+            chunks = self._paced_chunks(prefilling, self.pacer.budget(decoding))
         chunks = [(s, s.chunk_within(n, self.layout.windowed)) for s, n in chunks]
         if any(n == len(s.prompt) for s, n in chunks):
             self._regroup = True  # decoding next step: it may join a group
@@ -369,7 +367,7 @@ class Scheduler:
     def _paced_chunks(self, prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """Split a step's prefill ``budget`` (0: a decode-only step to re-measure the pacer):
         shortest prompt first, a short one whole, under latency_first; under fair an even share
-        each, at least ``MIN_CHUNK``, so every prompt keeps moving."""
+        each, at least ``MIN_CHUNK`` (what a short one leaves to the longer ones)."""
         if not budget:
             return []
         if self.policy is Policy.LATENCY_FIRST:
@@ -390,8 +388,11 @@ class Scheduler:
             start = self._rotation % len(prefilling)
             self._rotation = start + k
             prefilling = (prefilling[start:] + prefilling[:start])[:k]
-        share = max(MIN_CHUNK, budget // k)
-        return [(s, min(len(s.prompt), share)) for s in prefilling]
+        sizes, left = {}, budget
+        for i, seq in enumerate(sorted(prefilling, key=lambda s: len(s.prompt))):
+            sizes[id(seq)] = min(len(seq.prompt), max(MIN_CHUNK, left // (k - i)))
+            left -= sizes[id(seq)]
+        return [(s, sizes[id(s)]) for s in prefilling]
 
     def _measure(self) -> None:
         self.held_bytes = sum(g.held_bytes for g in self.groups)

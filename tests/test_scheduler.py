@@ -16,7 +16,7 @@ from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
 from agentkv.engine.errors import EngineOverloadedError, KVBudgetError
 from agentkv.engine.meter import StepRecord
-from agentkv.engine.pacing import MIN_CHUNK, PACER_REFRESH_STEPS, PrefillPacer
+from agentkv.engine.pacing import MIN_CHUNK, MIN_PREFILL_ONLY, PACER_REFRESH_STEPS, PrefillPacer
 from agentkv.engine.request import FinishReason, GenerationRequest
 from agentkv.engine.sampling import SamplingParams
 
@@ -409,22 +409,66 @@ async def test_a_prompt_joining_decoding_turns_shares_their_steps():
     assert sum(s.prefill_tokens for s in beside) == 600
 
 
+async def test_a_prompt_alone_prefills_in_steps_of_max_prefill_step_s():
+    """Where a whole chunk takes longer than ``max_prefill_step_s`` (here a bound no step
+    meets), a prompt alone prefills in the smallest steps, and a short turn that arrives
+    meanwhile starts long before the prompt is done; the prompt's tokens are unchanged."""
+    config = EngineConfig(prefill_step_size=256, max_prefill_step_s=1e-6)
+    eng = await Engine.open("tiny:gemma3", config)
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        long_request = GenerationRequest(prompt_of(2000, salt=1), max_tokens=2, ignore_eos=True)
+        long = eng.submit(long_request)
+        while not steps:
+            await asyncio.sleep(0.001)
+        short = eng.submit(GenerationRequest(prompt_of(10, salt=2), max_tokens=2, ignore_eos=True))
+        long_result, short_result = await long.result(), await short.result()
+    finally:
+        await eng.close()
+    alone = [s.prefill_tokens for s in steps if s.prefill_tokens and not s.decode_rows]
+    assert max(alone) == MIN_PREFILL_ONLY and len(alone) > 10  # not prefill_step_size (256)
+    assert short_result.stats.first_token_at < long_result.stats.first_token_at
+    assert long_result.token_ids == greedy(eng, long_request.prompt_tokens, 2)
+
+
+def pacer(**config) -> PrefillPacer:
+    return PrefillPacer(EngineConfig(**config))
+
+
 def test_the_pacer_sizes_chunks_to_the_stall_bound():
-    pacer = PrefillPacer(max_chunk=512, stall_factor=2.0)
-    assert pacer.budget() == 0  # decode time unknown: a decode-only step measures it
-    pacer.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
-    assert pacer.budget() == MIN_CHUNK  # cost of a prefill token unknown: start small
-    pacer.observe(decode_rows=8, prefill_tokens=16, seconds=0.132)  # 2 ms a token
-    assert pacer.budget() == 50  # (2 - 1) x 100 ms / 2 ms
+    paced = pacer(prefill_step_size=512, max_decode_stall=2.0)
+    assert paced.budget(decoding=True) == 0  # decode time unknown: a decode-only step measures it
+    paced.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
+    assert paced.budget(True) == MIN_CHUNK  # cost of a prefill token unknown: start small
+    paced.observe(decode_rows=8, prefill_tokens=16, seconds=0.132)  # 2 ms a token
+    assert paced.budget(True) == 50  # (2 - 1) x 100 ms / 2 ms
     for _ in range(PACER_REFRESH_STEPS):
-        pacer.observe(decode_rows=8, prefill_tokens=50, seconds=0.200)
-    assert pacer.budget() == 0  # a decode-only step now and then keeps the decode time fresh
-    pacer.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
-    assert pacer.budget() == 50
-    fast = PrefillPacer(max_chunk=512, stall_factor=2.0)
+        paced.observe(decode_rows=8, prefill_tokens=50, seconds=0.200)
+    assert paced.budget(True) == 0  # a decode-only step now and then keeps the decode time fresh
+    paced.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
+    assert paced.budget(True) == 50
+    fast = pacer(prefill_step_size=512, max_decode_stall=2.0)
     fast.observe(decode_rows=8, prefill_tokens=0, seconds=0.100)
     fast.observe(decode_rows=8, prefill_tokens=100, seconds=0.101)
-    assert fast.budget() == 512  # prefill that costs nothing beside decoding goes in whole
+    assert fast.budget(True) == 512  # prefill that costs nothing beside decoding goes in whole
+
+
+def test_a_step_that_only_prefills_lasts_about_max_prefill_step_s():
+    paced = pacer(prefill_step_size=512, max_prefill_step_s=0.5)
+    assert paced.budget(decoding=False) == 512  # the cost of a token unknown: a whole chunk
+    paced.observe(decode_rows=8, prefill_tokens=100, seconds=1.0)  # 10 ms a token, with decode
+    assert paced.budget(False) == 149  # till one is measured alone: 0.5 s / 3.35 ms (an EMA)
+    paced.observe(decode_rows=0, prefill_tokens=512, seconds=1.792)  # 3.5 ms a token
+    assert paced.budget(False) == 142  # 0.5 s / 3.5 ms
+    paced.observe(decode_rows=8, prefill_tokens=16, seconds=1.0)  # beside decoders: not counted
+    assert paced.budget(False) == 142
+    for _ in range(20):  # a long prompt's late chunks cost more a token (more keys)
+        paced.observe(decode_rows=0, prefill_tokens=64, seconds=1.0)
+    assert paced.budget(False) == MIN_PREFILL_ONLY  # the floor: a step's fixed cost stays small
+    fast = pacer(prefill_step_size=512, max_prefill_step_s=0.5)
+    fast.observe(decode_rows=0, prefill_tokens=512, seconds=0.05)  # a GPU: the whole chunk
+    assert fast.budget(False) == 512
 
 
 def test_engine_config_names_the_bad_field():
@@ -554,6 +598,16 @@ def test_fair_prefill_gives_a_small_budget_to_a_few_prompts_in_turn(layout):
     assert [s for s, _ in third] == [prompts[4], prompts[0]]
     even = scheduler._paced_chunks(list(prompts), 10 * MIN_CHUNK)
     assert [n for _, n in even] == [2 * MIN_CHUNK] * 5
+
+
+def test_fair_prefill_gives_what_a_short_prompt_leaves_to_the_longer_ones(layout):
+    from agentkv.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(EngineConfig(policy="fair"), layout, budget_bytes=1 << 30)
+    long, short, middle = (waiting(scheduler, n, salt=n) for n in (500, 20, 70))
+    chunks = scheduler._paced_chunks([long, short, middle], 140)
+    assert chunks == [(long, 60), (short, 20), (middle, 60)]
+    assert scheduler._paced_chunks([long, middle], 200) == [(long, 130), (middle, 70)]
 
 
 def test_a_joining_q4_turn_reads_the_first_position_of_its_own_first_token():
