@@ -41,7 +41,8 @@ Every request: the official ``openai`` SDK, streaming, ``temperature=0``, ``max_
 ``--max-tokens``, ``user=<conversation>`` (agentkv's agent identity; the others ignore it), the
 whole conversation as ``messages``. Each session begins with a throwaway request on another
 conversation. Per request the JSON records when it started, its time to first token (queueing
-and prefill: what a client cannot tell apart), the rest of its stream (decoding), the tokens
+and prefill: what a client cannot tell apart; agentkv's last chunk splits it: its
+``timings``), the rest of its stream (decoding), the tokens
 each server reports (prompt, cached where it reports them, completion; chunks counted where it
 reports none), how many other requests were in flight when it started, and whether the server
 dropped its stream (sent again once, its time counted from the first attempt; a second drop
@@ -49,7 +50,8 @@ fails the run). Per server and phase
 (``steady``: the first session; ``restart``: after the restart): TTFT and TPOT percentiles,
 requests per second (requests over the phase's wall time), the cached share of prompt tokens
 where reported, and the phase's time summed over requests: waiting for the first token,
-decoding.
+decoding, and where the server splits it (``server_split_s``) finding caches, queueing,
+prefill and decoding.
 
 Writes benchmarks/results/agentic.json and .png (or --out and its .png).
 """
@@ -113,6 +115,7 @@ class Request:
     in_flight: int  # other requests in flight when this one started
     retried: int  # the server dropped its stream and it was sent again (0 or 1)
     text: str
+    server_timings: dict | None = None  # the server's split of the turn (agentkv's ``timings``)
 
 
 class Workload:
@@ -281,7 +284,7 @@ class Run:
         retried = 0
         try:
             while True:
-                ttft, text, chunks, usage = None, [], 0, None
+                ttft, text, chunks, usage, spent = None, [], 0, None, None
                 try:
                     stream = await client.chat.completions.create(
                         model=str(self.bench.model_dir),
@@ -294,6 +297,7 @@ class Run:
                     )
                     async for chunk in stream:
                         usage = chunk.usage or usage
+                        spent = (chunk.model_extra or {}).get("timings", spent)
                         for choice in chunk.choices:
                             if ttft is None and (choice.delta.content or choice.finish_reason):
                                 ttft = time.perf_counter() - start
@@ -325,6 +329,7 @@ class Run:
             in_flight=in_flight,
             retried=retried,
             text="".join(text),
+            server_timings=spent,
         )
         if phase is not None:
             self.requests[phase].append(got)
@@ -392,7 +397,19 @@ def phase_summary(run: Run, phase: str) -> dict:
         "retried": sum(r.retried for r in requests),
         "waiting_for_first_token_s": sum(ttft),
         "decoding_s": sum(r.decode_s for r in requests),
+        "server_split_s": server_split(requests),
     }
+
+
+def server_split(requests: list[Request]) -> dict | None:
+    """The phase's time summed over the turns the server split (agentkv): finding caches,
+    waiting to join the batch (behind other turns' steps), prefill (in the batch, beside other
+    turns), decoding; None where the server reports no split."""
+    spent = [r.server_timings for r in requests if r.server_timings]
+    if not spent:
+        return None
+    keys = ("cache_load_s", "queue_s", "prefill_s", "decode_s")
+    return {k: sum(t[k] for t in spent) for k in keys} | {"turns": len(spent)}
 
 
 def summarize(bench: Bench) -> dict:
@@ -466,6 +483,9 @@ def print_table(report: dict) -> None:
                 f"  {s['requests_per_s']:.3f} req/s  cached {cached}",
                 flush=True,
             )
+            if split := s["server_split_s"]:
+                parts = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in split.items() if k != "turns")
+                print(f"{'':>10}  summed over its turns: {parts}", flush=True)
 
 
 def plot(report: dict, path: Path) -> Path:

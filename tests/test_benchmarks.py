@@ -673,4 +673,9 @@ def test_agents_quick(tmp_path):
     for r in report["servers"]["agentkv"]["requests"]["restart"]:
         prefilled = r["prompt_tokens"] - r["cached_tokens"]
         assert prefilled < (64 if r["kind"] == "tool_call" else w["tool"] + 128)
+    # agentkv splits each turn's time; mlx_lm does not.
+    for phase, count in expected.items():
+        split = report["servers"]["agentkv"]["phases"][phase]["server_split_s"]
+        assert split["turns"] == count and split["prefill_s"] > 0 and split["queue_s"] >= 0
+        assert report["servers"]["mlx_lm"]["phases"][phase]["server_split_s"] is None
     assert set(report["ratios"]) == {"mlx_lm"}

@@ -322,6 +322,9 @@ def test_openai_completion_and_stream(gpt):
         assert 0 < done.usage.completion_tokens <= 16
     assert done.usage.prompt_tokens_details.cached_tokens == 0
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    spent = done.model_extra["timings"]  # where the turn's time went, as llama.cpp sends it
+    assert set(spent) == {"cache_load_s", "queue_s", "prefill_s", "ttft_s", "decode_s"}
+    assert spent["ttft_s"] >= spent["queue_s"] + spent["prefill_s"] > 0
 
     # The same request streamed (a new agent again, greedy): the same text, in pieces.
     chunks = list(
@@ -342,6 +345,7 @@ def test_openai_completion_and_stream(gpt):
     assert finals == [choice.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert set(chunks[-1].model_extra["timings"]) == set(spent)
 
 
 def test_openai_resume_reports_cached_tokens(gpt, http):

@@ -60,6 +60,20 @@ def usage(reply: Reply) -> dict[str, Any]:
     }
 
 
+def timings(reply: Reply) -> dict[str, float]:
+    """Where the turn's time went, in seconds (beside ``usage``, as llama.cpp's server sends
+    its ``timings``): finding its cache, waiting to join the batch, prefill, first token,
+    decode."""
+    t = reply.timings
+    return {
+        "cache_load_s": t.cache_load_s,
+        "queue_s": t.queue_s,
+        "prefill_s": t.prefill_s,
+        "ttft_s": t.ttft_s,
+        "decode_s": t.decode_s,
+    }
+
+
 def finish_reason(reply: Reply) -> str:
     if reply.finish_reason == "stop" and reply.content.tool_calls:
         return "tool_calls"
@@ -108,6 +122,7 @@ def completion(
             }
         ],
         "usage": usage(reply),
+        "timings": timings(reply),
         "system_fingerprint": None,
     }
 
@@ -166,7 +181,7 @@ class ChatChunks(Encoder):
             lines.append(await self.chunk({"tool_calls": unsent}, reply=reply))
         lines.append(await self.chunk({}, finish_reason(reply), reply=reply))
         if self.body.include_usage:
-            last = {**self.head, "choices": [], "usage": usage(reply)}
+            last = {**self.head, "choices": [], "usage": usage(reply), "timings": timings(reply)}
             lines.append(f"data: {json.dumps(last)}\n\n")
         return [*lines, "data: [DONE]\n\n"]
 
