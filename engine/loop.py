@@ -194,21 +194,19 @@ class GenerationLoop(threading.Thread):
         """Queue ``plan``, wait for the step before it, then report the tokens ``plan`` fed
         (sampled by that step): the host's work overlaps the next step's computation."""
         try:
+            began = time.perf_counter()
             sampled = self.runner.run(plan)
             marker = [] if sampled is None else [sampled]
-            marker += [
-                x
-                for seq, _ in plan.prefill
-                for layer in seq.group.layers
-                for x in held_arrays(layer)[:1]
-            ]
+            layers = [layer for seq, _ in plan.prefill for layer in seq.group.layers]
+            marker += [x for layer in layers for x in held_arrays(layer)[:1]]
             flight, self._in_flight = self._in_flight, (plan, marker)
             if flight is not None:
                 mx.eval(flight[1])
+                began = time.perf_counter()  # this step's computation starts
             drafts = (0, 0)
             if plan.verify:  # its drafts are checked now: nothing is left in flight
                 mx.eval(marker)
-                self._in_flight = None
+                self._in_flight, took = None, time.perf_counter() - began
                 drafts = verify(plan)
             tokens = token_values([p for _, p in plan.fed])
             logprobs = logprob_values(plan, tokens)
@@ -219,6 +217,9 @@ class GenerationLoop(threading.Thread):
         gap = 0.0
         if flight is not None and self._done_at is not None:
             gap = now - self._done_at  # what a decoding sequence waited for this token
+        if plan.verify:  # run to its end before the next step was queued: its own time
+            self.scheduler.observe(None, plan, took)
+        elif gap:
             self.scheduler.observe(flight[0], plan, gap)
         self._done_at = now
         self.meter.step(plan, gap, self.scheduler)

@@ -153,8 +153,7 @@ class Scheduler:
                 caches[id(seq)] = seq.group.extract(seq)
             by_group.setdefault(id(seq.group), (seq.group, []))[1].append(seq)
             self.running.remove(seq)
-            self.reserved_bytes -= seq.reserved
-            seq.reserved = 0
+            self.reserved_bytes, seq.reserved = self.reserved_bytes - seq.reserved, 0
         for group, members in by_group.values():
             group.remove(members)
             if not group.seqs:
@@ -166,10 +165,9 @@ class Scheduler:
 
     def drop_batch(self) -> list[Sequence]:
         """Forget every sequence in the batch (after a failed step); returns them."""
-        dropped, self.running, self.groups = self.running, [], []
+        dropped, self.running, self.groups, self.reserved_bytes = self.running, [], [], 0
         for seq in dropped:
             seq.group, seq.reserved = None, 0
-        self.reserved_bytes = 0
         return dropped
 
     def dequeue(self, seq: Sequence) -> bool:
@@ -178,10 +176,12 @@ class Scheduler:
             return True
         return False
 
-    def observe(self, previous: StepPlan, plan: StepPlan, gap: float) -> None:
-        """Tell the pacer the time between the reports of two consecutive steps. Steps are
-        pipelined (on some backends more than others), so it is charged only when both steps
-        had the same shape: decoding alone, or decoding beside similar prefill."""
+    def observe(self, previous: StepPlan | None, plan: StepPlan, gap: float) -> None:
+        """Tell the pacer a step's time: after a ``previous`` step, ``gap`` between their
+        reports (pipelined: charged only when both had one shape, decoding alone or beside
+        similar prefill); else what ``plan`` took alone (a step verifying drafts)."""
+        if previous is None:
+            return self.pacer.observe(plan.decode_rows, plan.prefill_tokens, gap)
         tokens = (previous.prefill_tokens + plan.prefill_tokens) / 2
         if bool(previous.prefill_tokens) == bool(plan.prefill_tokens) and (
             not tokens or abs(previous.prefill_tokens - plan.prefill_tokens) <= tokens / 2

@@ -22,7 +22,9 @@ from test_server import metric
 from agentkv import AgentRuntime, RuntimeConfig
 from agentkv.engine.config import EngineConfig
 from agentkv.engine.engine import Engine
+from agentkv.engine.meter import StepRecord
 from agentkv.engine.mlxlm import temporal_order
+from agentkv.engine.pacing import MIN_CHUNK
 from agentkv.engine.request import GenerationRequest
 from agentkv.engine.sampling import SamplingParams
 from agentkv.engine.speculative import Prediction, PromptLookup, Speculation, kept_drafts
@@ -200,6 +202,34 @@ async def test_drafting_sequences_decode_beside_others_as_alone():
         await eng.close()
     assert [r.token_ids for r in together] == alone
     assert stats.drafted_tokens > 0
+
+
+async def test_a_prompt_beside_drafting_turns_is_paced_by_their_measured_steps(monkeypatch):
+    """A step that verifies drafts runs to its end before the next is queued, so the pacer is
+    told its own time: a prompt joining a turn that drafts every step gets chunks sized to the
+    stall bound, not the floor (``MIN_CHUNK``, or none, as when such steps went unmeasured)."""
+    request = GenerationRequest(PROMPT, max_tokens=400, ignore_eos=True)
+    eng = await Engine.open("tiny:llama", EngineConfig(speculative="off"))
+    try:
+        truth = (await eng.generate(request)).token_ids
+    finally:
+        await eng.close()
+    use(monkeypatch, Drafts(truth))  # always right: every decoding step verifies drafts
+    eng = await Engine.open("tiny:llama", EngineConfig(speculative_tokens=2))
+    steps: list[StepRecord] = []
+    eng.add_step_listener(steps.append)
+    try:
+        decoding = eng.submit(request)
+        for _ in range(20):
+            await anext(decoding)
+        start = len(steps)
+        await eng.generate(GenerationRequest(PROMPT[::-1] * 12, max_tokens=1, ignore_eos=True))
+        decoding.cancel()
+        pacer = eng._thread.scheduler.pacer
+    finally:
+        await eng.close()
+    beside = [s.prefill_tokens for s in steps[start:] if s.prefill_tokens and s.decode_rows]
+    assert pacer.token_s is not None and beside and max(beside) > MIN_CHUNK, beside
 
 
 async def test_sampled_replies_keep_their_distribution(monkeypatch):
