@@ -22,6 +22,7 @@ from agentkv import (
 )
 from agentkv.server.serve import EXIT_BAD_INPUT, PROG, cmd_serve
 
+MODEL_SPEC = "a Hugging Face id (org/name[@revision]), a model dir, gemma3-270m or tiny:<name>"
 BAD_INPUT = (
     KVBudgetError,
     ModelInstallError,
@@ -132,6 +133,10 @@ def _stall_factor(text: str) -> float:
     return _float_between(text, 1.1, 100)
 
 
+def _step_seconds(text: str) -> float:
+    return _float_between(text, 0.01, 3600, "a number of seconds")
+
+
 def _byte_size_or_zero(text: str) -> int:
     """Like :func:`_byte_size`, and 0."""
     return 0 if text.strip() == "0" else _byte_size(text)
@@ -186,11 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     importer.set_defaults(func=_cmd_import_gguf)
 
     fingerprint = commands.add_parser("fingerprint", help="print a model's fingerprint")
-    fingerprint.add_argument(
-        "spec",
-        metavar="SPEC",
-        help="a Hugging Face id (org/name[@revision]), a model dir, gemma3-270m or tiny:<name>",
-    )
+    fingerprint.add_argument("spec", metavar="SPEC", help=MODEL_SPEC)
     fingerprint.set_defaults(func=_cmd_fingerprint)
 
     serve = commands.add_parser(
@@ -199,12 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Anthropic Messages, OpenAI Chat Completions, an agents API and "
         "Prometheus metrics for one model.",
     )
-    serve.add_argument(
-        "--model",
-        required=True,
-        metavar="SPEC",
-        help="a Hugging Face id (org/name[@revision]), a model dir, gemma3-270m or tiny:<name>",
-    )
+    serve.add_argument("--model", required=True, metavar="SPEC", help=MODEL_SPEC)
     serve.add_argument("--data-dir", default="data", metavar="DIR", help="default: ./data")
     serve.add_argument(
         "--db-url",
@@ -341,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="while a prompt prefills beside decoding turns, keep their inter-token gap within X "
         "times a decode-only step (default: 2)",
+    )
+    serve.add_argument(
+        "--max-prefill-step-s",
+        type=_step_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="a step that only prefills holds about this much prompt (default: 0.5)",
     )
     serve.add_argument(
         "--stateless-ttl",

@@ -34,6 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=args.kv_budget_bytes,
         policy=args.policy,
         max_decode_stall=args.max_decode_stall,
+        max_prefill_step_s=args.max_prefill_step_s,
         batch_kv_bits=None if args.batch_kv_bits == "none" else int(args.batch_kv_bits),
     )
     given_budget = args.disk_budget_bytes

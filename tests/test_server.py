@@ -998,13 +998,15 @@ def test_cli_batch_flags_are_checked_and_named(tmp_path, capsys):
         ["serve", "--model", MODEL, "--kv-budget-bytes", "1.5G", "--policy", "latency_first"]
     )
     assert (args.kv_budget_bytes, args.policy) == (int(1.5 * 1024**3), "latency_first")
-    assert args.max_decode_stall == 2.0
+    assert (args.max_decode_stall, args.max_prefill_step_s) == (2.0, 0.5)
     for flag, value in [
         ("--kv-budget-bytes", "-5"),
         ("--kv-budget-bytes", "lots"),
         ("--policy", "shortest_job"),
         ("--max-decode-stall", "abc"),
         ("--max-decode-stall", "0.5"),
+        ("--max-prefill-step-s", "0"),
+        ("--max-prefill-step-s", "soon"),
     ]:
         with pytest.raises(SystemExit) as exited:
             main(["serve", "--model", MODEL, flag, value])
