@@ -86,6 +86,7 @@ from benchmarks.bench_peer import (
     ServerProcess,
     free_port,
     mapped_blas,
+    stream_chat,
 )
 from benchmarks.bench_resume import chat_token_counter, words
 from benchmarks.plots import bar_labels, save_plot, write_report
@@ -281,29 +282,12 @@ class Run:
     ) -> Request:
         in_flight, self._in_flight = self._in_flight, self._in_flight + 1
         start = time.perf_counter()
-        retried = 0
+        retried, model = 0, str(self.bench.model_dir)
+        max_tokens = self.args.max_tokens if phase else 2
         try:
             while True:
-                ttft, text, chunks, usage, spent = None, [], 0, None, None
                 try:
-                    stream = await client.chat.completions.create(
-                        model=str(self.bench.model_dir),
-                        messages=messages,
-                        max_tokens=self.args.max_tokens if phase else 2,
-                        temperature=0,
-                        user=name,
-                        stream=True,
-                        stream_options={"include_usage": True},
-                    )
-                    async for chunk in stream:
-                        usage = chunk.usage or usage
-                        spent = (chunk.model_extra or {}).get("timings", spent)
-                        for choice in chunk.choices:
-                            if ttft is None and (choice.delta.content or choice.finish_reason):
-                                ttft = time.perf_counter() - start
-                            if choice.delta.content:
-                                text.append(choice.delta.content)
-                                chunks += 1
+                    got = await stream_chat(client, model, name, messages, max_tokens)
                     break
                 except APIConnectionError:  # (a stream the server dropped: sent again, once;
                     if retried:  # its time counts from the first attempt)
@@ -311,11 +295,11 @@ class Run:
                     retried += 1
         finally:
             self._in_flight -= 1
-        total = time.perf_counter() - start
-        if ttft is None:
+        if got.first_at is None:
             raise BenchError(f"{self.name} {name}: the stream ended without a token or finish")
+        ttft, total, usage = got.first_at - start, got.end_at - start, got.usage
         details = getattr(usage, "prompt_tokens_details", None)
-        got = Request(
+        request = Request(
             conversation=name,
             round=round_,
             kind=kind,
@@ -325,21 +309,21 @@ class Run:
             total_s=total,
             prompt_tokens=usage.prompt_tokens if usage else None,
             cached_tokens=getattr(details, "cached_tokens", None),
-            completion_tokens=usage.completion_tokens if usage else chunks,
+            completion_tokens=usage.completion_tokens if usage else len(got.pieces),
             in_flight=in_flight,
             retried=retried,
-            text="".join(text),
-            server_timings=spent,
+            text="".join(got.pieces),
+            server_timings=got.timings,
         )
         if phase is not None:
-            self.requests[phase].append(got)
+            self.requests[phase].append(request)
             print(
-                f"[{self.name}] {phase} {name} r{round_} {kind}: prompt {got.prompt_tokens}, "
-                f"cached {got.cached_tokens}, TTFT {ttft * 1e3:.0f} ms, "
-                f"{got.completion_tokens} tokens in {total * 1e3:.0f} ms",
+                f"[{self.name}] {phase} {name} r{round_} {kind}: prompt {request.prompt_tokens}, "
+                f"cached {request.cached_tokens}, TTFT {ttft * 1e3:.0f} ms, "
+                f"{request.completion_tokens} tokens in {total * 1e3:.0f} ms",
                 flush=True,
             )
-        return got
+        return request
 
 
 class Bench:

@@ -202,13 +202,25 @@ class Session:
     blas: list[str] = field(default_factory=list)
 
 
-async def stream_turn(
+@dataclass
+class Streamed:
+    """One streamed chat completion as read: when its first token (or finish) and its end came
+    (``time.perf_counter``), its text pieces, and what its last chunks carried."""
+
+    first_at: float | None
+    end_at: float
+    pieces: list[str]
+    usage: Any
+    finish: str | None
+    timings: dict | None  # agentkv's split of the turn (``timings`` beside ``usage``)
+
+
+async def stream_chat(
     client: AsyncOpenAI, model: str, agent: str, messages: list[dict], max_tokens: int
-) -> TurnResult:
-    start = time.perf_counter()
-    ttft = None
-    text: list[str] = []
-    usage = finish = None
+) -> Streamed:
+    """Stream one greedy completion for ``agent`` (``user``), asking for usage."""
+    first_at = usage = finish = timings = None
+    pieces: list[str] = []
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -220,24 +232,33 @@ async def stream_turn(
     )
     async for chunk in stream:
         usage = chunk.usage or usage
+        timings = (chunk.model_extra or {}).get("timings", timings)
         for choice in chunk.choices:
-            if ttft is None and (choice.delta.content or choice.finish_reason):
-                ttft = time.perf_counter() - start
-            text.append(choice.delta.content or "")
+            if first_at is None and (choice.delta.content or choice.finish_reason):
+                first_at = time.perf_counter()
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
             finish = choice.finish_reason or finish
-    total = time.perf_counter() - start
-    if ttft is None or usage is None:
+    return Streamed(first_at, time.perf_counter(), pieces, usage, finish, timings)
+
+
+async def stream_turn(
+    client: AsyncOpenAI, model: str, agent: str, messages: list[dict], max_tokens: int
+) -> TurnResult:
+    start = time.perf_counter()
+    got = await stream_chat(client, model, agent, messages, max_tokens)
+    if got.first_at is None or got.usage is None:
         raise BenchError(f"agent {agent}: the stream ended without a finish reason or usage")
-    details = usage.prompt_tokens_details
+    details = got.usage.prompt_tokens_details
     return TurnResult(
         agent=agent,
-        ttft_s=ttft,
-        total_s=total,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
+        ttft_s=got.first_at - start,
+        total_s=got.end_at - start,
+        prompt_tokens=got.usage.prompt_tokens,
+        completion_tokens=got.usage.completion_tokens,
         cached_tokens=details.cached_tokens if details is not None else None,
-        finish_reason=finish,
-        text="".join(text),
+        finish_reason=got.finish,
+        text="".join(got.pieces),
     )
 
 
