@@ -1,7 +1,8 @@
 """A follow-up turn in a conversation that holds images costs what it costs without them.
 
     python -m benchmarks.bench_images [--model tiny:gemma3-bench-vl] [--images 4]
-                                      [--repeats 3] [--quick]
+                                      [--beside-model tiny:gemma3-tower-vl] [--beside-images 1]
+                                      [--beside-tokens 400] [--repeats 3] [--quick]
 
 Two agents of a vision-language model get the same first message, one with ``--images``
 screenshot-sized images (random pixels, PNG) before its text and one without; each answers,
@@ -11,7 +12,14 @@ memory (hot) and, after a restart of the runtime, from disk. The images' tokens 
 and the vision tower does not run again: the target is a follow-up with images within 1.2x of
 one without. The first turn's time (vision tower and the images' prefill) is reported beside
 it. Runs alternate between the two agents; medians of ``--repeats`` runs, each with a data
-directory of its own. Writes benchmarks/results/images.json and .png.
+directory of its own.
+
+Beside it, a turn decoding while another agent's first turn shows ``--beside-images`` new
+images to ``--beside-model`` (a tower of seconds on a CPU): the vision tower runs on a thread
+of its own, so the turn's pace while the tower runs is measured against its pace alone (a
+batch that ran the tower between its steps would decode nothing meanwhile), with its longest
+gap between tokens and the tower's time beside the batch and alone. Writes
+benchmarks/results/images.json and .png.
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ import io
 import platform
 import statistics
 import tempfile
+import threading
+import time
 from datetime import date
 from pathlib import Path
 
 import numpy as np
 
 from agentkv import AgentRuntime, RuntimeConfig
+from agentkv.engine.models.vision import MAX_IMAGE_NUMBER, image_token
+from agentkv.engine.request import GenerationRequest
 from benchmarks.plots import bar_labels, save_plot, write_report
 
 RESULTS = Path(__file__).parent / "results"
@@ -86,10 +98,74 @@ async def one_run(model: str, images: list[bytes], tokens: int) -> dict:
         return out
 
 
+async def beside(model: str, images: list[bytes], tokens: int = 96) -> dict:
+    """A ``tokens``-token reply, alone and while another agent's first turn shows ``images``
+    (submitted at its 8th token): its pace while the vision tower runs on them, against its
+    pace alone, its longest gap between tokens; the tower's time on them with the batch idle."""
+    with tempfile.TemporaryDirectory() as tmp:
+        async with await AgentRuntime.open(RuntimeConfig(model=model, data_dir=Path(tmp))) as rt:
+            engine, vision = rt.engine, rt.engine.model.vision
+            warm = await rt.create_agent(system_prompt=SYSTEM)  # tower loaded, kernels warm
+            await rt.chat(warm.id, FIRST, images=screenshots(1, seed=99), max_tokens=2)
+            request = GenerationRequest(engine.tokenizer.encode(FIRST), tokens, ignore_eos=True)
+            alone = await _decoded(engine.submit(request))
+            agent, before, shown = await rt.create_agent(system_prompt=SYSTEM), vision.encoded, []
+
+            def show() -> None:
+                shown.append(
+                    asyncio.ensure_future(rt.chat(agent.id, FIRST, images=images, max_tokens=4))
+                )
+
+            encoded = lambda: vision.encoded - before >= len(images)  # noqa: E731
+            times = await _decoded(engine.submit(request), show, encoded)
+            reply = await shown[0]
+            began = time.perf_counter()  # the tower alone, on the same images as new ones
+            for i, data in enumerate(images):
+                done = threading.Event()
+                vision.encode(image_token(MAX_IMAGE_NUMBER - i), data, lambda _, d=done: d.set())
+                await asyncio.to_thread(done.wait)
+            tower_alone = time.perf_counter() - began
+    tpot = statistics.mean(np.diff(alone[7:]))
+    t0, t1 = times["shown"], times["encoded"]
+    during = sum(t0 < t <= t1 for t in times["tokens"])
+    return {
+        "alone_tpot_s": tpot,
+        "alone_longest_gap_s": float(max(np.diff(alone[7:]))),
+        "tower_beside_s": t1 - t0,
+        "tower_alone_s": tower_alone,
+        "tokens_while_encoding": during,
+        "pace_while_encoding": during * tpot / (t1 - t0),
+        "longest_gap_s": float(max(np.diff(times["tokens"][7:]))),
+        "image_turn_s": reply.timings.total_s,
+    }
+
+
+async def _decoded(handle, beside=None, done=None) -> list[float] | dict:
+    """When each token of a streamed reply came; with ``beside`` (called at its 8th token):
+    those, when it was called and the first token after ``done()`` held."""
+    times, at = [], {}
+    async for _ in handle:
+        times.append(time.perf_counter())
+        if len(times) == 8 and beside is not None:
+            at["shown"] = times[-1]
+            beside()
+        if "shown" in at and "encoded" not in at and done():
+            at["encoded"] = times[-1]
+    if not at:
+        return times
+    if "encoded" not in at:
+        raise RuntimeError("the reply ended before the vision tower did: raise --beside-tokens")
+    return at | {"tokens": times}
+
+
 async def run(args: argparse.Namespace) -> dict:
     images = screenshots(args.images)
     await one_run(args.model, images[:1], args.tokens)  # warm-up: kernels, model files
     runs = [await one_run(args.model, images, args.tokens) for _ in range(args.repeats)]
+    shown = screenshots(args.beside_images, seed=1)
+    besides = [
+        await beside(args.beside_model, shown, args.beside_tokens) for _ in range(args.repeats)
+    ]
 
     def median(kind: str, key: str) -> float:
         return statistics.median(r[kind][key] for r in runs)
@@ -114,6 +190,13 @@ async def run(args: argparse.Namespace) -> dict:
         "vision_runs_after_restart": max(r["encoded_after_restart"] for r in runs),
         "target": f"follow-up with images <= {TARGET}x without (hot)",
         "target_met": hot <= TARGET,
+        "beside": {
+            "model": args.beside_model,
+            "images": args.beside_images,
+            "reply_tokens": args.beside_tokens,
+            **{key: statistics.median(b[key] for b in besides) for key in besides[0]},
+            "runs": besides,
+        },
         "command": "python -m benchmarks.bench_images" + (" --quick" if args.quick else ""),
     }
 
@@ -140,8 +223,18 @@ def plot(report: dict, path: Path) -> Path:
         bar_labels(ax, bars, "{:.2f}")
         ax.set_ylabel("first turn (s): vision tower and prefill")
 
+    def decoding(ax):
+        b = report["beside"]
+        bars = ax.bar(
+            ["alone", "while a tower runs"],
+            [1.0 / b["alone_tpot_s"], b["pace_while_encoding"] / b["alone_tpot_s"]],
+        )
+        bar_labels(ax, bars, "{:.1f}")
+        ax.set_ylabel("a turn's decode (tok/s)")
+        ax.set_title(f"beside {b['model']} encoding an image", fontsize=9)
+
     title = f"{report['model']} ({report['weights']} weights), {report['date']}"
-    return save_plot(path, [ttft, first], title)
+    return save_plot(path, [ttft, first, decoding], title)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -150,11 +243,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--beside-model", default="tiny:gemma3-tower-vl")
+    parser.add_argument("--beside-images", type=int, default=1)
+    parser.add_argument("--beside-tokens", type=int, default=400)
     parser.add_argument("--quick", action="store_true", help="tiny:gemma3-vl, 2 images, 1 run")
     parser.add_argument("--out", type=Path, default=RESULTS / "images.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.images, args.repeats, args.tokens = "tiny:gemma3-vl", 2, 1, 4
+        args.beside_model, args.beside_tokens = "tiny:gemma3-vl", 64
     report = asyncio.run(run(args))
     write_report(report, args.out, plot)
     return report

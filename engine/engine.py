@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from agentkv.engine import images
 from agentkv.engine.batch.buffers import held_arrays
 from agentkv.engine.batch.packing import Packing
 from agentkv.engine.batch.rows import is_packed
@@ -21,14 +23,14 @@ from agentkv.engine.errors import (
     EngineClosedError,
     InvalidCacheError,
     KVBudgetError,
-    UnsupportedModelError,
 )
 from agentkv.engine.grammar import Grammars
 from agentkv.engine.handle import RequestHandle
 from agentkv.engine.loop import GenerationLoop
 from agentkv.engine.meter import EngineStats, StepRecord
+from agentkv.engine.mlxlm import evaluated_products
 from agentkv.engine.models.loading import LoadedModel
-from agentkv.engine.models.vision import IMAGE_BASE, image_tokens_in
+from agentkv.engine.models.vision import image_tokens_in
 from agentkv.engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -41,6 +43,15 @@ from agentkv.engine.stopping import StopStrings
 from agentkv.engine.thinking import AnalysisMarkers, ThinkingBudget, ThinkingMarkers
 
 T = TypeVar("T")
+
+
+def _until_gone(native_id: int | None, timeout: float = 5.0) -> None:
+    """Wait until the OS thread ``native_id`` is gone, its thread-local destructors run
+    (Linux: while ``/proc`` lists it). MLX's take the GIL: had the process begun to exit
+    meanwhile, it would abort ("terminate called without an active exception")."""
+    task, deadline = f"/proc/self/task/{native_id}", time.monotonic() + timeout
+    while native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
@@ -105,6 +116,9 @@ class Engine:
         message; None for a model whose reasoning cannot be capped."""
         """Compiles the grammars requests are held to (``GenerationRequest.grammar``)."""
         threading.Thread(target=self.grammars.warm, name="grammar-warm", daemon=True).start()
+        if model.vision is not None:
+            model.vision.decoding = lambda: images.decoding(self._thread.scheduler)
+            model.vision.on_load = evaluated_products
 
     @classmethod
     async def open(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> Engine:
@@ -211,12 +225,7 @@ class Engine:
             prompt=list(request.prompt_tokens),
             cache=request.cache.layers if request.cache else None,
         )
-        if max(request.prompt_tokens) >= vocab_size:  # in C: submit runs on the event loop
-            self._check_images(request)
-            seq.whole_images = self.model.vision.check().bidirectional
-        vision = self.model.vision
-        if vision is not None and vision.rule is not None and vision.rule.positioned:
-            self._check_sizes(request)
+        images.mark(self.model, request, seq)
         if request.prediction and max(request.prediction) >= vocab_size:
             raise ValueError(f"prediction contains ids outside the vocabulary (size {vocab_size})")
         if request.forced_token is not None and request.forced_token >= vocab_size:
@@ -233,36 +242,12 @@ class Engine:
                 self.config.speculative_tokens, prediction, drafter=self._thread.drafter
             )
         self._thread.submit(seq)
+        images.encode(self.model.vision, self._thread, seq)
         return RequestHandle(self._thread, seq, events)
 
     def check_images(self) -> None:
         """Raise UnsupportedModelError, naming the model and why, unless it takes images."""
-        if self.model.vision is None:
-            raise UnsupportedModelError(
-                f"images: {self.model.spec} is not a vision-language model; it reads text only"
-            )
-        self.model.vision.check()
-
-    def _check_images(self, request: GenerationRequest) -> None:
-        """Raise unless every prompt token outside the vocabulary is an image's, with its
-        bytes, for a model that takes images (UnsupportedModelError naming it if it does not)."""
-        vocab_size, images = self.model.vocab_size, image_tokens_in(request.prompt_tokens)
-        if not images or any(vocab_size <= t < IMAGE_BASE for t in request.prompt_tokens):
-            raise ValueError(
-                f"prompt_tokens contain ids outside the vocabulary (size {vocab_size})"
-            )
-        self.check_images()
-        if missing := sorted(images - request.images.keys()):
-            raise ValueError(f"images: no bytes for image tokens {missing[:8]}")
-
-    def _check_sizes(self, request: GenerationRequest) -> None:
-        """Raise unless every image the cache and the prompt hold has its size: where image
-        tokens take positions of their own, the positions of all that follows depend on it."""
-        shown = image_tokens_in(request.prompt_tokens)
-        if request.cache is not None:
-            shown |= image_tokens_in(request.cache.tokens)
-        if missing := sorted(shown - request.image_sizes.keys()):
-            raise ValueError(f"images: no sizes for image tokens {missing[:8]}")
+        images.vision_of(self.model)
 
     def _drafts(self, request: GenerationRequest, seq: Sequence) -> bool:
         """Whether ``seq`` may feed drafts (``agentkv.engine.speculative``): the engine and
@@ -366,6 +351,9 @@ class Engine:
         self._closed = True
         self._thread.stop(drain)
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(_until_gone, self._thread.native_id)
+        if self._thread.model is not None and self._thread.model.vision is not None:
+            await asyncio.to_thread(self._thread.model.vision.close)
 
     async def __aenter__(self) -> Engine:
         return self

@@ -28,7 +28,6 @@ from agentkv.engine.drafter import DraftModel, load_drafter
 from agentkv.engine.errors import EngineClosedError
 from agentkv.engine.meter import EngineStats, Meter
 from agentkv.engine.models.loading import LoadedModel, load_model
-from agentkv.engine.models.vision import encode_images
 from agentkv.engine.request import (
     FinishReason,
     GenerationResult,
@@ -96,9 +95,10 @@ class GenerationLoop(threading.Thread):
         self._commands.append(fn)
         self._wake.set()
 
-    def cancel(self, seq: Sequence, keep_cache: bool = False) -> None:
+    def cancel(self, seq: Sequence, keep_cache: bool = False, error: Exception | None = None):
+        """End ``seq`` at the next step boundary: cancelled, or failed with ``error``."""
         if not seq.is_finished and self.is_alive():
-            self.call_soon(lambda: self._cancel(seq, keep_cache))
+            self.call_soon(lambda: self._cancel(seq, keep_cache, error))
 
     def stop(self, drain: bool) -> None:
         self._stopping = "drain" if drain else "cancel"
@@ -153,7 +153,6 @@ class GenerationLoop(threading.Thread):
             except Exception as exc:  # e.g. out of memory copying a group: as a failed step
                 self._fail_batch(exc, "scheduling a step failed")
                 continue
-            self.scheduler.rejected += encode_images(plan, self.model.vision, self.scheduler)
             for seq, exc in self.scheduler.rejected:
                 self._finish(seq, FinishReason.ERROR, error=exc)
             self.scheduler.rejected.clear()
@@ -240,6 +239,8 @@ class GenerationLoop(threading.Thread):
         dropped = self.scheduler.drop_batch()
         log.exception("%s; failing the %d requests in the batch", what, len(dropped))
         self._in_flight = self._done_at = None
+        if self.model.vision is not None:  # (deepstack features the step staged)
+            self.model.vision.staged.clear()
         for seq in dropped:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ERROR, error=exc)
@@ -345,7 +346,7 @@ class GenerationLoop(threading.Thread):
         cache = self._cache(layers, list(seq.tokens))
         return dataclasses.replace(cache, checkpoints=seq.checkpoints())
 
-    def _cancel(self, seq: Sequence, keep_cache: bool) -> None:
+    def _cancel(self, seq: Sequence, keep_cache: bool, error: Exception | None = None) -> None:
         if seq.is_finished:  # it ended between the cancel call and this step boundary
             return
         layers = None
@@ -353,11 +354,9 @@ class GenerationLoop(threading.Thread):
             layers = self.scheduler.leave([seq], {id(seq)} if keep_cache else None).get(id(seq))
         elif self.scheduler.dequeue(seq):
             layers = seq.cache if keep_cache else None
-        self._finish(
-            seq,
-            FinishReason.CANCELLED,
-            self._cache(layers, seq.tokens) if layers else None,
-        )
+        cache = self._cache(layers, seq.tokens) if layers else None
+        reason = FinishReason.CANCELLED if error is None else FinishReason.ERROR
+        self._finish(seq, reason, cache, error)
 
     def _fail_everything(self, exc: BaseException) -> None:
         for seq in [*self.scheduler.drop_batch(), *self.scheduler.queue.drain()]:

@@ -118,3 +118,30 @@ def route_attention(model: nn.Module, attention: Callable[..., mx.array]) -> int
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers (``model.layers``, as mlx-lm's models list them)."""
     return [layer for layer in getattr(model, "layers", None) or () if isinstance(layer, nn.Module)]
+
+
+class _Evaluated:
+    """A linear layer's call (mixed in before its class) that evaluates its product."""
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = super().__call__(x, *args, **kwargs)  # type: ignore[misc]
+        mx.eval(out)
+        return out
+
+
+_EVALUATED: dict[type, type] = {}
+
+
+def evaluated_products(model: nn.Module) -> None:
+    """Have ``model``'s linear layers (a vision tower's, on a thread beside the batch's)
+    evaluate their products as they go. MLX's scheduler holds every thread's evaluation to a
+    few tasks in flight between them: a whole tower evaluated at once would hold each of the
+    batch's products behind one of the tower's (beside a 4 s tower on a CPU, not one token);
+    one product at a time, the two threads take turns."""
+    for _, module in model.named_modules():
+        kind = type(module)
+        if issubclass(kind, (nn.Linear, nn.QuantizedLinear)) and not issubclass(kind, _Evaluated):
+            fields = {"__module__": kind.__module__}
+            recast(
+                module, _EVALUATED.setdefault(kind, type(kind.__name__, (_Evaluated, kind), fields))
+            )

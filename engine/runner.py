@@ -198,8 +198,8 @@ class ModelRunner:
         sampled, reported = None, ()
         embedded = None
         if images:  # (Engine.submit refuses image tokens to a model without vision)
-            sources = {t: b for seq, _ in plan.prefill for t, b in seq.request.images.items()}
-            embedded = self.vision.embeddings(inputs, images, sources)[:, None, :]
+            features = {t: f for seq, _ in plan.prefill for t, f in seq.features.items()}
+            embedded = self.vision.embeddings(inputs, images, features)[:, None, :]
             placeholder = mx.array(self.vision.placeholder, inputs.dtype)
             inputs = mx.where(inputs >= IMAGE_BASE, placeholder, inputs)  # (what it may read)
         if any(s.logits_processors for s, _, _ in feeds):

@@ -352,11 +352,11 @@ class Scheduler:
                 self.groups.remove(group)
 
     def _prefill_chunks(self, decoding: bool) -> list[tuple[Sequence, int]]:
-        prefilling = [s for s in self.running if s.status is SeqStatus.PREFILLING]
+        prefilling = [s for s in self.running if s.status is SeqStatus.PREFILLING and s.feedable()]
         if not prefilling:
             return []
         if self.policy is Policy.THROUGHPUT_FIRST:  # every prompt a whole chunk each step
-            chunks = [(s, min(len(s.prompt), self.config.prefill_step_size)) for s in prefilling]
+            chunks = [(s, min(s.feedable(), self.config.prefill_step_size)) for s in prefilling]
         else:  # paced beside decoders; alone ~max_prefill_step_s, so newcomers start soon
             chunks = self._paced_chunks(prefilling, self.pacer.budget(decoding))
         chunks = [(s, s.chunk_within(n, self.layout.windowed)) for s, n in chunks]
@@ -378,7 +378,7 @@ class Scheduler:
             for seq in prefilling:
                 if budget <= 0:
                     break
-                chunks.append((seq, min(len(seq.prompt), budget)))
+                chunks.append((seq, min(seq.feedable(), budget)))
                 budget -= chunks[-1][1]
             return chunks
         # fair: an even share each; when the budget has not MIN_CHUNK for every prompt, it goes
@@ -389,8 +389,8 @@ class Scheduler:
             self._rotation = start + k
             prefilling = (prefilling[start:] + prefilling[:start])[:k]
         sizes, left = {}, budget
-        for i, seq in enumerate(sorted(prefilling, key=lambda s: len(s.prompt))):
-            sizes[id(seq)] = min(len(seq.prompt), max(MIN_CHUNK, left // (k - i)))
+        for i, seq in enumerate(sorted(prefilling, key=lambda s: s.feedable())):
+            sizes[id(seq)] = min(seq.feedable(), max(MIN_CHUNK, left // (k - i)))
             left -= sizes[id(seq)]
         return [(s, sizes[id(s)]) for s in prefilling]
 

@@ -71,6 +71,8 @@ class Sequence:
     rope_scan: Any = None  # engine.models.mrope.Scanned of its tokens (images' positions)
     rope_shift: int = 0  # what its images shift the rotary position of its next token by
     whole_images: bool = False  # its images' tokens attend both ways: no chunk ends in one
+    images_at: tuple[tuple[int, int], ...] = ()  # (position, image token) of its prompt's images
+    features: dict[int, Any] = field(default_factory=dict)  # image token -> features, once encoded
 
     def fence(self, position: int, block_tokens: int | None) -> int:
         """The latest point at or before ``position`` a cache of this conversation may start
@@ -113,6 +115,12 @@ class Sequence:
         while n < len(prompt) and prompt[n] == prompt[n - 1]:
             n += 1
         return n
+
+    def feedable(self) -> int:
+        """Prompt tokens it can feed now: all but from the first image still being encoded."""
+        have = len(self.tokens)
+        unready = (at - have for at, token in self.images_at if token not in self.features)
+        return min(unready, default=len(self.prompt))
 
     def chunk_to_checkpoint(self, n: int) -> int:
         """A prompt chunk of ``n`` tokens, cut to end where the sequence keeps a checkpoint

@@ -639,6 +639,14 @@ def test_images_quick(tmp_path):
     assert report["vision_runs"] == [2] and report["vision_runs_after_restart"] == 0
     ratio = images["hot_ttft_s"] / text["hot_ttft_s"]
     assert report["follow_up_hot_ratio"] == ratio
+    beside = report["beside"]  # a turn decoding while another's image is encoded
+    assert beside["model"] == "tiny:gemma3-vl" and len(beside["runs"]) == 1
+    run = beside["runs"][0]
+    assert (
+        run["pace_while_encoding"]
+        == run["tokens_while_encoding"] * run["alone_tpot_s"] / (run["tower_beside_s"])
+    )
+    assert run["longest_gap_s"] > 0 and run["tower_alone_s"] > 0
 
 
 def test_agents_quick(tmp_path):

@@ -57,3 +57,35 @@ def test_importing_the_store_loads_no_blas_until_mlx_is_imported():
 def test_too_late_when_mlx_already_imported():
     code = f"import mlx.core; import agentkv.engine; {BLAS}; print(blas.loaded_library())"
     assert _probe(code) == "None"
+
+
+@needs_openblas
+def test_cores_shared_runs_openblas_on_its_callers_threads_while_any_is_inside():
+    import threading
+
+    import mlx.core as mx
+    import numpy as np
+
+    pool = blas.threads()
+    a = mx.random.normal((384, 384))
+    expected = np.array(a @ a)
+    inside, out = threading.Event(), threading.Event()
+
+    def other():  # a second thread inside at the same time, leaving last
+        with blas.cores_shared():
+            inside.set()
+            assert out.wait(10)
+            assert blas.threads() == 1
+
+    thread = threading.Thread(target=other)
+    with blas.cores_shared():
+        thread.start()
+        assert inside.wait(10) and blas.threads() == 1
+        with blas.cores_shared():  # nested
+            assert blas.threads() == 1
+        assert blas.threads() == 1
+        np.testing.assert_allclose(np.array(a @ a), expected, rtol=1e-5, atol=1e-4)
+    assert blas.threads() == 1  # the other thread is still inside
+    out.set()
+    thread.join()
+    assert blas.threads() == pool

@@ -4,6 +4,7 @@ stop strings, cancellation, overload, faults and shutdown."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -321,6 +322,9 @@ async def test_close_drains_or_cancels():
     await anext(pending)
     await eng.close(drain=False)
     assert (await pending.result()).finish_reason is FinishReason.CANCELLED
+    # The generation thread is gone, its thread-local destructors (MLX's take the GIL) run:
+    # a process that exits now does not abort.
+    assert not os.path.exists(f"/proc/self/task/{eng._thread.native_id}")
 
 
 async def test_request_and_aggregate_stats(gemma):

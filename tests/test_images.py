@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ from agentkv.engine.models.mrope import Scanned, chunk_positions, scan
 from agentkv.engine.models.vision import IMAGE_BASE, image_blocks, image_rows, image_token
 from agentkv.engine.request import GenerationRequest
 from agentkv.errors import EmptyMessageError, InvalidImageError, InvalidMessageError
+from agentkv.models import blas
 from agentkv.models.tiny import tiny_model_dir
 
 MODEL = "tiny:gemma3-vl"
@@ -157,6 +159,47 @@ async def test_an_image_the_model_cannot_read_fails_its_turn_not_the_batch():
         assert len((await other.result()).token_ids) == 6  # the other turn ran on
         assert engine.model.vision.encoded == 0
     finally:
+        await engine.close()
+
+
+async def test_turns_step_on_while_an_image_is_encoded_off_the_generation_thread(monkeypatch):
+    engine = await Engine.open(MODEL, EngineConfig(prefill_step_size=16))
+    vision, gate, seen = engine.model.vision, threading.Event(), []
+    encode = vision._encode
+
+    def held(token, data):  # the vision tower, taking as long as the test holds it
+        seen.append((threading.current_thread(), blas.threads()))
+        assert gate.wait(60)
+        return encode(token, data)
+
+    monkeypatch.setattr(vision, "_encode", held)
+    pool = blas.threads()
+    try:
+        red, blue, size = image_token(3), image_token(4), (64, 64)
+        text, n = list(range(5, 45)), vision.rule.tokens(size)
+        request = GenerationRequest(
+            [*text, *[red] * n, 3, *[blue] * n, 4],
+            max_tokens=6,
+            images={red: encoded(RED, size=size), blue: encoded(BLUE, size=size)},
+            image_sizes={red: size, blue: size},
+        )
+        other = engine.submit(GenerationRequest([1, 2, 3, 4], max_tokens=12))
+        await anext(other)  # decoding when the images come
+        shown, again = engine.submit(request), engine.submit(request)
+        assert len((await other.result()).token_ids) == 12  # it stepped on meanwhile
+        assert vision.encoded == 0 and shown._seq.tokens == text  # text fed, up to the image
+        gate.set()
+        first, second = await shown.result(), await again.result()
+        assert vision.encoded == 2  # each image once, for the two turns that show it
+        assert [t.name for t, _ in seen] == ["vision", "vision"]
+        # Begun beside a decoding turn, the tower's BLAS calls ran beside the batch's; the
+        # second began with none decoding.
+        assert [threads for _, threads in seen] == [pool and 1, pool] and blas.threads() == pool
+        assert first.token_ids == second.token_ids and len(first.token_ids) == 6
+        kept = await engine.generate(request)  # its features kept: fed whole at once
+        assert kept.token_ids == first.token_ids and vision.encoded == 2
+    finally:
+        gate.set()
         await engine.close()
 
 

@@ -397,6 +397,20 @@ TINY_SPECS: dict[str, TinySpec] = {
             image_tokens=64,
         ),
         TinySpec(
+            name="tiny:gemma3-tower-vl",
+            description=(
+                "tiny:gemma3-bench-vl with a 12-layer SigLIP vision tower (hidden 768) on "
+                "448x448 images of 256 tokens: a tower that takes seconds on a CPU"
+            ),
+            model_type="gemma3",
+            chat=CHATML_TOOLS_VL,
+            shape=Shape(512, 12, 4, 1, 128, 2048, 32_768, 32_768, window=512, pattern=6),
+            corpus_words=300_000,
+            lexicon_size=40_000,
+            vision=_siglip(layers=12, hidden=768, ffn=3072, heads=12, patch=14, image=448),
+            image_tokens=256,
+        ),
+        TinySpec(
             name="tiny:qwen3_5-vl",
             description=(
                 "qwen3_5 vision-language model (mlx-vlm's classes): tiny:hybrid's text model "

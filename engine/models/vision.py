@@ -9,6 +9,11 @@ another one that shows it, reuses its KV without the vision tower. Only the rows
 see the model's embeddings: an image token's row takes the image's features (its ``k``-th,
 counting from the first of the run of that token), every other row the token's embedding.
 
+The vision tower runs on a thread of its own (:meth:`Vision.encode`), never the generation
+thread: a new image takes seconds of compute on a GPU and minutes on a CPU, and the batch's
+decoding turns step on meanwhile. A turn showing an image is fed up to the image while it is
+encoded (:meth:`agentkv.engine.sequence.Sequence.feedable`) and holds its features once they come.
+
 Each family's rule (``agentkv.engine.models.image_rules``) says how its prompt writes an image;
 those that give image tokens positions of their own (Qwen 3.5) get them from
 ``agentkv.engine.models.mrope``. Other families read text only and refuse an image by name.
@@ -16,15 +21,21 @@ those that give image tokens positions of their own (Qwen 3.5) get them from
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import logging
+import queue
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentkv.engine.errors import UnsupportedModelError
 from agentkv.engine.models.image_configs import image_rule
 from agentkv.engine.models.image_rules import ImageRule
+from agentkv.models import blas
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -38,6 +49,8 @@ Features = tuple["mx.array", tuple["mx.array", ...]]
 """An image's features: the input embeddings of its tokens and its deepstack levels'."""
 FEATURES_KEPT = 32
 """Images whose features stay in memory after their prompt is fed (least recently used go)."""
+Encoded = Callable[["Features | Exception"], None]
+"""Told an image's features, or why they could not be had (on the vision thread)."""
 
 
 def image_token(number: int) -> int:
@@ -82,7 +95,8 @@ class Staged:
 class Vision:
     """A vision-language model's images: its rule and, loaded on the first image (a
     text-only conversation never loads or runs it), its vision tower. Features are computed
-    on the generation thread and the last :data:`FEATURES_KEPT` images' are kept."""
+    on the vision thread (started with the first image), one image at a time, and the last
+    :data:`FEATURES_KEPT` images' are kept."""
 
     def __init__(self, path: Path, config: dict[str, Any], tokenizer: Any, embed: Any):
         self.path = path
@@ -99,6 +113,16 @@ class Vision:
         self._grids: dict[tuple[int, int], tuple[int, int]] = {}
         self.encoded = 0
         """Images the vision tower has run on (each distinct image once while it is kept)."""
+        self._lock = threading.Lock()  # (_features, _waiting: the vision thread's and callers')
+        self._waiting: dict[int, list[Encoded]] = {}  # image token -> told when it is encoded
+        self._closed = False
+        self._busy = threading.Lock()  # held while the tower runs
+        self.decoding: Callable[[], bool] = lambda: False
+        """Whether turns are decoding (the engine's): a tower that starts then shares the
+        CPU's BLAS with them (``agentkv.models.blas.cores_shared``)."""
+        self.on_load: Callable[[Any], None] = lambda model: None
+        """Called with mlx-vlm's model once loaded, on the vision thread (the engine's: its
+        products evaluated one at a time, ``agentkv.engine.mlxlm.evaluated_products``)."""
 
     @classmethod
     def of(cls, path: Path, config: dict[str, Any], tokenizer: Any, model: Any) -> Vision | None:
@@ -137,14 +161,54 @@ class Vision:
         assert self.rule is not None
         return self.rule
 
-    def features(self, token: int, data: bytes) -> Features:
+    def encode(self, token: int, data: bytes, done: Encoded) -> Features | None:
+        """Image ``token``'s features when they are kept; else None, and the vision thread
+        encodes ``data`` (once however many ask) and tells ``done`` the features, or the
+        exception encoding raised. Any thread may call it."""
+        with self._lock:
+            if (kept := self._features.get(token)) is not None:
+                self._features.move_to_end(token)
+                return kept
+            if token in self._waiting:
+                self._waiting[token].append(done)
+                return None
+            self._waiting[token] = [done]
+        _on_vision_thread(functools.partial(self._work, token, data))
+        return None
+
+    def close(self) -> None:
+        """Encode nothing more; returns once an image being encoded is (those waiting are
+        dropped), so that no tower runs on while the process exits."""
+        self._closed = True
+        with self._busy:
+            pass
+
+    def _work(self, token: int, data: bytes) -> None:
+        shared = blas.cores_shared() if self.decoding() else contextlib.nullcontext()
+        try:
+            with self._busy, shared:
+                if self._closed:
+                    return
+                got: Features | Exception = self._encode(token, data)
+            with self._lock:
+                self._features[token] = got
+                while len(self._features) > FEATURES_KEPT:
+                    self._features.popitem(last=False)
+        except Exception as exc:
+            got = exc
+        with self._lock:
+            waiting = self._waiting.pop(token, [])
+        for done in waiting:
+            try:
+                done(got)
+            except Exception:  # (e.g. its engine closed meanwhile)
+                log.exception("images: delivering an image's features failed")
+
+    def _encode(self, token: int, data: bytes) -> Features:
         """The image's ``(tokens, hidden)`` input embeddings, as the model merges them, and
         its deepstack levels' (each ``(tokens, hidden)``; none for most families)."""
         import mlx.core as mx
 
-        if (kept := self._features.get(token)) is not None:
-            self._features.move_to_end(token)
-            return kept
         rule = self.check()
         model, processor = self._loaded()
         image = _decoded(data)
@@ -173,18 +237,15 @@ class Vision:
             raise UnsupportedModelError(
                 f"images: {self.path.name}: {len(levels)} deepstack levels, not {self.levels}"
             )
-        self._features[token] = got
-        while len(self._features) > FEATURES_KEPT:
-            self._features.popitem(last=False)
         return got
 
     def embeddings(
-        self, inputs: mx.array, rows: list[tuple[int, int, int]], images: Any
+        self, inputs: mx.array, rows: list[tuple[int, int, int]], features: dict[int, Features]
     ) -> mx.array:
         """The input embeddings of a step's ``inputs`` (one token a row): ``rows`` are the
-        image rows, each ``(row, image token, index within the image)``; ``images`` maps an
-        image token to its encoded bytes. The rows' deepstack features are staged for the
-        step's layers (``agentkv.engine.deepstack``)."""
+        image rows, each ``(row, image token, index within the image)``; ``features`` maps an
+        image token to its features. The rows' deepstack features are staged for the step's
+        layers (``agentkv.engine.deepstack``)."""
         import mlx.core as mx
 
         rule = self.check()
@@ -194,10 +255,10 @@ class Vision:
         at = []
         for token in dict.fromkeys(t for _, t, _ in rows):
             mine = [(r, k) for r, t, k in rows if t == token]
-            main, levels = self.features(token, images[token])
+            main, levels = features[token]
             which = mx.array([k % main.shape[0] for _, k in mine])
-            for kept, features in zip(pieces, (main, *levels), strict=True):
-                kept.append(features[which])
+            for kept, level in zip(pieces, (main, *levels), strict=True):
+                kept.append(level[which])
             at += [r for r, _ in mine]
         rows_at = mx.array(at)
         h[rows_at] = mx.concatenate(pieces[0]).astype(h.dtype)
@@ -218,9 +279,41 @@ class Vision:
                 ) from exc
             # Its language model's weights stay unread: embeddings come from the one in use.
             model.language_model.model.embed_tokens = self._embed
+            self.on_load(model)
             self._model, self._processor = model, processor
             log.info("%s: vision tower loaded for images", self.path.name)
         return self._model, self._processor
+
+
+_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_thread_lock = threading.Lock()
+
+
+def _on_vision_thread(job: Callable[[], None]) -> None:
+    """Run ``job`` on the vision thread, one for the process, started with the first image
+    and never ended: a thread that ends runs MLX's thread-local destructors, which abort a
+    process that is exiting meanwhile."""
+    global _thread
+    with _thread_lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_vision_thread, daemon=True, name="vision")
+            _thread.start()
+    _jobs.put(job)
+
+
+def _vision_thread() -> None:
+    import mlx.core as mx
+
+    stream = mx.new_stream(mx.default_device())  # (a thread's streams are its own)
+    while True:
+        job = _jobs.get()
+        try:
+            with mx.stream(stream):
+                job()
+        except Exception:  # (a job reports its own errors; never end the thread)
+            log.exception("images: a vision job failed")
+        del job  # (holds its Vision until the next job)
 
 
 def _is_pixel_input(name: str) -> bool:
@@ -276,22 +369,11 @@ def image_blocks(chunk: list[int]) -> tuple[int, ...]:
     return tuple(blocks)
 
 
-def encode_images(plan: Any, vision: Vision | None, scheduler: Any) -> list[tuple[Any, Exception]]:
-    """Run the vision tower on the images ``plan``'s prefill chunks show (before the step, so
-    that an image the model cannot read fails its own turn, not the batch): a sequence whose
-    image fails leaves the plan and the batch. Returns those, each with its error."""
-    failed = []
-    if vision is not None:
-        vision.staged.clear()  # (what a step that failed left)
-    for seq, n in list(plan.prefill):
-        if not seq.request.images:
-            continue
-        try:
-            for token in image_tokens_in(seq.prompt[:n]):
-                vision.features(token, seq.request.images[token])
-        except Exception as exc:
-            log.warning("images: a turn's image cannot be read: %s", exc)
-            plan.prefill.remove((seq, n))
-            scheduler.leave([seq])
-            failed.append((seq, exc))
-    return failed
+def image_runs(prompt: list[int], start: int) -> tuple[tuple[int, int], ...]:
+    """``(position, image token)`` of the first token of each run of an image's tokens in
+    ``prompt``, which begins at conversation position ``start``."""
+    return tuple(
+        (start + i, t)
+        for i, t in enumerate(prompt)
+        if t >= IMAGE_BASE and (i == 0 or prompt[i - 1] != t)
+    )
