@@ -30,6 +30,7 @@ MODEL = "tiny:gemma3-vl"
 MODELS = [
     "tiny:gemma3-vl",
     "tiny:gemma4-vl",
+    "tiny:gemma4-unified-vl",
     "tiny:qwen3_5-vl",
     "tiny:qwen2_5-vl",
     "tiny:qwen2-vl",
@@ -72,9 +73,15 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
         from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
 
         processor = Lfm2VlProcessor.from_pretrained(str(path)).image_processor
+    elif config.model_type == "gemma4_unified":  # (mlx-vlm's own processor)
+        from mlx_vlm.models.gemma4_unified import Gemma4UnifiedProcessor
+
+        processor = Gemma4UnifiedProcessor.from_pretrained(str(path)).image_processor
     else:
         processor = AutoImageProcessor.from_pretrained(str(path))
     processed = processor(images=[image], return_tensors="np", **kwargs)
+    if isinstance(processed, tuple):  # (mlx-vlm's Gemma 4 processors: data, token counts)
+        processed = processed[0]
     inputs = ("spatial_shapes", "pixel_attention_mask")  # (LFM2-VL's patch shapes and mask)
     extra = {k: mx.array(v) for k, v in processed.items() if k.startswith("image_") or k in inputs}
     placeholder = getattr(model.config, "image_token_index", None) or model.config.image_token_id
@@ -90,7 +97,7 @@ def reference(model_name: str, prompt: list[int], data: bytes, n: int) -> list[i
         )
     if getattr(got, "per_layer_inputs", None) is not None:  # Gemma 4's, image rows read as pad
         positions |= {"per_layer_inputs": got.per_layer_inputs}
-    if getattr(config, "model_type", None) == "gemma4":  # its image tokens attend both ways
+    if config.model_type.startswith("gemma4"):  # its image tokens attend both ways
         positions |= {"mm_token_type_ids": (x == config.image_token_id).astype(mx.int32)}
     if getattr(got, "deepstack_visual_embeds", None) is not None:  # Qwen3-VL's early layers
         positions |= {"deepstack_visual_embeds": got.deepstack_visual_embeds}

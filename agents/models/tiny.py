@@ -192,10 +192,11 @@ class TinySpec:
                 "eoi_token_index": chat.id_of("<end_of_image>"),
                 "image_token_index": chat.id_of("<image_soft_token>"),
             }
-        if self.model_type == "gemma4":  # Gemma 4's: a fixed token budget, aspect kept
+        if self.model_type in ("gemma4", "gemma4_unified"):  # a token budget, aspect kept
+            unified = self.model_type == "gemma4_unified"
             return config | {
-                "architectures": ["Gemma4ForConditionalGeneration"],
-                "text_config": text | {"model_type": "gemma4_text"},
+                "architectures": [f"Gemma4{'Unified' if unified else ''}ForConditionalGeneration"],
+                "text_config": text | {"model_type": f"{self.model_type}_text"},
                 "hidden_size": text["hidden_size"],
                 "boi_token_id": chat.id_of("<|image>"),
                 "eoi_token_id": chat.id_of("<image|>"),
@@ -570,6 +571,56 @@ TINY_SPECS: dict[str, TinySpec] = {
             ),
         ),
         TinySpec(
+            name="tiny:gemma4-unified-vl",
+            description=(
+                "gemma4_unified vision-language model (mlx-vlm's classes): tiny:gemma4-vl's "
+                "text model with Gemma 4's encoder-free vision: each 16-pixel patch (8-pixel "
+                "patches pooled 2x2) projected to one token, at most 70 an image"
+            ),
+            model_type="gemma4_unified",
+            image_tokens=70,  # (the fewest transformers' Gemma 4 processor takes)
+            chat=CHATML_TOOLS_GEMMA4_VL,
+            shape=Shape(64, 4, 4, 2, 32, 128, vocab=512, max_pos=8192),
+            corpus_words=20_000,
+            lexicon_size=2_000,
+            fields=(
+                ("rms_norm_eps", 1e-6),
+                ("global_head_dim", 64),
+                ("vocab_size_per_layer_input", 512),
+                ("hidden_size_per_layer_input", 16),
+                ("num_kv_shared_layers", 2),  # (E2B's: the last two reuse earlier KV)
+                ("sliding_window", 16),
+                ("sliding_window_pattern", 2),
+                ("layer_types", ["sliding_attention", "full_attention"] * 2),
+                (
+                    "rope_parameters",
+                    {
+                        "full_attention": {
+                            "partial_rotary_factor": 0.25,
+                            "rope_theta": 1_000_000.0,
+                            "rope_type": "proportional",
+                        },
+                        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+                    },
+                ),
+                ("final_logit_softcapping", 30.0),
+                ("attention_k_eq_v", False),
+                ("use_double_wide_mlp", False),
+                ("enable_moe_block", False),
+                ("use_bidirectional_attention", "vision"),
+            ),
+            vision=(
+                ("model_type", "gemma4_unified_vision"),
+                ("patch_size", 8),
+                ("pooling_kernel_size", 2),
+                ("model_patch_size", 16),
+                ("mm_embed_dim", 32),
+                ("mm_posemb_size", 64),
+                ("num_soft_tokens", 70),
+                ("output_proj_dims", 32),
+            ),
+        ),
+        TinySpec(
             name="tiny:pixtral-vl",
             description=(
                 "pixtral vision-language model (mlx-vlm's classes): a 4-layer Mistral text "
@@ -915,7 +966,10 @@ def _write_model(definition: TinySpec, out: Path) -> None:
         "chat_template": chat.chat_template,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
-    if definition.vision:
+    if definition.model_type == "gemma4_unified":  # (its processor's, nested)
+        settings = {"image_processor": _image_processor(definition)}
+        _write_json(out / "processor_config.json", settings | {"image_seq_length": 70})
+    elif definition.vision:
         _write_json(out / "preprocessor_config.json", _image_processor(definition))
     _write_weights(definition, out / "model.safetensors")
     _write_json(out / MARKER_FILE, _marker(definition))
@@ -934,6 +988,17 @@ def _image_processor(definition: TinySpec) -> dict:
             "do_resize": True,
             "resample": 2,
             "do_pan_and_scan": False,
+        }
+    if definition.model_type == "gemma4_unified":  # Gemma 4's, each token a patch
+        return common | {
+            "image_processor_type": "Gemma4UnifiedImageProcessor",
+            "patch_size": vision["patch_size"],
+            "max_soft_tokens": definition.image_tokens,
+            "pooling_kernel_size": vision["pooling_kernel_size"],
+            "model_patch_size": vision["model_patch_size"],
+            "mm_posemb_size": vision["mm_posemb_size"],
+            "do_resize": True,
+            "do_normalize": False,
         }
     if definition.model_type == "gemma4":  # scaled to a patch budget, aspect kept
         return common | {

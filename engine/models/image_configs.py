@@ -58,7 +58,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
             style=rope.get("style", "interleaved"),
         )
-    if family == "gemma4":
+    if family in ("gemma4", "gemma4_unified"):  # (unified: each token one projected patch)
         processor = _processor_config(path)
         boi, eoi, image = (
             tokenizer.convert_ids_to_tokens(config[key])
@@ -73,6 +73,7 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
             pooling=processor.get("pooling_kernel_size", 3),
             budget=processor.get("max_soft_tokens", 280),
             scale=text["hidden_size"] ** 0.5,
+            unified=json.dumps(processor, sort_keys=True) if family == "gemma4_unified" else "",
         )
     if family in ("mistral3", "pixtral"):
         processor = _processor_config(path)

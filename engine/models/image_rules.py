@@ -162,6 +162,8 @@ class Gemma4Images(ImageRule):
     budget: int = 280
     pad: int = 0
     scale: float = 1.0
+    unified: str = ""
+    """Gemma 4 unified (encoder-free): its image processor's settings (JSON), for mlx-vlm's."""
 
     def grid(self, size: Size) -> Size:
         width, height = size  # (transformers' get_aspect_ratio_preserving_size)
@@ -182,6 +184,16 @@ class Gemma4Images(ImageRule):
 
     def expansion(self, size: Size) -> str:
         return f"{self.begin}{self.marker * self.tokens(size)}{self.end}"
+
+    def image_processor(self, path: Path) -> Any:
+        if not self.unified:
+            return ImageRule.image_processor(self, path)
+        from mlx_vlm.models.gemma4_unified import Gemma4UnifiedImageProcessor
+
+        settings = json.loads(self.unified)
+        settings.pop("image_processor_type", None)
+        processor = Gemma4UnifiedImageProcessor(**settings)
+        return lambda images, **kwargs: processor(images, **kwargs)[0]  # (data, counts)
 
     @property
     def bidirectional(self) -> bool:
