@@ -262,6 +262,29 @@ async def test_an_lfm2_vl_checkpoint_of_either_spelling_reads_images(tmp_path):
     assert replies[0].token_ids == replies[1].token_ids
 
 
+def test_a_gemma4_unified_checkpoint_leaving_out_settings_takes_mlx_vlms(tmp_path):
+    import json
+
+    from mlx_vlm.models.gemma4_unified import Gemma4UnifiedProcessor
+    from transformers import AutoTokenizer
+
+    from agentkv.engine.models.image_configs import image_rule
+
+    path = tmp_path / "unified"
+    shutil.copytree(tiny_model_dir("tiny:gemma4-unified-vl"), path)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("boi_token_id", "eoi_token_id", "image_token_id"):
+        del config[key]
+    settings = json.loads((path / "processor_config.json").read_text())
+    settings["image_processor"]["num_soft_tokens"] = settings["image_processor"].pop(
+        "max_soft_tokens"
+    )
+    (path / "processor_config.json").write_text(json.dumps(settings))
+    rule = image_rule(config, AutoTokenizer.from_pretrained(path), path)
+    processor = Gemma4UnifiedProcessor.from_pretrained(str(path)).image_processor
+    assert rule.placeholder == 258880 and rule.budget == processor.max_soft_tokens == 70
+
+
 def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
     from agentkv.engine.sequence import Sequence
 

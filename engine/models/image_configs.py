@@ -60,6 +60,13 @@ def image_rule(config: dict[str, Any], tokenizer: Any, path: Path) -> ImageRule 
         )
     if family in ("gemma4", "gemma4_unified"):  # (unified: each token one projected patch)
         processor = _processor_config(path)
+        if family == "gemma4_unified":  # (mlx-vlm's defaults for what its files leave out)
+            from mlx_vlm.models.gemma4_unified import ModelConfig
+
+            ids = ("boi_token_id", "eoi_token_id", "image_token_id")
+            config = {key: getattr(ModelConfig, key) for key in ids} | config
+            if "num_soft_tokens" in processor:
+                processor = {"max_soft_tokens": processor["num_soft_tokens"]} | processor
         boi, eoi, image = (
             tokenizer.convert_ids_to_tokens(config[key])
             for key in ("boi_token_id", "eoi_token_id", "image_token_id")
