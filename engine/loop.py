@@ -95,7 +95,9 @@ class GenerationLoop(threading.Thread):
         self._commands.append(fn)
         self._wake.set()
 
-    def cancel(self, seq: Sequence, keep_cache: bool = False, error: Exception | None = None):
+    def cancel(
+        self, seq: Sequence, keep_cache: bool = False, error: Exception | None = None
+    ) -> None:
         """End ``seq`` at the next step boundary: cancelled, or failed with ``error``."""
         if not seq.is_finished and self.is_alive():
             self.call_soon(lambda: self._cancel(seq, keep_cache, error))
