@@ -190,10 +190,10 @@ async def test_turns_step_on_while_an_image_is_encoded_off_the_generation_thread
             images={red: encoded(RED, size=size), blue: encoded(BLUE, size=size)},
             image_sizes={red: size, blue: size},
         )
-        other = engine.submit(GenerationRequest([1, 2, 3, 4], max_tokens=12))
+        other = engine.submit(GenerationRequest([1, 2, 3, 4], max_tokens=32, ignore_eos=True))
         await anext(other)  # decoding when the images come
         shown, again = engine.submit(request), engine.submit(request)
-        assert len((await other.result()).token_ids) == 12  # it stepped on meanwhile
+        assert len((await other.result()).token_ids) == 32  # it stepped on meanwhile
         assert vision.encoded == 0 and shown._seq.tokens == text  # text fed, up to the image
         gate.set()
         first, second = await shown.result(), await again.result()
