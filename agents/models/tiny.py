@@ -273,6 +273,34 @@ class TinySpec:
         }
 
 
+_GEMMA4_VL_TEXT = (  # tiny:gemma4-vl's text model fields (also Gemma 4 unified's)
+    ("rms_norm_eps", 1e-6),
+    ("global_head_dim", 64),
+    ("vocab_size_per_layer_input", 512),
+    ("hidden_size_per_layer_input", 16),
+    ("num_kv_shared_layers", 2),  # (E2B's: the last two reuse earlier KV)
+    ("sliding_window", 16),
+    ("sliding_window_pattern", 2),
+    ("layer_types", ["sliding_attention", "full_attention"] * 2),
+    (
+        "rope_parameters",
+        {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+    ),
+    ("final_logit_softcapping", 30.0),
+    ("attention_k_eq_v", False),
+    ("use_double_wide_mlp", False),
+    ("enable_moe_block", False),
+    ("use_bidirectional_attention", "vision"),
+)
+
+
 def _siglip(layers: int, hidden: int, ffn: int, heads: int, patch: int, image: int) -> tuple:
     """Gemma 3's vision tower (SigLIP) fields: ``layers`` of ``hidden`` (MLP ``ffn`` wide),
     ``image`` pixels a side in ``patch``-pixel patches."""
@@ -529,32 +557,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 4, 4, 2, 32, 128, vocab=512, max_pos=8192),
             corpus_words=20_000,
             lexicon_size=2_000,
-            fields=(
-                ("rms_norm_eps", 1e-6),
-                ("global_head_dim", 64),
-                ("vocab_size_per_layer_input", 512),
-                ("hidden_size_per_layer_input", 16),
-                ("num_kv_shared_layers", 2),  # (E2B's: the last two reuse earlier KV)
-                ("sliding_window", 16),
-                ("sliding_window_pattern", 2),
-                ("layer_types", ["sliding_attention", "full_attention"] * 2),
-                (
-                    "rope_parameters",
-                    {
-                        "full_attention": {
-                            "partial_rotary_factor": 0.25,
-                            "rope_theta": 1_000_000.0,
-                            "rope_type": "proportional",
-                        },
-                        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-                    },
-                ),
-                ("final_logit_softcapping", 30.0),
-                ("attention_k_eq_v", False),
-                ("use_double_wide_mlp", False),
-                ("enable_moe_block", False),
-                ("use_bidirectional_attention", "vision"),
-            ),
+            fields=_GEMMA4_VL_TEXT,
             vision=(
                 ("model_type", "gemma4_vision"),
                 ("hidden_size", 32),
@@ -583,32 +586,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             shape=Shape(64, 4, 4, 2, 32, 128, vocab=512, max_pos=8192),
             corpus_words=20_000,
             lexicon_size=2_000,
-            fields=(
-                ("rms_norm_eps", 1e-6),
-                ("global_head_dim", 64),
-                ("vocab_size_per_layer_input", 512),
-                ("hidden_size_per_layer_input", 16),
-                ("num_kv_shared_layers", 2),  # (E2B's: the last two reuse earlier KV)
-                ("sliding_window", 16),
-                ("sliding_window_pattern", 2),
-                ("layer_types", ["sliding_attention", "full_attention"] * 2),
-                (
-                    "rope_parameters",
-                    {
-                        "full_attention": {
-                            "partial_rotary_factor": 0.25,
-                            "rope_theta": 1_000_000.0,
-                            "rope_type": "proportional",
-                        },
-                        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-                    },
-                ),
-                ("final_logit_softcapping", 30.0),
-                ("attention_k_eq_v", False),
-                ("use_double_wide_mlp", False),
-                ("enable_moe_block", False),
-                ("use_bidirectional_attention", "vision"),
-            ),
+            fields=_GEMMA4_VL_TEXT,
             vision=(
                 ("model_type", "gemma4_unified_vision"),
                 ("patch_size", 8),
